@@ -1,0 +1,41 @@
+# Two commands for a fresh machine:
+#   make demo   -> set up everything, then run the main job on the embedded CPU default
+#   make test   -> set up everything, then run the whole test suite
+# `make setup` is idempotent: it re-installs only when pyproject.toml changed.
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+export WANDB_MODE ?= offline
+export HF_HUB_OFFLINE = 1
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup system-packages test test-fast demo lint clean
+
+setup: system-packages $(STAMP)
+
+system-packages:
+	@bash scripts/install_system_packages.sh
+
+$(STAMP): pyproject.toml scripts/setup_venv.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) FIND_LINKS="$(FIND_LINKS)" bash scripts/setup_venv.sh
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+demo: setup
+	@echo "make demo: the embedded CPU run (PipelineRL-k on tiny_dense) is delivered by the PipelineRL/demo issue;" >&2
+	@echo "until it lands, try: $(VENV)/bin/scalerl recipe show scalerl --model tiny_dense" >&2
+	@exit 1
+
+lint: setup
+	$(VENV)/bin/ruff check megatron_scalerl tests bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

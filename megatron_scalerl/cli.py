@@ -1,0 +1,50 @@
+"""The `scalerl` command. Each part of the stack registers its own subcommands here.
+
+A part provides `register(subparsers)` which adds its parser(s) and sets `func(args) -> int` on them; heavy imports
+happen inside `func`, so `scalerl --help` stays fast. Bad input raises `UserError`: printed as one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import signal
+import sys
+
+from megatron_scalerl.errors import UserError
+
+# Modules that contribute subcommands, in the order `scalerl --help` lists them.
+COMMAND_MODULES = [
+    "megatron_scalerl.recipe_cli",
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's usage errors: one line, exit 2
+        raise UserError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="scalerl", description="ScaleRL post-training at cluster scale.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `scalerl ... | head` ends quietly
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

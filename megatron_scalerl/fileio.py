@@ -1,0 +1,83 @@
+"""Small file helpers shared by every tool: atomic writes and a YAML loader that reads `1e-6` as a float.
+
+Every file in a run directory is written through `atomic_write_*` (temp file in the same folder, fsync, rename), so a
+crash leaves either the old content or the new one, never a torn file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_scalerl.errors import UserError
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader whose float rule also accepts `1e-6` (YAML 1.1 wants `1.0e-6` and would return a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+][0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """Parse YAML text; `source` (a file name or `--set ...`) is named in the error."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
+    except yaml.YAMLError as exc:
+        detail = " ".join(str(exc).split())
+        raise UserError(f"{source}: invalid YAML: {detail}") from None
+
+
+def load_yaml(path: str | os.PathLike) -> Any:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read: {exc.strerror}") from None
+    return parse_yaml(text, str(path))
+
+
+def dump_yaml(data: Any) -> str:
+    """Block-style YAML that keeps key order."""
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True, width=120)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` via a temp file in the same folder + fsync + rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")

