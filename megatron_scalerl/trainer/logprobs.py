@@ -1,0 +1,123 @@
+"""FP32 log-probs (and entropy) of the taken tokens, vocab-parallel and chunked along the sequence.
+
+The output projection is fused into the computation: for each chunk of `chunk_tokens` tokens the FP32 logits
+[chunk, vocab/tp] are formed, reduced across the tensor-parallel group (max, sum-exp, target logit), and dropped.
+Backward recomputes each chunk's logits. Peak memory therefore holds [chunk, vocab/tp] FP32 logits, never
+[seq_len, vocab]; the naive path (`naive_token_logprobs`) materialises all of them and keeps them for backward.
+
+Shapes: hidden [tokens, hidden] (any float dtype; the math is FP32), weight [vocab/tp, hidden] (this rank's vocab
+slice, rows tp_rank*V/tp ... (tp_rank+1)*V/tp - 1 as in Megatron's VocabParallelEmbedding / ColumnParallelLinear),
+targets [tokens] global token ids. Returns (logprobs [tokens] fp32, entropy [tokens] fp32).
+
+Entropy is a metric: it carries no gradient. Log-probs are differentiable w.r.t. hidden and weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _vocab_start(weight: torch.Tensor, group: dist.ProcessGroup | None) -> int:
+    rank = dist.get_rank(group) if group is not None else 0
+    return rank * weight.shape[0]
+
+
+class _FusedTokenLogprobs(torch.autograd.Function):
+    """Output projection + log-softmax + gather, chunked; saves only the per-token log-normaliser."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_tokens, group):  # noqa: D417
+        n, v_local = hidden.shape[0], weight.shape[0]
+        w = weight.float()
+        local_targets = targets - _vocab_start(weight, group)
+        in_slice = (local_targets >= 0) & (local_targets < v_local)
+        safe_targets = local_targets.clamp(0, v_local - 1)
+        logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logprobs)
+        log_norm = torch.empty_like(logprobs)
+        for start in range(0, n, chunk_tokens):
+            end = min(start + chunk_tokens, n)
+            logits = hidden[start:end].float() @ w.t()  # [c, v_local]
+            row_max = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
+            logits -= row_max[:, None]
+            exp = logits.exp()
+            sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
+            target = logits.gather(1, safe_targets[start:end, None]).squeeze(1) * in_slice[start:end]
+            target = _all_reduce(target, dist.ReduceOp.SUM, group)
+            weighted = _all_reduce((exp * logits).sum(dim=-1), dist.ReduceOp.SUM, group)
+            log_sum = sum_exp.log()
+            logprobs[start:end] = target - log_sum
+            entropy[start:end] = log_sum - weighted / sum_exp  # H = log Z - E_p[logit], shifted by row_max
+            log_norm[start:end] = row_max + log_sum
+        ctx.save_for_backward(hidden, weight, safe_targets, in_slice, log_norm)
+        ctx.chunk_tokens = chunk_tokens
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        hidden, weight, safe_targets, in_slice, log_norm = ctx.saved_tensors
+        w = weight.float()
+        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros_like(w)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
+            end = min(start + ctx.chunk_tokens, hidden.shape[0])
+            h = hidden[start:end].float()
+            g = grad_logprobs[start:end].float()
+            # d logprob / d logits = onehot(target) - softmax; only this rank's vocab slice.
+            grad_logits = (h @ w.t() - log_norm[start:end, None]).exp_().mul_(-g[:, None])
+            hit = in_slice[start:end]
+            grad_logits[rows[: end - start][hit], safe_targets[start:end][hit]] += g[hit]
+            grad_hidden[start:end] = grad_logits @ w  # partial over the vocab slice: reduced by the caller's mapping
+            grad_weight += grad_logits.t() @ h
+        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    sequence_parallel: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy of `targets` under softmax(hidden @ weight.T), in FP32.
+
+    hidden: [s, b, h] Megatron layout (with sequence parallel: this rank's [s/tp, b, h] slice) or [tokens, h].
+    targets: same leading shape as the full (gathered) hidden, global token ids. Returns tensors shaped like targets.
+    With tp_group of size > 1 the input is routed through Megatron's TP mappings so that the partial input
+    gradients of the vocab slices are summed (all-reduce, or reduce-scatter under sequence parallelism).
+    """
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        from megatron.core.tensor_parallel import mappings
+
+        if sequence_parallel:
+            hidden = mappings.gather_from_sequence_parallel_region(hidden, group=tp_group)
+        else:
+            hidden = mappings.copy_to_tensor_model_parallel_region(hidden, group=tp_group)
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree on tokens")
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    logprobs, entropy = _FusedTokenLogprobs.apply(flat_hidden, weight, targets.reshape(-1), chunk_tokens, tp_group)
+    return logprobs.view(targets.shape), entropy.view(targets.shape)
+
+
+def naive_token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference on one rank: full FP32 logits [tokens, vocab], log_softmax, gather. Used by tests and the bench."""
+    logits = hidden.float() @ weight.float().t()
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy.detach()
