@@ -1,14 +1,12 @@
 """Chunked, vocab-parallel FP32 log-probs equal the naive full-logits computation (values and gradients)."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_scalerl.trainer.logprobs import naive_token_logprobs, token_logprobs
+from tests.dist_utils import run_on_ranks
 
 
 def _inputs(tokens=37, hidden=24, vocab=64, dtype=torch.float32, seed=0):
@@ -55,34 +53,23 @@ def test_megatron_layout_shapes_and_mismatch_error():
         token_logprobs(h.view(6, 2, -1), w, t.view(2, 6))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tp_worker(rank, world, port, sequence_parallel, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
-    try:
-        h, w, t, up = _inputs(tokens=16, vocab=64)
-        h3, t2 = h.view(8, 2, -1), t.view(8, 2)
-        v_local = w.shape[0] // world
-        w_local = w[rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
-        s_local = h3.shape[0] // world
-        h_in = (h3[rank * s_local:(rank + 1) * s_local] if sequence_parallel else h3).clone().requires_grad_()
-        lp, ent = token_logprobs(h_in, w_local, t2, tp_group=dist.group.WORLD, sequence_parallel=sequence_parallel,
-                                 chunk_tokens=3)
-        (lp * up.view(8, 2)).sum().backward()
-        results[rank] = (lp.detach(), ent, h_in.grad, w_local.grad)
-    finally:
-        dist.destroy_process_group()
+def _tp_worker(rank, world, sequence_parallel, results):
+    h, w, t, up = _inputs(tokens=16, vocab=64)
+    h3, t2 = h.view(8, 2, -1), t.view(8, 2)
+    v_local = w.shape[0] // world
+    w_local = w[rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
+    s_local = h3.shape[0] // world
+    h_in = (h3[rank * s_local:(rank + 1) * s_local] if sequence_parallel else h3).clone().requires_grad_()
+    lp, ent = token_logprobs(h_in, w_local, t2, tp_group=dist.group.WORLD, sequence_parallel=sequence_parallel,
+                             chunk_tokens=3)
+    (lp * up.view(8, 2)).sum().backward()
+    results[rank] = (lp.detach(), ent, h_in.grad, w_local.grad)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False])
 def test_tensor_parallel_two_ranks_equal_naive(sequence_parallel):
     results = mp.Manager().dict()
-    mp.spawn(_tp_worker, args=(2, _free_port(), sequence_parallel, results), nprocs=2, join=True)
+    run_on_ranks(2, _tp_worker, 2, sequence_parallel, results)
     h, w, t, up = _inputs(tokens=16, vocab=64)
     h_ref, w_ref = h.clone().requires_grad_(), w.clone().requires_grad_()
     lp_ref, ent_ref = naive_token_logprobs(h_ref, w_ref, t)

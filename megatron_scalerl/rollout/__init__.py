@@ -1,0 +1,1 @@
+"""Generation side: vLLM servers, the orchestrator, rewards, prompt datasets and the rollout stream."""

@@ -1,0 +1,181 @@
+"""The transport between orchestrator and trainer: `TrainBatch` and the durable rollout stream on the run directory.
+
+A TrainBatch holds one optimizer step's samples, packed: N variable-length sequences (prompt + completion)
+concatenated into 1-D token tensors, with per-sample vectors beside them. The stream is a folder
+`RUN/rollouts/` of files `batch_NNNNNNNN.safetensors` written atomically by the orchestrator and read in order by
+the trainer; the trainer's checkpoint records the index of the next batch to read, so a resumed run continues
+exactly where it stopped. Files are never rewritten.
+
+Per-token tensors (length T = sum of `lengths`):
+  input_ids int64, loss_mask bool (completion tokens that enter the loss; prompt and forced-interruption phrase
+  tokens are False), gen_logprobs float32 (the generator's log-prob of each token; 0 where loss_mask is False),
+  weight_versions int64 (the policy version that generated each token; -1 for prompt tokens).
+Per-sample tensors (length N):
+  lengths int64 (tokens of prompt + completion), prompt_lengths int64, advantages float32, rewards float32,
+  group_ids int64 (prompt id: samples of one prompt share it), truncated bool (hit the hard length cap).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
+
+from megatron_scalerl.errors import UserError
+from megatron_scalerl.fileio import atomic_write_bytes
+
+TOKEN_FIELDS = {"input_ids": torch.int64, "loss_mask": torch.bool, "gen_logprobs": torch.float32,
+                "weight_versions": torch.int64}
+SAMPLE_FIELDS = {"lengths": torch.int64, "prompt_lengths": torch.int64, "advantages": torch.float32,
+                 "rewards": torch.float32, "group_ids": torch.int64, "truncated": torch.bool}
+
+
+class BatchError(UserError):
+    """A TrainBatch is malformed; the message names the source and the field."""
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    gen_logprobs: torch.Tensor
+    weight_versions: torch.Tensor
+    lengths: torch.Tensor
+    prompt_lengths: torch.Tensor
+    advantages: torch.Tensor
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    truncated: torch.Tensor
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.lengths.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """[N + 1] start offset of each sample in the packed token tensors."""
+        return torch.cat([torch.zeros(1, dtype=torch.int64), self.lengths.cumsum(0)])
+
+    def sample(self, i: int) -> dict[str, torch.Tensor]:
+        """Sample i's token tensors (views)."""
+        start, end = self.offsets[i].item(), self.offsets[i + 1].item()
+        return {name: getattr(self, name)[start:end] for name in TOKEN_FIELDS}
+
+    def select(self, indices: list[int] | torch.Tensor) -> TrainBatch:
+        """A batch of the given samples, in that order."""
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        offsets = self.offsets
+        token_idx = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in idx.tolist()]) if len(idx) else \
+            torch.zeros(0, dtype=torch.int64)
+        tokens = {name: getattr(self, name)[token_idx] for name in TOKEN_FIELDS}
+        samples = {name: getattr(self, name)[idx] for name in SAMPLE_FIELDS}
+        return TrainBatch(**tokens, **samples)
+
+    def validate(self, source: str, vocab_size: int | None = None) -> TrainBatch:
+        """Check dtypes, shapes and value ranges; raise BatchError naming `source` and the field."""
+
+        def fail(field: str, reason: str) -> None:
+            raise BatchError(f"{source}: {field}: {reason}")
+
+        for name, dtype in {**TOKEN_FIELDS, **SAMPLE_FIELDS}.items():
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                fail(name, f"expected a tensor, got {type(t).__name__}")
+            if t.dtype != dtype:
+                fail(name, f"dtype {t.dtype}, expected {dtype}")
+            if t.dim() != 1:
+                fail(name, f"expected 1-D, got shape {tuple(t.shape)}")
+        n, total = self.num_samples, self.num_tokens
+        if n == 0:
+            fail("lengths", "batch has no samples")
+        for name in SAMPLE_FIELDS:
+            if getattr(self, name).numel() != n:
+                fail(name, f"{getattr(self, name).numel()} entries for {n} samples")
+        for name in TOKEN_FIELDS:
+            if getattr(self, name).numel() != total:
+                fail(name, f"{getattr(self, name).numel()} entries for {total} tokens")
+        if (self.lengths <= 0).any():
+            fail("lengths", "every sample needs at least one token")
+        if int(self.lengths.sum()) != total:
+            fail("lengths", f"sum {int(self.lengths.sum())} != {total} packed tokens")
+        if ((self.prompt_lengths < 1) | (self.prompt_lengths >= self.lengths)).any():
+            fail("prompt_lengths", "each prompt needs >= 1 token and a completion after it")
+        if (self.input_ids < 0).any() or (vocab_size is not None and (self.input_ids >= vocab_size).any()):
+            fail("input_ids", f"token id outside [0, {vocab_size})")
+        positions = torch.arange(total) - torch.repeat_interleave(self.offsets[:-1], self.lengths)
+        in_prompt = positions < torch.repeat_interleave(self.prompt_lengths, self.lengths)
+        if (self.loss_mask & in_prompt).any():
+            fail("loss_mask", "prompt tokens must not enter the loss")
+        lp = self.gen_logprobs[self.loss_mask]
+        if not torch.isfinite(lp).all() or (lp > 1e-4).any():
+            fail("gen_logprobs", "must be finite and <= 0 on loss tokens")
+        if not torch.isfinite(self.advantages).all():
+            fail("advantages", "must be finite")
+        if ((self.weight_versions < 0) & ~in_prompt).any():
+            fail("weight_versions", "every completion token needs the policy version that generated it (>= 0)")
+        return self
+
+
+def encode(batch: TrainBatch, metadata: dict | None = None) -> bytes:
+    tensors = {f.name: getattr(batch, f.name).contiguous() for f in fields(TrainBatch)}
+    return save(tensors, metadata={"meta": json.dumps(metadata or {})})
+
+
+def decode(path: Path) -> tuple[TrainBatch, dict]:
+    try:
+        with safe_open(str(path), "pt") as handle:
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+            meta = json.loads((handle.metadata() or {}).get("meta", "{}"))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise BatchError(f"{path}: unreadable TrainBatch: {exc}") from None
+    missing = [f.name for f in fields(TrainBatch) if f.name not in tensors]
+    if missing:
+        raise BatchError(f"{path}: missing tensors {missing}")
+    return TrainBatch(**{f.name: tensors[f.name] for f in fields(TrainBatch)}), meta
+
+
+class RolloutStream:
+    """`RUN/rollouts/batch_NNNNNNNN.safetensors`, written in order by one producer and read by the trainer.
+
+    Index i is the i-th TrainBatch the orchestrator produced (0-based); the trainer reads index i for its step i.
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.dir = Path(run_dir) / "rollouts"
+
+    def path(self, index: int) -> Path:
+        return self.dir / f"batch_{index:08d}.safetensors"
+
+    def next_index(self) -> int:
+        """The index the producer writes next (one past the highest written)."""
+        indices = [int(p.stem.split("_")[1]) for p in self.dir.glob("batch_*.safetensors")]
+        return max(indices, default=-1) + 1
+
+    def put(self, batch: TrainBatch, metadata: dict | None = None) -> int:
+        """Validate and append a batch atomically; returns its index."""
+        batch.validate("TrainBatch to write")
+        index = self.next_index()
+        atomic_write_bytes(self.path(index), encode(batch, {"index": index, "created": time.time(), **(metadata or {})}))
+        return index
+
+    def get(self, index: int, *, timeout_s: float, vocab_size: int | None = None,
+            poll_s: float = 0.05) -> tuple[TrainBatch, dict]:
+        """Wait up to `timeout_s` for batch `index`, read and validate it."""
+        path = self.path(index)
+        deadline = time.monotonic() + timeout_s
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no TrainBatch {index} in {self.dir} after {timeout_s:.0f} s: "
+                                   f"is the orchestrator (the stream's producer) running?")
+            time.sleep(poll_s)
+        batch, meta = decode(path)
+        return batch.validate(str(path), vocab_size), meta

@@ -1,0 +1,168 @@
+"""Checkpoint directories: atomic publication, checksummed manifests, fallback past corrupt checkpoints.
+
+Layout under the run directory:
+
+    checkpoints/iter_0000100/         one checkpoint (iteration = optimizer steps taken)
+        <Megatron dist_checkpointing files>   model + optimizer, sharded by the writer
+        rl_state.json                  curriculum, data cursor, weight version, ... (rank 0)
+        rng/rank_00000.pt              per-rank RNG states
+        manifest.json                  {"iteration", "files": {relpath: {"bytes", "sha256"}}}, written last
+    checkpoints/latest                 text: the newest published iteration (a hint; the directories decide)
+
+A checkpoint is written into `checkpoints/.iter_NNNNNNN.partial/` by all ranks, hashed (files split across ranks),
+given its manifest and renamed into place by rank 0. A directory without a valid manifest never counts: on load,
+the newest checkpoint whose files all match their manifest wins, and each one skipped is reported with the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_scalerl.errors import UserError
+from megatron_scalerl.fileio import atomic_write_json, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+RL_STATE = "rl_state.json"
+
+
+class CheckpointError(UserError):
+    """No usable checkpoint, or a checkpoint that does not fit the run; the message names the directory."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def sha256_file(path: Path, block: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class CheckpointStore:
+    """The `checkpoints/` folder of one run. Every rank constructs it; collective methods say so."""
+
+    def __init__(self, run_dir: str | Path, keep: int):
+        self.dir = Path(run_dir) / "checkpoints"
+        self.keep = keep
+
+    def path(self, iteration: int) -> Path:
+        return self.dir / f"iter_{iteration:07d}"
+
+    def iterations(self) -> list[int]:
+        """Published iterations, newest first (validity not checked)."""
+        out = []
+        for p in self.dir.glob("iter_*"):
+            suffix = p.name.removeprefix("iter_")
+            if p.is_dir() and suffix.isdigit():
+                out.append(int(suffix))
+        return sorted(out, reverse=True)
+
+    # -- writing (collective) -------------------------------------------------------------------------------
+
+    def save(self, iteration: int, write: Callable[[Path], None], rl_state: dict) -> Path:
+        """Collective: every rank calls `write(tmp_dir)` for its shards; returns the published directory."""
+        final = self.path(iteration)
+        tmp = self.dir / f".iter_{iteration:07d}.partial"
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crash mid-save
+            tmp.mkdir(parents=True)
+        _barrier()
+        write(tmp)
+        if _rank() == 0:
+            atomic_write_json(tmp / RL_STATE, rl_state)
+        _barrier()
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        mine = {rel: {"bytes": (tmp / rel).stat().st_size, "sha256": sha256_file(tmp / rel)}
+                for rel in files[_rank()::_world()]}
+        gathered = [None] * _world()
+        if dist.is_initialized():
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        if _rank() == 0:
+            entries = {k: v for part in gathered for k, v in part.items()}
+            atomic_write_json(tmp / MANIFEST, {"iteration": iteration, "created": time.time(),
+                                               "files": dict(sorted(entries.items()))})
+            if final.exists():  # re-saving the same iteration (e.g. after a resume): replace it whole
+                shutil.rmtree(final)
+            tmp.rename(final)
+            atomic_write_text(self.dir / "latest", f"{iteration}\n")
+            self._prune()
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        for iteration in self.iterations()[self.keep:]:
+            shutil.rmtree(self.path(iteration), ignore_errors=True)
+
+    # -- reading ----------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def problems(path: Path, *, checksums: bool = True) -> list[str]:
+        """Why `path` is not a complete checkpoint (empty list: it is)."""
+        manifest_path = path / MANIFEST
+        if not manifest_path.is_file():
+            return ["no manifest.json (save did not finish)"]
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            files = manifest["files"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            return [f"manifest.json unreadable: {exc}"]
+        out = []
+        for rel, entry in files.items():
+            file = path / rel
+            if not file.is_file():
+                out.append(f"{rel}: missing")
+            elif file.stat().st_size != entry["bytes"]:
+                out.append(f"{rel}: {file.stat().st_size} bytes, manifest says {entry['bytes']}")
+            elif checksums and sha256_file(file) != entry["sha256"]:
+                out.append(f"{rel}: sha256 mismatch")
+        return out
+
+    def latest_valid(self, *, checksums: bool = True) -> tuple[int, Path] | None:
+        """Newest checkpoint that passes its manifest, or None when there is no checkpoint at all.
+
+        Skipped checkpoints are logged with their reason; raises CheckpointError if checkpoints exist but none is
+        valid (resuming from scratch silently would lose the run).
+        """
+        skipped = []
+        for iteration in self.iterations():
+            path = self.path(iteration)
+            found = self.problems(path, checksums=checksums)
+            if not found:
+                for name, reasons in skipped:
+                    log.warning("skipping corrupt checkpoint %s (%s); using %s", name, reasons, path.name)
+                return iteration, path
+            skipped.append((path.name, "; ".join(found[:3])))
+        if skipped:
+            detail = ", ".join(f"{name}: {reasons}" for name, reasons in skipped)
+            raise CheckpointError(f"{self.dir}: no valid checkpoint ({detail})")
+        return None
+
+    def rl_state(self, path: Path) -> dict:
+        try:
+            return json.loads((path / RL_STATE).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{path / RL_STATE}: unreadable: {exc}") from None

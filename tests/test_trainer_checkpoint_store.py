@@ -1,0 +1,82 @@
+"""Checkpoint publication, manifests, corruption fallback and pruning (model-independent part)."""
+
+import json
+import logging
+
+import pytest
+import torch.distributed as dist
+
+from megatron_scalerl.trainer.checkpoint import CheckpointError, CheckpointStore
+from tests.dist_utils import run_on_ranks
+
+
+def _writer(payload: bytes):
+    def write(tmp):
+        (tmp / "shard").mkdir(exist_ok=True)
+        (tmp / "shard" / f"rank{dist.get_rank() if dist.is_initialized() else 0}.bin").write_bytes(payload)
+    return write
+
+
+def test_save_publishes_with_manifest_and_prunes(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    for it in (10, 20, 30):
+        path = store.save(it, _writer(bytes([it]) * 1000), {"step": it})
+        assert path.name == f"iter_{it:07d}" and store.problems(path) == []
+    assert store.iterations() == [30, 20]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "30\n"
+    assert store.latest_valid() == (30, store.path(30))
+    assert store.rl_state(store.path(30)) == {"step": 30}
+    assert not list((tmp_path / "checkpoints").glob(".iter_*"))
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda p: (p / "shard" / "rank0.bin").write_bytes(b"x" * 10), "10 bytes, manifest says 1000"),
+        (lambda p: (p / "shard" / "rank0.bin").write_bytes(b"y" * 1000), "sha256 mismatch"),
+        (lambda p: (p / "shard" / "rank0.bin").unlink(), "missing"),
+        (lambda p: (p / "manifest.json").unlink(), "no manifest.json"),
+        (lambda p: (p / "manifest.json").write_text("{"), "manifest.json unreadable"),
+    ],
+)
+def test_corrupt_latest_falls_back_to_previous(tmp_path, caplog, damage, reason):
+    store = CheckpointStore(tmp_path, keep=3)
+    store.save(10, _writer(b"a" * 1000), {"step": 10})
+    store.save(20, _writer(b"b" * 1000), {"step": 20})
+    damage(store.path(20))
+    with caplog.at_level(logging.WARNING):
+        assert store.latest_valid() == (10, store.path(10))
+    assert "iter_0000020" in caplog.text and reason in caplog.text
+
+
+def test_no_valid_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+    store = CheckpointStore(tmp_path, keep=3)
+    assert store.latest_valid() is None
+    store.save(10, _writer(b"a" * 100), {})
+    (store.path(10) / "rl_state.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="no valid checkpoint .*iter_0000010: rl_state.json"):
+        store.latest_valid()
+
+
+def test_crash_leftovers_are_ignored_and_cleaned(tmp_path):
+    store = CheckpointStore(tmp_path, keep=3)
+    store.save(10, _writer(b"a"), {})
+    partial = tmp_path / "checkpoints" / ".iter_0000020.partial"
+    partial.mkdir()
+    (partial / "junk").write_bytes(b"junk")
+    assert store.latest_valid()[0] == 10
+    store.save(20, _writer(b"b"), {})
+    assert not partial.exists() and store.latest_valid()[0] == 20
+
+
+def _two_rank_save(rank, run_dir):
+    CheckpointStore(run_dir, keep=2).save(5, _writer(bytes([rank]) * 64), {"step": 5})
+
+
+def test_collective_save_hashes_every_rank_file(tmp_path):
+    run_on_ranks(2, _two_rank_save, tmp_path)
+    store = CheckpointStore(tmp_path, keep=2)
+    path = store.path(5)
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    assert set(files) == {"shard/rank0.bin", "shard/rank1.bin", "rl_state.json"}
+    assert store.problems(path) == []
