@@ -82,3 +82,13 @@ def test_tensor_parallel_two_ranks_equal_naive(sequence_parallel):
         torch.testing.assert_close(grad_w, w_ref.grad[rank * 32:(rank + 1) * 32], rtol=1e-5, atol=1e-5)
         expect_h = grad_h_ref[rank * 4:(rank + 1) * 4] if sequence_parallel else grad_h_ref
         torch.testing.assert_close(grad_h, expect_h, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_head_rounds_the_logits():
+    h, w, t, _ = _inputs(hidden=64)
+    lp32, _ = token_logprobs(h, w, t)
+    lp16, _ = token_logprobs(h, w, t, logits_dtype=torch.bfloat16)
+    ref16, _ = naive_token_logprobs(h.bfloat16(), w.bfloat16(), t)
+    assert lp16.dtype == torch.float32
+    torch.testing.assert_close(lp16, ref16, rtol=1e-2, atol=1e-2)
+    assert (lp16 - lp32).abs().max() > 1e-4  # the bf16 projection really is coarser

@@ -35,9 +35,9 @@ class _FusedTokenLogprobs(torch.autograd.Function):
     """Output projection + log-softmax + gather, chunked; saves only the per-token log-normaliser."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens, group):  # noqa: D417
+    def forward(ctx, hidden, weight, targets, chunk_tokens, group, logits_dtype):  # noqa: D417
         n, v_local = hidden.shape[0], weight.shape[0]
-        w = weight.float()
+        w = weight.to(logits_dtype)
         local_targets = targets - _vocab_start(weight, group)
         in_slice = (local_targets >= 0) & (local_targets < v_local)
         safe_targets = local_targets.clamp(0, v_local - 1)
@@ -46,7 +46,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         log_norm = torch.empty_like(logprobs)
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
-            logits = hidden[start:end].float() @ w.t()  # [c, v_local]
+            logits = (hidden[start:end].to(logits_dtype) @ w.t()).float()  # [c, v_local]
             row_max = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
             logits -= row_max[:, None]
             exp = logits.exp()
@@ -59,28 +59,30 @@ class _FusedTokenLogprobs(torch.autograd.Function):
             entropy[start:end] = log_sum - weighted / sum_exp  # H = log Z - E_p[logit], shifted by row_max
             log_norm[start:end] = row_max + log_sum
         ctx.save_for_backward(hidden, weight, safe_targets, in_slice, log_norm)
-        ctx.chunk_tokens = chunk_tokens
+        ctx.chunk_tokens, ctx.logits_dtype = chunk_tokens, logits_dtype
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy):
         hidden, weight, safe_targets, in_slice, log_norm = ctx.saved_tensors
-        w = weight.float()
+        w = weight.to(ctx.logits_dtype)
+        w32 = weight.float()
         grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_weight = torch.zeros_like(w)
+        grad_weight = torch.zeros_like(w32)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             end = min(start + ctx.chunk_tokens, hidden.shape[0])
-            h = hidden[start:end].float()
+            h = hidden[start:end]
             g = grad_logprobs[start:end].float()
             # d logprob / d logits = onehot(target) - softmax; only this rank's vocab slice.
-            grad_logits = (h @ w.t() - log_norm[start:end, None]).exp_().mul_(-g[:, None])
+            logits = (h.to(ctx.logits_dtype) @ w.t()).float()
+            grad_logits = (logits - log_norm[start:end, None]).exp_().mul_(-g[:, None])
             hit = in_slice[start:end]
             grad_logits[rows[: end - start][hit], safe_targets[start:end][hit]] += g[hit]
-            grad_hidden[start:end] = grad_logits @ w  # partial over the vocab slice: reduced by the caller's mapping
-            grad_weight += grad_logits.t() @ h
-        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None
+            grad_hidden[start:end] = grad_logits @ w32  # partial over the vocab slice: reduced by the caller's mapping
+            grad_weight += grad_logits.t() @ h.float()
+        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None
 
 
 def token_logprobs(
@@ -91,11 +93,14 @@ def token_logprobs(
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    logits_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropy of `targets` under softmax(hidden @ weight.T), in FP32.
 
     hidden: [s, b, h] Megatron layout (with sequence parallel: this rank's [s/tp, b, h] slice) or [tokens, h].
     targets: same leading shape as the full (gathered) hidden, global token ids. Returns tensors shaped like targets.
+    `logits_dtype`: precision of the projection (FP32 for the FP32 LM head; bf16 reproduces a bf16 head; the
+    softmax is FP32 either way).
     With tp_group of size > 1 the input is routed through Megatron's TP mappings so that the partial input
     gradients of the vocab slices are summed (all-reduce, or reduce-scatter under sequence parallelism).
     """
@@ -109,7 +114,8 @@ def token_logprobs(
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree on tokens")
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    logprobs, entropy = _FusedTokenLogprobs.apply(flat_hidden, weight, targets.reshape(-1), chunk_tokens, tp_group)
+    logprobs, entropy = _FusedTokenLogprobs.apply(flat_hidden, weight, targets.reshape(-1), chunk_tokens, tp_group,
+                                                logits_dtype)
     return logprobs.view(targets.shape), entropy.view(targets.shape)
 
 

@@ -1,0 +1,98 @@
+"""Split one step's TrainBatch over data-parallel ranks and into padded micro-batches.
+
+Every sample stays whole inside one row of one micro-batch (no cross-sequence attention, and sequence-level losses
+such as GSPO see the whole sample). Samples are dealt to DP ranks longest-first onto the rank with the fewest tokens,
+so ranks carry similar token counts; every rank gets the same number of micro-batches (MoE all-to-alls and pipeline
+schedules need that), padded with empty rows whose loss mask is all zero.
+
+Row layout for a sample of L tokens: the model reads tokens[0 : L-1] and predicts tokens[1 : L]; `targets`,
+`loss_mask`, `gen_logprobs` are the next-token quantities aligned with the inputs. Rows are right-padded to the
+micro-batch's longest row, rounded up to `pad_multiple` tokens (sequence parallelism needs a multiple of tp).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatron_scalerl.rollout.stream import TrainBatch
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """[rows, seq] tensors for the model plus per-row sample data. `sample_index` is -1 for padding rows."""
+
+    tokens: torch.Tensor  # [rows, seq] int64 model inputs
+    position_ids: torch.Tensor  # [rows, seq] int64
+    targets: torch.Tensor  # [rows, seq] int64 next tokens
+    loss_mask: torch.Tensor  # [rows, seq] bool
+    gen_logprobs: torch.Tensor  # [rows, seq] float32
+    advantages: torch.Tensor  # [rows] float32
+    group_ids: torch.Tensor  # [rows] int64 (padding rows: -1)
+    sample_index: torch.Tensor  # [rows] int64 index into the TrainBatch, -1 for padding
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def assign_to_ranks(lengths: list[int], dp_size: int) -> list[list[int]]:
+    """Sample indices per DP rank: longest first, each to the rank with the fewest tokens so far (ties: lowest rank)."""
+    ranks: list[list[int]] = [[] for _ in range(dp_size)]
+    load = [0] * dp_size
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        target = min(range(dp_size), key=lambda r: (load[r], r))
+        ranks[target].append(i)
+        load[target] += lengths[i]
+    return ranks
+
+
+def num_microbatches(batch: TrainBatch, dp_size: int, micro_batch_size: int) -> int:
+    per_rank = assign_to_ranks(batch.lengths.tolist(), dp_size)
+    return max(1, math.ceil(max(len(r) for r in per_rank) / micro_batch_size))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def build_microbatches(batch: TrainBatch, *, dp_rank: int, dp_size: int, micro_batch_size: int,
+                       pad_multiple: int = 1, pad_token: int = 0) -> list[MicroBatch]:
+    """This DP rank's micro-batches for the step (the same count on every rank)."""
+    mine = assign_to_ranks(batch.lengths.tolist(), dp_size)[dp_rank]
+    count = num_microbatches(batch, dp_size, micro_batch_size)
+    offsets = batch.offsets.tolist()
+    out = []
+    for m in range(count):
+        rows = mine[m * micro_batch_size:(m + 1) * micro_batch_size]
+        rows += [-1] * (micro_batch_size - len(rows))
+        seq = _round_up(max([offsets[i + 1] - offsets[i] - 1 for i in rows if i >= 0] + [1]), pad_multiple)
+        tokens = torch.full((micro_batch_size, seq), pad_token, dtype=torch.int64)
+        targets = torch.full_like(tokens, pad_token)
+        loss_mask = torch.zeros((micro_batch_size, seq), dtype=torch.bool)
+        gen_lp = torch.zeros((micro_batch_size, seq), dtype=torch.float32)
+        for row, i in enumerate(rows):
+            if i < 0:
+                continue
+            start, end = offsets[i], offsets[i + 1]
+            n = end - start - 1
+            tokens[row, :n] = batch.input_ids[start:end - 1]
+            targets[row, :n] = batch.input_ids[start + 1:end]
+            loss_mask[row, :n] = batch.loss_mask[start + 1:end]
+            gen_lp[row, :n] = batch.gen_logprobs[start + 1:end]
+        index = torch.tensor(rows, dtype=torch.int64)
+        real = index >= 0
+        safe = index.clamp(min=0)
+        out.append(MicroBatch(
+            tokens=tokens,
+            position_ids=torch.arange(seq).expand(micro_batch_size, seq).contiguous(),
+            targets=targets,
+            loss_mask=loss_mask,
+            gen_logprobs=gen_lp,
+            advantages=torch.where(real, batch.advantages[safe], 0.0),
+            group_ids=torch.where(real, batch.group_ids[safe], -1),
+            sample_index=index,
+        ))
+    return out
