@@ -16,6 +16,7 @@ from megatron_scalerl.errors import UserError
 # Modules that contribute subcommands, in the order `scalerl --help` lists them.
 COMMAND_MODULES = [
     "megatron_scalerl.recipe_cli",
+    "megatron_scalerl.forecast.cli",
 ]
 
 

@@ -18,6 +18,10 @@ import yaml
 from megatron_scalerl.errors import UserError
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 class _Loader(yaml.SafeLoader):
     """SafeLoader whose float rule also accepts `1e-6` (YAML 1.1 wants `1.0e-6` and would return a string)."""
 
@@ -65,6 +69,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the mode open() would
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()

@@ -1,0 +1,234 @@
+"""Reports: one document rendered to Markdown (report.md, and the terminal) and self-contained HTML (report.html,
+PNGs embedded as data URIs), written beside the JSON with every number and the PNG files. All writes are atomic.
+
+Each report opens with a plain-language recommendation.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_scalerl.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
+from megatron_scalerl.forecast.backtest import Backtest
+from megatron_scalerl.forecast.compare import Comparison
+from megatron_scalerl.forecast.predict import A_MARGIN, Forecast, format_gpu_hours
+
+
+@dataclass
+class Document:
+    """An ordered list of blocks: ("h", level, text), ("p", text), ("list", items), ("table", header, rows),
+    ("img", file_name, png_bytes)."""
+
+    title: str
+    blocks: list[tuple] = field(default_factory=list)
+
+    def heading(self, text: str, level: int = 2) -> None:
+        self.blocks.append(("h", level, text))
+
+    def paragraph(self, text: str) -> None:
+        self.blocks.append(("p", text))
+
+    def items(self, items: list[str]) -> None:
+        if items:
+            self.blocks.append(("list", items))
+
+    def table(self, header: list[str], rows: list[list[str]]) -> None:
+        self.blocks.append(("table", header, rows))
+
+    def image(self, file_name: str, png: bytes) -> None:
+        self.blocks.append(("img", file_name, png))
+
+    def to_markdown(self, images: bool = True) -> str:
+        out = [f"# {self.title}", ""]
+        for block in self.blocks:
+            kind = block[0]
+            if kind == "h":
+                out += ["#" * block[1] + " " + block[2], ""]
+            elif kind == "p":
+                out += [block[1], ""]
+            elif kind == "list":
+                out += [f"- {item}" for item in block[1]] + [""]
+            elif kind == "table":
+                out += ["| " + " | ".join(block[1]) + " |", "|" + "---|" * len(block[1])]
+                out += ["| " + " | ".join(row) + " |" for row in block[2]] + [""]
+            elif kind == "img" and images:
+                out += [f"![{block[1]}]({block[1]})", ""]
+        return "\n".join(out).rstrip() + "\n"
+
+    def to_html(self) -> str:
+        esc = html.escape
+        body = [f"<h1>{esc(self.title)}</h1>"]
+        for block in self.blocks:
+            kind = block[0]
+            if kind == "h":
+                body.append(f"<h{block[1]}>{esc(block[2])}</h{block[1]}>")
+            elif kind == "p":
+                body.append(f"<p>{esc(block[1])}</p>")
+            elif kind == "list":
+                body.append("<ul>" + "".join(f"<li>{esc(item)}</li>" for item in block[1]) + "</ul>")
+            elif kind == "table":
+                head = "".join(f"<th>{esc(h)}</th>" for h in block[1])
+                rows = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in block[2])
+                body.append(f"<table><tr>{head}</tr>{rows}</table>")
+            elif kind == "img":
+                data = base64.b64encode(block[2]).decode()
+                body.append(f'<img alt="{esc(block[1])}" src="data:image/png;base64,{data}">')
+        style = ("body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;"
+                 "color:#222}table{border-collapse:collapse;margin:1rem 0}td,th{border:1px solid #ccc;"
+                 "padding:.3rem .6rem;text-align:left}img{max-width:100%}")
+        return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{esc(self.title)}</title>"
+                f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def write_report(out_dir: str | Path, document: Document, json_name: str, data: dict) -> list[Path]:
+    """Write `json_name`, report.md, report.html and the document's PNGs into `out_dir`; returns the paths."""
+    out_dir = Path(out_dir)
+    written = [out_dir / json_name, out_dir / "report.md", out_dir / "report.html"]
+    atomic_write_json(written[0], _json_safe(data))
+    atomic_write_text(written[1], document.to_markdown())
+    atomic_write_text(written[2], document.to_html())
+    for block in document.blocks:
+        if block[0] == "img":
+            atomic_write_bytes(out_dir / block[1], block[2])
+            written.append(out_dir / block[1])
+    return written
+
+
+def _json_safe(value):
+    """NaN/inf (e.g. a target never reached) become null: JSON has no such numbers."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def dumps(data: dict) -> str:
+    """One-line JSON of a report's data, for `--json`."""
+    return json.dumps(_json_safe(data))
+
+
+# ---------------------------------------------------------------- the three reports
+
+
+GPU_H = "{:,.0f}"
+
+
+def _interval(pair, fmt: str = "{:.4g}") -> str:
+    """'[lo, hi]'; a missing or infinite end (a target never reached) reads 'never'; no interval reads '-'."""
+    if pair is None:
+        return "-"
+    return "[" + ", ".join("never" if v is None or not math.isfinite(v) else fmt.format(v) for v in pair) + "]"
+
+
+def _fit_section(doc: Document, forecast: Forecast) -> None:
+    fit, level = forecast.fit, forecast.options.level
+    doc.heading("Fit")
+    doc.paragraph(f"R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B), fitted by `{fit.method}` to "
+                  f"{int(forecast.in_fit.sum())} of {forecast.curve.compute.size} evaluations between "
+                  f"{format_gpu_hours(forecast.curve.compute[forecast.in_fit][0])} and "
+                  f"{format_gpu_hours(forecast.fitted_until)} GPU-h (rmse {fit.rmse:.4f}).")
+    r0_note = "given" if forecast.options.r0 is not None else "first evaluation"
+    doc.table(["parameter", "value", f"{level:.0%} interval", "note"], [
+        ["A (ceiling)", f"{fit.A:.4f}", _interval(forecast.param_interval("A")),
+         f"paper margin +-{A_MARGIN}: [{fit.A - A_MARGIN:.3f}, {fit.A + A_MARGIN:.3f}]"],
+        ["B (exponent)", f"{fit.B:.3f}", _interval(forecast.param_interval("B")), ""],
+        ["C_mid (GPU-h)", f"{fit.C_mid:,.0f}", _interval(forecast.param_interval("C_mid"), GPU_H), "half of the gain"],
+        ["R0", f"{fit.R0:.4f}", _interval(forecast.param_interval("R0")), r0_note]])
+    if forecast.warnings:
+        doc.heading("Warnings", 3)
+        doc.items(list(forecast.warnings))
+
+
+def forecast_document(forecast: Forecast, png: bytes) -> Document:
+    doc = Document(f"Forecast: {forecast.curve.name}")
+    doc.paragraph("Recommendation: " + forecast.recommendation())
+    doc.image("forecast.png", png)
+    _fit_section(doc, forecast)
+    doc.heading("Predictions")
+    doc.table(["GPU-hours", "reward", f"{forecast.options.level:.0%} interval"],
+              [[f"{p['gpu_hours']:,.0f}", f"{p['reward']:.4f}", _interval(_pair(p))] for p in forecast.predictions()])
+    targets = forecast.targets()
+    if targets:
+        doc.table(["target reward", "GPU-hours needed", "interval"],
+                  [[f"{t['reward']:.3f}", f"{t['gpu_hours']:,.0f}" if t["reachable"] else "never (above A)",
+                    _interval(_pair(t), GPU_H)] for t in targets])
+    now = forecast.current()
+    doc.heading("Where the run is now")
+    gain = now["fraction_of_gain"]
+    doc.items([f"at {now['gpu_hours']:,.0f} GPU-h: observed {now['observed']:.4f}, fitted {now['fitted']:.4f}",
+               f"marginal gain: {now['marginal_gain_per_1k_gpu_hours']:.5f} per 1k GPU-h "
+               f"{_interval(now['marginal_gain_interval'])}",
+               f"fraction of the asymptote reached (R / A): {now['fraction_of_asymptote']:.1%}",
+               "fraction of the attainable gain reached ((R - R0) / (A - R0)): "
+               + ("-" if gain is None else f"{gain:.1%}")])
+    doc.heading("Power law, same window")
+    power = forecast.power
+    doc.paragraph(f"R = A - D / C^B with A = {power.A:.4f}, B = {power.B:.3f}, D = {power.D:.4g} "
+                  f"(rmse {power.rmse:.4f}). {forecast.power_law_note()}")
+    doc.heading("Data")
+    doc.items([f"source: {forecast.curve.source}", f"metric: {forecast.curve.metric}",
+               f"compute (GPU-hours): {forecast.curve.compute_rule}"])
+    return doc
+
+
+def compare_document(comparison: Comparison, curves_png: bytes, linearised_png: bytes) -> Document:
+    doc = Document("Forecast comparison: " + " vs ".join(comparison.names))
+    doc.paragraph("Recommendation: " + comparison.recommendation())
+    doc.image("compare.png", curves_png)
+    level = comparison.forecasts[0].options.level
+    doc.heading("Fits")
+    doc.table(["run", "A", f"A {level:.0%}", "B", f"B {level:.0%}", "C_mid (GPU-h)", f"C_mid {level:.0%}", "R0"],
+              [[f.curve.name, f"{f.fit.A:.4f}", _interval(f.param_interval("A")), f"{f.fit.B:.3f}",
+                _interval(f.param_interval("B")), f"{f.fit.C_mid:,.0f}", _interval(f.param_interval("C_mid"), GPU_H),
+                f"{f.fit.R0:.3f}"] for f in comparison.forecasts])
+    doc.heading("Who is ahead")
+    doc.table(["GPU-hours", "leader", "clear lead"] + comparison.names,
+              [[f"{row['gpu_hours']:,.0f}", row["leader"], "yes" if row["clear"] else "within intervals"]
+               + [f"{row['rewards'][n]['reward']:.4f}" for n in comparison.names] for row in comparison.budgets])
+    doc.heading("Pairs")
+    lines = []
+    for pair in comparison.pairs:
+        a, b = pair["runs"]
+        cross = ", ".join(f"{c:,.0f}" for c in pair["crossovers"])
+        line = (f"{a} vs {b}: A differs by {pair['A_difference']:+.4f}; "
+                + (f"the curves cross at {cross} GPU-h" if cross else "the curves do not cross"))
+        if pair["shared_A"]:
+            s = pair["shared_A"]
+            line += (f"; A within +-{A_MARGIN}, refit with shared A = {s['A']:.4f}: B {s['B'][a]:.3f} vs "
+                     f"{s['B'][b]:.3f}, {s['more_efficient']} is more compute-efficient")
+        lines.append(line)
+    doc.items(lines)
+    doc.heading("Linearised view")
+    doc.paragraph("log F(R) against log C with F(R) = C_mid^B / ((A - R0) / (R - R0) - 1): a line of slope B.")
+    doc.image("linearised.png", linearised_png)
+    warnings = [f"{f.curve.name}: {w}" for f in comparison.forecasts for w in f.warnings]
+    if warnings:
+        doc.heading("Warnings")
+        doc.items(warnings)
+    return doc
+
+
+def backtest_document(backtest: Backtest, png: bytes) -> Document:
+    forecast = backtest.forecast
+    doc = Document(f"Backtest: {forecast.curve.name}")
+    doc.paragraph(backtest.verdict())
+    doc.image("backtest.png", png)
+    _fit_section(doc, forecast)
+    doc.heading("Held-out evaluations")
+    data = backtest.to_dict()["points"]
+    doc.table(["GPU-hours", "observed", "predicted", "error", f"{forecast.options.level:.0%} prediction interval"],
+              [[f"{p['gpu_hours']:,.0f}", f"{p['observed']:.4f}", f"{p['predicted']:.4f}", f"{p['error']:+.4f}",
+                _interval(_pair(p))] for p in data])
+    return doc
+
+
+def _pair(row: dict):
+    return None if row.get("lo") is None and row.get("hi") is None else (row.get("lo"), row.get("hi"))
