@@ -315,6 +315,9 @@ def _cross_field_problems(r: Recipe) -> list[tuple[str, str]]:
         out.append(("algorithm.reward_correct", "must be greater than algorithm.reward_incorrect"))
     if a.loss in ("ppo_clip", "dapo", "gspo") and a.clip_low >= 1:
         out.append(("algorithm.clip_low", f"{a.clip_low} must be < 1 (ratio lower bound is 1 - clip_low)"))
+    if a.loss == "ppo_clip" and a.clip_low != a.clip_high:
+        out.append(("algorithm.clip_high", f"ppo_clip is the symmetric clip: clip_high {a.clip_high} != clip_low "
+                                           f"{a.clip_low} (use loss dapo for clip-higher)"))
     if a.eps_max <= 1 and a.loss in ("cispo", "tis_reinforce"):
         out.append(("algorithm.eps_max", f"{a.eps_max} must be > 1 (it caps the importance ratio)"))
     return out
