@@ -17,7 +17,6 @@ import yaml
 
 from megatron_scalerl.errors import UserError
 
-
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 

@@ -1,0 +1,93 @@
+"""Recipe `ModelConfig` + `ParallelismConfig` -> megatron-core `TransformerConfig`.
+
+The architecture facts both families share with Hugging Face (RMSNorm, SwiGLU, no biases, untied or tied
+embeddings, GQA) are fixed here; Llama-4's extras (sigmoid top-1 routing applied to the expert *input*, a shared
+expert, NoPE layers, chunked local attention, temperature tuning) are set from the recipe. Fields that megatron-core
+0.16.1 does not have live in `ScaleRLTransformerConfig` and are read by our own attention module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+
+from megatron_scalerl.models.arch import check_model_layout, is_moe_layer, is_rope_layer
+from megatron_scalerl.platform.layer_backend import use_transformer_engine
+from megatron_scalerl.recipe import ModelConfig, ParallelismConfig
+
+
+@dataclass
+class ScaleRLTransformerConfig(TransformerConfig):
+    """TransformerConfig plus the Llama-4 attention settings megatron-core 0.16.1 lacks."""
+
+    attention_chunk_size: int | None = None  # tokens; RoPE layers attend only within their chunk
+    attn_temperature_tuning: bool = False  # NoPE layers scale queries by log1p(floor((pos+1)/floor_scale))*s+1
+    attn_floor_scale: float = 8192.0  # tokens
+    attn_temperature_scale: float = 0.1
+
+
+def transformer_config(
+    model_cfg: ModelConfig, parallel_cfg: ParallelismConfig, *, params_dtype: torch.dtype = torch.float32
+) -> ScaleRLTransformerConfig:
+    """The megatron-core config for `model_cfg` split as `parallel_cfg`, weights in `params_dtype`."""
+    check_model_layout(model_cfg, parallel_cfg)
+    on_gpu = use_transformer_engine()
+    n = model_cfg.num_layers
+    moe: dict = {}
+    if model_cfg.is_moe:
+        moe = dict(
+            num_moe_experts=model_cfg.num_experts,
+            moe_ffn_hidden_size=model_cfg.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=model_cfg.moe_ffn_hidden_size,
+            moe_router_topk=model_cfg.moe_router_topk,
+            moe_router_score_function="sigmoid",
+            moe_apply_probs_on_input=True,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            moe_layer_freq=[int(is_moe_layer(model_cfg, i)) for i in range(n)],
+        )
+    no_rope = [int(not is_rope_layer(model_cfg, i)) for i in range(n)]
+    return ScaleRLTransformerConfig(
+        num_layers=n,
+        hidden_size=model_cfg.hidden_size,
+        ffn_hidden_size=model_cfg.ffn_hidden_size,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_query_groups=model_cfg.num_query_groups,
+        kv_channels=model_cfg.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=model_cfg.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        rotary_interleaved=model_cfg.arch == "llama4",  # HF Llama-4 rotates (even, odd) pairs as complex numbers
+        no_rope_freq=no_rope if any(no_rope) else None,
+        qk_l2_norm=model_cfg.use_qk_norm,
+        attention_chunk_size=model_cfg.attention_chunk_size,
+        attn_temperature_tuning=model_cfg.attn_temperature_tuning,
+        attn_floor_scale=model_cfg.floor_scale,
+        attn_temperature_scale=model_cfg.attn_scale,
+        tensor_model_parallel_size=parallel_cfg.tp,
+        pipeline_model_parallel_size=parallel_cfg.pp,
+        expert_model_parallel_size=parallel_cfg.ep,
+        expert_tensor_parallel_size=parallel_cfg.expert_tp or parallel_cfg.tp,
+        sequence_parallel=parallel_cfg.sequence_parallel and parallel_cfg.tp > 1,
+        pipeline_dtype=params_dtype if parallel_cfg.pp > 1 else None,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        bias_activation_fusion=on_gpu,  # torch.compile'd SwiGLU / bias-dropout-add: GPU only (see cpu_compat)
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=False,  # a kernel of the local attention; TE attention has its own
+        apply_rope_fusion=False,  # the unfused RoPE is the path the HF parity tests check
+        persist_layer_norm=False,  # an Apex option
+        **moe,
+    )

@@ -1,0 +1,94 @@
+"""Read a Hugging Face checkpoint directory: config.json plus safetensors (one file or sharded with an index).
+
+Tensors are read on demand (`LazyHFState`), so a rank loads only what its shard needs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from safetensors import safe_open
+from torch import Tensor
+
+from megatron_scalerl.errors import UserError
+from megatron_scalerl.models.hf_config import hf_config_dict, model_config_from_hf
+from megatron_scalerl.recipe import ModelConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class LazyHFState(Mapping[str, Tensor]):
+    """HF tensor name -> tensor, read from the directory's safetensors files when asked for."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        index = directory / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise UserError(f"{index}: not a safetensors index ({exc})") from None
+            self._file_of = {name: directory / file for name, file in weight_map.items()}
+        elif (directory / SINGLE_FILE).is_file():
+            with safe_open(directory / SINGLE_FILE, framework="pt") as handle:
+                self._file_of = {name: directory / SINGLE_FILE for name in handle.keys()}  # noqa: SIM118
+        else:
+            raise UserError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} (HF weights in safetensors format)")
+
+    def __getitem__(self, name: str) -> Tensor:
+        path = self._file_of[name]
+        if not path.is_file():
+            raise UserError(f"{path}: listed in the index for {name} but missing")
+        with safe_open(path, framework="pt") as handle:
+            return handle.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
+
+
+def read_hf_config(directory: str | Path) -> tuple[dict, ModelConfig]:
+    """(raw config.json, our ModelConfig) of an HF checkpoint directory."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise UserError(f"{directory}: not an HF checkpoint directory (no config.json)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: invalid JSON ({exc})") from None
+    if "text_config" in raw:
+        raise UserError(f"{path}: a multimodal config; convert its text part (model_type llama4_text) first")
+    return raw, model_config_from_hf(raw, str(path))
+
+
+def read_hf_checkpoint(directory: str | Path) -> tuple[ModelConfig, LazyHFState]:
+    """The model config and lazily-read weights of an HF checkpoint directory."""
+    _, model_cfg = read_hf_config(directory)
+    return model_cfg, LazyHFState(Path(directory))
+
+
+def save_random_hf_model(model_cfg: ModelConfig, directory: str | Path, *, seed: int, std: float = 0.02) -> Path:
+    """Write an HF checkpoint of `model_cfg` with transformers' own random init (normal(0, `std`) weights) and
+    norm weights drawn from U(0.5, 1.5), so that a norm mapped to the wrong place shows. Returns the directory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dict = hf_config_dict(model_cfg)
+    config = AutoConfig.for_model(
+        config_dict["model_type"],
+        **{k: v for k, v in config_dict.items() if k not in ("model_type", "torch_dtype")},
+        initializer_range=std,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(directory)
+    return Path(directory)

@@ -1,0 +1,236 @@
+"""HF <-> Megatron parameter mapping: one table per architecture, the single source for every converter and for
+weight sync. Pure tensor logic; nothing here touches process groups (see `models.weights` for that).
+
+A `TensorRule` says how one Megatron parameter relates to one or more HF tensors:
+  fuse   how the unsharded Megatron tensor is made from the HF tensors
+           copy         the same tensor
+           qkv          q_proj [heads*d, h], k_proj/v_proj [groups*d, h] -> linear_qkv [groups*(heads/groups+2)*d, h],
+                        laid out per query group as [its q heads; k; v] (megatron's GQA layout)
+           glu          gate_proj, up_proj [f, h] -> linear_fc1 [2f, h] = [gate; up]
+           expert_glu   experts.gate_up_proj [E, h, 2f] (HF stores x @ W) -> expert e's linear_fc1 = W[e].T [2f, h]
+           expert_down  experts.down_proj [E, f, h] -> expert e's linear_fc2 = W[e].T [h, f]
+  split  how tensor parallelism shards the unsharded tensor
+           none (replicated), dim0 (column-parallel, vocab-parallel), dim1 (row-parallel),
+           glu  (each rank holds [its gate rows; its up rows], not a contiguous slice of [gate; up])
+  group  tp (attention, dense MLP, shared expert, embeddings) or etp (routed experts: expert tensor parallelism)
+Names: Megatron names are relative to GPTModel with `{layer}` the layer's index inside its pipeline stage and
+`{expert}` the local expert index on this expert-parallel rank; HF names use the global `{layer}` index.
+Routed expert e (global) lives on EP rank e // (E / ep) as local expert e % (E / ep).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from megatron_scalerl.models.arch import is_moe_layer
+from megatron_scalerl.recipe import ModelConfig
+
+Fuse = Literal["copy", "qkv", "glu", "expert_glu", "expert_down"]
+Split = Literal["none", "dim0", "dim1", "glu"]
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    megatron: str
+    hf: tuple[str, ...]
+    fuse: Fuse = "copy"
+    split: Split = "none"
+    group: Literal["tp", "etp"] = "tp"
+
+    @property
+    def is_expert(self) -> bool:
+        return self.fuse in ("expert_glu", "expert_down")
+
+
+@dataclass(frozen=True)
+class ArchitectureMapping:
+    """The table for one architecture: per-layer rules (attention, dense MLP, MoE) and model-level rules."""
+
+    attention: tuple[TensorRule, ...]
+    dense_mlp: tuple[TensorRule, ...]
+    moe_mlp: tuple[TensorRule, ...]
+
+
+_L = "decoder.layers.{layer}."
+
+
+def _attention(hf: str) -> tuple[TensorRule, ...]:
+    return (
+        TensorRule(_L + "input_layernorm.weight", (hf + "input_layernorm.weight",)),
+        TensorRule(
+            _L + "self_attention.linear_qkv.weight",
+            tuple(f"{hf}self_attn.{p}_proj.weight" for p in "qkv"),
+            fuse="qkv",
+            split="dim0",
+        ),
+        TensorRule(_L + "self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",), split="dim1"),
+        TensorRule(_L + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",)),
+    )
+
+
+def _dense_mlp(hf: str) -> tuple[TensorRule, ...]:
+    return (
+        TensorRule(_L + "mlp.linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"), "glu", "glu"),
+        TensorRule(_L + "mlp.linear_fc2.weight", (hf + "down_proj.weight",), split="dim1"),
+    )
+
+
+def _moe_mlp(hf: str) -> tuple[TensorRule, ...]:
+    expert = _L + "mlp.experts.local_experts.{expert}."
+    shared = hf + "shared_expert."
+    return (
+        TensorRule(_L + "mlp.router.weight", (hf + "router.weight",)),
+        TensorRule(expert + "linear_fc1.weight", (hf + "experts.gate_up_proj",), "expert_glu", "glu", "etp"),
+        TensorRule(expert + "linear_fc2.weight", (hf + "experts.down_proj",), "expert_down", "dim1", "etp"),
+        TensorRule(
+            _L + "mlp.shared_experts.linear_fc1.weight", (shared + "gate_proj.weight", shared + "up_proj.weight"),
+            "glu", "glu",
+        ),
+        TensorRule(_L + "mlp.shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), split="dim1"),
+    )
+
+
+_HF_LAYER = "model.layers.{layer}."
+LLAMA3 = ArchitectureMapping(
+    attention=_attention(_HF_LAYER), dense_mlp=_dense_mlp(_HF_LAYER + "mlp."), moe_mlp=()
+)
+LLAMA4 = ArchitectureMapping(
+    attention=_attention(_HF_LAYER),
+    dense_mlp=_dense_mlp(_HF_LAYER + "feed_forward."),
+    moe_mlp=_moe_mlp(_HF_LAYER + "feed_forward."),
+)
+ARCHITECTURES = {"llama3": LLAMA3, "llama4": LLAMA4}
+
+EMBEDDING = TensorRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), split="dim0")
+FINAL_NORM = TensorRule("decoder.final_layernorm.weight", ("model.norm.weight",))
+OUTPUT_LAYER = TensorRule("output_layer.weight", ("lm_head.weight",), split="dim0")
+# Tied embeddings split over pipeline stages: the last stage keeps its own copy of the embedding as the LM head.
+TIED_OUTPUT_LAYER = TensorRule("output_layer.weight", ("model.embed_tokens.weight",), split="dim0")
+
+# Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear layer.
+TE_ALIASES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def layer_rules(model_cfg: ModelConfig, layer: int) -> tuple[TensorRule, ...]:
+    """Rules of global 0-based `layer`."""
+    arch = ARCHITECTURES[model_cfg.arch]
+    mlp = arch.moe_mlp if is_moe_layer(model_cfg, layer) else arch.dense_mlp
+    return arch.attention + mlp
+
+
+def model_rules(model_cfg: ModelConfig, *, first_stage: bool, last_stage: bool) -> tuple[TensorRule, ...]:
+    """Rules outside the decoder layers held by a stage (embedding first; final norm and LM head last).
+
+    With tied embeddings the LM head is the embedding itself on a single stage, and a copy of it on the last
+    stage of a pipeline (`TIED_OUTPUT_LAYER`, which exports nothing: the first stage exports the embedding).
+    """
+    rules: list[TensorRule] = []
+    if first_stage:
+        rules.append(EMBEDDING)
+    if last_stage:
+        rules.append(FINAL_NORM)
+        if not model_cfg.tie_word_embeddings:
+            rules.append(OUTPUT_LAYER)
+        elif not first_stage:
+            rules.append(TIED_OUTPUT_LAYER)
+    return tuple(rules)
+
+
+# ---- unsharded Megatron tensor <-> HF tensors ---------------------------------------------------------------------
+
+
+def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, model_cfg: ModelConfig) -> Tensor:
+    groups, d = model_cfg.num_query_groups, model_cfg.head_dim
+    per_group = model_cfg.num_attention_heads // groups
+    hidden = q.shape[-1]
+    fused = torch.cat(
+        [q.reshape(groups, per_group * d, hidden), k.reshape(groups, d, hidden), v.reshape(groups, d, hidden)], 1
+    )
+    return fused.reshape(-1, hidden)
+
+
+def split_qkv(fused: Tensor, model_cfg: ModelConfig) -> tuple[Tensor, Tensor, Tensor]:
+    groups, d = model_cfg.num_query_groups, model_cfg.head_dim
+    per_group = model_cfg.num_attention_heads // groups
+    hidden = fused.shape[-1]
+    q, k, v = fused.reshape(groups, (per_group + 2) * d, hidden).split([per_group * d, d, d], dim=1)
+    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+
+
+def to_megatron(rule: TensorRule, hf: list[Tensor], model_cfg: ModelConfig, expert: int | None = None) -> Tensor:
+    """The unsharded Megatron tensor of `rule` from its HF tensors (`expert`: global index, expert rules only)."""
+    if rule.fuse == "copy":
+        return hf[0]
+    if rule.fuse == "qkv":
+        return fuse_qkv(hf[0], hf[1], hf[2], model_cfg)
+    if rule.fuse == "glu":
+        return torch.cat([hf[0], hf[1]], dim=0)
+    assert expert is not None, f"{rule.megatron}: expert rules need the global expert index"
+    return hf[0][expert].t().contiguous()
+
+
+def to_hf(rule: TensorRule, full: Tensor | list[Tensor], model_cfg: ModelConfig) -> dict[str, Tensor]:
+    """Inverse of `to_megatron`: HF name templates -> tensors. Expert rules take the list over all experts."""
+    if rule.is_expert:
+        assert isinstance(full, list), f"{rule.megatron}: expert rules take one tensor per global expert"
+        return {rule.hf[0]: torch.stack([t.t() for t in full]).contiguous()}
+    assert isinstance(full, Tensor)
+    if rule.fuse == "copy":
+        return {rule.hf[0]: full}
+    if rule.fuse == "qkv":
+        return dict(zip(rule.hf, split_qkv(full, model_cfg), strict=True))
+    gate, up = full.chunk(2, dim=0)
+    return {rule.hf[0]: gate.contiguous(), rule.hf[1]: up.contiguous()}
+
+
+# ---- tensor-parallel sharding -------------------------------------------------------------------------------------
+
+
+def shard(rule: TensorRule, full: Tensor, rank: int, size: int) -> Tensor:
+    """This TP rank's slice of the unsharded Megatron tensor."""
+    if rule.split == "none" or size == 1:
+        return full
+    if rule.split == "dim0":
+        return full.chunk(size, dim=0)[rank].contiguous()
+    if rule.split == "dim1":
+        return full.chunk(size, dim=1)[rank].contiguous()
+    gate, up = full.chunk(2, dim=0)
+    return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+
+
+def unshard(rule: TensorRule, shards: list[Tensor]) -> Tensor:
+    """Inverse of `shard`: the unsharded tensor from every TP rank's slice (in rank order)."""
+    if rule.split == "none" or len(shards) == 1:
+        return shards[0]
+    if rule.split == "dim0":
+        return torch.cat(shards, dim=0)
+    if rule.split == "dim1":
+        return torch.cat(shards, dim=1)
+    halves = [s.chunk(2, dim=0) for s in shards]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+def hf_names(rule: TensorRule, layer: int | None) -> tuple[str, ...]:
+    return tuple(name.format(layer=layer) for name in rule.hf)
+
+
+def megatron_name(rule: TensorRule, local_layer: int | None, local_expert: int | None = None) -> str:
+    return rule.megatron.format(layer=local_layer, expert=local_expert)
+
+
+def hf_parameter_names(model_cfg: ModelConfig) -> list[str]:
+    """Every HF tensor name the whole model has (all layers, all stages)."""
+    names: list[str] = []
+    for rule in model_rules(model_cfg, first_stage=True, last_stage=True):  # one stage: no tied copy
+        names.extend(hf_names(rule, None))
+    for layer in range(model_cfg.num_layers):
+        for rule in layer_rules(model_cfg, layer):
+            names.extend(hf_names(rule, layer))
+    return names

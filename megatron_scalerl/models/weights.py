@@ -1,0 +1,179 @@
+"""Move weights between HF-named tensors and a sharded GPTModel, through the mapping table (`models.mapping`).
+
+    state = hf_to_megatron_state(hf_state, model_cfg, RankLayout.current(config))   # this rank's Megatron tensors
+    load_hf_state(model, hf_state, model_cfg)               # the same, copied into the model (checked complete)
+    for name, tensor in export_hf_state(model, model_cfg):  # collective over TP and EP groups: full HF tensors
+        ...                                                 # of this pipeline stage's layers (HF global names)
+
+`hf_state` is any mapping from HF names to tensors (a dict, or `hf_io.LazyHFState` reading safetensors on demand).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from torch import Tensor
+
+from megatron_scalerl.models.config import ScaleRLTransformerConfig
+from megatron_scalerl.models.layer_specs import stage_layers
+from megatron_scalerl.models.mapping import (
+    TE_ALIASES,
+    TIED_OUTPUT_LAYER,
+    TensorRule,
+    hf_names,
+    layer_rules,
+    megatron_name,
+    model_rules,
+    shard,
+    to_hf,
+    to_megatron,
+    unshard,
+)
+from megatron_scalerl.recipe import ModelConfig
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Which slice of the model one rank holds."""
+
+    tp_rank: int
+    tp_size: int
+    etp_rank: int
+    etp_size: int
+    ep_rank: int
+    ep_size: int
+    layers: range  # global 0-based decoder layers of this pipeline stage
+    first_stage: bool
+    last_stage: bool
+
+    @classmethod
+    def current(cls, config: ScaleRLTransformerConfig) -> RankLayout:
+        """This process's slice, from megatron's parallel state."""
+        ps = parallel_state
+        return cls(
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            etp_rank=ps.get_expert_tensor_parallel_rank(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            ep_size=ps.get_expert_model_parallel_world_size(),
+            layers=stage_layers(config, pp_rank=ps.get_pipeline_model_parallel_rank()),
+            first_stage=ps.is_pipeline_first_stage(),
+            last_stage=ps.is_pipeline_last_stage(),
+        )
+
+    def split_of(self, rule: TensorRule) -> tuple[int, int]:
+        return (self.etp_rank, self.etp_size) if rule.group == "etp" else (self.tp_rank, self.tp_size)
+
+
+def _rules_of_stage(model_cfg: ModelConfig, ranks: RankLayout) -> Iterator[tuple[TensorRule, int | None, int | None]]:
+    """(rule, global layer or None, local layer or None) for everything this stage holds."""
+    for rule in model_rules(model_cfg, first_stage=ranks.first_stage, last_stage=ranks.last_stage):
+        yield rule, None, None
+    for local, layer in enumerate(ranks.layers):
+        for rule in layer_rules(model_cfg, layer):
+            yield rule, layer, local
+
+
+def _hf_tensors(hf_state: Mapping[str, Tensor], names: tuple[str, ...]) -> list[Tensor]:
+    missing = [name for name in names if name not in hf_state]
+    if missing:
+        raise KeyError(f"HF weights lack {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return [hf_state[name] for name in names]
+
+
+def hf_to_megatron_state(
+    hf_state: Mapping[str, Tensor], model_cfg: ModelConfig, ranks: RankLayout
+) -> dict[str, Tensor]:
+    """This rank's Megatron tensors (local-spec names) from full HF tensors."""
+    experts_per_rank = model_cfg.num_experts // ranks.ep_size if model_cfg.is_moe else 0
+    state: dict[str, Tensor] = {}
+    for rule, layer, local in _rules_of_stage(model_cfg, ranks):
+        hf = _hf_tensors(hf_state, hf_names(rule, layer))
+        rank, size = ranks.split_of(rule)
+        if rule.is_expert:
+            for local_expert in range(experts_per_rank):
+                full = to_megatron(rule, hf, model_cfg, expert=ranks.ep_rank * experts_per_rank + local_expert)
+                state[megatron_name(rule, local, local_expert)] = shard(rule, full, rank, size)
+        else:
+            state[megatron_name(rule, local)] = shard(rule, to_megatron(rule, hf, model_cfg), rank, size)
+    return state
+
+
+def resolve_parameter_name(name: str, parameters: Mapping[str, Tensor]) -> str:
+    """`name` as the model spells it (Transformer Engine layers fuse the norms into the next linear layer)."""
+    if name in parameters:
+        return name
+    for local, te in TE_ALIASES.items():
+        if name.endswith(local) and name[: -len(local)] + te in parameters:
+            return name[: -len(local)] + te
+    raise KeyError(f"model has no parameter {name}")
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron's DDP / Float16Module wrappers (their `module` attribute)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def load_hf_state(model: torch.nn.Module, hf_state: Mapping[str, Tensor], model_cfg: ModelConfig) -> None:
+    """Copy HF weights into `model` (this rank's shard); every model parameter must be covered, shapes must match."""
+    model = unwrap_model(model)
+    params = dict(model.named_parameters())
+    state = hf_to_megatron_state(hf_state, model_cfg, RankLayout.current(model.config))
+    filled = set()
+    with torch.no_grad():
+        for name, tensor in state.items():
+            target = resolve_parameter_name(name, params)
+            if params[target].shape != tensor.shape:
+                raise ValueError(f"{target}: model shape {tuple(params[target].shape)}, mapped {tuple(tensor.shape)}")
+            params[target].copy_(tensor)
+            filled.add(target)
+    unfilled = sorted(set(params) - filled)
+    if unfilled:
+        raise ValueError(f"the mapping left {len(unfilled)} parameters unset, e.g. {unfilled[0]}")
+
+
+def _all_gather(tensor: Tensor, group: dist.ProcessGroup | None, size: int) -> list[Tensor]:
+    if size == 1:
+        return [tensor]
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return out
+
+
+def export_hf_state(model: torch.nn.Module, model_cfg: ModelConfig) -> Iterator[tuple[str, Tensor]]:
+    """Yield (HF name, full tensor) for this pipeline stage's parameters, gathered over TP, expert-TP and EP.
+
+    A collective: every rank of the stage's TP/EP groups must iterate it to the end, in step. Tensors keep the
+    model's dtypes (bf16 body, FP32 head when training in bf16).
+    """
+    model = unwrap_model(model)
+    ranks = RankLayout.current(model.config)
+    params = dict(model.named_parameters())
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    etp_group = parallel_state.get_expert_tensor_parallel_group()
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    experts_per_rank = model_cfg.num_experts // ranks.ep_size if model_cfg.is_moe else 0
+    for rule, layer, local in _rules_of_stage(model_cfg, ranks):
+        if rule is TIED_OUTPUT_LAYER:
+            continue
+        group, size = (etp_group, ranks.etp_size) if rule.group == "etp" else (tp_group, ranks.tp_size)
+
+        def full_tensor(name: str, group: dist.ProcessGroup = group, size: int = size, rule: TensorRule = rule) -> Tensor:
+            local_shard = params[resolve_parameter_name(name, params)].detach()
+            return unshard(rule, _all_gather(local_shard, group, size if rule.split != "none" else 1))
+
+        if rule.is_expert:
+            mine = torch.stack([full_tensor(megatron_name(rule, local, e)) for e in range(experts_per_rank)])
+            every = torch.cat(_all_gather(mine, ep_group, ranks.ep_size), dim=0)
+            tensors = to_hf(rule, list(every), model_cfg)
+        else:
+            tensors = to_hf(rule, full_tensor(megatron_name(rule, local)), model_cfg)
+        for template, tensor in tensors.items():
+            yield template.format(layer=layer), tensor

@@ -1,0 +1,76 @@
+"""Transformer Engine vs megatron-core's local modules: the one place that chooses.
+
+GPU processes with Transformer Engine importable use TE layer specs (fused kernels, TE attention); CPU processes
+(and GPU processes without TE) use the local spec, whose norms we replace with `TorchNorm` so that sequence
+parallelism works (megatron's `WrappedTorchNorm` refuses it). Model code asks for `base_layer_spec(...)` and never
+imports TE itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+
+@functools.cache
+def use_transformer_engine() -> bool:
+    """True on a CUDA machine where Transformer Engine imports; False on CPU (TE cannot be installed there)."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+class TorchNorm:
+    """RMSNorm/LayerNorm from torch, built like megatron's norms (`config`, `hidden_size`, `eps`).
+
+    Unlike megatron's `WrappedTorchNorm` it accepts sequence parallelism: its parameters are tagged
+    `sequence_parallel`, so megatron all-reduces their gradients across the tensor-parallel group (each TP rank
+    normalises a different slice of the sequence).
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused) -> torch.nn.Module:  # noqa: ANN001
+        if config.normalization == "RMSNorm":
+            norm: torch.nn.Module = torch.nn.RMSNorm(hidden_size, eps=eps)
+        elif config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        else:
+            raise ValueError(f"TorchNorm: unsupported normalization {config.normalization!r}")
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def base_layer_spec(*, num_experts: int | None, qk_l2_norm: bool) -> ModuleSpec:
+    """megatron-core's GPT layer spec for the chosen backend (RMSNorm, sequential experts when MoE).
+
+    Experts are `SequentialMLP` on both backends (grouped GEMM is unavailable on CPU and would change the expert
+    parameter names that the HF mapping relies on).
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_transformer_engine():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_l2_norm=qk_l2_norm
+        )
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_l2_norm=qk_l2_norm, normalization="RMSNorm"
+    )
+    spec.submodules.input_layernorm = TorchNorm
+    spec.submodules.pre_mlp_layernorm = TorchNorm
+    return spec
+
+
+def final_norm_spec() -> type:
+    """The norm after the last transformer layer."""
+    if use_transformer_engine():
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    return TorchNorm

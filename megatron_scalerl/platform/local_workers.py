@@ -1,0 +1,118 @@
+"""Run a function on N local worker processes joined in one process group, collect the results.
+
+Used by commands that must run a multi-rank layout from a single user command (`scalerl verify logits --tp 2`) and
+by the multi-process tests. Each worker calls `init_distributed` itself, runs `fn(rank, *args)`, and sends its
+return value back (it must be picklable). The first failure or a worker that dies stops all of them, and the error
+names the rank; a run longer than `timeout_s` is stopped too. `backend` is passed to `init_distributed`
+("gloo" by default; "auto" gives one GPU per worker with nccl on a GPU machine). The caller's module needs an
+`if __name__ == "__main__":` guard (workers are started with the "spawn" method).
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed; the message holds its rank and traceback."""
+
+
+def _worker_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    threads: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    results: Any,
+) -> None:
+    import torch
+
+    from megatron_scalerl.platform.cpu_compat import silence_cpu_import_warnings
+    from megatron_scalerl.platform.distributed import destroy_distributed, init_distributed
+
+    if not torch.cuda.is_available():
+        silence_cpu_import_warnings()
+    torch.set_num_threads(threads)
+    try:
+        init_distributed(backend, timeout_s, rank=rank, world_size=world_size, local_rank=rank, master_port=port)
+        value = fn(rank, *args)
+        results.put((rank, True, value))
+    except BaseException:  # report everything, including SystemExit from argparse-style code
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            destroy_distributed()
+        except Exception:  # noqa: S110 - the process ends next; the result above already says what happened
+            pass
+
+
+def run_local_workers(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+    threads_per_worker: int = 1,
+) -> list[Any]:
+    """Run `fn(rank, *args)` on `world_size` spawned processes; return their results in rank order.
+
+    `fn` must be importable by module path (a top-level function). `timeout_s` (seconds) bounds the whole run
+    and every collective inside it.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker_main,
+            args=(rank, world_size, port, backend, timeout_s, threads_per_worker, fn, args, results),
+            daemon=False,  # workers may start processes of their own (dist_checkpointing save)
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    collected: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(collected) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in collected]
+                if dead:
+                    raise WorkerError(
+                        f"worker rank {dead[0]} died with exit code {procs[dead[0]].exitcode} before reporting"
+                    ) from None
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(collected))
+                    raise WorkerError(f"workers {missing} did not finish within {timeout_s:g} s") from None
+                continue
+            if not ok:
+                raise WorkerError(f"worker rank {rank} of {world_size} failed:\n{value}")
+            collected[rank] = value
+        for proc in procs:
+            proc.join(timeout=30)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=10)
+    return [collected[rank] for rank in range(world_size)]

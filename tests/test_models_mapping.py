@@ -1,0 +1,184 @@
+"""HF <-> Megatron mapping tables, HF configs, RoPE frequencies and Llama-4 attention helpers (no process groups).
+
+Oracles: transformers' own models/configs/RoPE code, the released Llama-3.1-8B / Llama-4-Scout configs, and
+masked attention written out directly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from megatron_scalerl.errors import UserError
+from megatron_scalerl.models import mapping
+from megatron_scalerl.models.arch import check_model_layout
+from megatron_scalerl.models.hf_config import hf_config_dict, model_config_from_hf
+from megatron_scalerl.models.llama4_attention import fold_chunks, temperature_scales, unfold_chunks
+from megatron_scalerl.models.provider import rope_inv_freq
+from megatron_scalerl.models.weights import RankLayout, hf_to_megatron_state
+from megatron_scalerl.recipe import ParallelismConfig, load_recipe
+
+PRESETS = ["tiny_dense", "tiny_moe", "llama3_8b", "llama4_scout_17b_16e"]
+
+# The released config.json of meta-llama/Llama-3.1-8B and the text part of Llama-4-Scout-17B-16E.
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "hidden_act": "silu", "hidden_size": 4096,
+    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
+}
+LLAMA4_SCOUT_TEXT = {
+    "attention_bias": False, "attention_chunk_size": 8192, "attn_scale": 0.1, "attn_temperature_tuning": True,
+    "floor_scale": 8192, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "interleave_moe_layer_step": 1,
+    "intermediate_size": 8192, "intermediate_size_mlp": 16384, "max_position_embeddings": 10485760,
+    "model_type": "llama4_text", "no_rope_layers": [], "num_attention_heads": 40, "num_experts_per_tok": 1,
+    "num_hidden_layers": 48, "num_key_value_heads": 8, "num_local_experts": 16, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "use_qk_norm": True, "vocab_size": 202048, "tie_word_embeddings": False,
+}
+
+
+def model_cfg(preset: str):
+    return load_recipe("scalerl", model_preset=preset).model
+
+
+def hf_config(cfg):
+    d = hf_config_dict(cfg)
+    return AutoConfig.for_model(d["model_type"], **{k: v for k, v in d.items() if k not in ("model_type", "torch_dtype")})
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_hf_config_round_trip(preset):
+    cfg = model_cfg(preset)
+    assert model_config_from_hf(hf_config_dict(cfg)) == cfg
+    hf = hf_config(cfg)  # transformers accepts it
+    assert hf.num_hidden_layers == cfg.num_layers
+
+
+def test_presets_have_the_released_dimensions():
+    assert model_config_from_hf(LLAMA31_8B) == model_cfg("llama3_8b")
+    assert model_config_from_hf(LLAMA4_SCOUT_TEXT) == model_cfg("llama4_scout_17b_16e")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"attention_bias": True}, "attention_bias=True is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ({"model_type": "mistral"}, "model_type 'mistral'"),
+    ],
+)
+def test_hf_config_refusals(change, message):
+    with pytest.raises(UserError, match=message):
+        model_config_from_hf({**LLAMA31_8B, **change}, "x/config.json")
+
+
+def test_irregular_llama4_layer_patterns_are_refused():
+    with pytest.raises(UserError, match="moe_layers is not a regular"):
+        model_config_from_hf({**LLAMA4_SCOUT_TEXT, "moe_layers": [0, 5]})
+    with pytest.raises(UserError, match="no_rope_layers is not a regular"):
+        model_config_from_hf({**LLAMA4_SCOUT_TEXT, "no_rope_layers": [1, 0, 0] + [1] * 45})
+
+
+@pytest.mark.parametrize("preset", ["tiny_dense", "tiny_moe"])
+def test_mapping_names_cover_the_hf_model(preset):
+    cfg = model_cfg(preset).model_copy(update={"moe_layer_interval": 2} if preset == "tiny_moe" else {})
+    hf = AutoModelForCausalLM.from_config(hf_config(cfg))
+    assert sorted(mapping.hf_parameter_names(cfg)) == sorted(hf.state_dict())
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_rope_frequencies_match_transformers(preset):
+    cfg = model_cfg(preset)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config(cfg))
+    torch.testing.assert_close(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), expected)
+
+
+def test_qkv_fusion_groups_queries_with_their_key_value_head():
+    cfg = model_cfg("tiny_dense").model_copy(update=dict(hidden_size=2, num_attention_heads=4, num_query_groups=2,
+                                                          head_dim=1))
+    q = torch.tensor([[0.0, 0], [1, 1], [2, 2], [3, 3]])  # heads 0,1 -> group 0; heads 2,3 -> group 1
+    k = torch.tensor([[10.0, 10], [11, 11]])
+    v = torch.tensor([[20.0, 20], [21, 21]])
+    fused = mapping.fuse_qkv(q, k, v, cfg)
+    assert fused[:, 0].tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+    for original, back in zip((q, k, v), mapping.split_qkv(fused, cfg), strict=True):
+        assert torch.equal(original, back)
+
+
+@pytest.mark.parametrize("split", ["none", "dim0", "dim1", "glu"])
+def test_shard_unshard_round_trip(split):
+    rule = mapping.TensorRule("x", ("y",), split=split)
+    full = torch.arange(48.0).reshape(8, 6)
+    shards = [mapping.shard(rule, full, rank, 2) for rank in range(2)]
+    assert torch.equal(mapping.unshard(rule, shards), full)
+    if split == "glu":  # each rank: its half of the gate rows, then its half of the up rows
+        assert torch.equal(shards[1], torch.cat([full[2:4], full[6:8]]))
+
+
+def test_hf_to_megatron_state_places_experts_and_shards():
+    cfg = model_cfg("tiny_moe").model_copy(update={"moe_layer_interval": 2})
+    hf_state = AutoModelForCausalLM.from_config(hf_config(cfg)).state_dict()
+    ranks = RankLayout(tp_rank=1, tp_size=2, etp_rank=0, etp_size=1, ep_rank=1, ep_size=2, layers=range(2, 4),
+                       first_stage=False, last_stage=True)
+    state = hf_to_megatron_state(hf_state, cfg, ranks)
+    experts = cfg.num_experts // 2
+    # layer 3 (global) is the stage's second layer; this EP rank holds experts 2 and 3 as local 0 and 1.
+    gate_up = hf_state["model.layers.3.feed_forward.experts.gate_up_proj"]
+    assert torch.equal(state["decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"], gate_up[3].t())
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in state  # layer 2 is dense
+    assert "embedding.word_embeddings.weight" not in state and "output_layer.weight" in state
+    lm_head = hf_state["lm_head.weight"]
+    assert torch.equal(state["output_layer.weight"], lm_head[lm_head.shape[0] // 2 :])
+    o_proj = hf_state["model.layers.2.self_attn.o_proj.weight"]
+    assert torch.equal(state["decoder.layers.0.self_attention.linear_proj.weight"], o_proj[:, o_proj.shape[1] // 2 :])
+    assert sum(".local_experts." in name for name in state) == 2 * experts  # fc1 + fc2 per local expert, one layer
+
+
+def test_missing_hf_tensor_is_named():
+    cfg = model_cfg("tiny_dense")
+    ranks = RankLayout(0, 1, 0, 1, 0, 1, range(cfg.num_layers), True, True)
+    with pytest.raises(KeyError, match="HF weights lack model.embed_tokens.weight"):
+        hf_to_megatron_state({}, cfg, ranks)
+
+
+def test_layout_refusals_name_the_field():
+    moe = model_cfg("tiny_moe")
+    with pytest.raises(UserError, match="sequence_parallel"):
+        check_model_layout(moe, ParallelismConfig(tp=2))
+    with pytest.raises(UserError, match="parallelism.ep: 3 does not divide model.num_experts 4"):
+        check_model_layout(moe, ParallelismConfig(ep=3))
+    with pytest.raises(UserError, match="parallelism.tp: 4 does not divide model.num_query_groups 2"):
+        check_model_layout(model_cfg("tiny_dense"), ParallelismConfig(tp=4))
+
+
+def _causal_attention(q, k, v, mask):
+    """q, k, v [s, b, h, d]; mask [s, s] bool (True = may attend) -> [s, b, h*d]."""
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / q.shape[-1] ** 0.5
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.einsum("bhst,tbhd->sbhd", probs, v).flatten(2)
+
+
+@pytest.mark.parametrize("seq_len", [5, 8, 19])
+def test_chunk_folding_equals_chunked_causal_mask(seq_len):
+    chunk = 4
+    q, k, v = (torch.randn(seq_len, 2, 3, 8) for _ in range(3))
+    i = torch.arange(seq_len)
+    chunked_mask = (i[None, :] <= i[:, None]) & (i[None, :] // chunk == i[:, None] // chunk)  # HF chunked_overlay
+    expected = _causal_attention(q, k, v, chunked_mask)
+    causal = torch.ones(chunk, chunk).tril().bool()
+    folded = _causal_attention(fold_chunks(q, chunk), fold_chunks(k, chunk), fold_chunks(v, chunk), causal)
+    torch.testing.assert_close(unfold_chunks(folded, seq_len, 2), expected)
+
+
+def test_temperature_scales_follow_hf_formula():
+    scales = temperature_scales(20, floor_scale=8.0, attn_scale=0.1, device=torch.device("cpu"))
+    positions = torch.arange(20.0)
+    torch.testing.assert_close(scales, torch.log1p(torch.floor((positions + 1.0) / 8.0)) * 0.1 + 1.0)
+    assert scales[6] == 1.0 and scales[7] > 1.0
