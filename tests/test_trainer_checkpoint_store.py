@@ -6,8 +6,8 @@ import logging
 import pytest
 import torch.distributed as dist
 
+from megatron_scalerl.platform import run_local_workers
 from megatron_scalerl.trainer.checkpoint import CheckpointError, CheckpointStore
-from tests.dist_utils import run_on_ranks
 
 
 def _writer(payload: bytes):
@@ -74,7 +74,7 @@ def _two_rank_save(rank, run_dir):
 
 
 def test_collective_save_hashes_every_rank_file(tmp_path):
-    run_on_ranks(2, _two_rank_save, tmp_path)
+    run_local_workers(_two_rank_save, 2, tmp_path, timeout_s=120)
     store = CheckpointStore(tmp_path, keep=2)
     path = store.path(5)
     files = json.loads((path / "manifest.json").read_text())["files"]

@@ -3,10 +3,9 @@
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from megatron_scalerl.platform import run_local_workers
 from megatron_scalerl.trainer.logprobs import naive_token_logprobs, token_logprobs
-from tests.dist_utils import run_on_ranks
 
 
 def _inputs(tokens=37, hidden=24, vocab=64, dtype=torch.float32, seed=0):
@@ -53,7 +52,7 @@ def test_megatron_layout_shapes_and_mismatch_error():
         token_logprobs(h.view(6, 2, -1), w, t.view(2, 6))
 
 
-def _tp_worker(rank, world, sequence_parallel, results):
+def _tp_worker(rank, world, sequence_parallel):
     h, w, t, up = _inputs(tokens=16, vocab=64)
     h3, t2 = h.view(8, 2, -1), t.view(8, 2)
     v_local = w.shape[0] // world
@@ -63,13 +62,12 @@ def _tp_worker(rank, world, sequence_parallel, results):
     lp, ent = token_logprobs(h_in, w_local, t2, tp_group=dist.group.WORLD, sequence_parallel=sequence_parallel,
                              chunk_tokens=3)
     (lp * up.view(8, 2)).sum().backward()
-    results[rank] = (lp.detach(), ent, h_in.grad, w_local.grad)
+    return lp.detach(), ent, h_in.grad, w_local.grad
 
 
-@pytest.mark.parametrize("sequence_parallel", [False])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tensor_parallel_two_ranks_equal_naive(sequence_parallel):
-    results = mp.Manager().dict()
-    run_on_ranks(2, _tp_worker, 2, sequence_parallel, results)
+    results = dict(enumerate(run_local_workers(_tp_worker, 2, 2, sequence_parallel, timeout_s=120)))
     h, w, t, up = _inputs(tokens=16, vocab=64)
     h_ref, w_ref = h.clone().requires_grad_(), w.clone().requires_grad_()
     lp_ref, ent_ref = naive_token_logprobs(h_ref, w_ref, t)

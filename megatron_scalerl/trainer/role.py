@@ -1,0 +1,100 @@
+"""The trainer role: a process group that reads TrainBatches from the rollout stream and takes optimizer steps.
+
+    torchrun --nproc-per-node N -m megatron_scalerl.trainer --run-dir RUN [--max-steps S]
+
+Reads `RUN/recipe.yaml` (resolved), joins the process group (nccl with CUDA, gloo otherwise; every collective bounded
+by `cluster.collective_timeout_s`), builds the model at the recipe's layout, resumes from the newest valid checkpoint
+in `RUN/checkpoints/` (or initialises from `model.hf_checkpoint`, else randomly with `trainer.seed`), then for each
+step i reads `RUN/rollouts/batch_i`, trains, appends a `trainer` record to `RUN/metrics.jsonl` and checkpoints every
+`trainer.checkpoint_interval` steps and at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+from megatron_scalerl.errors import UserError
+from megatron_scalerl.metrics import MetricsLog
+from megatron_scalerl.recipe import Recipe, load_recipe
+from megatron_scalerl.rollout.stream import RolloutStream
+from megatron_scalerl.trainer.checkpoint import CheckpointStore
+from megatron_scalerl.trainer.setup import build_trainer
+from megatron_scalerl.trainer.state import load_trainer, save_trainer
+from megatron_scalerl.trainer.step import NonFiniteError
+
+log = logging.getLogger("megatron_scalerl.trainer")
+
+
+def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, batch_timeout_s: float = 3600.0,
+                is_log_rank: bool = True) -> dict:
+    """Train until `max_steps` (default: trainer.max_steps) optimizer steps; returns the last step's metrics."""
+    trainer = build_trainer(recipe)
+    store = CheckpointStore(run_dir, keep=recipe.trainer.keep_checkpoints)
+    compute_hours_before = 0.0
+    latest = store.latest_valid()
+    if latest is not None:
+        trainer.step.state, rl_state = load_trainer(latest[1], trainer.model, trainer.optimizer)
+        compute_hours_before = rl_state.get("wall_hours", 0.0)
+        log.info("resumed from %s (step %d, weight version %d)", latest[1].name, trainer.step.state.step,
+                 trainer.step.state.weight_version)
+    stream = RolloutStream(run_dir)
+    metrics = MetricsLog(run_dir, "trainer", wandb_mode=recipe.logging.wandb_mode if is_log_rank else "disabled",
+                         wandb_project=recipe.logging.wandb_project, run_name=recipe.name, config=recipe.to_dict())
+    start = time.monotonic()
+    total_gpus = recipe.cluster.total_gpus
+    last: dict = {}
+
+    def wall_hours() -> float:
+        return compute_hours_before + (time.monotonic() - start) / 3600.0
+
+    def checkpoint() -> None:
+        save_trainer(store, trainer.model, trainer.optimizer, trainer.step.state, {"wall_hours": wall_hours()})
+
+    end = max_steps if max_steps is not None else recipe.trainer.max_steps
+    try:
+        while trainer.step.state.step < end:
+            batch, _ = stream.get(trainer.step.state.step, timeout_s=batch_timeout_s,
+                                  vocab_size=recipe.model.vocab_size)
+            last = trainer.step.run(batch)
+            hours = wall_hours()
+            last.update({"wall_hours": hours, "gpus": total_gpus, "gpu_hours": hours * total_gpus})
+            if is_log_rank and trainer.step.state.step % recipe.logging.log_interval == 0:
+                metrics.log(trainer.step.state.step, last)
+            if trainer.step.state.step % recipe.trainer.checkpoint_interval == 0:
+                checkpoint()
+        if not store.path(trainer.step.state.step).exists():
+            checkpoint()
+    finally:
+        metrics.close()
+    return last
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_scalerl.trainer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--recipe", help="recipe to use instead of RUN/recipe.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--max-steps", type=int)
+    parser.add_argument("--batch-timeout-s", type=float, default=3600.0,
+                        help="seconds to wait for the next TrainBatch before failing")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
+
+    from megatron_scalerl.platform import destroy_distributed, init_distributed
+
+    try:
+        recipe = load_recipe(args.recipe or args.run_dir / "recipe.yaml", args.overrides)
+        info = init_distributed(recipe.cluster.backend, recipe.cluster.collective_timeout_s)
+        try:
+            run_trainer(args.run_dir, recipe, max_steps=args.max_steps, batch_timeout_s=args.batch_timeout_s,
+                        is_log_rank=info.rank == 0)
+        finally:
+            destroy_distributed()
+    except (UserError, TimeoutError, NonFiniteError) as exc:
+        log.error("%s", exc)
+        return 2 if isinstance(exc, UserError) else 1
+    return 0

@@ -1,0 +1,104 @@
+"""Build everything a trainer rank needs from a recipe: parallel groups, model (DDP), optimizer, TrainStep.
+
+Parallelism is applied here and only here: megatron-core's TP/PP/EP groups from `recipe.parallelism`, the model
+shard for this rank's pipeline stage, bf16 via megatron's `Float16Module` (the FP32 head keeps FP32 weights),
+megatron DDP with the distributed optimizer (AdamW with the recipe's betas, eps, weight decay and grad clipping).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+
+from megatron_scalerl.recipe import Recipe
+from megatron_scalerl.trainer.step import TrainStep
+
+
+@dataclass
+class Trainer:
+    model: list  # model chunks (one per rank without virtual pipeline stages), DDP-wrapped
+    optimizer: object  # megatron-core optimizer (distributed, possibly chained for MoE)
+    step: TrainStep
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def head_weight(chunk: torch.nn.Module) -> torch.Tensor:
+    """This rank's LM-head weight [vocab / tp, hidden] (the embedding when embeddings are tied)."""
+    gpt = unwrap(chunk)
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+def _return_hidden(layer, input_, weight=None, runtime_gather_output=None):  # noqa: ANN001, ARG001
+    return input_, None
+
+
+def emit_hidden_states(gpt: torch.nn.Module) -> None:
+    """Training fuses the LM head into the chunked log-prob op (trainer/logprobs.py): the last stage's output layer
+    returns its input, so GPTModel returns hidden states [b, s(/tp), h] instead of [b, s, vocab/tp] logits. The head's
+    parameters stay where they are (names, sharding, optimizer, checkpoints unchanged)."""
+    if getattr(gpt, "output_layer", None) is not None:
+        gpt.output_layer.forward = types.MethodType(_return_hidden, gpt.output_layer)
+
+
+def params_dtype(recipe: Recipe) -> torch.dtype:
+    return torch.bfloat16 if recipe.trainer.precision == "bf16" else torch.float32
+
+
+def build_model_chunks(recipe: Recipe, *, wrap_ddp: bool = True) -> list:
+    """This rank's model (initialised from `model.hf_checkpoint` when set), ready for training."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_scalerl.models import build_model, load_hf_state, read_hf_checkpoint
+
+    dtype = params_dtype(recipe)
+    gpt = build_model(recipe.model, recipe.parallelism, fp32_lm_head=recipe.trainer.fp32_lm_head,
+                      params_dtype=dtype, pre_process=ps.is_pipeline_first_stage(),
+                      post_process=ps.is_pipeline_last_stage())
+    if recipe.model.hf_checkpoint:
+        _, hf_state = read_hf_checkpoint(recipe.model.hf_checkpoint)
+        load_hf_state(gpt, hf_state, recipe.model)
+    emit_hidden_states(gpt)
+    config = gpt.config
+    config.variable_seq_lengths = True  # micro-batches are padded to their own longest row
+    config.finalize_model_grads_func = finalize_model_grads
+    model = Float16Module(config, gpt) if dtype != torch.float32 else gpt
+    if not wrap_ddp:
+        return [model]
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=True)
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
+
+
+def build_optimizer(recipe: Recipe, model_chunks: list):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    t = recipe.trainer
+    config = OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.lr, weight_decay=t.weight_decay,
+                             adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+                             clip_grad=t.grad_clip, bf16=t.precision == "bf16", params_dtype=params_dtype(recipe),
+                             use_distributed_optimizer=True)
+    return get_megatron_optimizer(config, model_chunks)
+
+
+def build_trainer(recipe: Recipe) -> Trainer:
+    """Collective (after `platform.init_distributed`): parallel groups, model, optimizer and TrainStep."""
+    from megatron_scalerl.platform import initialize_model_parallel
+
+    p = recipe.parallelism
+    initialize_model_parallel(p.tp, p.pp, p.ep, p.expert_tp, seed=recipe.trainer.seed,
+                              timeout_s=recipe.cluster.collective_timeout_s)
+    model = build_model_chunks(recipe)
+    optimizer = build_optimizer(recipe, model)
+    return Trainer(model=model, optimizer=optimizer, step=TrainStep(recipe, model, optimizer, head_weight))

@@ -1,0 +1,108 @@
+"""Save and restore the trainer: model + optimizer (Megatron distributed checkpoint) + RL state + RNG states.
+
+Model and optimizer go through megatron-core `dist_checkpointing` (torch_dist format), whose sharded state dicts
+are layout-independent: a checkpoint written at TP2 loads at TP1/PP2/EP2. The optimizer uses the
+`fully_reshardable` layout for the same reason (gathered on DP rank 0 at save; megatron-core 0.16.1 rejects
+the `fully_sharded_model_space` layout's flattened ranges). The RL state (`StepState`, data cursor, compute used) is
+JSON written by rank 0; RNG states are per rank and restored only when the world size is unchanged (our models have
+no dropout, so they do not affect the loss; they are kept for completeness).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_scalerl.trainer.checkpoint import CheckpointError, CheckpointStore
+from megatron_scalerl.trainer.setup import unwrap
+from megatron_scalerl.trainer.step import StepState
+
+log = logging.getLogger(__name__)
+
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _sharded_state(model_chunks: list, optimizer, *, is_loading: bool) -> dict:
+    if len(model_chunks) != 1:
+        raise NotImplementedError("virtual pipeline stages (several model chunks per rank) are not supported yet")
+    state = {"model": unwrap(model_chunks[0]).sharded_state_dict()}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=OPTIMIZER_SHARDING)
+    return state
+
+
+def _materialise_optimizer_state(model_chunks: list, optimizer) -> None:
+    """Give a fresh optimizer its state so megatron can describe what to load into it.
+
+    megatron-core 0.16.1 with torch's Adam (no Apex/TE) builds the loading state dict from the optimizer's current
+    state (`DistributedOptimizer.state_dict` asserts one shared Adam `step`), which a new optimizer does not have yet.
+    One step with zero gradients at learning rate 0 creates it without touching the weights; the load overwrites it.
+    """
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if all(len(part.optimizer.state) for part in parts if part.optimizer is not None):
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    return {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def save_trainer(store: CheckpointStore, model_chunks: list, optimizer, step_state: StepState,
+                 extra_rl_state: dict) -> Path:
+    """Collective. Publishes `checkpoints/iter_<step>` (step = optimizer steps taken)."""
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def write(tmp: Path) -> None:
+        dist_checkpointing.save(_sharded_state(model_chunks, optimizer, is_loading=False), str(tmp))
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rl_state = {"step_state": dataclasses.asdict(step_state), "world_size": world, **extra_rl_state}
+    return store.save(step_state.step, write, rl_state)
+
+
+def load_trainer(path: Path, model_chunks: list, optimizer) -> tuple[StepState, dict]:
+    """Collective. Loads model (+ optimizer when given) from checkpoint `path`; returns (StepState, rl_state)."""
+    from megatron.core import dist_checkpointing, tensor_parallel
+
+    store = CheckpointStore(path.parent.parent, keep=1)
+    rl_state = store.rl_state(path)
+    if optimizer is not None:
+        _materialise_optimizer_state(model_chunks, optimizer)
+    try:
+        loaded = dist_checkpointing.load(_sharded_state(model_chunks, optimizer, is_loading=True), str(path))
+    except Exception as exc:  # megatron raises many types for missing/mismatched shards
+        raise CheckpointError(f"{path}: cannot load into this model/layout: {exc}") from exc
+    unwrap(model_chunks[0]).load_state_dict(loaded["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rng_file = path / "rng" / f"rank_{rank:05d}.pt"
+    if rl_state.get("world_size") == world and rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+    else:
+        log.info("%s: written by %s ranks, loading on %s: RNG states not restored", path.name,
+                 rl_state.get("world_size"), world)
+    step_state = StepState(**rl_state["step_state"])
+    return step_state, rl_state

@@ -1,0 +1,229 @@
+"""One optimizer step: TrainBatch -> micro-batches -> Megatron forward/backward -> policy loss -> optimizer update.
+
+Split invariance: every DP rank reads the whole TrainBatch, so each computes the step's `LossNormalizers` itself
+(no communication) and every micro-batch's loss is its exact share of the full-batch loss. Megatron's schedules
+divide each micro-batch loss by the number of micro-batches and DDP averages gradients over DP ranks; the loss we
+hand back is multiplied by both, so the gradient that reaches the optimizer is the full-batch gradient, whatever the
+DP size and micro-batch split.
+
+On the last pipeline stage the model returns hidden states (the output layer is fused into the log-prob
+computation, see `trainer/logprobs.py` and `models` for the head); the loss function turns them into FP32 token
+log-probs, then `algo.policy_loss`.
+
+Non-finite loss or gradient norm: the step is skipped (no update, weight version unchanged), recorded in the
+metrics, and `max_consecutive_nonfinite` skips in a row abort with an error naming the step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_scalerl.algo import LossNormalizers, loss_params, merge_metrics, policy_loss
+from megatron_scalerl.recipe import Recipe
+from megatron_scalerl.rollout.stream import TrainBatch
+from megatron_scalerl.trainer.logprobs import token_logprobs
+from megatron_scalerl.trainer.microbatches import MicroBatch, build_microbatches
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+def lr_at(step: int, *, lr: float, warmup_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warm-up over `warmup_steps`, then constant."""
+    if warmup_steps <= 0:
+        return lr
+    return lr * min(1.0, (step + 1) / warmup_steps)
+
+
+@dataclass
+class StepState:
+    """What changes from step to step (saved in checkpoints as part of the RL state)."""
+
+    step: int = 0  # optimizer steps attempted (the index of the next TrainBatch to read)
+    weight_version: int = 0  # successful updates: the policy version the generators should run
+    consecutive_nonfinite: int = 0
+    skipped_steps: list[int] = field(default_factory=list)
+
+
+def _sample_loss_tokens(batch: TrainBatch) -> torch.Tensor:
+    """[N] loss tokens of each sample."""
+    owner = torch.repeat_interleave(torch.arange(batch.num_samples), batch.lengths)
+    return torch.zeros(batch.num_samples, dtype=torch.int64).index_add_(0, owner, batch.loss_mask.long())
+
+
+class TrainStep:
+    """Runs optimizer steps for one model (a list of pipeline-stage chunks wrapped in Megatron DDP)."""
+
+    def __init__(self, recipe: Recipe, model_chunks: list, optimizer, head_weight_fn):
+        """`head_weight_fn(chunk)` -> this rank's output-layer weight [vocab/tp, hidden] (last pipeline stage)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.recipe = recipe
+        self.model = model_chunks
+        self.optimizer = optimizer
+        self.head_weight_fn = head_weight_fn
+        self.forward_backward = get_forward_backward_func()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.is_last_stage = ps.is_pipeline_last_stage()
+        self.sequence_parallel = recipe.parallelism.sequence_parallel and self.tp_size > 1
+        self.loss_params = loss_params(recipe.algorithm)
+        self.logits_dtype = torch.float32 if recipe.trainer.fp32_lm_head else torch.bfloat16
+        self.state = StepState()
+
+    # -- loss ----------------------------------------------------------------------------------------------------
+
+    def _loss(self, normalizers: LossNormalizers, scale: float, mb: MicroBatch, hidden: torch.Tensor):
+        """hidden: [rows, seq(/tp), hidden] from the last stage. Returns (scaled loss, metrics of this micro-batch)."""
+        lp, entropy = self._token_logprobs(mb, hidden)
+        loss, metrics = policy_loss(self.recipe.algorithm.loss, logprobs=lp, gen_logprobs=mb.gen_logprobs,
+                                    advantages=mb.advantages, mask=mb.loss_mask, group_ids=mb.group_ids,
+                                    aggregation=self.recipe.algorithm.aggregation, normalizers=normalizers,
+                                    **self.loss_params)
+        mask = mb.loss_mask
+        metrics["loss"] = loss.detach()
+        metrics["entropy_sum"] = (entropy * mask).sum()
+        return loss * scale, metrics
+
+    def _token_logprobs(self, mb: MicroBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [rows, seq(/tp), h] -> (log-probs, entropy) of mb.targets, each [rows, seq] FP32."""
+        lp, entropy = token_logprobs(hidden.transpose(0, 1), self.head_weight_fn(self.model[-1]), mb.targets.t(),
+                                     tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
+                                     logits_dtype=self.logits_dtype)
+        return lp.t(), entropy.t()
+
+    def _forward_step(self, loss_fn, data_iterator, model):
+        mb: MicroBatch = next(data_iterator)
+        hidden = model(mb.tokens, mb.position_ids, None)
+        return hidden, partial(loss_fn, mb)
+
+    def _run_schedule(self, microbatches: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[dict]:
+        return self.forward_backward(
+            forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(microbatches),
+            model=self.model, num_microbatches=len(microbatches),
+            seq_length=max(mb.tokens.shape[1] for mb in microbatches),
+            micro_batch_size=self.recipe.parallelism.micro_batch_size, forward_only=forward_only)
+
+    def _microbatches(self, batch: TrainBatch) -> list[MicroBatch]:
+        pad = self.tp_size if self.sequence_parallel else 1
+        return build_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                  micro_batch_size=self.recipe.parallelism.micro_batch_size, pad_multiple=pad)
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """The current policy's log-prob of every token of `batch`, packed like batch.input_ids [T] (FP32; 0 for
+        each sample's first token). Collective; every rank gets the full tensor."""
+        from megatron.core import parallel_state as ps
+
+        def collect(mb: MicroBatch, hidden: torch.Tensor):
+            lp, _ = self._token_logprobs(mb, hidden)
+            return lp.sum() * 0, {"logprobs": lp, "sample_index": mb.sample_index}
+
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            outputs = self._run_schedule(self._microbatches(batch), collect, forward_only=True)
+        finally:
+            for chunk in self.model:
+                chunk.train()
+        packed = torch.zeros(batch.num_tokens, dtype=torch.float32)
+        offsets = batch.offsets.tolist()
+        if ps.get_tensor_model_parallel_rank() == 0:
+            for out in outputs:
+                for row, i in enumerate(out["sample_index"].tolist()):
+                    if i >= 0:
+                        n = offsets[i + 1] - offsets[i] - 1
+                        packed[offsets[i] + 1:offsets[i + 1]] = out["logprobs"][row, :n]
+        if dist.is_initialized():
+            dist.all_reduce(packed)
+        return packed
+
+    # -- step ----------------------------------------------------------------------------------------------------
+
+    def run(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on `batch` (the whole step's batch, identical on every rank). Returns its metrics."""
+        start = time.perf_counter()
+        step = self.state.step
+        normalizers = LossNormalizers.from_sample_tokens(_sample_loss_tokens(batch), batch.group_ids)
+        microbatches = self._microbatches(batch)
+        scale = float(len(microbatches) * self.dp_size)
+        lr = lr_at(step, lr=self.recipe.trainer.lr, warmup_steps=self.recipe.trainer.warmup_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        outputs = self._run_schedule(microbatches, partial(self._loss, normalizers, scale), forward_only=False)
+
+        loss_sum, merged = self._reduce_metrics(outputs)
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
+        if finite:
+            updated, _, _ = self.optimizer.step()
+            finite = bool(updated)
+        self.state.step += 1
+        if finite:
+            self.state.weight_version += 1
+            self.state.consecutive_nonfinite = 0
+        else:
+            self.optimizer.zero_grad()
+            self.state.consecutive_nonfinite += 1
+            self.state.skipped_steps.append(step)
+            if self.state.consecutive_nonfinite >= self.recipe.trainer.max_consecutive_nonfinite:
+                raise NonFiniteError(
+                    f"step {step}: non-finite loss ({loss_sum}) or grad norm ({grad_norm}) for "
+                    f"{self.state.consecutive_nonfinite} steps in a row (trainer.max_consecutive_nonfinite)")
+        elapsed = time.perf_counter() - start
+        tokens = int(batch.lengths.sum())
+        return {
+            "train/loss": loss_sum, "train/grad_norm": grad_norm, "train/lr": lr,
+            "train/skipped": 0.0 if finite else 1.0,
+            "train/clip_fraction": merged["clip_fraction"], "train/ratio_mean": merged["ratio_mean"],
+            "train/ratio_max": merged["ratio_max"], "train/mismatch_k3": merged["mismatch_k3"],
+            "train/entropy": merged["entropy"], "train/loss_tokens": merged["tokens"],
+            "train/truncated_fraction": float(batch.truncated.float().mean()),
+            "train/samples": batch.num_samples, "train/tokens": tokens,
+            "train/step_time_s": elapsed, "train/tokens_per_s": tokens / elapsed,
+            "train/weight_version": self.state.weight_version,
+            "train/max_version_lag": float(self.state.weight_version - 1 - batch.weight_versions.max())
+            if finite else float("nan"),
+        }
+
+    def _reduce_metrics(self, outputs: list[dict]) -> tuple[float, dict[str, float]]:
+        """Sum the step's loss and merge its metrics over micro-batches and DP ranks; every rank gets the result."""
+        from megatron.core import parallel_state as ps
+
+        local = merge_metrics(outputs) if outputs else {"tokens": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0,
+                                                         "mismatch_k3": 0.0, "ratio_max": 0.0}
+        loss = sum(float(o["loss"]) for o in outputs)
+        entropy = sum(float(o["entropy_sum"]) for o in outputs)
+        tokens = local["tokens"]
+        sums = torch.tensor([loss, entropy, tokens, local["clip_fraction"] * tokens, local["ratio_mean"] * tokens,
+                             local["mismatch_k3"] * tokens], dtype=torch.float64)
+        maxes = torch.tensor([local["ratio_max"]], dtype=torch.float64)
+        if not self.is_last_stage:
+            sums.zero_()
+            maxes.fill_(-math.inf)
+        if dist.is_initialized():
+            # Only last-stage ranks hold values; TP peers hold identical copies, so reduce over DP x PP with tp rank 0.
+            if ps.get_tensor_model_parallel_rank() != 0:
+                sums.zero_()
+                maxes.fill_(-math.inf)
+            dist.all_reduce(sums)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        loss, entropy, tokens, clip, ratio, mismatch = sums.tolist()
+        denom = max(tokens, 1.0)
+        return loss, {"tokens": tokens, "entropy": entropy / denom, "clip_fraction": clip / denom,
+                      "ratio_mean": ratio / denom, "mismatch_k3": mismatch / denom, "ratio_max": float(maxes[0])}

@@ -1,0 +1,60 @@
+"""The trainer role as users start it: torchrun -m megatron_scalerl.trainer --run-dir RUN."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_scalerl.metrics import read_metrics
+from megatron_scalerl.rollout.stream import RolloutStream
+from tests.trainer_utils import rl_batch, tiny_recipe
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def _run_trainer(run_dir: Path, nproc: int, *extra: str, wait_s: int = 20) -> subprocess.CompletedProcess:
+    cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", "-m", "megatron_scalerl.trainer",
+           "--run-dir", str(run_dir), "--batch-timeout-s", str(wait_s), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _prepare(run_dir: Path, steps: int, **layout) -> None:
+    recipe = tiny_recipe(extra=["trainer.checkpoint_interval=2", "logging.wandb_mode=disabled"], **layout)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
+    stream = RolloutStream(run_dir)
+    for seed in range(steps):
+        stream.put(rl_batch(seed))
+
+
+@pytest.mark.slow
+def test_trainer_role_trains_checkpoints_and_resumes(tmp_path):
+    _prepare(tmp_path, 5)
+    first = _run_trainer(tmp_path, 1, "--max-steps", "3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    records = read_metrics(tmp_path, role="trainer")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["gpu_hours"] > 0 and r["gpus"] == 2 for r in records)
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").glob("iter_*"))
+    assert checkpoints == ["iter_0000002", "iter_0000003"]
+
+    second = _run_trainer(tmp_path, 1, "--max-steps", "5")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from iter_0000003" in second.stderr
+    steps = [r["step"] for r in read_metrics(tmp_path, role="trainer")]
+    assert steps == [1, 2, 3, 4, 5]
+    state = json.loads((tmp_path / "checkpoints" / "iter_0000005" / "rl_state.json").read_text())
+    assert state["step_state"]["weight_version"] == 5
+
+
+@pytest.mark.slow
+def test_trainer_role_waits_for_batches_then_names_the_missing_producer(tmp_path):
+    _prepare(tmp_path, 1, dp=2)
+    proc = _run_trainer(tmp_path, 2, "--max-steps", "2", wait_s=5)
+    assert proc.returncode != 0
+    assert "trainer ERROR no TrainBatch 1 in" in proc.stderr and "orchestrator" in proc.stderr
+    assert [r["step"] for r in read_metrics(tmp_path, role="trainer")] == [1]

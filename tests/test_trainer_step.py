@@ -1,0 +1,121 @@
+"""The train step on real tiny Megatron models: layout invariance, split invariance, learning, non-finite steps."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_scalerl.platform import run_local_workers
+from tests.trainer_utils import rl_batch, tiny_hf_checkpoint, tiny_recipe
+
+
+def _steps(rank, recipe_kwargs, seeds):
+    from megatron_scalerl.trainer.setup import build_trainer
+
+    trainer = build_trainer(tiny_recipe(**recipe_kwargs))
+    return [(m["train/loss"], m["train/grad_norm"]) for m in (trainer.step.run(rl_batch(s)) for s in seeds)]
+
+
+def _assert_same(a, b, rtol=1e-4):
+    for (la, ga), (lb, gb) in zip(a, b, strict=True):
+        assert math.isclose(la, lb, rel_tol=rtol, abs_tol=1e-7), (a, b)
+        assert math.isclose(ga, gb, rel_tol=rtol), (a, b)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return tiny_hf_checkpoint(tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(scope="module")
+def dense_reference(hf_dir):
+    return run_local_workers(_steps, 1, dict(hf=hf_dir), [0, 1, 2], timeout_s=300)[0]
+
+
+@pytest.mark.parametrize("layout", [dict(mbs=4), dict(mbs=16)])
+def test_micro_batch_split_does_not_change_loss_or_grad(dense_reference, hf_dir, layout):
+    _assert_same(run_local_workers(_steps, 1, dict(layout, hf=hf_dir), [0, 1, 2], timeout_s=300)[0],
+                 dense_reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2), dict(dp=2), dict(dp=2, mbs=2)],
+                         ids=["tp2", "pp2", "dp2", "dp2-mbs2"])
+def test_dense_layouts_match_one_process(dense_reference, hf_dir, layout):
+    world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
+    results = run_local_workers(_steps, world, dict(layout, hf=hf_dir), [0, 1, 2], timeout_s=400)
+    for rank_result in results:
+        _assert_same(rank_result, dense_reference)
+
+
+def _learning(rank):
+    from megatron_scalerl.trainer.setup import build_trainer
+
+    trainer = build_trainer(tiny_recipe(extra=["trainer.lr=3e-3"]))
+    batch = rl_batch(7)
+    weight = torch.repeat_interleave(batch.advantages, batch.lengths) * batch.loss_mask
+
+    def objective():  # advantage-weighted log-likelihood of the batch: what policy gradient increases
+        return float((trainer.step.logprobs(batch) * weight).sum())
+
+    before = objective()
+    losses = [trainer.step.run(batch)["train/loss"] for _ in range(4)]
+    return before, objective(), losses, trainer.step.state.weight_version
+
+
+def test_cispo_steps_on_a_fixed_batch_improve_the_policy():
+    before, after, losses, version = run_local_workers(_learning, 1, timeout_s=300)[0]
+    assert after > before + 1.0, (before, after)
+    assert version == 4 and all(math.isfinite(x) for x in losses)
+
+
+def _non_finite(rank):
+    import dataclasses
+
+    from megatron_scalerl.trainer.setup import build_trainer
+    from megatron_scalerl.trainer.step import NonFiniteError
+
+    trainer = build_trainer(tiny_recipe(extra=["trainer.max_consecutive_nonfinite=2"]))
+    good = rl_batch(0)
+    bad = dataclasses.replace(good, advantages=torch.full_like(good.advantages, float("inf")))
+    weights = [p.detach().clone() for p in trainer.model[0].parameters()]
+    m = trainer.step.run(bad)
+    unchanged = all(torch.equal(a, b) for a, b in zip(weights, trainer.model[0].parameters(), strict=True))
+    trainer.step.run(good)
+    trainer.step.run(bad)
+    try:
+        trainer.step.run(bad)
+    except NonFiniteError as exc:
+        return m["train/skipped"], unchanged, trainer.step.state.weight_version, trainer.step.state.skipped_steps, \
+            str(exc)
+    return None
+
+
+def test_non_finite_steps_are_skipped_then_abort_naming_the_step():
+    skipped, unchanged, version, skipped_steps, message = run_local_workers(_non_finite, 1, timeout_s=300)[0]
+    assert skipped == 1.0 and unchanged
+    assert version == 1 and skipped_steps == [0, 2, 3]
+    assert message.startswith("step 3: non-finite loss") and "2 steps in a row" in message
+
+
+@pytest.fixture(scope="module")
+def moe_hf_dir(tmp_path_factory):
+    return tiny_hf_checkpoint(tmp_path_factory.mktemp("hf_moe"), model="tiny_moe")
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe_hf_dir):
+    return run_local_workers(_steps, 1, dict(model="tiny_moe", hf=moe_hf_dir), [0, 1], timeout_s=300)[0]
+
+
+def test_moe_trains(moe_reference):
+    assert all(math.isfinite(loss) and grad > 0 for loss, grad in moe_reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [dict(dp=2, ep=2), dict(tp=2, dp=2, ep=2)], ids=["ep2", "tp2xep2"])
+def test_moe_layouts_match_one_process(moe_reference, moe_hf_dir, layout):
+    world = layout.get("tp", 1) * layout.get("dp", 1)
+    results = run_local_workers(_steps, world, dict(layout, model="tiny_moe", hf=moe_hf_dir), [0, 1], timeout_s=500)
+    for rank_result in results:
+        _assert_same(rank_result, moe_reference)

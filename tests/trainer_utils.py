@@ -1,0 +1,51 @@
+"""Shared pieces of the trainer tests: a tiny recipe at a layout and a deterministic TrainBatch for it."""
+
+import torch
+
+from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.rollout.stream import TrainBatch
+
+BASE = ["trainer.precision=fp32", "trainer.warmup_steps=0", "trainer.lr=1e-3", "trainer.grad_clip=0"]
+
+
+def tiny_hf_checkpoint(directory, model="tiny_dense", seed=0):
+    """An HF checkpoint of the tiny model with random weights: the same starting weights for every layout."""
+    from megatron_scalerl.models.hf_io import save_random_hf_model
+
+    return str(save_random_hf_model(load_recipe("scalerl", model_preset=model).model, directory, seed=seed))
+
+
+def tiny_recipe(model="tiny_dense", *, tp=1, pp=1, ep=1, dp=1, mbs=1, hf=None, extra=()):
+    """The tiny model at a layout (world = tp * pp * dp processes), initialised from the HF checkpoint `hf`."""
+    world = tp * pp * dp
+    overrides = BASE + [f"parallelism.tp={tp}", f"parallelism.pp={pp}", f"parallelism.ep={ep}",
+                        f"parallelism.micro_batch_size={mbs}", f"cluster.gpus_per_node={world}",
+                        f"parallelism.sequence_parallel={'true' if tp > 1 and model == 'tiny_moe' else 'false'}",
+                        "rollout.prompts_per_step=4", "rollout.generations_per_prompt=4",
+                        *([f"model.hf_checkpoint={hf}"] if hf else []), *extra]
+    return load_recipe("scalerl", overrides, model_preset=model)
+
+
+def rl_batch(seed=0, vocab=1024, groups=4, per_group=4, max_len=40) -> TrainBatch:
+    """`groups` prompts x `per_group` samples of different lengths, rewards +-1, group-baseline advantages."""
+    g = torch.Generator().manual_seed(seed)
+    n = groups * per_group
+    lengths = torch.randint(12, max_len, (n,), generator=g)
+    prompt_lengths = torch.randint(3, 8, (n,), generator=g)
+    rewards = torch.where(torch.rand(n, generator=g) < 0.5, 1.0, -1.0)
+    rewards[::per_group] = 1.0  # every group has a correct and an incorrect answer
+    rewards[1::per_group] = -1.0
+    group_ids = torch.arange(groups).repeat_interleave(per_group)
+    adv = rewards - rewards.view(groups, per_group).mean(1).repeat_interleave(per_group)
+    adv = adv / adv.std()
+    total = int(lengths.sum())
+    positions = torch.cat([torch.arange(int(L)) for L in lengths])
+    completion = positions >= torch.repeat_interleave(prompt_lengths, lengths)
+    return TrainBatch(
+        input_ids=torch.randint(0, vocab, (total,), generator=g),
+        loss_mask=completion,
+        gen_logprobs=torch.where(completion, -7.0 + 0.3 * torch.randn(total, generator=g), 0.0),
+        weight_versions=torch.where(completion, 0, -1),
+        lengths=lengths, prompt_lengths=prompt_lengths, advantages=adv.float(), rewards=rewards,
+        group_ids=group_ids, truncated=torch.zeros(n, dtype=torch.bool),
+    ).validate("rl_batch", vocab)
