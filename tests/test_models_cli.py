@@ -49,7 +49,7 @@ def test_verify_logits_tp2_ep2(moe_dir):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--megatron", "ckpt"], "--megatron: loading Megatron checkpoints is delivered by the trainer's checkpoint"),
+        (["--megatron", "/nonexistent/iter_0000001"], "--megatron /nonexistent/iter_0000001: not a complete trainer"),
         (["--tp", "3"], "parallelism.tp: 3 does not divide model.num_query_groups 2"),
         (["--ep", "0"], "--ep: must be >= 1, got 0"),
     ],

@@ -5,6 +5,8 @@
 With `--hf` alone it builds our Megatron model from the HF weights through the mapping at the given layout (worker
 processes on gloo are spawned here, one command for any layout), runs it and HF on the same random tokens, and
 prints one JSON object on its last line (`max_abs_diff`, fp32 logits). Exit 0 when max_abs_diff <= --tolerance.
+With `--megatron RUN/checkpoints/iter_NNNNNNN` our model's weights come from that trainer checkpoint instead (at any
+layout: checkpoints reshard on load), e.g. after converting it to HF, or for the checkpoint a run started from.
 """
 
 from __future__ import annotations
@@ -45,11 +47,6 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
 
 def _verify_logits(args: argparse.Namespace) -> int:
     _positive(args, "tp", "pp", "ep", "expert_tp", "seq_len", "batch")
-    if args.megatron:
-        raise UserError(
-            "--megatron: loading Megatron checkpoints is delivered by the trainer's checkpoint issue and is not "
-            "available here yet; run with --hf alone to check the HF -> Megatron conversion"
-        )
     import torch
 
     from megatron_scalerl.models.arch import check_model_layout
@@ -59,6 +56,8 @@ def _verify_logits(args: argparse.Namespace) -> int:
 
     _, model_cfg = read_hf_config(args.hf)
     LazyHFState(Path(args.hf))  # fail early, in this process, on missing weights
+    if args.megatron:
+        _check_checkpoint_matches(Path(args.megatron), model_cfg, args.hf)
     layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.expert_tp)
     check_model_layout(model_cfg, layout.parallelism())
     world_size = layout.min_world_size()
@@ -76,10 +75,11 @@ def _verify_logits(args: argparse.Namespace) -> int:
           file=sys.stderr)
     reference = hf_reference(args.hf, input_ids, labels, with_grad=False)
     (ours,) = run_layouts(model_cfg, args.hf, [layout], input_ids, labels, with_grad=False,
-                          world_size=world_size, timeout_s=args.timeout)
+                          world_size=world_size, timeout_s=args.timeout, megatron_ckpt=args.megatron)
     diff = (ours.logits - reference.logits).abs().max().item()
     report = {
         "hf": str(args.hf),
+        "megatron": args.megatron,
         "layout": str(layout),
         "world_size": world_size,
         "batch": batch,
@@ -93,3 +93,20 @@ def _verify_logits(args: argparse.Namespace) -> int:
     }
     print(json.dumps(report))
     return 0 if report["ok"] else 1
+
+
+def _check_checkpoint_matches(path: Path, hf_model_cfg, hf_dir: str) -> None:
+    """A trainer checkpoint of the same architecture as the HF directory, complete per its manifest."""
+    from megatron_scalerl.trainer.checkpoint import CheckpointStore
+    from megatron_scalerl.trainer.state import checkpoint_model_config
+
+    problems = CheckpointStore.problems(path, checksums=False) if path.is_dir() else ["no such directory"]
+    if problems:
+        raise UserError(f"--megatron {path}: not a complete trainer checkpoint ({'; '.join(problems[:3])})")
+    ckpt_cfg = checkpoint_model_config(path)
+    ours, theirs = ckpt_cfg.model_dump(exclude={"hf_checkpoint"}), hf_model_cfg.model_dump(exclude={"hf_checkpoint"})
+    differing = [k for k in ours if ours[k] != theirs.get(k)]
+    if differing:
+        field = differing[0]
+        raise UserError(f"--megatron {path}: model.{field} is {ours[field]!r} in the checkpoint but "
+                        f"{theirs.get(field)!r} in {hf_dir}/config.json ({len(differing)} field(s) differ)")

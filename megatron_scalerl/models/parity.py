@@ -115,9 +115,11 @@ def _gather(tensor: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
 
 
 def run_layout(
-    model_cfg: ModelConfig, layout: Layout, hf_state: Any, input_ids: Tensor, labels: Tensor, *, with_grad: bool
+    model_cfg: ModelConfig, layout: Layout, hf_state: Any, input_ids: Tensor, labels: Tensor, *, with_grad: bool,
+    megatron_ckpt: str | None = None,
 ) -> LayoutResult | None:
-    """Inside a worker of an initialised process group: build, load, run; the result on one rank, else None."""
+    """Inside a worker of an initialised process group: build, load (the HF weights, or the trainer checkpoint
+    `megatron_ckpt`), run; the result on one rank, else None."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -129,7 +131,12 @@ def run_layout(
     initialize_model_parallel(layout.tp, layout.pp, layout.ep, layout.expert_tp)
     try:
         model = build_model(model_cfg, layout.parallelism(), fp32_lm_head=True)
-        load_hf_state(model, hf_state, model_cfg)
+        if megatron_ckpt is None:
+            load_hf_state(model, hf_state, model_cfg)
+        else:
+            from megatron_scalerl.trainer.state import load_model_weights
+
+            load_model_weights(Path(megatron_ckpt), model)
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         if input_ids.shape[0] % dp_size:
             raise ValueError(f"{layout}: batch {input_ids.shape[0]} does not split over {dp_size} data-parallel ranks")
@@ -167,13 +174,15 @@ def run_layouts_worker(
     input_ids: Tensor,
     labels: Tensor,
     with_grad: bool,
+    megatron_ckpt: str | None = None,
 ) -> list[LayoutResult | None]:
     """`run_local_workers` entry: every layout in turn on the same process group."""
     from megatron_scalerl.models.hf_io import LazyHFState
 
     model_cfg = ModelConfig.model_validate_json(model_cfg_json)
     hf_state = LazyHFState(Path(hf_dir))
-    return [run_layout(model_cfg, layout, hf_state, input_ids, labels, with_grad=with_grad) for layout in layouts]
+    return [run_layout(model_cfg, layout, hf_state, input_ids, labels, with_grad=with_grad,
+                       megatron_ckpt=megatron_ckpt) for layout in layouts]
 
 
 def run_layouts(
@@ -186,8 +195,10 @@ def run_layouts(
     with_grad: bool,
     world_size: int | None = None,
     timeout_s: float = 900.0,
+    megatron_ckpt: str | None = None,
 ) -> list[LayoutResult]:
-    """Run each layout on `world_size` spawned workers (default: the fewest that hold all of them)."""
+    """Run each layout on `world_size` spawned workers (default: the fewest that hold all of them); the weights come
+    from `hf_dir`, or from the trainer checkpoint `megatron_ckpt` when given."""
     from megatron_scalerl.platform.local_workers import run_local_workers
 
     world_size = world_size or math.lcm(*(layout.min_world_size() for layout in layouts))
@@ -200,6 +211,7 @@ def run_layouts(
         input_ids,
         labels,
         with_grad,
+        megatron_ckpt,
         backend="auto",  # gloo workers on CPU; one GPU per worker (nccl) on a GPU machine
         timeout_s=timeout_s,
     )

@@ -51,7 +51,8 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
         return compute_hours_before + (time.monotonic() - start) / 3600.0
 
     def checkpoint() -> None:
-        save_trainer(store, trainer.model, trainer.optimizer, trainer.step.state, {"wall_hours": wall_hours()})
+        save_trainer(store, trainer.model, trainer.optimizer, trainer.step.state, recipe.model,
+                     {"wall_hours": wall_hours()})
 
     end = max_steps if max_steps is not None else recipe.trainer.max_steps
     try:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_scalerl.recipe import ModelConfig
 from megatron_scalerl.trainer.checkpoint import CheckpointError, CheckpointStore
 from megatron_scalerl.trainer.setup import unwrap
 from megatron_scalerl.trainer.step import StepState
@@ -31,16 +32,18 @@ def _sharded_state(model_chunks: list, optimizer, *, is_loading: bool) -> dict:
         raise NotImplementedError("virtual pipeline stages (several model chunks per rank) are not supported yet")
     state = {"model": unwrap(model_chunks[0]).sharded_state_dict()}
     if optimizer is not None:
+        _materialise_optimizer_state(model_chunks, optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=OPTIMIZER_SHARDING)
     return state
 
 
 def _materialise_optimizer_state(model_chunks: list, optimizer) -> None:
-    """Give a fresh optimizer its state so megatron can describe what to load into it.
+    """Give a fresh optimizer its state so megatron can describe it (to save it, or what to load into it).
 
-    megatron-core 0.16.1 with torch's Adam (no Apex/TE) builds the loading state dict from the optimizer's current
+    megatron-core 0.16.1 with torch's Adam (no Apex/TE) builds the optimizer's sharded state dict from its current
     state (`DistributedOptimizer.state_dict` asserts one shared Adam `step`), which a new optimizer does not have yet.
-    One step with zero gradients at learning rate 0 creates it without touching the weights; the load overwrites it.
+    One step with zero gradients at learning rate 0 creates it without touching the weights; resetting Adam's step
+    count to 0 then makes it exactly a fresh optimizer's state (zero moments, no step taken).
     """
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     if all(len(part.optimizer.state) for part in parts if part.optimizer is not None):
@@ -54,6 +57,10 @@ def _materialise_optimizer_state(model_chunks: list, optimizer) -> None:
     optimizer.step()
     for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
+    for part in parts:
+        for param_state in part.optimizer.state.values():
+            if "step" in param_state:
+                param_state["step"].zero_()
 
 
 def _rng_state() -> dict:
@@ -63,8 +70,9 @@ def _rng_state() -> dict:
 
 
 def save_trainer(store: CheckpointStore, model_chunks: list, optimizer, step_state: StepState,
-                 extra_rl_state: dict) -> Path:
-    """Collective. Publishes `checkpoints/iter_<step>` (step = optimizer steps taken)."""
+                 model_cfg: ModelConfig, extra_rl_state: dict) -> Path:
+    """Collective. Publishes `checkpoints/iter_<step>` (step = optimizer steps taken). The architecture
+    (`model_cfg`) is recorded in the RL state so tools can rebuild the model from the checkpoint alone."""
     from megatron.core import dist_checkpointing
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -75,7 +83,8 @@ def save_trainer(store: CheckpointStore, model_chunks: list, optimizer, step_sta
         torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    rl_state = {"step_state": dataclasses.asdict(step_state), "world_size": world, **extra_rl_state}
+    rl_state = {"step_state": dataclasses.asdict(step_state), "world_size": world,
+                "model": model_cfg.model_dump(mode="json", exclude={"hf_checkpoint"}), **extra_rl_state}
     return store.save(step_state.step, write, rl_state)
 
 
@@ -85,8 +94,6 @@ def load_trainer(path: Path, model_chunks: list, optimizer) -> tuple[StepState, 
 
     store = CheckpointStore(path.parent.parent, keep=1)
     rl_state = store.rl_state(path)
-    if optimizer is not None:
-        _materialise_optimizer_state(model_chunks, optimizer)
     try:
         loaded = dist_checkpointing.load(_sharded_state(model_chunks, optimizer, is_loading=True), str(path))
     except Exception as exc:  # megatron raises many types for missing/mismatched shards
@@ -106,3 +113,26 @@ def load_trainer(path: Path, model_chunks: list, optimizer) -> tuple[StepState, 
                  rl_state.get("world_size"), world)
     step_state = StepState(**rl_state["step_state"])
     return step_state, rl_state
+
+
+def checkpoint_model_config(path: Path) -> ModelConfig:
+    """The architecture a checkpoint was written for (recorded by `save_trainer`)."""
+    rl_state = CheckpointStore(path.parent.parent, keep=1).rl_state(path)
+    if "model" not in rl_state:
+        raise CheckpointError(f"{path}: rl_state.json records no model config")
+    return ModelConfig.model_validate(rl_state["model"])
+
+
+def load_model_weights(path: Path, model: torch.nn.Module) -> None:
+    """Collective. The model weights only (no optimizer) of checkpoint `path`, into a model at any layout."""
+    from megatron.core import dist_checkpointing
+
+    problems = CheckpointStore.problems(path)
+    if problems:
+        raise CheckpointError(f"{path}: not a complete checkpoint: {'; '.join(problems[:3])}")
+    gpt = unwrap(model)
+    try:
+        loaded = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(path))
+    except Exception as exc:  # megatron raises many types for missing/mismatched shards
+        raise CheckpointError(f"{path}: cannot load into this model/layout: {exc}") from exc
+    gpt.load_state_dict(loaded["model"])
