@@ -265,6 +265,8 @@ def _cross_field_problems(r: Recipe) -> list[tuple[str, str]]:
         out.append(("parallelism.tp", f"tp={p.tp} does not divide model.num_attention_heads={m.num_attention_heads}"))
     if m.num_query_groups % p.tp:
         out.append(("parallelism.tp", f"tp={p.tp} does not divide model.num_query_groups={m.num_query_groups}"))
+    if m.vocab_size % p.tp:
+        out.append(("parallelism.tp", f"tp={p.tp} does not divide model.vocab_size={m.vocab_size}"))
     if m.num_layers % p.pp:
         out.append(("parallelism.pp", f"pp={p.pp} does not divide model.num_layers={m.num_layers}"))
     if p.ep > 1 and not m.is_moe:

@@ -88,3 +88,13 @@ def test_corrupt_file_is_a_clear_error(tmp_path):
     stream.path(0).write_bytes(stream.path(0).read_bytes()[:40])
     with pytest.raises(BatchError, match="batch_00000000.safetensors: unreadable TrainBatch"):
         stream.get(0, timeout_s=1)
+
+
+def test_prune_keeps_newer_batches_and_the_write_position(tmp_path):
+    stream = RolloutStream(tmp_path)
+    for seed in range(4):
+        stream.put(make_batch(seed=seed))
+    assert stream.prune(before=2) == 2
+    assert sorted(p.name for p in stream.dir.iterdir()) == ["batch_00000002.safetensors", "batch_00000003.safetensors"]
+    assert stream.put(make_batch()) == 4
+    assert stream.get(3, timeout_s=1)[0].input_ids.dtype == torch.int64

@@ -80,3 +80,23 @@ def test_collective_save_hashes_every_rank_file(tmp_path):
     files = json.loads((path / "manifest.json").read_text())["files"]
     assert set(files) == {"shard/rank0.bin", "shard/rank1.bin", "rl_state.json"}
     assert store.problems(path) == []
+
+
+def _two_rank_latest(rank, run_dir):
+    return CheckpointStore(run_dir, keep=3).latest_valid()
+
+
+def test_ranks_split_the_validation_and_agree(tmp_path):
+    store = CheckpointStore(tmp_path, keep=3)
+    store.save(10, _writer(b"a" * 100), {})
+    store.save(20, _writer(b"b" * 100), {})
+    (store.path(20) / "shard" / "rank0.bin").write_bytes(b"c" * 100)  # hashed by one rank only
+    assert run_local_workers(_two_rank_latest, 2, tmp_path, timeout_s=120) == [(10, store.path(10))] * 2
+
+
+def test_resaving_an_iteration_replaces_it_whole(tmp_path):
+    store = CheckpointStore(tmp_path, keep=3)
+    store.save(10, _writer(b"a" * 100), {"v": 1})
+    store.save(10, _writer(b"b" * 50), {"v": 2})
+    assert store.rl_state(store.path(10)) == {"v": 2} and store.problems(store.path(10)) == []
+    assert not list((tmp_path / "checkpoints").glob(".iter_*"))

@@ -8,12 +8,12 @@ from megatron_scalerl.platform import run_local_workers
 from tests.trainer_utils import rl_batch, tiny_hf_checkpoint, tiny_recipe
 
 
-def _train_and_save(rank, run_dir, save_after, hf):
+def _train_and_save(rank, run_dir, save_after, hf, layout=None):
     from megatron_scalerl.trainer.checkpoint import CheckpointStore
     from megatron_scalerl.trainer.setup import build_trainer
     from megatron_scalerl.trainer.state import save_trainer
 
-    trainer = build_trainer(tiny_recipe(hf=hf))
+    trainer = build_trainer(tiny_recipe(hf=hf, **(layout or {})))
     store = CheckpointStore(run_dir, keep=5)
     losses = []
     if 0 in save_after:
@@ -65,6 +65,16 @@ def test_resume_into_a_different_layout(saved_run, hf_dir, layout):
     for _, _, _, resumed in run_local_workers(_resume, 2, run_dir, layout, hf_dir, timeout_s=400):
         for a, b in zip(resumed, losses[2:], strict=True):
             assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-7)
+
+
+@pytest.mark.slow
+def test_checkpoint_written_by_two_data_parallel_ranks_resumes_on_one(saved_run, hf_dir, tmp_path):
+    _, losses = saved_run
+    dp_losses = run_local_workers(_train_and_save, 2, tmp_path, {2}, hf_dir, dict(dp=2), timeout_s=400)
+    iteration, _, _, resumed = run_local_workers(_resume, 1, tmp_path, {}, hf_dir, timeout_s=300)[0]
+    assert iteration == 2
+    for a, b in zip(dp_losses[0] + resumed, losses + losses[2:], strict=True):
+        assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-7)
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(saved_run, hf_dir, tmp_path):

@@ -34,6 +34,7 @@ def _prepare(run_dir: Path, steps: int, **layout) -> None:
 @pytest.mark.slow
 def test_trainer_role_trains_checkpoints_and_resumes(tmp_path):
     _prepare(tmp_path, 5)
+    (tmp_path / "curriculum.json").write_text('{"retired": [7]}')
     first = _run_trainer(tmp_path, 1, "--max-steps", "3")
     assert first.returncode == 0, first.stderr[-3000:]
     records = read_metrics(tmp_path, role="trainer")
@@ -41,6 +42,7 @@ def test_trainer_role_trains_checkpoints_and_resumes(tmp_path):
     assert all(r["gpu_hours"] > 0 and r["gpus"] == 2 for r in records)
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").glob("iter_*"))
     assert checkpoints == ["iter_0000002", "iter_0000003"]
+    assert sorted(p.name[6:14] for p in (tmp_path / "rollouts").iterdir()) == ["00000002", "00000003", "00000004"]
 
     second = _run_trainer(tmp_path, 1, "--max-steps", "5")
     assert second.returncode == 0, second.stderr[-3000:]
@@ -48,7 +50,8 @@ def test_trainer_role_trains_checkpoints_and_resumes(tmp_path):
     steps = [r["step"] for r in read_metrics(tmp_path, role="trainer")]
     assert steps == [1, 2, 3, 4, 5]
     state = json.loads((tmp_path / "checkpoints" / "iter_0000005" / "rl_state.json").read_text())
-    assert state["step_state"]["weight_version"] == 5
+    assert state["step_state"]["weight_version"] == 5 and state["curriculum"] == {"retired": [7]}
+    assert state["wall_hours"] > records[-1]["wall_hours"]
 
 
 @pytest.mark.slow

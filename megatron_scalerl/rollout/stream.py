@@ -125,8 +125,16 @@ class TrainBatch:
         return self
 
 
+# Token ids and versions are stored as int32 on disk (they fit; the stream is ~40% smaller) and read back as int64.
+STORED_AS_INT32 = ("input_ids", "weight_versions")
+
+
 def encode(batch: TrainBatch, metadata: dict | None = None) -> bytes:
     tensors = {f.name: getattr(batch, f.name).contiguous() for f in fields(TrainBatch)}
+    for name in STORED_AS_INT32:
+        if tensors[name].numel() and int(tensors[name].abs().max()) >= 2**31:
+            raise BatchError(f"TrainBatch to write: {name}: values beyond int32")
+        tensors[name] = tensors[name].to(torch.int32)
     return save(tensors, metadata={"meta": json.dumps(metadata or {})})
 
 
@@ -140,6 +148,8 @@ def decode(path: Path) -> tuple[TrainBatch, dict]:
     missing = [f.name for f in fields(TrainBatch) if f.name not in tensors]
     if missing:
         raise BatchError(f"{path}: missing tensors {missing}")
+    for name in STORED_AS_INT32:
+        tensors[name] = tensors[name].to(torch.int64)
     return TrainBatch(**{f.name: tensors[f.name] for f in fields(TrainBatch)}), meta
 
 
@@ -156,7 +166,7 @@ class RolloutStream:
         return self.dir / f"batch_{index:08d}.safetensors"
 
     def next_index(self) -> int:
-        """The index the producer writes next (one past the highest written)."""
+        """The index the producer writes next (one past the highest written; pruning keeps the newest)."""
         indices = [int(p.stem.split("_")[1]) for p in self.dir.glob("batch_*.safetensors")]
         return max(indices, default=-1) + 1
 
@@ -166,6 +176,15 @@ class RolloutStream:
         index = self.next_index()
         atomic_write_bytes(self.path(index), encode(batch, {"index": index, "created": time.time(), **(metadata or {})}))
         return index
+
+    def prune(self, *, before: int) -> int:
+        """Delete the batches with index < `before` (already trained on and behind every kept checkpoint)."""
+        removed = 0
+        for path in self.dir.glob("batch_*.safetensors"):
+            if int(path.stem.split("_")[1]) < before:
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
 
     def get(self, index: int, *, timeout_s: float, vocab_size: int | None = None,
             poll_s: float = 0.05) -> tuple[TrainBatch, dict]:

@@ -52,6 +52,23 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _from_rank0(obj):
+    """Rank 0's `obj` on every rank (the ranks of a shared filesystem may list a folder differently)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gathered(obj) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def sha256_file(path: Path, block: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -93,21 +110,21 @@ class CheckpointStore:
         if _rank() == 0:
             atomic_write_json(tmp / RL_STATE, rl_state)
         _barrier()
-        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        files = _from_rank0(sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+                            if _rank() == 0 else None)
         mine = {rel: {"bytes": (tmp / rel).stat().st_size, "sha256": sha256_file(tmp / rel)}
                 for rel in files[_rank()::_world()]}
-        gathered = [None] * _world()
-        if dist.is_initialized():
-            dist.all_gather_object(gathered, mine)
-        else:
-            gathered = [mine]
+        gathered = _all_gathered(mine)
         if _rank() == 0:
             entries = {k: v for part in gathered for k, v in part.items()}
             atomic_write_json(tmp / MANIFEST, {"iteration": iteration, "created": time.time(),
                                                "files": dict(sorted(entries.items()))})
-            if final.exists():  # re-saving the same iteration (e.g. after a resume): replace it whole
-                shutil.rmtree(final)
+            replaced = self.dir / f".iter_{iteration:07d}.replaced"
+            if final.exists():  # re-saving an iteration (e.g. after a resume): the old copy stays until the new is in
+                shutil.rmtree(replaced, ignore_errors=True)
+                final.rename(replaced)
             tmp.rename(final)
+            shutil.rmtree(replaced, ignore_errors=True)
             atomic_write_text(self.dir / "latest", f"{iteration}\n")
             self._prune()
         _barrier()
@@ -120,8 +137,9 @@ class CheckpointStore:
     # -- reading ----------------------------------------------------------------------------------------------
 
     @staticmethod
-    def problems(path: Path, *, checksums: bool = True) -> list[str]:
-        """Why `path` is not a complete checkpoint (empty list: it is)."""
+    def problems(path: Path, *, checksums: bool = True, share: tuple[int, int] = (0, 1)) -> list[str]:
+        """Why `path` is not a complete checkpoint (empty list: it is). `share` = (i, n) checks only every n-th
+        file starting at the i-th (ranks split the hashing; see `latest_valid`)."""
         manifest_path = path / MANIFEST
         if not manifest_path.is_file():
             return ["no manifest.json (save did not finish)"]
@@ -131,7 +149,8 @@ class CheckpointStore:
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             return [f"manifest.json unreadable: {exc}"]
         out = []
-        for rel, entry in files.items():
+        index, count = share
+        for rel, entry in sorted(files.items())[index::count]:
             file = path / rel
             if not file.is_file():
                 out.append(f"{rel}: missing")
@@ -144,13 +163,15 @@ class CheckpointStore:
     def latest_valid(self, *, checksums: bool = True) -> tuple[int, Path] | None:
         """Newest checkpoint that passes its manifest, or None when there is no checkpoint at all.
 
+        Collective when a process group exists: the ranks split the hashing and all reach the same answer.
         Skipped checkpoints are logged with their reason; raises CheckpointError if checkpoints exist but none is
         valid (resuming from scratch silently would lose the run).
         """
         skipped = []
-        for iteration in self.iterations():
+        for iteration in _from_rank0(self.iterations() if _rank() == 0 else None):
             path = self.path(iteration)
-            found = self.problems(path, checksums=checksums)
+            parts = _all_gathered(self.problems(path, checksums=checksums, share=(_rank(), _world())))
+            found = list(dict.fromkeys(p for part in parts for p in part))
             if not found:
                 for name, reasons in skipped:
                     log.warning("skipping corrupt checkpoint %s (%s); using %s", name, reasons, path.name)

@@ -13,7 +13,7 @@ micro-batch's longest row, rounded up to `pad_multiple` tokens (sequence paralle
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -33,9 +33,8 @@ class MicroBatch:
     group_ids: torch.Tensor  # [rows] int64 (padding rows: -1)
     sample_index: torch.Tensor  # [rows] int64 index into the TrainBatch, -1 for padding
 
-    @property
-    def num_loss_tokens(self) -> int:
-        return int(self.loss_mask.sum())
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
 def assign_to_ranks(lengths: list[int], dp_size: int) -> list[list[int]]:
@@ -49,11 +48,6 @@ def assign_to_ranks(lengths: list[int], dp_size: int) -> list[list[int]]:
     return ranks
 
 
-def num_microbatches(batch: TrainBatch, dp_size: int, micro_batch_size: int) -> int:
-    per_rank = assign_to_ranks(batch.lengths.tolist(), dp_size)
-    return max(1, math.ceil(max(len(r) for r in per_rank) / micro_batch_size))
-
-
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -61,8 +55,9 @@ def _round_up(n: int, multiple: int) -> int:
 def build_microbatches(batch: TrainBatch, *, dp_rank: int, dp_size: int, micro_batch_size: int,
                        pad_multiple: int = 1, pad_token: int = 0) -> list[MicroBatch]:
     """This DP rank's micro-batches for the step (the same count on every rank)."""
-    mine = assign_to_ranks(batch.lengths.tolist(), dp_size)[dp_rank]
-    count = num_microbatches(batch, dp_size, micro_batch_size)
+    per_rank = assign_to_ranks(batch.lengths.tolist(), dp_size)
+    mine = per_rank[dp_rank]  # longest first, so consecutive rows (one micro-batch) have similar lengths
+    count = max(1, math.ceil(max(len(r) for r in per_rank) / micro_batch_size))
     offsets = batch.offsets.tolist()
     out = []
     for m in range(count):

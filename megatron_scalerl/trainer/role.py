@@ -12,12 +12,15 @@ step i reads `RUN/rollouts/batch_i`, trains, appends a `trainer` record to `RUN/
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.metrics import MetricsLog
+from megatron_scalerl.metrics import MetricsLog, read_metrics
 from megatron_scalerl.recipe import Recipe, load_recipe
 from megatron_scalerl.rollout.stream import RolloutStream
 from megatron_scalerl.trainer.checkpoint import CheckpointStore
@@ -27,22 +30,41 @@ from megatron_scalerl.trainer.step import NonFiniteError
 
 log = logging.getLogger("megatron_scalerl.trainer")
 
+# The orchestrator's curriculum (No-Positive-Resampling state, algo.resampling JSON), written atomically by it.
+# Each checkpoint snapshots it, so resuming from step s restores the curriculum as it was at step s.
+CURRICULUM_FILE = "curriculum.json"
+
+
+def _compute_hours_so_far(run_dir: Path, rl_state: dict) -> float:
+    """Wall hours the run has used before this process: the later of the checkpoint's figure and the last trainer
+    record (work done after the last checkpoint and lost in a crash was still paid for)."""
+    logged = [r.get("wall_hours") or 0.0 for r in read_metrics(run_dir, role="trainer")[-1:]]
+    return max([rl_state.get("wall_hours", 0.0), *logged])
+
+
+def _rl_extras(run_dir: Path, wall_hours: float) -> dict:
+    extras = {"wall_hours": wall_hours}
+    curriculum = run_dir / CURRICULUM_FILE
+    if curriculum.is_file():
+        extras["curriculum"] = json.loads(curriculum.read_text())
+    return extras
+
 
 def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, batch_timeout_s: float = 3600.0,
                 is_log_rank: bool = True) -> dict:
     """Train until `max_steps` (default: trainer.max_steps) optimizer steps; returns the last step's metrics."""
     trainer = build_trainer(recipe)
     store = CheckpointStore(run_dir, keep=recipe.trainer.keep_checkpoints)
-    compute_hours_before = 0.0
+    rl_state: dict = {}
     latest = store.latest_valid()
     if latest is not None:
         trainer.step.state, rl_state = load_trainer(latest[1], trainer.model, trainer.optimizer)
-        compute_hours_before = rl_state.get("wall_hours", 0.0)
         log.info("resumed from %s (step %d, weight version %d)", latest[1].name, trainer.step.state.step,
                  trainer.step.state.weight_version)
     stream = RolloutStream(run_dir)
     metrics = MetricsLog(run_dir, "trainer", wandb_mode=recipe.logging.wandb_mode if is_log_rank else "disabled",
                          wandb_project=recipe.logging.wandb_project, run_name=recipe.name, config=recipe.to_dict())
+    compute_hours_before = _compute_hours_so_far(run_dir, rl_state)
     start = time.monotonic()
     total_gpus = recipe.cluster.total_gpus
     last: dict = {}
@@ -52,7 +74,9 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
 
     def checkpoint() -> None:
         save_trainer(store, trainer.model, trainer.optimizer, trainer.step.state, recipe.model,
-                     {"wall_hours": wall_hours()})
+                     _rl_extras(run_dir, wall_hours()))
+        if is_log_rank:  # batches older than the oldest kept checkpoint can never be read again
+            stream.prune(before=min(store.iterations()))
 
     end = max_steps if max_steps is not None else recipe.trainer.max_steps
     try:
@@ -89,13 +113,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         recipe = load_recipe(args.recipe or args.run_dir / "recipe.yaml", args.overrides)
-        info = init_distributed(recipe.cluster.backend, recipe.cluster.collective_timeout_s)
+        try:
+            info = init_distributed(recipe.cluster.backend, recipe.cluster.collective_timeout_s)
+        except RuntimeError as exc:  # rendezvous failed or timed out: the message names the address and rank
+            raise UserError(str(exc)) from None
         try:
             run_trainer(args.run_dir, recipe, max_steps=args.max_steps, batch_timeout_s=args.batch_timeout_s,
                         is_log_rank=info.rank == 0)
         finally:
             destroy_distributed()
-    except (UserError, TimeoutError, NonFiniteError) as exc:
+    except (UserError, TimeoutError, NonFiniteError, dist.DistError) as exc:
         log.error("%s", exc)
         return 2 if isinstance(exc, UserError) else 1
     return 0

@@ -24,7 +24,28 @@ from megatron_scalerl.trainer.step import StepState
 
 log = logging.getLogger(__name__)
 
-OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Saving gathers each parameter's optimizer state to data-parallel rank 0 over gloo (`mem_efficient`), not to every
+# rank; loading reads it at any layout.
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable",
+                      "distrib_optim_fully_reshardable_mem_efficient": True}
+
+
+def _strategies(path: Path, *, loading: bool):
+    """torch_dist save/load with the work split across the data-parallel replicas (each writes/reads its share)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_load_sharded_strategy,
+        get_default_save_sharded_strategy,
+    )
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    if loading:
+        return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)), group)
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group)
 
 
 def _sharded_state(model_chunks: list, optimizer, *, is_loading: bool) -> dict:
@@ -66,7 +87,10 @@ def _materialise_optimizer_state(model_chunks: list, optimizer) -> None:
 def _rng_state() -> dict:
     from megatron.core import tensor_parallel
 
-    return {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    state = {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def save_trainer(store: CheckpointStore, model_chunks: list, optimizer, step_state: StepState,
@@ -78,7 +102,8 @@ def save_trainer(store: CheckpointStore, model_chunks: list, optimizer, step_sta
     rank = dist.get_rank() if dist.is_initialized() else 0
 
     def write(tmp: Path) -> None:
-        dist_checkpointing.save(_sharded_state(model_chunks, optimizer, is_loading=False), str(tmp))
+        dist_checkpointing.save(_sharded_state(model_chunks, optimizer, is_loading=False), str(tmp),
+                                sharded_strategy=_strategies(tmp, loading=False))
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
 
@@ -95,7 +120,8 @@ def load_trainer(path: Path, model_chunks: list, optimizer) -> tuple[StepState, 
     store = CheckpointStore(path.parent.parent, keep=1)
     rl_state = store.rl_state(path)
     try:
-        loaded = dist_checkpointing.load(_sharded_state(model_chunks, optimizer, is_loading=True), str(path))
+        loaded = dist_checkpointing.load(_sharded_state(model_chunks, optimizer, is_loading=True), str(path),
+                                         sharded_strategy=_strategies(path, loading=True))
     except Exception as exc:  # megatron raises many types for missing/mismatched shards
         raise CheckpointError(f"{path}: cannot load into this model/layout: {exc}") from exc
     unwrap(model_chunks[0]).load_state_dict(loaded["model"])
@@ -107,6 +133,8 @@ def load_trainer(path: Path, model_chunks: list, optimizer) -> tuple[StepState, 
     if rl_state.get("world_size") == world and rng_file.is_file():
         rng = torch.load(rng_file, weights_only=False)
         torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
     else:
         log.info("%s: written by %s ranks, loading on %s: RNG states not restored", path.name,

@@ -35,11 +35,12 @@ class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
 
-def lr_at(step: int, *, lr: float, warmup_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warm-up over `warmup_steps`, then constant."""
+def lr_at(updates: int, *, lr: float, warmup_steps: int) -> float:
+    """Learning rate for the update after `updates` successful ones: linear warm-up over `warmup_steps` updates
+    (skipped non-finite steps do not count), then constant."""
     if warmup_steps <= 0:
         return lr
-    return lr * min(1.0, (step + 1) / warmup_steps)
+    return lr * min(1.0, (updates + 1) / warmup_steps)
 
 
 @dataclass
@@ -76,6 +77,8 @@ class TrainStep:
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_size = ps.get_tensor_model_parallel_world_size()
         self.is_last_stage = ps.is_pipeline_last_stage()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
         self.sequence_parallel = recipe.parallelism.sequence_parallel and self.tp_size > 1
         self.loss_params = loss_params(recipe.algorithm)
         self.logits_dtype = torch.float32 if recipe.trainer.fp32_lm_head else torch.bfloat16
@@ -103,7 +106,7 @@ class TrainStep:
         return lp.t(), entropy.t()
 
     def _forward_step(self, loss_fn, data_iterator, model):
-        mb: MicroBatch = next(data_iterator)
+        mb: MicroBatch = next(data_iterator).to(self.device)
         hidden = model(mb.tokens, mb.position_ids, None)
         return hidden, partial(loss_fn, mb)
 
@@ -136,7 +139,7 @@ class TrainStep:
         finally:
             for chunk in self.model:
                 chunk.train()
-        packed = torch.zeros(batch.num_tokens, dtype=torch.float32)
+        packed = torch.zeros(batch.num_tokens, dtype=torch.float32, device=self.device)
         offsets = batch.offsets.tolist()
         if ps.get_tensor_model_parallel_rank() == 0:
             for out in outputs:
@@ -146,7 +149,7 @@ class TrainStep:
                         packed[offsets[i] + 1:offsets[i + 1]] = out["logprobs"][row, :n]
         if dist.is_initialized():
             dist.all_reduce(packed)
-        return packed
+        return packed.cpu()
 
     # -- step ----------------------------------------------------------------------------------------------------
 
@@ -157,7 +160,7 @@ class TrainStep:
         normalizers = LossNormalizers.from_sample_tokens(_sample_loss_tokens(batch), batch.group_ids)
         microbatches = self._microbatches(batch)
         scale = float(len(microbatches) * self.dp_size)
-        lr = lr_at(step, lr=self.recipe.trainer.lr, warmup_steps=self.recipe.trainer.warmup_steps)
+        lr = lr_at(self.state.weight_version, lr=self.recipe.trainer.lr, warmup_steps=self.recipe.trainer.warmup_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         for chunk in self.model:
@@ -167,12 +170,11 @@ class TrainStep:
         outputs = self._run_schedule(microbatches, partial(self._loss, normalizers, scale), forward_only=False)
 
         loss_sum, merged = self._reduce_metrics(outputs)
-        self.optimizer.prepare_grads()
-        grad_norm = float(self.optimizer.get_grad_norm())
+        grad_norm = self._grad_norm()
         finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
         if finite:
-            updated, _, _ = self.optimizer.step()
-            finite = bool(updated)
+            finite = self._clip_and_update(grad_norm)
+        version_before = self.state.weight_version
         self.state.step += 1
         if finite:
             self.state.weight_version += 1
@@ -197,22 +199,40 @@ class TrainStep:
             "train/samples": batch.num_samples, "train/tokens": tokens,
             "train/step_time_s": elapsed, "train/tokens_per_s": tokens / elapsed,
             "train/weight_version": self.state.weight_version,
-            "train/max_version_lag": float(self.state.weight_version - 1 - batch.weight_versions.max())
-            if finite else float("nan"),
+            # PipelineRL-k bounds this: how many updates behind the policy that wrote the batch's oldest token was
+            "train/max_version_lag": float(version_before - batch.weight_versions[batch.loss_mask].min())
+            if bool(batch.loss_mask.any()) else 0.0,
         }
+
+    def _grad_norm(self) -> float:
+        """Global L2 norm of the step's gradients (after Megatron's DP reduction), before clipping."""
+        self.optimizer.prepare_grads()
+        return float(self.optimizer.get_grad_norm())
+
+    def _clip_and_update(self, grad_norm: float) -> bool:
+        """Clip to trainer.grad_clip with the norm already computed, then update (megatron's `step` minus the
+        second norm computation). Returns whether the update happened."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        max_norm = self.recipe.trainer.grad_clip
+        if max_norm > 0:
+            for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                params = part.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=grad_norm)
+        return bool(self.optimizer.step_with_ready_grads())
 
     def _reduce_metrics(self, outputs: list[dict]) -> tuple[float, dict[str, float]]:
         """Sum the step's loss and merge its metrics over micro-batches and DP ranks; every rank gets the result."""
         from megatron.core import parallel_state as ps
 
-        local = merge_metrics(outputs) if outputs else {"tokens": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0,
-                                                         "mismatch_k3": 0.0, "ratio_max": 0.0}
+        local = merge_metrics(outputs)
         loss = sum(float(o["loss"]) for o in outputs)
         entropy = sum(float(o["entropy_sum"]) for o in outputs)
         tokens = local["tokens"]
         sums = torch.tensor([loss, entropy, tokens, local["clip_fraction"] * tokens, local["ratio_mean"] * tokens,
-                             local["mismatch_k3"] * tokens], dtype=torch.float64)
-        maxes = torch.tensor([local["ratio_max"]], dtype=torch.float64)
+                             local["mismatch_k3"] * tokens], dtype=torch.float64, device=self.device)
+        maxes = torch.tensor([local["ratio_max"]], dtype=torch.float64, device=self.device)
         if not self.is_last_stage:
             sums.zero_()
             maxes.fill_(-math.inf)
