@@ -5,7 +5,6 @@ Stable API (imported lazily, so `import megatron_scalerl.models` does not load m
         forward(input_ids [b, s], position_ids [b, s], attention_mask=None) -> logits [b, s, vocab / tp] on the
         last pipeline stage (vocab-parallel, not gathered); hidden states [s, b, h] on earlier stages.
         FP32 head on: FP32 weights and logits; off: logits in `params_dtype`.
-    model_provider(model_cfg, parallel_cfg, *, fp32_lm_head, params_dtype) -> provider(pre_process, post_process)
     transformer_config(model_cfg, parallel_cfg, *, params_dtype) -> ScaleRLTransformerConfig
     load_hf_state(model, hf_state, model_cfg)            HF-named tensors -> this rank's shard
     hf_to_megatron_state(hf_state, model_cfg, ranks)     the same, as a dict (no model needed)
@@ -21,7 +20,6 @@ from typing import Any
 
 _EXPORTS = {
     "build_model": "megatron_scalerl.models.provider",
-    "model_provider": "megatron_scalerl.models.provider",
     "rope_inv_freq": "megatron_scalerl.models.provider",
     "transformer_config": "megatron_scalerl.models.config",
     "ScaleRLTransformerConfig": "megatron_scalerl.models.config",

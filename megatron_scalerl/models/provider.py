@@ -13,7 +13,6 @@ For bf16 training wrap the model in megatron's `Float16Module` as usual: the FP3
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -86,17 +85,3 @@ def build_model(
     if fp32_lm_head:
         use_fp32_output_layer(model)
     return model
-
-
-def model_provider(
-    model_cfg: ModelConfig,
-    parallel_cfg: ParallelismConfig,
-    *,
-    fp32_lm_head: bool,
-    params_dtype: torch.dtype = torch.float32,
-) -> functools.partial:
-    """`provider(pre_process=..., post_process=..., vp_stage=...) -> GPTModel`, the shape schedules and
-    megatron's model-construction helpers expect."""
-    return functools.partial(
-        build_model, model_cfg, parallel_cfg, fp32_lm_head=fp32_lm_head, params_dtype=params_dtype
-    )

@@ -39,11 +39,13 @@ class CheckpointError(UserError):
     """No usable checkpoint, or a checkpoint that does not fit the run; the message names the directory."""
 
 
-def _rank() -> int:
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _world() -> int:
+def world_size() -> int:
+    """Processes in the group (1 without a process group)."""
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
@@ -102,20 +104,20 @@ class CheckpointStore:
         """Collective: every rank calls `write(tmp_dir)` for its shards; returns the published directory."""
         final = self.path(iteration)
         tmp = self.dir / f".iter_{iteration:07d}.partial"
-        if _rank() == 0:
+        if rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crash mid-save
             tmp.mkdir(parents=True)
         _barrier()
         write(tmp)
-        if _rank() == 0:
+        if rank() == 0:
             atomic_write_json(tmp / RL_STATE, rl_state)
         _barrier()
         files = _from_rank0(sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-                            if _rank() == 0 else None)
+                            if rank() == 0 else None)
         mine = {rel: {"bytes": (tmp / rel).stat().st_size, "sha256": sha256_file(tmp / rel)}
-                for rel in files[_rank()::_world()]}
+                for rel in files[rank()::world_size()]}
         gathered = _all_gathered(mine)
-        if _rank() == 0:
+        if rank() == 0:
             entries = {k: v for part in gathered for k, v in part.items()}
             atomic_write_json(tmp / MANIFEST, {"iteration": iteration, "created": time.time(),
                                                "files": dict(sorted(entries.items()))})
@@ -168,9 +170,9 @@ class CheckpointStore:
         valid (resuming from scratch silently would lose the run).
         """
         skipped = []
-        for iteration in _from_rank0(self.iterations() if _rank() == 0 else None):
+        for iteration in _from_rank0(self.iterations() if rank() == 0 else None):
             path = self.path(iteration)
-            parts = _all_gathered(self.problems(path, checksums=checksums, share=(_rank(), _world())))
+            parts = _all_gathered(self.problems(path, checksums=checksums, share=(rank(), world_size())))
             found = list(dict.fromkeys(p for part in parts for p in part))
             if not found:
                 for name, reasons in skipped:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_scalerl.models.weights import unwrap_model
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.trainer.step import TrainStep
 
@@ -23,16 +24,9 @@ class Trainer:
     step: TrainStep
 
 
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 def head_weight(chunk: torch.nn.Module) -> torch.Tensor:
     """This rank's LM-head weight [vocab / tp, hidden] (the embedding when embeddings are tied)."""
-    gpt = unwrap(chunk)
+    gpt = unwrap_model(chunk)
     if gpt.share_embeddings_and_output_weights:
         return gpt.shared_embedding_or_output_weight()
     return gpt.output_layer.weight

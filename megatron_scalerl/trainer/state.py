@@ -15,11 +15,10 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from megatron_scalerl.models.weights import unwrap_model
 from megatron_scalerl.recipe import ModelConfig
-from megatron_scalerl.trainer.checkpoint import CheckpointError, CheckpointStore
-from megatron_scalerl.trainer.setup import unwrap
+from megatron_scalerl.trainer.checkpoint import CheckpointError, CheckpointStore, rank, world_size
 from megatron_scalerl.trainer.step import StepState
 
 log = logging.getLogger(__name__)
@@ -51,7 +50,7 @@ def _strategies(path: Path, *, loading: bool):
 def _sharded_state(model_chunks: list, optimizer, *, is_loading: bool) -> dict:
     if len(model_chunks) != 1:
         raise NotImplementedError("virtual pipeline stages (several model chunks per rank) are not supported yet")
-    state = {"model": unwrap(model_chunks[0]).sharded_state_dict()}
+    state = {"model": unwrap_model(model_chunks[0]).sharded_state_dict()}
     if optimizer is not None:
         _materialise_optimizer_state(model_chunks, optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=OPTIMIZER_SHARDING)
@@ -99,16 +98,13 @@ def save_trainer(store: CheckpointStore, model_chunks: list, optimizer, step_sta
     (`model_cfg`) is recorded in the RL state so tools can rebuild the model from the checkpoint alone."""
     from megatron.core import dist_checkpointing
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
-
     def write(tmp: Path) -> None:
         dist_checkpointing.save(_sharded_state(model_chunks, optimizer, is_loading=False), str(tmp),
                                 sharded_strategy=_strategies(tmp, loading=False))
         (tmp / "rng").mkdir(exist_ok=True)
-        torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+        torch.save(_rng_state(), tmp / "rng" / f"rank_{rank():05d}.pt")
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rl_state = {"step_state": dataclasses.asdict(step_state), "world_size": world,
+    rl_state = {"step_state": dataclasses.asdict(step_state), "world_size": world_size(),
                 "model": model_cfg.model_dump(mode="json", exclude={"hf_checkpoint"}), **extra_rl_state}
     return store.save(step_state.step, write, rl_state)
 
@@ -124,13 +120,11 @@ def load_trainer(path: Path, model_chunks: list, optimizer) -> tuple[StepState, 
                                          sharded_strategy=_strategies(path, loading=True))
     except Exception as exc:  # megatron raises many types for missing/mismatched shards
         raise CheckpointError(f"{path}: cannot load into this model/layout: {exc}") from exc
-    unwrap(model_chunks[0]).load_state_dict(loaded["model"])
+    unwrap_model(model_chunks[0]).load_state_dict(loaded["model"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rng_file = path / "rng" / f"rank_{rank:05d}.pt"
-    if rl_state.get("world_size") == world and rng_file.is_file():
+    rng_file = path / "rng" / f"rank_{rank():05d}.pt"
+    if rl_state.get("world_size") == world_size() and rng_file.is_file():
         rng = torch.load(rng_file, weights_only=False)
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
@@ -138,7 +132,7 @@ def load_trainer(path: Path, model_chunks: list, optimizer) -> tuple[StepState, 
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
     else:
         log.info("%s: written by %s ranks, loading on %s: RNG states not restored", path.name,
-                 rl_state.get("world_size"), world)
+                 rl_state.get("world_size"), world_size())
     step_state = StepState(**rl_state["step_state"])
     return step_state, rl_state
 
@@ -158,7 +152,7 @@ def load_model_weights(path: Path, model: torch.nn.Module) -> None:
     problems = CheckpointStore.problems(path)
     if problems:
         raise CheckpointError(f"{path}: not a complete checkpoint: {'; '.join(problems[:3])}")
-    gpt = unwrap(model)
+    gpt = unwrap_model(model)
     try:
         loaded = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(path))
     except Exception as exc:  # megatron raises many types for missing/mismatched shards
