@@ -38,8 +38,9 @@ CURRICULUM_FILE = "curriculum.json"
 def _compute_hours_so_far(run_dir: Path, rl_state: dict) -> float:
     """Wall hours the run has used before this process: the later of the checkpoint's figure and the last trainer
     record (work done after the last checkpoint and lost in a crash was still paid for)."""
-    logged = [r.get("wall_hours") or 0.0 for r in read_metrics(run_dir, role="trainer")[-1:]]
-    return max([rl_state.get("wall_hours", 0.0), *logged])
+    records = read_metrics(run_dir, role="trainer")
+    logged = records[-1].get("wall_hours") or 0.0 if records else 0.0
+    return max(rl_state.get("wall_hours", 0.0), logged)
 
 
 def _rl_extras(run_dir: Path, wall_hours: float) -> dict:
