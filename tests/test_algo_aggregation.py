@@ -6,14 +6,7 @@ import pytest
 import torch
 
 from megatron_scalerl.algo import LOSSES, LossNormalizers, policy_loss
-
-PARAMS = {
-    "cispo": {"eps_max": 1.3},
-    "tis_reinforce": {"eps_max": 1.3},
-    "ppo_clip": {"clip_low": 0.2, "clip_high": 0.2},
-    "dapo": {"clip_low": 0.1, "clip_high": 0.28},
-    "gspo": {"clip_low": 0.03, "clip_high": 0.04},
-}
+from tests.test_algo_losses import PARAMS
 
 
 def test_aggregation_modes_differ_exactly_as_their_formulas_on_unequal_lengths():
