@@ -119,3 +119,23 @@ def test_moe_layouts_match_one_process(moe_reference, moe_hf_dir, layout):
     results = run_local_workers(_steps, world, dict(layout, model="tiny_moe", hf=moe_hf_dir), [0, 1], timeout_s=500)
     for rank_result in results:
         _assert_same(rank_result, moe_reference)
+
+
+def _bf16_step(rank, fp32_lm_head, hf):
+    from megatron_scalerl.trainer.setup import build_trainer, head_weight
+
+    trainer = build_trainer(tiny_recipe(hf=hf, extra=["trainer.precision=bf16",
+                                                      f"trainer.fp32_lm_head={str(fp32_lm_head).lower()}"]))
+    metrics = trainer.step.run(rl_batch(0))
+    return metrics["train/loss"], metrics["train/grad_norm"], head_weight(trainer.model[0]).dtype, \
+        trainer.step.logits_dtype
+
+
+@pytest.mark.parametrize("fp32_lm_head", [True, False])
+def test_bf16_training_keeps_the_head_in_fp32_only_when_asked(dense_reference, hf_dir, fp32_lm_head):
+    loss, grad_norm, head_dtype, logits_dtype = run_local_workers(_bf16_step, 1, fp32_lm_head, hf_dir,
+                                                                  timeout_s=300)[0]
+    expected = torch.float32 if fp32_lm_head else torch.bfloat16
+    assert head_dtype == expected and logits_dtype == expected
+    fp32_loss, fp32_grad = dense_reference[0]
+    assert math.isclose(loss, fp32_loss, rel_tol=0.1, abs_tol=2e-3) and math.isclose(grad_norm, fp32_grad, rel_tol=0.1)

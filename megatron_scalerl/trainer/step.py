@@ -81,7 +81,9 @@ class TrainStep:
             else torch.device("cpu")
         self.sequence_parallel = recipe.parallelism.sequence_parallel and self.tp_size > 1
         self.loss_params = loss_params(recipe.algorithm)
-        self.logits_dtype = torch.float32 if recipe.trainer.fp32_lm_head else torch.bfloat16
+        # FP32 head: FP32 logits; without it the head computes in the model's precision (the ablation)
+        self.logits_dtype = torch.float32 if recipe.trainer.fp32_lm_head or recipe.trainer.precision == "fp32" \
+            else torch.bfloat16
         self.state = StepState()
 
     # -- loss ----------------------------------------------------------------------------------------------------
