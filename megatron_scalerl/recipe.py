@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from megatron_scalerl.errors import RecipeError
 from megatron_scalerl.fileio import dump_yaml, load_yaml, parse_yaml
+from megatron_scalerl.recipe_rules import cross_field_problems
 
 PRESET_DIR = Path(__file__).parent / "recipes"
 MODEL_PRESET_DIR = PRESET_DIR / "models"
@@ -255,77 +256,6 @@ class Recipe(Section):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Cross-field rules. Each returns (dotted path, reason) pairs; validate() raises the first.
-
-
-def _cross_field_problems(r: Recipe) -> list[tuple[str, str]]:
-    m, p, a, ro, c = r.model, r.parallelism, r.algorithm, r.rollout, r.cluster
-    out: list[tuple[str, str]] = []
-    if m.num_attention_heads % p.tp:
-        out.append(("parallelism.tp", f"tp={p.tp} does not divide model.num_attention_heads={m.num_attention_heads}"))
-    if m.num_query_groups % p.tp:
-        out.append(("parallelism.tp", f"tp={p.tp} does not divide model.num_query_groups={m.num_query_groups}"))
-    if m.vocab_size % p.tp:
-        out.append(("parallelism.tp", f"tp={p.tp} does not divide model.vocab_size={m.vocab_size}"))
-    if m.num_layers % p.pp:
-        out.append(("parallelism.pp", f"pp={p.pp} does not divide model.num_layers={m.num_layers}"))
-    if p.ep > 1 and not m.is_moe:
-        out.append(("parallelism.ep", f"ep={p.ep} needs an MoE model (model.num_experts is 0)"))
-    if m.is_moe and m.num_experts % p.ep:
-        out.append(("parallelism.ep", f"ep={p.ep} does not divide model.num_experts={m.num_experts}"))
-    if m.is_moe and p.tp > 1 and not p.sequence_parallel:
-        out.append(("parallelism.sequence_parallel", f"MoE with tp={p.tp} > 1 needs sequence_parallel: true"))
-    trainer_gpus = c.trainer_gpus
-    if trainer_gpus % (p.tp * p.pp):
-        out.append(("parallelism", f"tp*pp={p.tp * p.pp} does not divide the {trainer_gpus} trainer GPUs "
-                                   f"(cluster.trainer_nodes x cluster.gpus_per_node)"))
-    elif p.dp is not None and p.tp * p.pp * p.dp != trainer_gpus:
-        out.append(("parallelism.dp", f"tp*pp*dp={p.tp * p.pp * p.dp} != {trainer_gpus} trainer GPUs"))
-    dp = p.dp if p.dp is not None else max(trainer_gpus // (p.tp * p.pp), 1)
-    expert_tp = p.expert_tp or p.tp
-    if m.is_moe and (p.tp * dp) % (p.ep * expert_tp):
-        out.append(("parallelism.ep", f"ep*expert_tp={p.ep * expert_tp} does not divide tp*dp={p.tp * dp}"))
-    micro = dp * p.micro_batch_size
-    if r.samples_per_step % micro:
-        out.append(("rollout.prompts_per_step",
-                    f"prompts_per_step x generations_per_prompt = {r.samples_per_step} is not divisible by "
-                    f"dp x micro_batch_size = {dp} x {p.micro_batch_size}"))
-    if ro.max_prompt_tokens + ro.max_new_tokens > m.max_position_embeddings:
-        out.append(("rollout.max_new_tokens",
-                    f"max_prompt_tokens + max_new_tokens = {ro.max_prompt_tokens + ro.max_new_tokens} exceeds "
-                    f"model.max_position_embeddings={m.max_position_embeddings}"))
-    lc = a.length_control
-    if lc.think_budget_min > lc.think_budget_max:
-        out.append(("algorithm.length_control.think_budget_min",
-                    f"{lc.think_budget_min} > think_budget_max {lc.think_budget_max}"))
-    if lc.mode == "interruption":
-        need = lc.think_budget_max + lc.phrase_token_reserve + lc.answer_budget
-        if need > ro.max_new_tokens:
-            out.append(("algorithm.length_control.think_budget_max",
-                        f"think_budget_max + phrase_token_reserve + answer_budget = {need} exceeds "
-                        f"rollout.max_new_tokens={ro.max_new_tokens}"))
-        if not lc.interruption_phrase.strip():
-            out.append(("algorithm.length_control.interruption_phrase", "must not be empty"))
-    if lc.mode == "length_penalty":
-        if lc.penalty_cache_len >= lc.penalty_max_len:
-            out.append(("algorithm.length_control.penalty_cache_len",
-                        f"{lc.penalty_cache_len} must be < penalty_max_len {lc.penalty_max_len}"))
-        if lc.penalty_max_len > ro.max_new_tokens:
-            out.append(("algorithm.length_control.penalty_max_len",
-                        f"{lc.penalty_max_len} exceeds rollout.max_new_tokens={ro.max_new_tokens}"))
-    if a.reward_correct <= a.reward_incorrect:
-        out.append(("algorithm.reward_correct", "must be greater than algorithm.reward_incorrect"))
-    if a.loss in ("ppo_clip", "dapo", "gspo") and a.clip_low >= 1:
-        out.append(("algorithm.clip_low", f"{a.clip_low} must be < 1 (ratio lower bound is 1 - clip_low)"))
-    if a.loss == "ppo_clip" and a.clip_low != a.clip_high:
-        out.append(("algorithm.clip_high", f"ppo_clip is the symmetric clip: clip_high {a.clip_high} != clip_low "
-                                           f"{a.clip_low} (use loss dapo for clip-higher)"))
-    if a.eps_max <= 1 and a.loss in ("cispo", "tis_reinforce"):
-        out.append(("algorithm.eps_max", f"{a.eps_max} must be > 1 (it caps the importance ratio)"))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Loading and composition.
 
 
@@ -461,7 +391,7 @@ def validate(data: dict[str, Any], source: str | None = None) -> Recipe:
         first_path, first_reason = problems[0]
         more = f" (+{len(problems) - 1} more: {', '.join(p for p, _ in problems[1:4])})" if len(problems) > 1 else ""
         raise RecipeError(first_path, first_reason + more, source=source) from None
-    problems = _cross_field_problems(recipe)
+    problems = cross_field_problems(recipe)
     if problems:
         path, reason = problems[0]
         more = f" (+{len(problems) - 1} more: {', '.join(p for p, _ in problems[1:4])})" if len(problems) > 1 else ""
