@@ -7,7 +7,8 @@ Resolution order (later wins):
   4. `--set a.b.c=value` overrides from the command line.
 
 Every ScaleRL default lives in `recipes/scalerl.yaml` with a comment citing the paper or saying that the paper is
-silent and why we chose the value; the Python classes below hold types, ranges and cross-field rules, not defaults.
+silent and why we chose the value; the Python classes below hold types and ranges (cross-field rules live in
+recipe_rules.py), not defaults.
 Units: tokens for lengths and budgets, optimizer steps for intervals, GPU counts per node.
 """
 
