@@ -10,16 +10,34 @@ from tests.trainer_utils import rl_batch, tiny_hf_checkpoint, tiny_recipe
 
 
 def _steps(rank, recipe_kwargs, seeds):
+    """Train on the batches `seeds`; returns this rank's (loss, grad norm) per step and, per HF weight this rank's
+    pipeline stage holds, the norm of its total update (weights after - before, full tensors gathered over TP/EP)."""
+    from megatron_scalerl.models import export_hf_state
     from megatron_scalerl.trainer.setup import build_trainer
 
-    trainer = build_trainer(tiny_recipe(**recipe_kwargs))
-    return [(m["train/loss"], m["train/grad_norm"]) for m in (trainer.step.run(rl_batch(s)) for s in seeds)]
+    recipe = tiny_recipe(**recipe_kwargs)
+    trainer = build_trainer(recipe)
+    before = {name: t.double().clone() for name, t in export_hf_state(trainer.model[0], recipe.model)}
+    metrics = [(m["train/loss"], m["train/grad_norm"]) for m in (trainer.step.run(rl_batch(s)) for s in seeds)]
+    updates = {name: float((t.double() - before[name]).norm()) for name, t in
+               export_hf_state(trainer.model[0], recipe.model)}
+    return metrics, updates
 
 
-def _assert_same(a, b, rtol=1e-4):
-    for (la, ga), (lb, gb) in zip(a, b, strict=True):
-        assert math.isclose(la, lb, rel_tol=rtol, abs_tol=1e-7), (a, b)
-        assert math.isclose(ga, gb, rel_tol=rtol), (a, b)
+def _assert_same(result, reference, rtol=1e-4):
+    """Same losses and grad norms step by step, and every weight moved by the same amount."""
+    (metrics, updates), (ref_metrics, ref_updates) = result, reference
+    for (la, ga), (lb, gb) in zip(metrics, ref_metrics, strict=True):
+        assert math.isclose(la, lb, rel_tol=rtol, abs_tol=1e-7), (metrics, ref_metrics)
+        assert math.isclose(ga, gb, rel_tol=rtol), (metrics, ref_metrics)
+    assert updates and set(updates) <= set(ref_updates)
+    for name, norm in updates.items():
+        assert norm > 0 and math.isclose(norm, ref_updates[name], rel_tol=1e-3), (name, norm, ref_updates[name])
+
+
+def _all_updates(per_rank) -> dict:
+    """The weight updates of a multi-rank run, every pipeline stage's together."""
+    return {name: norm for _, rank_updates in per_rank for name, norm in rank_updates.items()}
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +62,10 @@ def test_micro_batch_split_does_not_change_loss_or_grad(dense_reference, hf_dir,
 def test_dense_layouts_match_one_process(dense_reference, hf_dir, layout):
     world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
     results = run_local_workers(_steps, world, dict(layout, hf=hf_dir), [0, 1, 2], timeout_s=400)
-    for rank_result in results:
-        _assert_same(rank_result, dense_reference)
+    updates = _all_updates(results)
+    assert set(updates) == set(dense_reference[1])  # every weight of the model, across the pipeline stages
+    for metrics, _ in results:  # every rank reports the step's metrics
+        _assert_same((metrics, updates), dense_reference)
 
 
 def _learning(rank):
@@ -109,7 +129,9 @@ def moe_reference(moe_hf_dir):
 
 
 def test_moe_trains(moe_reference):
-    assert all(math.isfinite(loss) and grad > 0 for loss, grad in moe_reference)
+    metrics, updates = moe_reference
+    assert all(math.isfinite(loss) and grad > 0 for loss, grad in metrics)
+    assert any(".experts." in name for name in updates) and all(norm > 0 for norm in updates.values())
 
 
 @pytest.mark.slow
@@ -117,8 +139,10 @@ def test_moe_trains(moe_reference):
 def test_moe_layouts_match_one_process(moe_reference, moe_hf_dir, layout):
     world = layout.get("tp", 1) * layout.get("dp", 1)
     results = run_local_workers(_steps, world, dict(layout, model="tiny_moe", hf=moe_hf_dir), [0, 1], timeout_s=500)
-    for rank_result in results:
-        _assert_same(rank_result, moe_reference)
+    updates = _all_updates(results)
+    assert set(updates) == set(moe_reference[1])
+    for metrics, _ in results:
+        _assert_same((metrics, updates), moe_reference)
 
 
 def _bf16_step(rank, fp32_lm_head, hf):
@@ -137,5 +161,5 @@ def test_bf16_training_keeps_the_head_in_fp32_only_when_asked(dense_reference, h
                                                                   timeout_s=300)[0]
     expected = torch.float32 if fp32_lm_head else torch.bfloat16
     assert head_dtype == expected and logits_dtype == expected
-    fp32_loss, fp32_grad = dense_reference[0]
+    fp32_loss, fp32_grad = dense_reference[0][0]
     assert math.isclose(loss, fp32_loss, rel_tol=0.1, abs_tol=2e-3) and math.isclose(grad_norm, fp32_grad, rel_tol=0.1)
