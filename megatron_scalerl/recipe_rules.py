@@ -8,27 +8,38 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatron_scalerl.recipe import Recipe
+    from megatron_scalerl.recipe import ModelConfig, ParallelismConfig, Recipe
+
+
+def layout_problems(m: ModelConfig, p: ParallelismConfig) -> list[tuple[str, str]]:
+    """Whether the model can be split as `p` says (the rules every converter and the trainer share)."""
+    out: list[tuple[str, str]] = []
+    expert_tp = p.expert_tp or p.tp
+    for field, size in (("num_attention_heads", m.num_attention_heads), ("num_query_groups", m.num_query_groups),
+                        ("vocab_size", m.vocab_size), ("ffn_hidden_size", m.ffn_hidden_size)):
+        if size % p.tp:
+            out.append(("parallelism.tp", f"tp={p.tp} does not divide model.{field}={size}"))
+    if m.num_layers % p.pp:
+        out.append(("parallelism.pp", f"pp={p.pp} does not divide model.num_layers={m.num_layers}"))
+    if p.ep > 1 and not m.is_moe:
+        out.append(("parallelism.ep", f"ep={p.ep} needs an MoE model (model.num_experts is 0)"))
+    if m.is_moe:
+        if m.num_experts % p.ep:
+            out.append(("parallelism.ep", f"ep={p.ep} does not divide model.num_experts={m.num_experts}"))
+        if m.moe_ffn_hidden_size % max(p.tp, expert_tp):
+            out.append(("parallelism.expert_tp", f"tp={p.tp} / expert_tp={expert_tp} does not divide "
+                                                 f"model.moe_ffn_hidden_size={m.moe_ffn_hidden_size}"))
+        if p.tp > 1 and not p.sequence_parallel:
+            out.append(("parallelism.sequence_parallel", f"MoE with tp={p.tp} > 1 needs sequence_parallel: true"))
+        if m.moe_router_topk != 1:
+            out.append(("model.moe_router_topk", "Llama-4 routing applies the score to the expert input: only 1"))
+    return out
 
 
 def cross_field_problems(r: Recipe) -> list[tuple[str, str]]:
     """Every rule the recipe breaks, as (dotted path, reason) pairs, in a stable order (validate raises the first)."""
     m, p, a, ro, c = r.model, r.parallelism, r.algorithm, r.rollout, r.cluster
-    out: list[tuple[str, str]] = []
-    if m.num_attention_heads % p.tp:
-        out.append(("parallelism.tp", f"tp={p.tp} does not divide model.num_attention_heads={m.num_attention_heads}"))
-    if m.num_query_groups % p.tp:
-        out.append(("parallelism.tp", f"tp={p.tp} does not divide model.num_query_groups={m.num_query_groups}"))
-    if m.vocab_size % p.tp:
-        out.append(("parallelism.tp", f"tp={p.tp} does not divide model.vocab_size={m.vocab_size}"))
-    if m.num_layers % p.pp:
-        out.append(("parallelism.pp", f"pp={p.pp} does not divide model.num_layers={m.num_layers}"))
-    if p.ep > 1 and not m.is_moe:
-        out.append(("parallelism.ep", f"ep={p.ep} needs an MoE model (model.num_experts is 0)"))
-    if m.is_moe and m.num_experts % p.ep:
-        out.append(("parallelism.ep", f"ep={p.ep} does not divide model.num_experts={m.num_experts}"))
-    if m.is_moe and p.tp > 1 and not p.sequence_parallel:
-        out.append(("parallelism.sequence_parallel", f"MoE with tp={p.tp} > 1 needs sequence_parallel: true"))
+    out = layout_problems(m, p)
     trainer_gpus = c.trainer_gpus
     if trainer_gpus % (p.tp * p.pp):
         out.append(("parallelism", f"tp*pp={p.tp * p.pp} does not divide the {trainer_gpus} trainer GPUs "

@@ -50,7 +50,7 @@ def test_verify_logits_tp2_ep2(moe_dir):
     "args, message",
     [
         (["--megatron", "/nonexistent/iter_0000001"], "--megatron /nonexistent/iter_0000001: not a complete trainer"),
-        (["--tp", "3"], "parallelism.tp: 3 does not divide model.num_query_groups 2"),
+        (["--tp", "3"], "parallelism.tp: tp=3 does not divide model.num_attention_heads=4"),
         (["--ep", "0"], "--ep: must be >= 1, got 0"),
     ],
 )

@@ -152,9 +152,9 @@ def test_layout_refusals_name_the_field():
     moe = model_cfg("tiny_moe")
     with pytest.raises(UserError, match="sequence_parallel"):
         check_model_layout(moe, ParallelismConfig(tp=2))
-    with pytest.raises(UserError, match="parallelism.ep: 3 does not divide model.num_experts 4"):
+    with pytest.raises(UserError, match="parallelism.ep: ep=3 does not divide model.num_experts=4"):
         check_model_layout(moe, ParallelismConfig(ep=3))
-    with pytest.raises(UserError, match="parallelism.tp: 4 does not divide model.num_query_groups 2"):
+    with pytest.raises(UserError, match="parallelism.tp: tp=4 does not divide model.num_query_groups=2"):
         check_model_layout(model_cfg("tiny_dense"), ParallelismConfig(tp=4))
 
 

@@ -43,12 +43,11 @@ def test_round_trip_in_order(tmp_path):
             assert torch.equal(getattr(got, f.name), getattr(b, f.name))
 
 
-def test_select_and_sample_views():
+def test_offsets_sample_views_and_loss_tokens():
     b = make_batch()
-    sub = b.select([2, 0]).validate("sub")
-    assert sub.lengths.tolist() == [4, 5]
-    assert torch.equal(sub.sample(1)["input_ids"], b.sample(0)["input_ids"])
     assert b.offsets.tolist() == [0, 5, 12, 16, 22]
+    assert torch.equal(b.sample(1)["input_ids"], b.input_ids[5:12])
+    assert b.loss_tokens_per_sample().tolist() == [3, 4, 3, 4]  # lengths - prompt lengths
 
 
 def test_get_waits_for_producer_then_times_out_naming_the_peer(tmp_path):

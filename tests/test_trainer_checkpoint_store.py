@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_scalerl.platform import run_local_workers
-from megatron_scalerl.trainer.checkpoint import CheckpointError, CheckpointStore
+from megatron_scalerl.trainer.checkpoint import CheckpointError, CheckpointStore, read_rl_state
 
 
 def _writer(payload: bytes):
@@ -25,7 +25,7 @@ def test_save_publishes_with_manifest_and_prunes(tmp_path):
     assert store.iterations() == [30, 20]
     assert (tmp_path / "checkpoints" / "latest").read_text() == "30\n"
     assert store.latest_valid() == (30, store.path(30))
-    assert store.rl_state(store.path(30)) == {"step": 30}
+    assert read_rl_state(store.path(30)) == {"step": 30}
     assert not list((tmp_path / "checkpoints").glob(".iter_*"))
 
 
@@ -98,5 +98,5 @@ def test_resaving_an_iteration_replaces_it_whole(tmp_path):
     store = CheckpointStore(tmp_path, keep=3)
     store.save(10, _writer(b"a" * 100), {"v": 1})
     store.save(10, _writer(b"b" * 50), {"v": 2})
-    assert store.rl_state(store.path(10)) == {"v": 2} and store.problems(store.path(10)) == []
+    assert read_rl_state(store.path(10)) == {"v": 2} and store.problems(store.path(10)) == []
     assert not list((tmp_path / "checkpoints").glob(".iter_*"))

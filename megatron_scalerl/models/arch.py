@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.recipe import ModelConfig, ParallelismConfig
+from megatron_scalerl.recipe_rules import layout_problems
 
 
 def is_moe_layer(model_cfg: ModelConfig, layer: int) -> bool:
@@ -21,26 +22,8 @@ def is_rope_layer(model_cfg: ModelConfig, layer: int) -> bool:
 
 
 def check_model_layout(model_cfg: ModelConfig, parallel_cfg: ParallelismConfig) -> None:
-    """Refuse layouts the model cannot be split into, naming the field."""
-    tp, ep = parallel_cfg.tp, parallel_cfg.ep
-    etp = parallel_cfg.expert_tp or tp
-    if model_cfg.num_query_groups % tp:
-        raise UserError(f"parallelism.tp: {tp} does not divide model.num_query_groups {model_cfg.num_query_groups}")
-    if model_cfg.vocab_size % tp:
-        raise UserError(f"parallelism.tp: {tp} does not divide model.vocab_size {model_cfg.vocab_size}")
-    if model_cfg.ffn_hidden_size % tp:
-        raise UserError(f"parallelism.tp: {tp} does not divide model.ffn_hidden_size {model_cfg.ffn_hidden_size}")
-    if model_cfg.num_layers % parallel_cfg.pp:
-        raise UserError(f"parallelism.pp: {parallel_cfg.pp} does not divide model.num_layers {model_cfg.num_layers}")
-    if not model_cfg.is_moe and ep > 1:
-        raise UserError("parallelism.ep: expert parallelism needs a MoE model (model.num_experts > 0)")
-    if model_cfg.is_moe:
-        if model_cfg.num_experts % ep:
-            raise UserError(f"parallelism.ep: {ep} does not divide model.num_experts {model_cfg.num_experts}")
-        assert model_cfg.moe_ffn_hidden_size is not None
-        if model_cfg.moe_ffn_hidden_size % max(etp, tp):
-            raise UserError("parallelism: tp or expert_tp does not divide model.moe_ffn_hidden_size")
-        if tp > 1 and not parallel_cfg.sequence_parallel:
-            raise UserError("parallelism.sequence_parallel: MoE with tp > 1 needs sequence_parallel: true")
-        if model_cfg.moe_router_topk != 1:
-            raise UserError("model.moe_router_topk: Llama-4 routing applies the score to the expert input; only 1")
+    """Refuse layouts the model cannot be split into, naming the field (the recipe's own layout rules)."""
+    problems = layout_problems(model_cfg, parallel_cfg)
+    if problems:
+        path, reason = problems[0]
+        raise UserError(f"{path}: {reason}")

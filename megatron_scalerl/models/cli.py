@@ -100,7 +100,7 @@ def _check_checkpoint_matches(path: Path, hf_model_cfg, hf_dir: str) -> None:
     from megatron_scalerl.trainer.checkpoint import CheckpointStore
     from megatron_scalerl.trainer.state import checkpoint_model_config
 
-    problems = CheckpointStore.problems(path, checksums=False) if path.is_dir() else ["no such directory"]
+    problems = CheckpointStore.problems(path) if path.is_dir() else ["no such directory"]  # sizes + checksums, once
     if problems:
         raise UserError(f"--megatron {path}: not a complete trainer checkpoint ({'; '.join(problems[:3])})")
     ckpt_cfg = checkpoint_model_config(path)

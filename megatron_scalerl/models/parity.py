@@ -126,7 +126,7 @@ def run_layout(
 
     from megatron_scalerl.models.provider import build_model
     from megatron_scalerl.models.weights import load_hf_state
-    from megatron_scalerl.platform.distributed import initialize_model_parallel
+    from megatron_scalerl.platform.distributed import current_device, initialize_model_parallel
 
     initialize_model_parallel(layout.tp, layout.pp, layout.ep, layout.expert_tp)
     try:
@@ -140,7 +140,7 @@ def run_layout(
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         if input_ids.shape[0] % dp_size:
             raise ValueError(f"{layout}: batch {input_ids.shape[0]} does not split over {dp_size} data-parallel ranks")
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = current_device()
         ids, lbl = input_ids.chunk(dp_size)[dp_rank].to(device), labels.chunk(dp_size)[dp_rank].to(device)
         optimizer = None
         if with_grad:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -83,10 +83,9 @@ def init_distributed(
     port = master_port if master_port is not None else _env_int("MASTER_PORT", None)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
     else:
         install_cpu_compat()
-        device = torch.device("cpu")
+    device = current_device()
     if dist.is_initialized():
         return DistributedInfo(dist.get_rank(), dist.get_world_size(), local_rank, resolved, device)
     try:
@@ -139,6 +138,44 @@ def initialize_model_parallel(
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def current_device() -> torch.device:
+    """The device this process computes on: its CUDA device (set by `init_distributed`), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """Processes in the group (1 without a process group)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def from_rank0(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (e.g. a folder listing, which ranks on a shared filesystem may see differently)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_gathered(obj: Any) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def destroy_distributed() -> None:

@@ -70,15 +70,10 @@ class TrainBatch:
         start, end = self.offsets[i].item(), self.offsets[i + 1].item()
         return {name: getattr(self, name)[start:end] for name in TOKEN_FIELDS}
 
-    def select(self, indices: list[int] | torch.Tensor) -> TrainBatch:
-        """A batch of the given samples, in that order."""
-        idx = torch.as_tensor(indices, dtype=torch.int64)
-        offsets = self.offsets
-        token_idx = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in idx.tolist()]) if len(idx) else \
-            torch.zeros(0, dtype=torch.int64)
-        tokens = {name: getattr(self, name)[token_idx] for name in TOKEN_FIELDS}
-        samples = {name: getattr(self, name)[idx] for name in SAMPLE_FIELDS}
-        return TrainBatch(**tokens, **samples)
+    def loss_tokens_per_sample(self) -> torch.Tensor:
+        """[N] int64: loss tokens of each sample."""
+        owner = torch.repeat_interleave(torch.arange(self.num_samples), self.lengths)
+        return torch.zeros(self.num_samples, dtype=torch.int64).index_add_(0, owner, self.loss_mask.long())
 
     def validate(self, source: str, vocab_size: int | None = None) -> TrainBatch:
         """Check dtypes, shapes and value ranges; raise BatchError naming `source` and the field."""

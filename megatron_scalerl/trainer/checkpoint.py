@@ -24,10 +24,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch.distributed as dist
-
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_json, atomic_write_text
+from megatron_scalerl.platform.distributed import all_gathered, barrier, from_rank0, rank, world_size
 
 log = logging.getLogger(__name__)
 
@@ -37,38 +36,6 @@ RL_STATE = "rl_state.json"
 
 class CheckpointError(UserError):
     """No usable checkpoint, or a checkpoint that does not fit the run; the message names the directory."""
-
-
-def rank() -> int:
-    """This process's rank (0 without a process group)."""
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    """Processes in the group (1 without a process group)."""
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _from_rank0(obj):
-    """Rank 0's `obj` on every rank (the ranks of a shared filesystem may list a folder differently)."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _all_gathered(obj) -> list:
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def sha256_file(path: Path, block: int = 1 << 22) -> str:
@@ -107,16 +74,16 @@ class CheckpointStore:
         if rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crash mid-save
             tmp.mkdir(parents=True)
-        _barrier()
+        barrier()
         write(tmp)
         if rank() == 0:
             atomic_write_json(tmp / RL_STATE, rl_state)
-        _barrier()
-        files = _from_rank0(sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        barrier()
+        files = from_rank0(sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
                             if rank() == 0 else None)
         mine = {rel: {"bytes": (tmp / rel).stat().st_size, "sha256": sha256_file(tmp / rel)}
                 for rel in files[rank()::world_size()]}
-        gathered = _all_gathered(mine)
+        gathered = all_gathered(mine)
         if rank() == 0:
             entries = {k: v for part in gathered for k, v in part.items()}
             atomic_write_json(tmp / MANIFEST, {"iteration": iteration, "created": time.time(),
@@ -129,7 +96,7 @@ class CheckpointStore:
             shutil.rmtree(replaced, ignore_errors=True)
             atomic_write_text(self.dir / "latest", f"{iteration}\n")
             self._prune()
-        _barrier()
+        barrier()
         return final
 
     def _prune(self) -> None:
@@ -170,9 +137,9 @@ class CheckpointStore:
         valid (resuming from scratch silently would lose the run).
         """
         skipped = []
-        for iteration in _from_rank0(self.iterations() if rank() == 0 else None):
+        for iteration in from_rank0(self.iterations() if rank() == 0 else None):
             path = self.path(iteration)
-            parts = _all_gathered(self.problems(path, checksums=checksums, share=(rank(), world_size())))
+            parts = all_gathered(self.problems(path, checksums=checksums, share=(rank(), world_size())))
             found = list(dict.fromkeys(p for part in parts for p in part))
             if not found:
                 for name, reasons in skipped:
@@ -184,8 +151,10 @@ class CheckpointStore:
             raise CheckpointError(f"{self.dir}: no valid checkpoint ({detail})")
         return None
 
-    def rl_state(self, path: Path) -> dict:
-        try:
-            return json.loads((path / RL_STATE).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{path / RL_STATE}: unreadable: {exc}") from None
+
+def read_rl_state(path: Path) -> dict:
+    """The RL state (`rl_state.json`) of checkpoint directory `path`."""
+    try:
+        return json.loads((path / RL_STATE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path / RL_STATE}: unreadable: {exc}") from None

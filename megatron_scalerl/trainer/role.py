@@ -73,9 +73,13 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
     def wall_hours() -> float:
         return compute_hours_before + (time.monotonic() - start) / 3600.0
 
+    saved_step = latest[0] if latest is not None else None
+
     def checkpoint() -> None:
+        nonlocal saved_step
         save_trainer(store, trainer.model, trainer.optimizer, trainer.step.state, recipe.model,
                      _rl_extras(run_dir, wall_hours()))
+        saved_step = trainer.step.state.step
         if is_log_rank:  # batches older than the oldest kept checkpoint can never be read again
             stream.prune(before=min(store.iterations()))
 
@@ -91,7 +95,7 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
                 metrics.log(trainer.step.state.step, last)
             if trainer.step.state.step % recipe.trainer.checkpoint_interval == 0:
                 checkpoint()
-        if not store.path(trainer.step.state.step).exists():
+        if saved_step != trainer.step.state.step:
             checkpoint()
     finally:
         metrics.close()

@@ -48,7 +48,7 @@ def params_dtype(recipe: Recipe) -> torch.dtype:
     return torch.bfloat16 if recipe.trainer.precision == "bf16" else torch.float32
 
 
-def build_model_chunks(recipe: Recipe, *, wrap_ddp: bool = True) -> list:
+def build_model_chunks(recipe: Recipe) -> list:
     """This rank's model (initialised from `model.hf_checkpoint` when set), ready for training."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -68,8 +68,6 @@ def build_model_chunks(recipe: Recipe, *, wrap_ddp: bool = True) -> list:
     config.variable_seq_lengths = True  # micro-batches are padded to their own longest row
     config.finalize_model_grads_func = finalize_model_grads
     model = Float16Module(config, gpt) if dtype != torch.float32 else gpt
-    if not wrap_ddp:
-        return [model]
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=True)
     return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from megatron_scalerl.models.weights import unwrap_model
+from megatron_scalerl.platform.distributed import rank, world_size
 from megatron_scalerl.recipe import ModelConfig
-from megatron_scalerl.trainer.checkpoint import CheckpointError, CheckpointStore, rank, world_size
+from megatron_scalerl.trainer.checkpoint import CheckpointError, CheckpointStore, read_rl_state
 from megatron_scalerl.trainer.step import StepState
 
 log = logging.getLogger(__name__)
@@ -109,17 +110,22 @@ def save_trainer(store: CheckpointStore, model_chunks: list, optimizer, step_sta
     return store.save(step_state.step, write, rl_state)
 
 
-def load_trainer(path: Path, model_chunks: list, optimizer) -> tuple[StepState, dict]:
-    """Collective. Loads model (+ optimizer when given) from checkpoint `path`; returns (StepState, rl_state)."""
-    from megatron.core import dist_checkpointing, tensor_parallel
+def _load(sharded_state: dict, path: Path, strategy=None) -> dict:
+    """Collective. megatron's dist_checkpointing.load, its many failure types turned into one CheckpointError."""
+    from megatron.core import dist_checkpointing
 
-    store = CheckpointStore(path.parent.parent, keep=1)
-    rl_state = store.rl_state(path)
     try:
-        loaded = dist_checkpointing.load(_sharded_state(model_chunks, optimizer, is_loading=True), str(path),
-                                         sharded_strategy=_strategies(path, loading=True))
+        return dist_checkpointing.load(sharded_state, str(path), sharded_strategy=strategy)
     except Exception as exc:  # megatron raises many types for missing/mismatched shards
         raise CheckpointError(f"{path}: cannot load into this model/layout: {exc}") from exc
+
+
+def load_trainer(path: Path, model_chunks: list, optimizer) -> tuple[StepState, dict]:
+    """Collective. Loads model (+ optimizer when given) from checkpoint `path`; returns (StepState, rl_state)."""
+    from megatron.core import tensor_parallel
+
+    rl_state = read_rl_state(path)
+    loaded = _load(_sharded_state(model_chunks, optimizer, is_loading=True), path, _strategies(path, loading=True))
     unwrap_model(model_chunks[0]).load_state_dict(loaded["model"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
@@ -139,22 +145,20 @@ def load_trainer(path: Path, model_chunks: list, optimizer) -> tuple[StepState, 
 
 def checkpoint_model_config(path: Path) -> ModelConfig:
     """The architecture a checkpoint was written for (recorded by `save_trainer`)."""
-    rl_state = CheckpointStore(path.parent.parent, keep=1).rl_state(path)
+    rl_state = read_rl_state(path)
     if "model" not in rl_state:
         raise CheckpointError(f"{path}: rl_state.json records no model config")
     return ModelConfig.model_validate(rl_state["model"])
 
 
 def load_model_weights(path: Path, model: torch.nn.Module) -> None:
-    """Collective. The model weights only (no optimizer) of checkpoint `path`, into a model at any layout."""
-    from megatron.core import dist_checkpointing
+    """Collective. The model weights only (no optimizer) of checkpoint `path`, into a model at any layout.
 
-    problems = CheckpointStore.problems(path)
+    Every rank checks the files are complete (sizes); verify checksums once beforehand
+    (`CheckpointStore.problems(path)`, as `scalerl verify logits` does) rather than on every rank.
+    """
+    problems = CheckpointStore.problems(path, checksums=False)
     if problems:
         raise CheckpointError(f"{path}: not a complete checkpoint: {'; '.join(problems[:3])}")
     gpt = unwrap_model(model)
-    try:
-        loaded = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(path))
-    except Exception as exc:  # megatron raises many types for missing/mismatched shards
-        raise CheckpointError(f"{path}: cannot load into this model/layout: {exc}") from exc
-    gpt.load_state_dict(loaded["model"])
+    gpt.load_state_dict(_load({"model": gpt.sharded_state_dict()}, path)["model"])

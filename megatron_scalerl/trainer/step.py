@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_scalerl.algo import LossNormalizers, loss_params, merge_metrics, policy_loss
+from megatron_scalerl.platform.distributed import all_gathered, current_device
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.rollout.stream import TrainBatch
 from megatron_scalerl.trainer.logprobs import token_logprobs
@@ -53,12 +54,6 @@ class StepState:
     skipped_steps: list[int] = field(default_factory=list)
 
 
-def _sample_loss_tokens(batch: TrainBatch) -> torch.Tensor:
-    """[N] loss tokens of each sample."""
-    owner = torch.repeat_interleave(torch.arange(batch.num_samples), batch.lengths)
-    return torch.zeros(batch.num_samples, dtype=torch.int64).index_add_(0, owner, batch.loss_mask.long())
-
-
 class TrainStep:
     """Runs optimizer steps for one model (a list of pipeline-stage chunks wrapped in Megatron DDP)."""
 
@@ -77,8 +72,7 @@ class TrainStep:
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_size = ps.get_tensor_model_parallel_world_size()
         self.is_last_stage = ps.is_pipeline_last_stage()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        self.device = current_device()
         self.sequence_parallel = recipe.parallelism.sequence_parallel and self.tp_size > 1
         self.loss_params = loss_params(recipe.algorithm)
         # FP32 head: FP32 logits; without it the head computes in the model's precision (the ablation)
@@ -95,9 +89,8 @@ class TrainStep:
                                     advantages=mb.advantages, mask=mb.loss_mask, group_ids=mb.group_ids,
                                     aggregation=self.recipe.algorithm.aggregation, normalizers=normalizers,
                                     **self.loss_params)
-        mask = mb.loss_mask
         metrics["loss"] = loss.detach()
-        metrics["entropy_sum"] = (entropy * mask).sum()
+        metrics["entropy_sum"] = (entropy * mb.loss_mask).sum()
         return loss * scale, metrics
 
     def _token_logprobs(self, mb: MicroBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,11 +151,11 @@ class TrainStep:
     def run(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on `batch` (the whole step's batch, identical on every rank). Returns its metrics."""
         start = time.perf_counter()
-        step = self.state.step
-        normalizers = LossNormalizers.from_sample_tokens(_sample_loss_tokens(batch), batch.group_ids)
+        step, version_before = self.state.step, self.state.weight_version
+        normalizers = LossNormalizers.from_sample_tokens(batch.loss_tokens_per_sample(), batch.group_ids)
         microbatches = self._microbatches(batch)
         scale = float(len(microbatches) * self.dp_size)
-        lr = lr_at(self.state.weight_version, lr=self.recipe.trainer.lr, warmup_steps=self.recipe.trainer.warmup_steps)
+        lr = lr_at(version_before, lr=self.recipe.trainer.lr, warmup_steps=self.recipe.trainer.warmup_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         for chunk in self.model:
@@ -176,13 +169,11 @@ class TrainStep:
         finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
         if finite:
             finite = self._clip_and_update(grad_norm)
-        version_before = self.state.weight_version
         self.state.step += 1
         if finite:
             self.state.weight_version += 1
             self.state.consecutive_nonfinite = 0
-        else:
-            self.optimizer.zero_grad()
+        else:  # nothing to undo: the gradients are zeroed at the start of the next step
             self.state.consecutive_nonfinite += 1
             self.state.skipped_steps.append(step)
             if self.state.consecutive_nonfinite >= self.recipe.trainer.max_consecutive_nonfinite:
@@ -225,27 +216,18 @@ class TrainStep:
         return bool(self.optimizer.step_with_ready_grads())
 
     def _reduce_metrics(self, outputs: list[dict]) -> tuple[float, dict[str, float]]:
-        """Sum the step's loss and merge its metrics over micro-batches and DP ranks; every rank gets the result."""
+        """The step's summed loss and its metrics merged over micro-batches and ranks; every rank gets the result.
+
+        Only last-stage ranks have outputs and their TP peers hold identical copies, so TP rank 0 contributes.
+        """
         from megatron.core import parallel_state as ps
 
-        local = merge_metrics(outputs)
-        loss = sum(float(o["loss"]) for o in outputs)
-        entropy = sum(float(o["entropy_sum"]) for o in outputs)
-        tokens = local["tokens"]
-        sums = torch.tensor([loss, entropy, tokens, local["clip_fraction"] * tokens, local["ratio_mean"] * tokens,
-                             local["mismatch_k3"] * tokens], dtype=torch.float64, device=self.device)
-        maxes = torch.tensor([local["ratio_max"]], dtype=torch.float64, device=self.device)
-        if not self.is_last_stage:
-            sums.zero_()
-            maxes.fill_(-math.inf)
-        if dist.is_initialized():
-            # Only last-stage ranks hold values; TP peers hold identical copies, so reduce over DP x PP with tp rank 0.
-            if ps.get_tensor_model_parallel_rank() != 0:
-                sums.zero_()
-                maxes.fill_(-math.inf)
-            dist.all_reduce(sums)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-        loss, entropy, tokens, clip, ratio, mismatch = sums.tolist()
-        denom = max(tokens, 1.0)
-        return loss, {"tokens": tokens, "entropy": entropy / denom, "clip_fraction": clip / denom,
-                      "ratio_mean": ratio / denom, "mismatch_k3": mismatch / denom, "ratio_max": float(maxes[0])}
+        contributes = self.is_last_stage and (not dist.is_initialized() or ps.get_tensor_model_parallel_rank() == 0)
+        mine = outputs if contributes else []
+        local = merge_metrics(mine)
+        local["loss"] = sum(float(o["loss"]) for o in mine)
+        local["entropy_sum"] = sum(float(o["entropy_sum"]) for o in mine)
+        parts = all_gathered(local)
+        merged = merge_metrics(parts)
+        merged["entropy"] = sum(p["entropy_sum"] for p in parts) / max(merged["tokens"], 1.0)
+        return sum(p["loss"] for p in parts), merged
