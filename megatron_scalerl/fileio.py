@@ -7,6 +7,7 @@ crash leaves either the old content or the new one, never a torn file.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -60,6 +61,19 @@ def load_yaml(path: str | os.PathLike) -> Any:
 def dump_yaml(data: Any) -> str:
     """Block-style YAML that keeps key order."""
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True, width=120)
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with tensors/numpy scalars as Python numbers and NaN/inf as null (JSON has no such numbers)."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # 0-dim tensors and numpy scalars
+        value = value.item()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -9,19 +9,12 @@ The forecaster reads this file (compute column `gpu_hours`, metric column e.g. `
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "item"):  # 0-dim tensors and numpy scalars
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    return value
+from megatron_scalerl.fileio import json_safe
 
 
 class MetricsLog:
@@ -41,7 +34,7 @@ class MetricsLog:
 
     def log(self, step: int, figures: dict[str, Any]) -> dict[str, Any]:
         record = {"step": int(step), "time": time.time(), "role": self.role,
-                  **{k: _jsonable(v) for k, v in figures.items()}}
+                  **json_safe(figures)}
         line = (json.dumps(record) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_scalerl.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
+from megatron_scalerl.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text, json_safe
 from megatron_scalerl.forecast.backtest import Backtest
 from megatron_scalerl.forecast.compare import Comparison
 from megatron_scalerl.forecast.predict import A_MARGIN, Forecast, format_gpu_hours
@@ -89,7 +89,7 @@ def write_report(out_dir: str | Path, document: Document, json_name: str, data: 
     """Write `json_name`, report.md, report.html and the document's PNGs into `out_dir`; returns the paths."""
     out_dir = Path(out_dir)
     written = [out_dir / json_name, out_dir / "report.md", out_dir / "report.html"]
-    atomic_write_json(written[0], _json_safe(data))
+    atomic_write_json(written[0], json_safe(data))
     atomic_write_text(written[1], document.to_markdown())
     atomic_write_text(written[2], document.to_html())
     for block in document.blocks:
@@ -99,20 +99,9 @@ def write_report(out_dir: str | Path, document: Document, json_name: str, data: 
     return written
 
 
-def _json_safe(value):
-    """NaN/inf (e.g. a target never reached) become null: JSON has no such numbers."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def dumps(data: dict) -> str:
     """One-line JSON of a report's data, for `--json`."""
-    return json.dumps(_json_safe(data))
+    return json.dumps(json_safe(data))
 
 
 # ---------------------------------------------------------------- the three reports
