@@ -10,6 +10,7 @@ names the rank; a run longer than `timeout_s` is stopped too. `backend` is passe
 
 from __future__ import annotations
 
+import pickle
 import queue
 import socket
 import time
@@ -53,7 +54,9 @@ def _worker_main(
     try:
         init_distributed(backend, timeout_s, rank=rank, world_size=world_size, local_rank=rank, master_port=port)
         value = fn(rank, *args)
-        results.put((rank, True, value))
+        # Pickled here, by value: torch's queue would share tensor storage through file descriptors that die with
+        # this process, which may exit before the parent reads the result.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # report everything, including SystemExit from argparse-style code
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -107,7 +110,7 @@ def run_local_workers(
                 continue
             if not ok:
                 raise WorkerError(f"worker rank {rank} of {world_size} failed:\n{value}")
-            collected[rank] = value
+            collected[rank] = pickle.loads(value)
         for proc in procs:
             proc.join(timeout=30)
     finally:
