@@ -60,7 +60,7 @@ def layout_recipe(model: str, sizes: dict[str, int], args: argparse.Namespace) -
                  f"parallelism.micro_batch_size={args.micro_batch}", f"cluster.gpus_per_node={tp * pp * dp}",
                  f"rollout.prompts_per_step={args.samples // GROUP_SIZE}",
                  f"rollout.generations_per_prompt={GROUP_SIZE}", f"trainer.precision={args.precision}",
-                 f"model.hf_checkpoint={args.hf_dirs[model]}"]
+                 f"trainer.init_from={args.hf_dirs[model]}"]
     return load_recipe("scalerl", overrides, model_preset=model)
 
 

@@ -2,7 +2,9 @@
 
 Resolution order (later wins):
   1. the `base:` preset named by the file (recursively resolved; a file without `base:` must be complete),
-  2. the `model_preset:` it names (replaces the whole `model` section, merges its other sections),
+  2. the `model_preset:` it names (replaces the whole `model` section, merges its other sections); `hf:DIR` takes
+     the model section from an HF checkpoint's config.json and starts the trainer from its weights
+     (`trainer.init_from: DIR`), keeping the base's layout,
   3. the file's own keys,
   4. `--set a.b.c=value` overrides from the command line.
 
@@ -20,6 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from megatron_scalerl import choices
 from megatron_scalerl.errors import RecipeError
 from megatron_scalerl.fileio import dump_yaml, load_yaml, parse_yaml
 from megatron_scalerl.recipe_rules import cross_field_problems
@@ -76,7 +79,6 @@ class ModelConfig(Section):
     attn_temperature_tuning: bool = False
     floor_scale: PosFloat = 8192.0
     attn_scale: PosFloat = 0.1
-    hf_checkpoint: str | None = None  # HF directory to initialise from (None: random init)
 
     @property
     def is_moe(self) -> bool:
@@ -106,11 +108,20 @@ class ParallelismConfig(Section):
     sequence_parallel: bool = False
     micro_batch_size: Pos = 1
 
+    @property
+    def expert_tp_size(self) -> int:
+        """Tensor parallelism inside experts: `expert_tp`, or `tp` when unset."""
+        return self.expert_tp or self.tp
+
+    def dp_size(self, trainer_gpus: int) -> int:
+        """Data parallelism: `dp`, or what the trainer GPUs leave after tp x pp (recipes are validated with it)."""
+        return self.dp if self.dp is not None else max(trainer_gpus // (self.tp * self.pp), 1)
+
 
 class NoPositiveResamplingConfig(Section):
     enabled: bool
     threshold: Fraction  # retire a prompt once its pass rate (by `history`) reaches this
-    history: Literal["latest", "cumulative", "ema"]
+    history: Literal[choices.HISTORY_RULES]
     ema_decay: Fraction  # weight of the previous EMA value when history == "ema"
 
 
@@ -128,15 +139,15 @@ class LengthControlConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    loss: Literal["cispo", "ppo_clip", "dapo", "gspo", "tis_reinforce"]
+    loss: Literal[choices.LOSSES]
     eps_max: PosFloat  # CISPO / truncated-IS cap on the importance ratio
     clip_low: PosFloat  # PPO-clip / DAPO / GSPO lower clip epsilon
     clip_high: PosFloat  # upper clip epsilon (DAPO clip-higher: 0.26)
-    advantage_norm: Literal["batch", "prompt", "none"]
+    advantage_norm: Literal[choices.ADVANTAGE_NORMS]
     advantage_std_after_filter: bool  # std over the advantages that reach the loss (after zero-variance filter)
-    aggregation: Literal["prompt", "sample", "token"]
+    aggregation: Literal[choices.AGGREGATIONS]
     zero_variance_filter: bool
-    truncated_samples: Literal["keep", "mask", "drop"]  # samples that hit the hard length cap
+    truncated_samples: Literal[choices.TRUNCATED_POLICIES]  # samples that hit the hard length cap
     reward_correct: float
     reward_incorrect: float
     no_positive_resampling: NoPositiveResamplingConfig
@@ -170,6 +181,7 @@ class TrainerConfig(Section):
     keep_checkpoints: Pos
     max_consecutive_nonfinite: Pos  # abort after this many skipped non-finite steps in a row
     seed: int
+    init_from: str | None = None  # HF checkpoint directory the weights start from (None: random init with `seed`)
 
 
 class DataSource(Section):
@@ -240,12 +252,6 @@ class Recipe(Section):
     cluster: ClusterConfig
 
     @property
-    def dp(self) -> int:
-        """Data-parallel size (resolved by validation)."""
-        assert self.parallelism.dp is not None
-        return self.parallelism.dp
-
-    @property
     def samples_per_step(self) -> int:
         return self.rollout.prompts_per_step * self.rollout.generations_per_prompt
 
@@ -295,8 +301,27 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+HF_MODEL_PREFIX = "hf:"
+
+
+def _hf_model_preset(directory: str) -> dict[str, Any]:
+    """`hf:DIR` as a model preset: the model section of DIR/config.json, and the trainer starting from DIR."""
+    from megatron_scalerl.errors import UserError
+    from megatron_scalerl.models.hf_io import read_hf_config
+
+    try:
+        _, model_cfg = read_hf_config(directory)
+    except UserError as exc:
+        raise RecipeError("model_preset", str(exc)) from None
+    return {"model": model_cfg.model_dump(mode="json"), "trainer": {"init_from": str(Path(directory).resolve())}}
+
+
 def _apply_model_preset(data: dict[str, Any], name: str) -> dict[str, Any]:
-    preset = _read_mapping(_preset_path(name, MODEL_PRESET_DIR, "model preset", model_preset_names()))
+    """`name`: a model preset, or `hf:DIR` (an HF checkpoint directory)."""
+    if name.startswith(HF_MODEL_PREFIX):
+        preset = _hf_model_preset(name[len(HF_MODEL_PREFIX):])
+    else:
+        preset = _read_mapping(_preset_path(name, MODEL_PRESET_DIR, "model preset", model_preset_names()))
     merged = deep_merge(data, {k: v for k, v in preset.items() if k != "model"})
     merged["model"] = copy.deepcopy(preset.get("model", {}))
     return merged
@@ -398,7 +423,7 @@ def validate(data: dict[str, Any], source: str | None = None) -> Recipe:
         more = f" (+{len(problems) - 1} more: {', '.join(p for p, _ in problems[1:4])})" if len(problems) > 1 else ""
         raise RecipeError(path, reason + more, source=source)
     if recipe.parallelism.dp is None:
-        dp = recipe.cluster.trainer_gpus // (recipe.parallelism.tp * recipe.parallelism.pp)
+        dp = recipe.parallelism.dp_size(recipe.cluster.trainer_gpus)
         recipe = recipe.model_copy(update={"parallelism": recipe.parallelism.model_copy(update={"dp": dp})})
     return recipe
 

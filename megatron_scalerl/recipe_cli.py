@@ -13,7 +13,8 @@ def _add_source(p: argparse.ArgumentParser, name: str = "recipe") -> None:
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", dest="model_preset", help="model preset to apply (e.g. tiny_dense)")
+    p.add_argument("--model", dest="model_preset",
+                   help="model preset to apply (e.g. tiny_dense), or hf:DIR to take the model from an HF checkpoint")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted override applied last, e.g. --set trainer.lr=1e-6 (repeatable)")
 

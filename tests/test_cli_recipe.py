@@ -65,3 +65,20 @@ def test_console_script_never_prints_a_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip() == f"error: {bad}: trainer.lr: Input should be a valid number (got 'fast')"
+
+
+def test_model_from_an_hf_checkpoint_config(tmp_path, capsys):
+    from megatron_scalerl.models.hf_config import hf_config_dict
+    from megatron_scalerl.recipe import load_recipe
+
+    moe = load_recipe("scalerl", model_preset="tiny_moe").model
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(moe)))
+    fits = ["rollout.max_prompt_tokens=256", "rollout.max_new_tokens=512", "parallelism.micro_batch_size=2",
+            "algorithm.length_control.think_budget_min=128", "algorithm.length_control.think_budget_max=192",
+            "algorithm.length_control.answer_budget=64"]
+    recipe = load_recipe("scalerl", fits, model_preset=f"hf:{tmp_path}")
+    assert recipe.model == moe and recipe.trainer.init_from == str(tmp_path.resolve())
+    assert recipe.parallelism.micro_batch_size == 2  # the base's layout and the overrides stay
+    assert main(["recipe", "show", "scalerl", "--model", f"hf:{tmp_path / 'missing'}"]) == 2
+    err = capsys.readouterr().err
+    assert "model_preset" in err and "no config.json" in err

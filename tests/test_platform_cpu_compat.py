@@ -198,7 +198,7 @@ def test_patch_targets_are_checked():
 
     module = types.ModuleType("megatron.core.fake")
     with pytest.raises(cpu_compat.MegatronVersionError, match="megatron.core.fake.gone is gone"):
-        cpu_compat._require(module, "gone")
+        cpu_compat.require_megatron_attr(module, "gone")
 
 
 def test_sequence_parallel_norm_needs_our_torch_norm():

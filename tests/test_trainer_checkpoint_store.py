@@ -23,7 +23,6 @@ def test_save_publishes_with_manifest_and_prunes(tmp_path):
         path = store.save(it, _writer(bytes([it]) * 1000), {"step": it})
         assert path.name == f"iter_{it:07d}" and store.problems(path) == []
     assert store.iterations() == [30, 20]
-    assert (tmp_path / "checkpoints" / "latest").read_text() == "30\n"
     assert store.latest_valid() == (30, store.path(30))
     assert read_rl_state(store.path(30)) == {"step": 30}
     assert not list((tmp_path / "checkpoints").glob(".iter_*"))
@@ -100,3 +99,53 @@ def test_resaving_an_iteration_replaces_it_whole(tmp_path):
     store.save(10, _writer(b"b" * 50), {"v": 2})
     assert read_rl_state(store.path(10)) == {"v": 2} and store.problems(store.path(10)) == []
     assert not list((tmp_path / "checkpoints").glob(".iter_*"))
+
+
+def _corrupt(path):
+    (path / "shard" / "rank0.bin").write_bytes(b"x" * 10)
+
+
+@pytest.mark.parametrize("next_save", [20, 30], ids=["below-the-corrupt-one", "same-iteration"])
+def test_after_a_fallback_the_next_save_is_kept_and_the_corrupt_one_set_aside(tmp_path, next_save):
+    """keep=1, the newest checkpoint (30) corrupt: resume from 10, then save again; before the fix the prune kept
+    the corrupt 30 and deleted the checkpoint just written."""
+    store = CheckpointStore(tmp_path, keep=1)
+    store.save(10, _writer(b"a" * 1000), {"step": 10})
+    store.keep = 3
+    store.save(30, _writer(b"c" * 1000), {"step": 30})
+    store.keep = 1
+    _corrupt(store.path(30))
+    assert store.latest_valid(set_aside=True) == (10, store.path(10))
+    unusable = tmp_path / "checkpoints" / "unusable" / "iter_0000030"
+    assert store.iterations() == [10] and unusable.is_dir()
+    reason = (unusable / "UNUSABLE.txt").read_text()
+    assert "failed validation (shard/rank0.bin: 10 bytes, manifest says 1000); resumed from iter_0000010" in reason
+
+    store.save(next_save, _writer(b"d" * 1000), {"step": next_save})
+    assert store.iterations() == [next_save] and store.latest_valid() == (next_save, store.path(next_save))
+    assert unusable.is_dir()  # kept for a human to look at, never loaded
+
+
+def test_a_read_only_lookup_moves_nothing(tmp_path):
+    store = CheckpointStore(tmp_path, keep=3)
+    store.save(10, _writer(b"a" * 100), {})
+    store.save(20, _writer(b"b" * 100), {})
+    _corrupt(store.path(20))
+    assert store.latest_valid() == (10, store.path(10))
+    assert store.iterations() == [20, 10]
+
+
+def test_a_save_sets_aside_newer_checkpoints_of_an_abandoned_timeline(tmp_path):
+    store = CheckpointStore(tmp_path, keep=3)
+    for it in (10, 20, 30):
+        store.save(it, _writer(bytes([it]) * 100), {"step": it})
+    store.save(15, _writer(b"e" * 100), {"step": 15})  # e.g. a run restarted by hand from iter 10
+    assert store.iterations() == [15, 10]
+    aside = tmp_path / "checkpoints" / "unusable"
+    assert sorted(p.name for p in aside.iterdir()) == ["iter_0000020", "iter_0000030"]
+    assert "newer than iter_0000015" in (aside / "iter_0000030" / "UNUSABLE.txt").read_text()
+    store.save(15, _writer(b"f" * 100), {"step": 15})
+    store.save(30, _writer(b"g" * 100), {"step": 30})
+    store.save(20, _writer(b"h" * 100), {"step": 20})  # the same name set aside twice gets a suffix
+    assert store.iterations() == [20, 15, 10]
+    assert sorted(p.name for p in aside.iterdir()) == ["iter_0000020", "iter_0000030", "iter_0000030.1"]

@@ -1,93 +1,159 @@
-"""Checkpoints of a real tiny model: exact resume, resharded resume, corrupt checkpoint fallback."""
+"""Checkpoints of real tiny models in the recipe's own precision (bf16, FP32 LM head), dense and MoE: exact resume,
+resharded resume, corrupt-checkpoint fallback, and `scalerl verify logits` on trainer checkpoints.
+
+The single-rank scenarios share one spawned worker (`single_rank`); the resharded resumes spawn their layouts.
+"""
 
 import math
+import shutil
 
 import pytest
+import torch
 
 from megatron_scalerl.platform import run_local_workers
-from tests.trainer_utils import rl_batch, tiny_hf_checkpoint, tiny_recipe
+from tests.trainer_utils import rl_batch, run_scenarios, tiny_hf_checkpoint, tiny_recipe
+
+STEPS = 4  # batches 0..3; checkpoints after 0, 1 and 2 optimizer steps
 
 
-def _train_and_save(rank, run_dir, save_after, hf, layout=None):
+def _weights(trainer, model_cfg) -> dict:
+    from megatron_scalerl.models import export_hf_state
+
+    return {name: t.clone() for name, t in export_hf_state(trainer.model[0], model_cfg)}
+
+
+def _train_and_save(rank, run_dir, hf, layout):
+    """Train STEPS steps, checkpointing after steps 0, 1, 2; the losses and the weights as saved at step 2."""
     from megatron_scalerl.trainer.checkpoint import CheckpointStore
     from megatron_scalerl.trainer.setup import build_trainer
     from megatron_scalerl.trainer.state import save_trainer
 
-    trainer = build_trainer(tiny_recipe(hf=hf, **(layout or {})))
+    trainer = build_trainer(tiny_recipe(hf=hf, **layout))
+    recipe = trainer.step.recipe
     store = CheckpointStore(run_dir, keep=5)
-    losses = []
-    if 0 in save_after:
-        save_trainer(store, trainer.model, trainer.optimizer, trainer.step.state, trainer.step.recipe.model,
-                     {"wall_hours": 0.0})
-    for seed in range(4):
+
+    def save(hours):
+        save_trainer(store, trainer.model, trainer.optimizer, trainer.step.state, recipe.model, {"wall_hours": hours})
+
+    save(0.0)
+    losses, saved = [], {}
+    for seed in range(STEPS):
         losses.append(trainer.step.run(rl_batch(seed))["train/loss"])
-        if trainer.step.state.step in save_after:
-            save_trainer(store, trainer.model, trainer.optimizer, trainer.step.state, trainer.step.recipe.model,
-                         {"wall_hours": 0.5})
-    return losses
+        if trainer.step.state.step in (1, 2):
+            save(0.5)
+        if trainer.step.state.step == 2:
+            saved = _weights(trainer, recipe.model)
+    return {"losses": losses, "weights": saved, "precision": recipe.trainer.precision}
 
 
-def _resume(rank, run_dir, layout, hf):
+def _resume(rank, run_dir, hf, layout):
+    """Resume from the newest valid checkpoint at `layout`; the weights right after the load and the losses of the
+    remaining steps."""
     from megatron_scalerl.trainer.checkpoint import CheckpointStore
     from megatron_scalerl.trainer.setup import build_trainer
     from megatron_scalerl.trainer.state import load_trainer
 
     trainer = build_trainer(tiny_recipe(hf=hf, **layout))
-    iteration, path = CheckpointStore(run_dir, keep=5).latest_valid()
+    iteration, path = CheckpointStore(run_dir, keep=5).latest_valid(set_aside=True)
     trainer.step.state, rl_state = load_trainer(path, trainer.model, trainer.optimizer)
-    losses = [trainer.step.run(rl_batch(seed))["train/loss"] for seed in range(trainer.step.state.step, 4)]
-    return iteration, rl_state["wall_hours"], trainer.step.state.weight_version, losses
+    weights = _weights(trainer, trainer.step.recipe.model)
+    losses = [trainer.step.run(rl_batch(seed))["train/loss"] for seed in range(trainer.step.state.step, STEPS)]
+    return {"iteration": iteration, "hours": rl_state["wall_hours"], "version": trainer.step.state.weight_version,
+            "losses": losses, "weights": weights}
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    return tiny_hf_checkpoint(tmp_path_factory.mktemp("hf"))
-
-
-@pytest.fixture(scope="module")
-def saved_run(tmp_path_factory, hf_dir):
-    run_dir = tmp_path_factory.mktemp("run")
-    losses = run_local_workers(_train_and_save, 1, run_dir, {0, 1, 2}, hf_dir, timeout_s=300)[0]
-    return run_dir, losses
-
-
-def test_resume_gives_exactly_the_uninterrupted_losses(saved_run, hf_dir):
-    run_dir, losses = saved_run
-    iteration, hours, version, resumed = run_local_workers(_resume, 1, run_dir, {}, hf_dir, timeout_s=300)[0]
-    assert (iteration, hours, version) == (2, 0.5, 4)
-    assert resumed == losses[2:]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2)], ids=["tp2", "pp2"])
-def test_resume_into_a_different_layout(saved_run, hf_dir, layout):
-    run_dir, losses = saved_run
-    for _, _, _, resumed in run_local_workers(_resume, 2, run_dir, layout, hf_dir, timeout_s=400):
-        for a, b in zip(resumed, losses[2:], strict=True):
-            assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-7)
-
-
-@pytest.mark.slow
-def test_checkpoint_written_by_two_data_parallel_ranks_resumes_on_one(saved_run, hf_dir, tmp_path):
-    _, losses = saved_run
-    dp_losses = run_local_workers(_train_and_save, 2, tmp_path, {2}, hf_dir, dict(dp=2), timeout_s=400)
-    iteration, _, _, resumed = run_local_workers(_resume, 1, tmp_path, {}, hf_dir, timeout_s=300)[0]
-    assert iteration == 2
-    for a, b in zip(dp_losses[0] + resumed, losses + losses[2:], strict=True):
-        assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-7)
-
-
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous(saved_run, hf_dir, tmp_path):
-    import shutil
-
-    run_dir, losses = saved_run
-    copy = tmp_path / "run"
+def _copy_then_resume(rank, run_dir, copy, damage, hf):
     shutil.copytree(run_dir, copy)
-    shard = sorted((copy / "checkpoints" / "iter_0000002").glob("*.distcp"))[0]
+    damage(copy / "checkpoints")
+    return _resume(rank, copy, hf, {})
+
+
+def _corrupt_iter2(checkpoints):
+    shard = sorted((checkpoints / "iter_0000002").glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    iteration, _, _, resumed = run_local_workers(_resume, 1, copy, {}, hf_dir, timeout_s=300)[0]
-    assert iteration == 1
-    assert resumed == losses[1:]
+
+
+def _remove_iters_after_0(checkpoints):
+    for later in ("iter_0000001", "iter_0000002"):
+        shutil.rmtree(checkpoints / later)
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    return {model: tiny_hf_checkpoint(tmp_path_factory.mktemp(f"hf_{model}"), model=model)
+            for model in ("tiny_dense", "tiny_moe")}
+
+
+@pytest.fixture(scope="module")
+def single_rank(tmp_path_factory, hf_dirs):
+    root = tmp_path_factory.mktemp("runs")
+    dense_hf, moe = hf_dirs["tiny_dense"], dict(model="tiny_moe")
+    scenarios = {
+        "dense": (_train_and_save, root / "dense", hf_dirs["tiny_dense"], {}),
+        "moe": (_train_and_save, root / "moe", hf_dirs["tiny_moe"], moe),
+        "dense_resumed": (_resume, root / "dense", hf_dirs["tiny_dense"], {}),
+        "moe_resumed": (_resume, root / "moe", hf_dirs["tiny_moe"], moe),
+        "corrupt": (_copy_then_resume, root / "dense", root / "corrupt", _corrupt_iter2, dense_hf),
+        "from_step_0": (_copy_then_resume, root / "dense", root / "step0", _remove_iters_after_0, dense_hf),
+    }
+    return root, run_local_workers(run_scenarios, 1, scenarios, timeout_s=600)[0]
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_resume_gives_exactly_the_uninterrupted_losses(single_rank, model):
+    _, results = single_rank
+    run, resumed = results[model], results[f"{model}_resumed"]
+    assert run["precision"] == "bf16"  # the recipe's own: bf16 weights, FP32 LM head
+    assert (resumed["iteration"], resumed["hours"], resumed["version"]) == (2, 0.5, STEPS)
+    assert resumed["losses"] == run["losses"][2:]
+    assert all(torch.equal(resumed["weights"][n], t) for n, t in run["weights"].items())
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_and_is_set_aside(single_rank):
+    root, results = single_rank
+    resumed = results["corrupt"]
+    assert resumed["iteration"] == 1 and resumed["losses"] == results["dense"]["losses"][1:]
+    aside = root / "corrupt" / "checkpoints" / "unusable" / "iter_0000002" / "UNUSABLE.txt"
+    assert "resumed from iter_0000001" in aside.read_text()
+
+
+def test_resume_from_a_checkpoint_taken_before_any_step(single_rank):
+    _, results = single_rank
+    resumed = results["from_step_0"]
+    assert (resumed["iteration"], resumed["version"]) == (0, STEPS)
+    assert resumed["losses"] == results["dense"]["losses"]
+
+
+def _assert_resharded(per_rank, run):
+    """Every rank loaded exactly the saved weights, and trains on to the same losses (bf16: different layouts
+    round sums differently, so within 2%)."""
+    loaded = {name: t for result in per_rank for name, t in result["weights"].items()}
+    assert set(loaded) == set(run["weights"])
+    assert all(torch.equal(loaded[n], t) for n, t in run["weights"].items())
+    for result in per_rank:
+        assert result["iteration"] == 2
+        for a, b in zip(result["losses"], run["losses"][2:], strict=True):
+            assert math.isclose(a, b, rel_tol=2e-2, abs_tol=1e-4), (result["losses"], run["losses"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, layout", [("dense", dict(tp=2)), ("dense", dict(pp=2)),
+                                           ("moe", dict(model="tiny_moe", ep=2, dp=2))],
+                         ids=["dense-tp2", "dense-pp2", "moe-ep2"])
+def test_resume_into_a_different_layout(single_rank, hf_dirs, model, layout):
+    root, results = single_rank
+    hf = hf_dirs["tiny_moe" if model == "moe" else "tiny_dense"]
+    _assert_resharded(run_local_workers(_resume, 2, root / model, hf, layout, timeout_s=400), results[model])
+
+
+@pytest.mark.slow
+def test_checkpoint_written_by_two_data_parallel_ranks_resumes_on_one(single_rank, hf_dirs, tmp_path):
+    _, results = single_rank
+    hf = hf_dirs["tiny_dense"]
+    dp_run = run_local_workers(_train_and_save, 2, tmp_path, hf, dict(dp=2), timeout_s=400)[0]
+    _assert_resharded(run_local_workers(_resume, 1, tmp_path, hf, {}, timeout_s=300), dp_run)
+    for a, b in zip(dp_run["losses"], results["dense"]["losses"], strict=True):
+        assert math.isclose(a, b, rel_tol=2e-2, abs_tol=1e-4)
 
 
 def _verify(*args):
@@ -100,33 +166,22 @@ def _verify(*args):
     return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else proc.stderr
 
 
-def test_verify_logits_on_trainer_checkpoints(saved_run, hf_dir):
-    run_dir, _ = saved_run
-    code, report = _verify("--hf", hf_dir, "--megatron", str(run_dir / "checkpoints" / "iter_0000000"))
+def test_verify_logits_on_trainer_checkpoints(single_rank, hf_dirs):
+    root, _ = single_rank
+    hf = hf_dirs["tiny_dense"]
+    code, report = _verify("--hf", hf, "--megatron", str(root / "dense" / "checkpoints" / "iter_0000000"))
     assert code == 0 and report["max_abs_diff"] <= 1e-4, report
-    code, report = _verify("--hf", hf_dir, "--megatron", str(run_dir / "checkpoints" / "iter_0000002"), "--tp", "2")
+    code, report = _verify("--hf", hf, "--megatron", str(root / "dense" / "checkpoints" / "iter_0000002"),
+                           "--tp", "2")
     assert code == 1 and report["max_abs_diff"] > 1e-3  # two optimizer steps later the weights differ from HF
 
 
-def test_verify_logits_refuses_a_checkpoint_of_another_architecture(saved_run, tmp_path):
+def test_verify_logits_refuses_a_checkpoint_of_another_architecture(single_rank, tmp_path):
     from megatron_scalerl.models.hf_io import save_random_hf_model
     from megatron_scalerl.recipe import load_recipe
 
-    run_dir, _ = saved_run
+    root, _ = single_rank
     other = save_random_hf_model(load_recipe("scalerl", ["model.num_layers=2"], model_preset="tiny_dense").model,
                                  tmp_path / "hf2", seed=0)
-    code, err = _verify("--hf", str(other), "--megatron", str(run_dir / "checkpoints" / "iter_0000001"))
+    code, err = _verify("--hf", str(other), "--megatron", str(root / "dense" / "checkpoints" / "iter_0000001"))
     assert code == 2 and "model.num_layers is 4 in the checkpoint but 2 in" in err
-
-
-def test_resume_from_a_checkpoint_taken_before_any_step(saved_run, hf_dir, tmp_path):
-    import shutil
-
-    run_dir, losses = saved_run
-    copy = tmp_path / "run"
-    shutil.copytree(run_dir, copy)
-    for later in ("iter_0000001", "iter_0000002"):
-        shutil.rmtree(copy / "checkpoints" / later)
-    iteration, _, version, resumed = run_local_workers(_resume, 1, copy, {}, hf_dir, timeout_s=300)[0]
-    assert (iteration, version) == (0, 4)
-    assert resumed == losses

@@ -1,4 +1,9 @@
-"""The train step on real tiny Megatron models: layout invariance, split invariance, learning, non-finite steps."""
+"""The train step on real tiny Megatron models: layout invariance, split invariance, learning, non-finite steps.
+
+Layout and split invariance are checked to 1e-4 in fp32 (bf16 rounds differently when the sums are split
+differently); learning, non-finite steps and the head's precision run the recipe's own bf16 + FP32 head. The
+single-rank scenarios share one spawned worker (`single_rank`).
+"""
 
 import math
 
@@ -6,7 +11,7 @@ import pytest
 import torch
 
 from megatron_scalerl.platform import run_local_workers
-from tests.trainer_utils import rl_batch, tiny_hf_checkpoint, tiny_recipe
+from tests.trainer_utils import FP32, rl_batch, run_scenarios, tiny_hf_checkpoint, tiny_recipe
 
 
 def _steps(rank, recipe_kwargs, seeds):
@@ -15,7 +20,7 @@ def _steps(rank, recipe_kwargs, seeds):
     from megatron_scalerl.models import export_hf_state
     from megatron_scalerl.trainer.setup import build_trainer
 
-    recipe = tiny_recipe(**recipe_kwargs)
+    recipe = tiny_recipe(**recipe_kwargs, extra=FP32)
     trainer = build_trainer(recipe)
     before = {name: t.double().clone() for name, t in export_hf_state(trainer.model[0], recipe.model)}
     metrics = [(m["train/loss"], m["train/grad_norm"]) for m in (trainer.step.run(rl_batch(s)) for s in seeds)]
@@ -46,14 +51,38 @@ def hf_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dense_reference(hf_dir):
-    return run_local_workers(_steps, 1, dict(hf=hf_dir), [0, 1, 2], timeout_s=300)[0]
+def moe_hf_dir(tmp_path_factory):
+    return tiny_hf_checkpoint(tmp_path_factory.mktemp("hf_moe"), model="tiny_moe")
 
 
-@pytest.mark.parametrize("layout", [dict(mbs=4), dict(mbs=16)])
-def test_micro_batch_split_does_not_change_loss_or_grad(dense_reference, hf_dir, layout):
-    _assert_same(run_local_workers(_steps, 1, dict(layout, hf=hf_dir), [0, 1, 2], timeout_s=300)[0],
-                 dense_reference)
+@pytest.fixture(scope="module")
+def single_rank(hf_dir, moe_hf_dir):
+    scenarios = {
+        "dense": (_steps, dict(hf=hf_dir), [0, 1, 2]),
+        "mbs4": (_steps, dict(mbs=4, hf=hf_dir), [0, 1, 2]),
+        "mbs16": (_steps, dict(mbs=16, hf=hf_dir), [0, 1, 2]),
+        "moe": (_steps, dict(model="tiny_moe", hf=moe_hf_dir), [0, 1]),
+        "learning": (_learning,),
+        "non_finite": (_non_finite,),
+        "bf16_fp32_head": (_bf16_step, True, hf_dir),
+        "bf16_bf16_head": (_bf16_step, False, hf_dir),
+    }
+    return run_local_workers(run_scenarios, 1, scenarios, timeout_s=600)[0]
+
+
+@pytest.fixture(scope="module")
+def dense_reference(single_rank):
+    return single_rank["dense"]
+
+
+@pytest.fixture(scope="module")
+def moe_reference(single_rank):
+    return single_rank["moe"]
+
+
+@pytest.mark.parametrize("mbs", [4, 16])
+def test_micro_batch_split_does_not_change_loss_or_grad(single_rank, dense_reference, mbs):
+    _assert_same(single_rank[f"mbs{mbs}"], dense_reference)
 
 
 @pytest.mark.slow
@@ -83,8 +112,8 @@ def _learning(rank):
     return before, objective(), losses, trainer.step.state.weight_version
 
 
-def test_cispo_steps_on_a_fixed_batch_improve_the_policy():
-    before, after, losses, version = run_local_workers(_learning, 1, timeout_s=300)[0]
+def test_cispo_steps_on_a_fixed_batch_improve_the_policy(single_rank):
+    before, after, losses, version = single_rank["learning"]
     assert after > before + 1.0, (before, after)
     assert version == 4 and all(math.isfinite(x) for x in losses)
 
@@ -111,21 +140,11 @@ def _non_finite(rank):
     return None
 
 
-def test_non_finite_steps_are_skipped_then_abort_naming_the_step():
-    skipped, unchanged, version, skipped_steps, message = run_local_workers(_non_finite, 1, timeout_s=300)[0]
+def test_non_finite_steps_are_skipped_then_abort_naming_the_step(single_rank):
+    skipped, unchanged, version, skipped_steps, message = single_rank["non_finite"]
     assert skipped == 1.0 and unchanged
     assert version == 1 and skipped_steps == [0, 2, 3]
     assert message.startswith("step 3: non-finite loss") and "2 steps in a row" in message
-
-
-@pytest.fixture(scope="module")
-def moe_hf_dir(tmp_path_factory):
-    return tiny_hf_checkpoint(tmp_path_factory.mktemp("hf_moe"), model="tiny_moe")
-
-
-@pytest.fixture(scope="module")
-def moe_reference(moe_hf_dir):
-    return run_local_workers(_steps, 1, dict(model="tiny_moe", hf=moe_hf_dir), [0, 1], timeout_s=300)[0]
 
 
 def test_moe_trains(moe_reference):
@@ -148,17 +167,15 @@ def test_moe_layouts_match_one_process(moe_reference, moe_hf_dir, layout):
 def _bf16_step(rank, fp32_lm_head, hf):
     from megatron_scalerl.trainer.setup import build_trainer, head_weight
 
-    trainer = build_trainer(tiny_recipe(hf=hf, extra=["trainer.precision=bf16",
-                                                      f"trainer.fp32_lm_head={str(fp32_lm_head).lower()}"]))
+    trainer = build_trainer(tiny_recipe(hf=hf, extra=[f"trainer.fp32_lm_head={str(fp32_lm_head).lower()}"]))
     metrics = trainer.step.run(rl_batch(0))
     return metrics["train/loss"], metrics["train/grad_norm"], head_weight(trainer.model[0]).dtype, \
         trainer.step.logits_dtype
 
 
 @pytest.mark.parametrize("fp32_lm_head", [True, False])
-def test_bf16_training_keeps_the_head_in_fp32_only_when_asked(dense_reference, hf_dir, fp32_lm_head):
-    loss, grad_norm, head_dtype, logits_dtype = run_local_workers(_bf16_step, 1, fp32_lm_head, hf_dir,
-                                                                  timeout_s=300)[0]
+def test_bf16_training_keeps_the_head_in_fp32_only_when_asked(single_rank, dense_reference, fp32_lm_head):
+    loss, grad_norm, head_dtype, logits_dtype = single_rank["bf16_fp32_head" if fp32_lm_head else "bf16_bf16_head"]
     expected = torch.float32 if fp32_lm_head else torch.bfloat16
     assert head_dtype == expected and logits_dtype == expected
     fp32_loss, fp32_grad = dense_reference[0][0]

@@ -5,24 +5,36 @@ import torch
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.rollout.stream import TrainBatch
 
-BASE = ["trainer.precision=fp32", "trainer.warmup_steps=0", "trainer.lr=1e-3", "trainer.grad_clip=0"]
+BASE = ["trainer.warmup_steps=0", "trainer.lr=1e-3", "trainer.grad_clip=0"]
+# The recipe's own precision is bf16 with an FP32 LM head; tests that compare layouts to 1e-4 train in fp32 instead
+# (bf16 rounds differently when TP/PP/DP change the order of the sums).
+FP32 = ("trainer.precision=fp32",)
 
 
 def tiny_hf_checkpoint(directory, model="tiny_dense", seed=0):
-    """An HF checkpoint of the tiny model with random weights: the same starting weights for every layout."""
+    """An HF checkpoint of the tiny model with random weights: the same starting weights for every layout.
+
+    The fp32 weights are bf16-representable, so a bf16 trainer starts from exactly these weights and its first
+    checkpoint still matches the HF model's logits (`scalerl verify logits`)."""
+    from safetensors.torch import load_file, save_file
+
     from megatron_scalerl.models.hf_io import save_random_hf_model
 
-    return str(save_random_hf_model(load_recipe("scalerl", model_preset=model).model, directory, seed=seed))
+    path = save_random_hf_model(load_recipe("scalerl", model_preset=model).model, directory, seed=seed)
+    for file in path.glob("*.safetensors"):
+        save_file({k: v.bfloat16().float() for k, v in load_file(file).items()}, file, metadata={"format": "pt"})
+    return str(path)
 
 
 def tiny_recipe(model="tiny_dense", *, tp=1, pp=1, ep=1, dp=1, mbs=1, hf=None, extra=()):
-    """The tiny model at a layout (world = tp * pp * dp processes), initialised from the HF checkpoint `hf`."""
+    """The tiny model at a layout (world = tp * pp * dp processes), initialised from the HF checkpoint `hf`, in the
+    recipe's own precision unless `extra` says otherwise (e.g. `FP32`)."""
     world = tp * pp * dp
     overrides = BASE + [f"parallelism.tp={tp}", f"parallelism.pp={pp}", f"parallelism.ep={ep}",
                         f"parallelism.micro_batch_size={mbs}", f"cluster.gpus_per_node={world}",
                         f"parallelism.sequence_parallel={'true' if tp > 1 and model == 'tiny_moe' else 'false'}",
                         "rollout.prompts_per_step=4", "rollout.generations_per_prompt=4",
-                        *([f"model.hf_checkpoint={hf}"] if hf else []), *extra]
+                        *([f"trainer.init_from={hf}"] if hf else []), *extra]
     return load_recipe("scalerl", overrides, model_preset=model)
 
 
@@ -49,3 +61,11 @@ def rl_batch(seed=0, vocab=1024, groups=4, per_group=4, max_len=40) -> TrainBatc
         lengths=lengths, prompt_lengths=prompt_lengths, advantages=adv.float(), rewards=rewards,
         group_ids=group_ids, truncated=torch.zeros(n, dtype=torch.bool),
     ).validate("rl_batch", vocab)
+
+
+def run_scenarios(rank, scenarios):
+    """`run_local_workers` entry running several scenarios in one spawned process, so a test module pays for one
+    worker start-up (megatron import, process group) instead of one per test. `scenarios`: {name: (fn, *args)};
+    returns {name: fn(rank, *args)}. Each scenario builds its own model (building re-initialises megatron's
+    parallel state)."""
+    return {name: fn(rank, *args) for name, (fn, *args) in scenarios.items()}

@@ -9,7 +9,7 @@
 """
 
 from megatron_scalerl.algo.advantages import StepAdvantages, group_baseline, normalise, step_advantages
-from megatron_scalerl.algo.aggregation import AGGREGATIONS, LossNormalizers
+from megatron_scalerl.algo.aggregation import LossNormalizers
 from megatron_scalerl.algo.filters import SampleSelection, select_samples, zero_variance_samples
 from megatron_scalerl.algo.length_control import (
     Continuation,
@@ -20,6 +20,7 @@ from megatron_scalerl.algo.length_control import (
 )
 from megatron_scalerl.algo.losses import LOSSES, loss_params, merge_metrics, policy_loss
 from megatron_scalerl.algo.resampling import NoPositiveResampling
+from megatron_scalerl.choices import AGGREGATIONS
 
 __all__ = [
     "AGGREGATIONS",

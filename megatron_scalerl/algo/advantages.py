@@ -23,9 +23,9 @@ from typing import Any, Literal
 import torch
 
 from megatron_scalerl.algo.filters import group_index, select_samples
+from megatron_scalerl.choices import ADVANTAGE_NORMS
 
 AdvantageNorm = Literal["batch", "prompt", "none"]
-ADVANTAGE_NORMS: tuple[str, ...] = ("batch", "prompt", "none")
 
 
 def _group_mean(values: torch.Tensor, index: torch.Tensor, num_groups: int, members: torch.Tensor) -> torch.Tensor:

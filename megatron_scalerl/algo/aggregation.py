@@ -25,8 +25,9 @@ from typing import Literal
 
 import torch
 
+from megatron_scalerl.choices import AGGREGATIONS
+
 Aggregation = Literal["prompt", "sample", "token"]
-AGGREGATIONS: tuple[str, ...] = ("prompt", "sample", "token")
 
 
 @dataclass(frozen=True, eq=False)

@@ -20,8 +20,9 @@ from typing import Literal
 
 import torch
 
+from megatron_scalerl.choices import TRUNCATED_POLICIES
+
 TruncatedPolicy = Literal["keep", "mask", "drop"]
-TRUNCATED_POLICIES: tuple[str, ...] = ("keep", "mask", "drop")
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,9 @@ from typing import Any
 
 import torch
 
-from megatron_scalerl.algo.aggregation import AGGREGATIONS, LossNormalizers
+from megatron_scalerl import choices
+from megatron_scalerl.algo.aggregation import LossNormalizers
+from megatron_scalerl.choices import AGGREGATIONS
 from megatron_scalerl.errors import UserError
 
 # Tokens per chunk of rows in policy_loss: bounds the objectives' temporaries to a few MiB each, whatever the batch.
@@ -137,6 +139,9 @@ LOSSES: dict[str, LossSpec] = {
     "dapo": LossSpec(dapo, ("clip_low", "clip_high")),
     "gspo": LossSpec(gspo, ("clip_low", "clip_high")),
 }
+if set(LOSSES) != set(choices.LOSSES):  # the recipe offers exactly the losses implemented here
+    raise ImportError(f"algo.losses implements {sorted(LOSSES)} but megatron_scalerl.choices lists "
+                      f"{sorted(choices.LOSSES)}")
 
 
 def loss_params(algorithm: Any) -> dict[str, float]:

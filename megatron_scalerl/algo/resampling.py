@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_scalerl.choices import HISTORY_RULES
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text
 
-HISTORY_RULES: tuple[str, ...] = ("latest", "cumulative", "ema")
 STATE_VERSION = 1
 
 
@@ -93,9 +93,6 @@ class NoPositiveResampling:
         if self.history == "cumulative":
             return past.correct / past.samples
         return past.ema
-
-    def is_retired(self, prompt_id: str) -> bool:
-        return prompt_id in self._retired
 
     @property
     def retired(self) -> frozenset[str]:

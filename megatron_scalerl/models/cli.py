@@ -104,7 +104,7 @@ def _check_checkpoint_matches(path: Path, hf_model_cfg, hf_dir: str) -> None:
     if problems:
         raise UserError(f"--megatron {path}: not a complete trainer checkpoint ({'; '.join(problems[:3])})")
     ckpt_cfg = checkpoint_model_config(path)
-    ours, theirs = ckpt_cfg.model_dump(exclude={"hf_checkpoint"}), hf_model_cfg.model_dump(exclude={"hf_checkpoint"})
+    ours, theirs = ckpt_cfg.model_dump(), hf_model_cfg.model_dump()
     differing = [k for k in ours if ours[k] != theirs.get(k)]
     if differing:
         field = differing[0]

@@ -19,7 +19,8 @@ Workarounds, in the order they are installed:
   8. megatron's fused kernels are `torch.compile`d (`megatron.core.jit.jit_fuser`); on CPU the first call compiles
      with inductor for ~30 s per process -> TorchDynamo off, fusers run eagerly.
   9. the unrelated import-time warnings of a CPU process (TE/Apex missing) are filtered.
-(Sequence parallel with torch norms is handled by the layer spec, see `platform.layer_backend.TorchNorm`.)
+(Sequence parallel with torch norms is handled by the layer spec, see `platform.layer_backend.TorchNorm`; fixes to
+megatron's distributed optimizer that GPU runs need as much as CPU ones live in `platform.megatron_optimizer`.)
 
 Limits: the cuda -> cpu mode (3) is a TorchFunctionMode, which torch keeps per thread; it is entered for the thread
 that calls `install_cpu_compat()` (the main thread). A thread that runs megatron code which names "cuda" must enter
@@ -46,7 +47,7 @@ class MegatronVersionError(RuntimeError):
     """megatron-core is not the version this layer was written and tested against."""
 
 
-def _require(module: Any, name: str) -> Any:
+def require_megatron_attr(module: Any, name: str) -> Any:
     """Return `module.name`, or fail naming what changed (the layer patches private megatron-core names)."""
     if not hasattr(module, name):
         raise MegatronVersionError(
@@ -62,7 +63,7 @@ def _require(module: Any, name: str) -> Any:
 def _make_cpu_rng_tracker_class() -> type:
     from megatron.core.tensor_parallel import random as mcore_random
 
-    base = _require(mcore_random, "CudaRNGStatesTracker")
+    base = require_megatron_attr(mcore_random, "CudaRNGStatesTracker")
 
     class CPURNGStatesTracker(base):  # type: ignore[misc, valid-type]
         """Megatron's named RNG streams ("model-parallel-rng", "expert-parallel-rng", ...) on the CPU generator."""
@@ -95,8 +96,8 @@ def patch_rng_tracker() -> None:
     """Every tracker megatron creates from now on (`initialize_rng_tracker`) is the CPU one."""
     from megatron.core.tensor_parallel import random as mcore_random
 
-    _require(mcore_random, "initialize_rng_tracker")
-    _require(mcore_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED")
+    require_megatron_attr(mcore_random, "initialize_rng_tracker")
+    require_megatron_attr(mcore_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED")
     mcore_random.CudaRNGStatesTracker = _make_cpu_rng_tracker_class()
     mcore_random._CUDA_RNG_STATE_TRACKER = None
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
@@ -208,7 +209,7 @@ def patch_alltoall_splits() -> None:
     """The alltoall dispatcher moves its split sizes to host memory only when they live on CUDA."""
     from megatron.core.transformer.moe import token_dispatcher
 
-    original = _require(token_dispatcher, "maybe_move_tensor_to_cpu")
+    original = require_megatron_attr(token_dispatcher, "maybe_move_tensor_to_cpu")
     if getattr(original, "_scalerl_cpu", False):
         return
 
@@ -257,8 +258,8 @@ def reduce_scatter_uneven_along_first_dim(
 def patch_uneven_collectives() -> None:
     from megatron.core.tensor_parallel import mappings
 
-    original_gather = _require(mappings, "_gather_along_first_dim")
-    original_reduce_scatter = _require(mappings, "_reduce_scatter_along_first_dim")
+    original_gather = require_megatron_attr(mappings, "_gather_along_first_dim")
+    original_reduce_scatter = require_megatron_attr(mappings, "_reduce_scatter_along_first_dim")
     if getattr(original_gather, "_scalerl_cpu", False):
         return
 
@@ -285,37 +286,8 @@ def patch_jit_fuser() -> None:
     import torch._dynamo
     from megatron.core import jit
 
-    _require(jit, "disable_jit_fuser")()
+    require_megatron_attr(jit, "disable_jit_fuser")()
     torch._dynamo.config.disable = True
-
-
-# 9. torch Adam in distributed-optimizer checkpoint loads ------------------------------------------------------------
-
-
-def patch_torch_adam_checkpoint_load() -> None:
-    """Without Transformer Engine / Apex the distributed optimizer wraps torch's Adam, which keeps a per-parameter
-    `step`. Loading a `fully_reshardable` checkpoint, `_set_main_param_and_optimizer_states` copies every key of the
-    parameter's optimizer state from the checkpoint tensors, but those carry no `step` (load_state_dict restores the
-    step separately), so the load fails with KeyError 'step'. The patched method keeps the restored step, as a tensor
-    of its own per parameter: load_state_dict hands every parameter the same step tensor, and torch's Adam increments
-    each parameter's step in place, so a shared one would advance once per parameter and skew the bias correction."""
-    from megatron.core.optimizer import distrib_optimizer
-
-    cls = _require(distrib_optimizer, "DistributedOptimizer")
-    original = _require(cls, "_set_main_param_and_optimizer_states")
-    if getattr(original, "_scalerl_cpu", False):
-        return
-
-    def _set_main_param_and_optimizer_states(self, model_param, tensors):  # noqa: ANN001
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
-        if "step" in state and "step" not in tensors:
-            state["step"] = state["step"].clone()
-            tensors = {**tensors, "step": state["step"]}
-        return original(self, model_param, tensors)
-
-    _set_main_param_and_optimizer_states._scalerl_cpu = True  # type: ignore[attr-defined]
-    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -357,9 +329,5 @@ def install_cpu_compat() -> None:
     patch_alltoall_splits()
     patch_uneven_collectives()
     patch_jit_fuser()
-    patch_torch_adam_checkpoint_load()
     _installed = True
 
-
-def cpu_compat_installed() -> bool:
-    return _installed

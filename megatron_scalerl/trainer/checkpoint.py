@@ -7,11 +7,15 @@ Layout under the run directory:
         rl_state.json                  curriculum, data cursor, weight version, ... (rank 0)
         rng/rank_00000.pt              per-rank RNG states
         manifest.json                  {"iteration", "files": {relpath: {"bytes", "sha256"}}}, written last
-    checkpoints/latest                 text: the newest published iteration (a hint; the directories decide)
+    checkpoints/unusable/iter_0000200/ a checkpoint set aside (corrupt, or from an abandoned timeline), with
+        UNUSABLE.txt                   why and when; never loaded, never pruned (delete it by hand once read)
 
 A checkpoint is written into `checkpoints/.iter_NNNNNNN.partial/` by all ranks, hashed (files split across ranks),
 given its manifest and renamed into place by rank 0. A directory without a valid manifest never counts: on load,
-the newest checkpoint whose files all match their manifest wins, and each one skipped is reported with the reason.
+the newest checkpoint whose files all match their manifest wins, and each one skipped is reported with the reason
+(and, when resuming, set aside under `unusable/`). After a save, the `keep` newest checkpoints up to the one just
+written stay; older ones are deleted, and any newer one (left by a timeline the run abandoned) is set aside, so the
+checkpoint just written is never the one removed.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 RL_STATE = "rl_state.json"
+UNUSABLE_DIR = "unusable"
+UNUSABLE_REASON = "UNUSABLE.txt"
 
 
 class CheckpointError(UserError):
@@ -94,14 +100,31 @@ class CheckpointStore:
                 final.rename(replaced)
             tmp.rename(final)
             shutil.rmtree(replaced, ignore_errors=True)
-            atomic_write_text(self.dir / "latest", f"{iteration}\n")
-            self._prune()
+            self._prune(iteration)
         barrier()
         return final
 
-    def _prune(self) -> None:
-        for iteration in self.iterations()[self.keep:]:
+    def _prune(self, saved: int) -> None:
+        """Keep `saved` and the `keep - 1` newest before it; delete older ones; set newer ones aside."""
+        for iteration in self.iterations():
+            if iteration > saved:
+                self.set_aside(iteration, f"newer than iter_{saved:07d}, which the run saved after resuming from an "
+                                          f"earlier checkpoint: left by a timeline the run abandoned")
+        for iteration in [i for i in self.iterations() if i <= saved][self.keep:]:
             shutil.rmtree(self.path(iteration), ignore_errors=True)
+
+    def set_aside(self, iteration: int, reason: str) -> Path:
+        """Move checkpoint `iteration` to `unusable/` with a file saying why (never loaded or pruned there)."""
+        target = self.dir / UNUSABLE_DIR / self.path(iteration).name
+        n = 0
+        while target.exists():
+            n += 1
+            target = target.with_name(f"{self.path(iteration).name}.{n}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self.path(iteration).rename(target)
+        atomic_write_text(target / UNUSABLE_REASON, f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {reason}\n")
+        log.warning("set aside %s as %s: %s", self.path(iteration).name, target, reason)
+        return target
 
     # -- reading ----------------------------------------------------------------------------------------------
 
@@ -129,12 +152,13 @@ class CheckpointStore:
                 out.append(f"{rel}: sha256 mismatch")
         return out
 
-    def latest_valid(self, *, checksums: bool = True) -> tuple[int, Path] | None:
+    def latest_valid(self, *, checksums: bool = True, set_aside: bool = False) -> tuple[int, Path] | None:
         """Newest checkpoint that passes its manifest, or None when there is no checkpoint at all.
 
         Collective when a process group exists: the ranks split the hashing and all reach the same answer.
-        Skipped checkpoints are logged with their reason; raises CheckpointError if checkpoints exist but none is
-        valid (resuming from scratch silently would lose the run).
+        Skipped checkpoints are logged with their reason, and with `set_aside` (the trainer resuming) moved to
+        `unusable/` by rank 0, so later saves and prunes never see them. Raises CheckpointError if checkpoints exist
+        but none is valid (resuming from scratch silently would lose the run); then nothing is moved.
         """
         skipped = []
         for iteration in from_rank0(self.iterations() if rank() == 0 else None):
@@ -142,12 +166,17 @@ class CheckpointStore:
             parts = all_gathered(self.problems(path, checksums=checksums, share=(rank(), world_size())))
             found = list(dict.fromkeys(p for part in parts for p in part))
             if not found:
-                for name, reasons in skipped:
-                    log.warning("skipping corrupt checkpoint %s (%s); using %s", name, reasons, path.name)
+                for skipped_iteration, reasons in skipped:
+                    log.warning("skipping corrupt checkpoint %s (%s); using %s", self.path(skipped_iteration).name,
+                                reasons, path.name)
+                    if set_aside and rank() == 0:
+                        self.set_aside(skipped_iteration, f"failed validation ({reasons}); resumed from {path.name}")
+                if set_aside:
+                    barrier()
                 return iteration, path
-            skipped.append((path.name, "; ".join(found[:3])))
+            skipped.append((iteration, "; ".join(found[:3])))
         if skipped:
-            detail = ", ".join(f"{name}: {reasons}" for name, reasons in skipped)
+            detail = ", ".join(f"{self.path(i).name}: {reasons}" for i, reasons in skipped)
             raise CheckpointError(f"{self.dir}: no valid checkpoint ({detail})")
         return None
 

@@ -4,7 +4,7 @@
 
 Reads `RUN/recipe.yaml` (resolved), joins the process group (nccl with CUDA, gloo otherwise; every collective bounded
 by `cluster.collective_timeout_s`), builds the model at the recipe's layout, resumes from the newest valid checkpoint
-in `RUN/checkpoints/` (or initialises from `model.hf_checkpoint`, else randomly with `trainer.seed`), then for each
+in `RUN/checkpoints/` (or initialises from the HF checkpoint `trainer.init_from`, else randomly with `trainer.seed`), then for each
 step i reads `RUN/rollouts/batch_i`, trains, appends a `trainer` record to `RUN/metrics.jsonl` and checkpoints every
 `trainer.checkpoint_interval` steps and at the end.
 """
@@ -57,7 +57,7 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
     trainer = build_trainer(recipe)
     store = CheckpointStore(run_dir, keep=recipe.trainer.keep_checkpoints)
     rl_state: dict = {}
-    latest = store.latest_valid()
+    latest = store.latest_valid(set_aside=True)
     if latest is not None:
         trainer.step.state, rl_state = load_trainer(latest[1], trainer.model, trainer.optimizer)
         log.info("resumed from %s (step %d, weight version %d)", latest[1].name, trainer.step.state.step,

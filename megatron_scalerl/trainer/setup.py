@@ -44,12 +44,27 @@ def emit_hidden_states(gpt: torch.nn.Module) -> None:
         gpt.output_layer.forward = types.MethodType(_return_hidden, gpt.output_layer)
 
 
+def expert_weights_apart(gpt: torch.nn.Module) -> None:
+    """Mark every routed expert's weights as expert-parallel (megatron's `allreduce=False`) at any EP.
+
+    megatron-core marks them only when EP > 1; then DDP reduces their gradients over the expert data-parallel group
+    and the optimizer gives them an optimizer of their own, chained after the dense one. At EP 1 the expert
+    data-parallel group is the data-parallel group, so marking them changes no gradient, but it gives the optimizer
+    the same [dense, expert] structure at every EP: optimizer checkpoints then load at any EP (an EP1 checkpoint
+    otherwise has one optimizer's state where EP2 expects two).
+    """
+    for module in gpt.modules():
+        if getattr(module, "is_expert", False):
+            for param in module.parameters(recurse=False):
+                param.allreduce = False
+
+
 def params_dtype(recipe: Recipe) -> torch.dtype:
     return torch.bfloat16 if recipe.trainer.precision == "bf16" else torch.float32
 
 
 def build_model_chunks(recipe: Recipe) -> list:
-    """This rank's model (initialised from `model.hf_checkpoint` when set), ready for training."""
+    """This rank's model (initialised from the HF checkpoint `trainer.init_from` when set), ready for training."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.transformer.module import Float16Module
@@ -60,10 +75,11 @@ def build_model_chunks(recipe: Recipe) -> list:
     gpt = build_model(recipe.model, recipe.parallelism, fp32_lm_head=recipe.trainer.fp32_lm_head,
                       params_dtype=dtype, pre_process=ps.is_pipeline_first_stage(),
                       post_process=ps.is_pipeline_last_stage())
-    if recipe.model.hf_checkpoint:
-        _, hf_state = read_hf_checkpoint(recipe.model.hf_checkpoint)
+    if recipe.trainer.init_from:
+        _, hf_state = read_hf_checkpoint(recipe.trainer.init_from)
         load_hf_state(gpt, hf_state, recipe.model)
     emit_hidden_states(gpt)
+    expert_weights_apart(gpt)
     config = gpt.config
     config.variable_seq_lengths = True  # micro-batches are padded to their own longest row
     config.finalize_model_grads_func = finalize_model_grads
@@ -73,15 +89,27 @@ def build_model_chunks(recipe: Recipe) -> list:
     return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
 
 
-def build_optimizer(recipe: Recipe, model_chunks: list):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def optimizer_config(recipe: Recipe):
+    """Megatron's OptimizerConfig for the recipe: distributed AdamW (betas, eps, weight decay, grad clipping)."""
+    from megatron.core.optimizer import OptimizerConfig
 
     t = recipe.trainer
-    config = OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.lr, weight_decay=t.weight_decay,
-                             adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
-                             clip_grad=t.grad_clip, bf16=t.precision == "bf16", params_dtype=params_dtype(recipe),
-                             use_distributed_optimizer=True)
-    return get_megatron_optimizer(config, model_chunks)
+    return OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.lr, weight_decay=t.weight_decay,
+                           adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+                           clip_grad=t.grad_clip, bf16=t.precision == "bf16", params_dtype=params_dtype(recipe),
+                           use_distributed_optimizer=True)
+
+
+def build_optimizer(recipe: Recipe, model_chunks: list):
+    """Collective. Megatron's distributed optimizer for `model_chunks`, with the fixes of `platform.megatron_optimizer`
+    applied (correct state lookup with an FP32 head among bf16 weights; Adam state present before any step)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from megatron_scalerl.platform.megatron_optimizer import prepare_optimizer
+
+    optimizer = get_megatron_optimizer(optimizer_config(recipe), model_chunks)
+    prepare_optimizer(model_chunks, optimizer)
+    return optimizer
 
 
 def build_trainer(recipe: Recipe) -> Trainer:

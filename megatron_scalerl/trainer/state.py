@@ -52,36 +52,9 @@ def _sharded_state(model_chunks: list, optimizer, *, is_loading: bool) -> dict:
     if len(model_chunks) != 1:
         raise NotImplementedError("virtual pipeline stages (several model chunks per rank) are not supported yet")
     state = {"model": unwrap_model(model_chunks[0]).sharded_state_dict()}
-    if optimizer is not None:
-        _materialise_optimizer_state(model_chunks, optimizer)
+    if optimizer is not None:  # built by trainer.setup.build_optimizer, which gives it its state
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=OPTIMIZER_SHARDING)
     return state
-
-
-def _materialise_optimizer_state(model_chunks: list, optimizer) -> None:
-    """Give a fresh optimizer its state so megatron can describe it (to save it, or what to load into it).
-
-    megatron-core 0.16.1 with torch's Adam (no Apex/TE) builds the optimizer's sharded state dict from its current
-    state (`DistributedOptimizer.state_dict` asserts one shared Adam `step`), which a new optimizer does not have yet.
-    One step with zero gradients at learning rate 0 creates it without touching the weights; resetting Adam's step
-    count to 0 then makes it exactly a fresh optimizer's state (zero moments, no step taken).
-    """
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    if all(len(part.optimizer.state) for part in parts if part.optimizer is not None):
-        return
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    for chunk in model_chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-        group["lr"] = lr
-    for part in parts:
-        for param_state in part.optimizer.state.values():
-            if "step" in param_state:
-                param_state["step"].zero_()
 
 
 def _rng_state() -> dict:
@@ -106,7 +79,7 @@ def save_trainer(store: CheckpointStore, model_chunks: list, optimizer, step_sta
         torch.save(_rng_state(), tmp / "rng" / f"rank_{rank():05d}.pt")
 
     rl_state = {"step_state": dataclasses.asdict(step_state), "world_size": world_size(),
-                "model": model_cfg.model_dump(mode="json", exclude={"hf_checkpoint"}), **extra_rl_state}
+                "model": model_cfg.model_dump(mode="json"), **extra_rl_state}
     return store.save(step_state.step, write, rl_state)
 
 
