@@ -1,4 +1,5 @@
-"""Benchmark: the default sigmoid fit (`lsq`) against the paper's grid procedure (`paper-grid`) on the same curves.
+"""Benchmark: the default sigmoid fit (`lsq`) against the paper's grid procedure (`paper-grid`) on the same curves, and
+the calibration of the forecast intervals.
 
 Curves: every run of the paper's Table 1, rerun `--seeds` times (`synthetic.replicate_run`: A, B, C_mid varied within
 the run-to-run spread, so the true values do not sit on the published ones) with binomial mean@16 noise on 1,000
@@ -7,9 +8,18 @@ reward at the budget, 2x the fit window; the error is against the noiseless true
 
 Figures: median fit time of each method (each curve timed `--repeats` times, best kept) and their ratio, median
 absolute prediction error of each. The same figures on the exact Table 1 parameters are printed too (several
-published C_mid sit within 1% of a paper-grid value, which favours the grid there). Last line: one JSON object.
+published C_mid sit within 1% of a paper-grid value, which favours the grid there).
 
-    .venv/bin/python bench/forecast.py [--seeds 10] [--repeats 1]
+Calibration: `--calibration-runs` synthetic runs, run i a rerun of Table 1 row i mod 10 whose drift has an AR(1)
+correlation drawn uniformly in [0.5, 0.9] (sd 0.005), with binomial mean@16 noise on 1,000 prompts. Each is fitted
+(`lsq`) on [1.5k GPU-h, budget / 2]; the nominal 95% interval at the budget (2x the fit window) comes from
+`--resamples` bootstrap replicates (forecasts default to 200; fewer keeps the bench short), with the evaluation noise
+given (`eval_draws` = 16,000) and estimated. Coverage of the run's own pass rate at the budget (the sigmoid plus that
+run's drift, `synthetic.simulate_run`), the quantity the intervals target, and of the noiseless sigmoid; median width.
+Baseline: the previous intervals, a moving-block residual bootstrap (percentile interval of the refitted curves).
+Goal: 90-98% coverage of the pass rate. Last line: one JSON object.
+
+    .venv/bin/python bench/forecast.py [--seeds 10] [--repeats 1] [--calibration-runs 200] [--resamples 100]
 """
 
 from __future__ import annotations
@@ -20,11 +30,15 @@ import time
 
 import numpy as np
 
-from megatron_scalerl.forecast.sigmoid import fit_sigmoid
-from megatron_scalerl.forecast.synthetic import TABLE1, replicate_run, synthetic_curve, true_reward
+from megatron_scalerl.forecast.sigmoid import SigmoidFit, fit_sigmoid
+from megatron_scalerl.forecast.synthetic import TABLE1, replicate_run, simulate_run, synthetic_curve, true_reward
+from megatron_scalerl.forecast.uncertainty import bootstrap_sigmoid, interval
 
 METHODS = ("lsq", "paper-grid")
 MIN_COMPUTE = 1500.0  # GPU-h, the paper's cutoff
+LEVEL = 0.95
+EVAL_DRAWS = 1000 * 16  # the synthetic runs' prompts x samples per prompt
+COVERAGE_GOAL = (0.90, 0.98)
 
 
 def measure(runs, repeats: int) -> dict:
@@ -52,10 +66,61 @@ def measure(runs, repeats: int) -> dict:
             "lsq_more_accurate_fraction": round(float(np.mean(np.less(errors["lsq"], errors["paper-grid"]))), 3)}
 
 
+def block_bootstrap_interval(C, y, fit: SigmoidFit, at: float, resamples: int, seed: int) -> tuple[float, float]:
+    """The previous intervals (baseline): the base fit's centred, dof-scaled residuals resampled in blocks of
+    n^(1/3) consecutive evaluations, a measured R0 perturbed by one residual, percentile interval of the refitted
+    curves at `at` GPU-h."""
+    n = C.size
+    fitted = fit.predict(C)
+    residuals = (y - fitted - np.mean(y - fitted)) * np.sqrt(n / max(n - 3, 1))
+    block = max(1, round(n ** (1.0 / 3.0)))
+    rng = np.random.default_rng(seed)
+    predictions = np.empty(resamples)
+    for k in range(resamples):
+        starts = rng.integers(0, n - block + 1, size=-(-n // block))
+        picked = (starts[:, None] + np.arange(block)[None, :]).ravel()[:n]
+        r0 = float(np.clip(fit.R0 + rng.choice(residuals), 0.0, 1.0 - 1e-6))
+        predictions[k] = fit_sigmoid(C, np.clip(fitted + residuals[picked], 0.0, 1.0), r0, fit.method).predict(at)
+    return interval(predictions, LEVEL)
+
+
+def calibration(runs: int, resamples: int) -> dict:
+    """Coverage of the nominal 95% interval at 2x the fit window, per interval method, over `runs` synthetic runs."""
+    hits = {"noise_given": [], "noise_estimated": [], "block_baseline": []}
+    errors = []
+    start = time.perf_counter()
+    for i in range(runs):
+        seed = 5000 + i  # apart from the seeds the fit benchmark and the tests use
+        run = replicate_run(TABLE1[i % len(TABLE1)], seed)
+        sim = simulate_run(run, seed, drift_corr=float(np.random.default_rng([seed, 1]).uniform(0.5, 0.9)))
+        window = (sim.curve.compute >= MIN_COMPUTE) & (sim.curve.compute <= run.budget / 2)
+        C, y = sim.curve.compute[window], sim.curve.reward[window]
+        fit = fit_sigmoid(C, y, sim.curve.reward[0])
+        pass_rate, sigmoid = float(sim.pass_rate[-1]), float(true_reward(run, run.budget))
+        errors.append(abs(float(fit.predict(run.budget)) - sigmoid))
+        for name, draws in (("noise_given", EVAL_DRAWS), ("noise_estimated", None)):
+            boot = bootstrap_sigmoid(C, y, fit, True, resamples, LEVEL, seed, eval_draws=draws)
+            lo, hi = boot.interval(boot.rewards([run.budget])[:, 0])
+            hits[name].append((lo <= pass_rate <= hi, lo <= sigmoid <= hi, hi - lo))
+        lo, hi = block_bootstrap_interval(C, y, fit, run.budget, resamples, seed)
+        hits["block_baseline"].append((lo <= pass_rate <= hi, lo <= sigmoid <= hi, hi - lo))
+    out = {"runs": runs, "resamples": resamples, "lsq_median_abs_error": round(float(np.median(errors)), 5),
+           "seconds": round(time.perf_counter() - start, 1)}
+    for name, rows in hits.items():
+        covered, sigmoid_covered, width = np.array(rows, dtype=float).T
+        out[name] = {"coverage": round(covered.mean(), 3), "sigmoid_coverage": round(sigmoid_covered.mean(), 3),
+                     "median_width": round(float(np.median(width)), 4)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=10, help="reruns of each Table 1 run (default: 10)")
     parser.add_argument("--repeats", type=int, default=1, help="timings per fit, best kept (default: 1)")
+    parser.add_argument("--calibration-runs", type=int, default=200, help="runs for the interval calibration "
+                        "(default: 200; 0 skips it)")
+    parser.add_argument("--resamples", type=int, default=100, help="bootstrap replicates per interval in the "
+                        "calibration (default: 100)")
     args = parser.parse_args()
 
     seeds = range(args.seeds)
@@ -68,7 +133,25 @@ def main() -> None:
         print(f"  median |error|    lsq {r['lsq_median_abs_error']:8.5f}      paper-grid "
               f"{r['paper_grid_median_abs_error']:8.5f}      lsq better on {r['lsq_more_accurate_fraction']:.0%}")
     goal = reruns["speedup"] >= 20 and reruns["lsq_median_abs_error"] <= reruns["paper_grid_median_abs_error"]
-    print(json.dumps({"bench": "forecast", **reruns, "exact_table1": exact, "goal_20x_no_worse_error": goal}))
+    result = {"bench": "forecast", **reruns, "exact_table1": exact, "goal_20x_no_worse_error": goal}
+    if args.calibration_runs:
+        cal = calibration(args.calibration_runs, args.resamples)
+        print(f"interval calibration: {cal['runs']} runs (drift correlation 0.5-0.9), fit on [1.5k, budget/2], "
+              f"nominal {LEVEL:.0%} interval at the budget (2x), {cal['resamples']} resamples, {cal['seconds']} s")
+        for name in ("noise_given", "noise_estimated", "block_baseline"):
+            c = cal[name]
+            print(f"  {name:16s} covers the run's pass rate {c['coverage']:6.1%}   the sigmoid "
+                  f"{c['sigmoid_coverage']:6.1%}   median width {c['median_width']:.4f}")
+        headline = cal["noise_given"]["coverage"]
+        result.update({"interval_coverage_at_2x": headline,
+                       "interval_coverage_at_2x_noise_estimated": cal["noise_estimated"]["coverage"],
+                       "interval_sigmoid_coverage_at_2x": cal["noise_given"]["sigmoid_coverage"],
+                       "block_bootstrap_coverage_at_2x": cal["block_baseline"]["coverage"],
+                       "interval_coverage_goal_met": bool(COVERAGE_GOAL[0] <= headline <= COVERAGE_GOAL[1]
+                                                          and COVERAGE_GOAL[0] <= cal["noise_estimated"]["coverage"]
+                                                          <= COVERAGE_GOAL[1]),
+                       "calibration": cal})
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

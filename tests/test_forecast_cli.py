@@ -31,7 +31,7 @@ def synthetic_file(tmp_path, name, run, seed=0):
 def test_fit_writes_the_full_report(run_dir, tmp_path, capsys):
     out = tmp_path / "report"
     code = main(["forecast", "fit", str(run_dir), "--fit-until", "50k", "--target", "0.6", "--bootstrap", "60",
-                 "--out", str(out)])
+                 "--eval-draws", "1000x16", "--out", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
     assert printed.startswith("# Forecast: run100k\n\nRecommendation: ") and "forecast.json" in printed
@@ -44,6 +44,7 @@ def test_fit_writes_the_full_report(run_dir, tmp_path, capsys):
     assert all(set(p) == {"gpu_hours", "reward", "lo", "hi"} and p["lo"] < p["reward"] < p["hi"]
                for p in data["predictions"])
     assert data["targets"][0]["reachable"] and data["window"]["last"] == 50000
+    assert data["options"]["eval_draws"] == 16000 and data["fit"]["bootstrap"]["noise"]["eval_sd_source"] == "eval_draws"
     assert data["power_law"]["A"] > data["fit"]["A"]["value"]
     assert data["recommendation"]
     assert (out / "forecast.png").read_bytes().startswith(PNG_MAGIC)
@@ -98,6 +99,13 @@ def test_backtest_reports_errors_and_coverage(tmp_path, capsys):
     assert all(p["lo"] <= p["predicted"] <= p["hi"] for p in data["points"])
     assert json.loads((out / "backtest.json").read_text())["summary"] == summary
     assert (out / "backtest.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_eval_draws_must_be_a_count(run_dir, capsys):
+    assert main(["forecast", "fit", str(run_dir), "--eval-draws", "1000xmany"]) == 2
+    assert "--eval-draws: '1000xmany' is not a count" in capsys.readouterr().err
+    assert main(["forecast", "fit", str(run_dir), "--eval-draws", "0"]) == 2
+    assert "--eval-draws must be >= 1" in capsys.readouterr().err
 
 
 def test_backtest_requires_fit_until(run_dir, capsys):

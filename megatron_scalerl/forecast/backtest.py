@@ -1,7 +1,7 @@
 """Backtest: fit a prefix of a run (up to `fit_until` GPU-h), predict the held-out rest, score the predictions.
 
 Each held-out evaluation gets the prediction, its error (predicted - observed) and a prediction interval for an
-evaluation (curve uncertainty from the bootstrap plus one resampled residual, so evaluation noise is covered too);
+evaluation (the bootstrap's interval for the run's pass rate there, drift included, plus evaluation noise);
 coverage is the fraction of held-out evaluations inside their interval, to be compared with the nominal level.
 """
 

@@ -1,6 +1,6 @@
 """`scalerl forecast fit | compare | backtest`: sigmoidal compute-performance forecasts of RL runs.
 
-    scalerl forecast fit RUN_OR_FILE [--budgets 16k,50k,100k] [--target 0.6] [--out DIR]
+    scalerl forecast fit RUN_OR_FILE [--budgets 16k,50k,100k] [--target 0.6] [--eval-draws 1000x16] [--out DIR]
     scalerl forecast compare RUN RUN [...] [--out DIR]
     scalerl forecast backtest RUN --fit-until 8k [--out DIR]
 
@@ -11,6 +11,7 @@ report is printed as Markdown; `--out DIR` also writes the JSON, report.md, repo
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from megatron_scalerl.errors import UserError
@@ -61,6 +62,8 @@ def _add_options(p: argparse.ArgumentParser, fit_until_required: bool = False) -
                      help="bootstrap replicates for the intervals (default: 200; 0: no intervals)")
     fit.add_argument("--level", type=float, default=0.95, help="interval level (default: 0.95)")
     fit.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: 0)")
+    fit.add_argument("--eval-draws", metavar="N", help="completions scored per evaluation, prompts x samples per "
+                     "prompt (e.g. 1000x16): fixes the evaluation noise at p(1-p)/N (default: estimated)")
     out = p.add_argument_group("output")
     out.add_argument("--out", metavar="DIR", help="write the JSON, report.md, report.html and PNGs into DIR")
     out.add_argument("--json", action="store_true", help="print exactly one JSON object instead of the report")
@@ -75,7 +78,17 @@ def _options(args: argparse.Namespace, targets: str = ""):
         min_compute=parse_gpu_hours(args.min_compute, "--min-compute"),
         fit_until=None if args.fit_until is None else parse_gpu_hours(args.fit_until, "--fit-until"),
         r0=args.r0, method=args.method, budgets=budgets, targets=_rewards(targets), resamples=args.bootstrap,
-        level=args.level, seed=args.seed)
+        level=args.level, seed=args.seed, eval_draws=_eval_draws(args.eval_draws))
+
+
+def _eval_draws(text: str | None) -> int | None:
+    """'16000' or '1000x16' (prompts x samples per prompt) -> 16000."""
+    if text is None:
+        return None
+    try:
+        return math.prod(int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise UserError(f"--eval-draws: '{text}' is not a count (e.g. 16000 or 1000x16)") from None
 
 
 def _rewards(text: str) -> tuple[float, ...]:

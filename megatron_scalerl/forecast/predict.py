@@ -6,7 +6,9 @@
      "predictions": [{"gpu_hours", "reward", "lo", "hi"}, ...], "targets": [...], "current": {...},
      "power_law": {...}, "warnings": [...], "recommendation": "..."}
 
-Intervals are bootstrap percentile intervals at `options.level` (null when `resamples` is 0). Compute is GPU-hours.
+Intervals are bootstrap intervals at `options.level` (null when `resamples` is 0; see `uncertainty`): predictions
+cover the run's own pass rate at each budget (the curve plus the run's drift), parameters and targets the curve's.
+Compute is GPU-hours.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class ForecastOptions:
     resamples: int = 200  # bootstrap replicates; 0 disables intervals
     level: float = 0.95
     seed: int = 0
+    eval_draws: int | None = None  # completions scored per evaluation (prompts x samples); None: noise estimated
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -49,6 +52,8 @@ class ForecastOptions:
             raise UserError(f"--level must be in (0, 1), got {self.level}")
         if self.resamples < 0:
             raise UserError(f"--bootstrap must be >= 0, got {self.resamples}")
+        if self.eval_draws is not None and self.eval_draws < 1:
+            raise UserError(f"--eval-draws must be >= 1 (prompts x samples per prompt), got {self.eval_draws}")
         if self.r0 is not None and not 0 <= self.r0 < 1:
             raise UserError(f"--r0 must be in [0, 1), got {self.r0}")
         if not self.budgets or min(self.budgets) <= 0:
@@ -180,8 +185,8 @@ class Forecast:
                     "R0": {**param("R0", fit.R0), "source": r0_source}, "rmse": fit.rmse,
                     "at_bounds": list(fit.at_bounds), "identifiable": self.identifiable,
                     "bootstrap": None if self.boot is None else {
-                        "resamples": self.boot.resamples, "block_length": self.boot.block_length,
-                        "level": self.boot.level, "seed": self.boot.seed}},
+                        "resamples": self.boot.resamples, "level": self.boot.level, "seed": self.boot.seed,
+                        "noise": self.boot.noise.summary()}},
             "predictions": self.predictions(),
             "targets": self.targets(),
             "current": {k: (_pair(v) if isinstance(v, tuple) else v) for k, v in self.current().items()},
@@ -202,8 +207,8 @@ def make_forecast(curve: Curve, options: ForecastOptions | None = None) -> Forec
         raise UserError(f"{curve.source}: R0 = {r0:g} (the first evaluation) leaves no room to improve; pass --r0")
     C, y = curve.compute[in_fit], curve.reward[in_fit]
     fit = fit_sigmoid(C, y, r0, options.method)
-    boot = (bootstrap_sigmoid(C, y, fit, options.r0 is None, options.resamples, options.level, options.seed)
-            if options.resamples else None)
+    boot = (bootstrap_sigmoid(C, y, fit, options.r0 is None, options.resamples, options.level, options.seed,
+                              options.eval_draws) if options.resamples else None)
     power = fit_power_law(C, y)
     now = float(C[-1])
     if fit.A - fit.R0 <= NO_GAIN:

@@ -131,6 +131,14 @@ def _fit_section(doc: Document, forecast: Forecast) -> None:
         ["B (exponent)", f"{fit.B:.3f}", _interval(forecast.param_interval("B")), ""],
         ["C_mid (GPU-h)", f"{fit.C_mid:,.0f}", _interval(forecast.param_interval("C_mid"), GPU_H), "half of the gain"],
         ["R0", f"{fit.R0:.4f}", _interval(forecast.param_interval("R0")), r0_note]])
+    if forecast.boot is not None:
+        noise = forecast.boot.noise.summary()
+        source = "estimated" if forecast.options.eval_draws is None else f"from --eval-draws {forecast.options.eval_draws}"
+        doc.paragraph(f"Intervals: {forecast.boot.resamples} bootstrap refits under the run's noise model (medians of "
+                      f"its draws): drift sd {noise['drift_sd']:.4f}, correlated {noise['drift_corr']:.2f} between "
+                      f"evaluations {format_gpu_hours(noise['spacing_gpu_hours'])} GPU-h apart; evaluation noise sd "
+                      f"{noise['eval_sd']:.4f} ({source}). Predicted rewards cover the run's own pass rate, drift "
+                      "included.")
     if forecast.warnings:
         doc.heading("Warnings", 3)
         doc.items(list(forecast.warnings))

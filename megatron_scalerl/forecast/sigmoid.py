@@ -51,6 +51,15 @@ def compute_to_reach(reward, A, B, C_mid, R0) -> np.ndarray:
     return out if out.ndim else float(out)
 
 
+def reward_gradient(compute, A, B, C_mid, R0) -> np.ndarray:
+    """Derivatives of R(C) with respect to (A, B, ln C_mid) at each `compute` (> 0 GPU-h): shape (n, 3)."""
+    ln_c = np.log(np.asarray(compute, dtype=float))
+    u = np.log(C_mid)
+    s = expit(B * (ln_c - u))
+    ds = (A - R0) * s * (1 - s)
+    return np.column_stack([s, ds * (ln_c - u), -ds * B])
+
+
 def slope_at(compute, A, B, C_mid, R0) -> np.ndarray:
     """dR/dC in reward per GPU-hour at `compute` (> 0)."""
     s = expit(B * (np.log(np.asarray(compute, dtype=float)) - np.log(C_mid)))
@@ -140,9 +149,7 @@ def _fit_lsq(C, y, r0, fixed_A) -> SigmoidFit:
 
     def jacobian(q):
         A, B, u = params(q)
-        s = expit(B * (lnC - u))
-        ds = (A - r0) * s * (1 - s)
-        d_params = np.column_stack([s, ds * (lnC - u), -ds * B])[:, free]
+        d_params = reward_gradient(C, A, B, np.exp(u), r0)[:, free]
         e = expit(q)
         return d_params * (span * e * (1 - e))
 

@@ -14,7 +14,8 @@ measured across three identical runs.
 
 `replicate_run` goes one step further and varies the parameters themselves, as a rerun of the same recipe would:
 benchmarks use it so that the true parameters do not sit exactly on the published values (several published C_mid lie
-within 1% of the paper-grid's C_mid values, which would flatter that method).
+within 1% of the paper-grid's C_mid values, which would flatter that method). `simulate_run` also returns the
+pass rate and drift under the evaluations: the truth that forecast intervals are calibrated against.
 """
 
 from __future__ import annotations
@@ -76,10 +77,20 @@ def true_reward(run: PaperRun, compute, r0: float = DEFAULT_R0) -> np.ndarray:
     return reward_at(compute, run.A, run.B, run.C_mid, r0)
 
 
-def synthetic_curve(run: PaperRun, seed: int = 0, r0: float = DEFAULT_R0, budget: float | None = None,
-                    num_evals: int = 81, prompts: int = 1000, samples_per_prompt: int = 16,
-                    drift_sd: float = 0.005, drift_corr: float = 0.8) -> Curve:
-    """`num_evals` noisy evaluations of `run`, evenly spaced over [0, budget] GPU-h (budget defaults to the run's)."""
+@dataclass(frozen=True)
+class SyntheticRun:
+    """A simulated run: its noisy evaluations and what lies under them, each of shape (num_evals,)."""
+
+    curve: Curve  # the evaluations: compute (GPU-hours) and the observed mean@k reward
+    pass_rate: np.ndarray  # the run's own pass rate p: the sigmoid plus its drift (an infinitely precise evaluation)
+    drift: np.ndarray  # p minus the noiseless sigmoid
+
+
+def simulate_run(run: PaperRun, seed: int = 0, r0: float = DEFAULT_R0, budget: float | None = None,
+                 num_evals: int = 81, prompts: int = 1000, samples_per_prompt: int = 16,
+                 drift_sd: float = 0.005, drift_corr: float = 0.8) -> SyntheticRun:
+    """`num_evals` noisy evaluations of `run`, evenly spaced over [0, budget] GPU-h (budget defaults to the run's),
+    with the pass rate and drift they were drawn from."""
     rng = np.random.default_rng(seed)
     compute = np.linspace(0.0, budget or run.budget, num_evals)
     drift = np.zeros(num_evals)
@@ -89,5 +100,11 @@ def synthetic_curve(run: PaperRun, seed: int = 0, r0: float = DEFAULT_R0, budget
     p = np.clip(true_reward(run, compute, r0) + drift, 0.0, 1.0)
     draws = prompts * samples_per_prompt
     reward = rng.binomial(draws, p) / draws
-    return Curve.from_arrays(compute, reward, name=f"{run.name}-seed{seed}", metric=DEFAULT_METRIC,
-                             source=f"synthetic:{run.name}:seed{seed}", compute_rule="synthetic")
+    curve = Curve.from_arrays(compute, reward, name=f"{run.name}-seed{seed}", metric=DEFAULT_METRIC,
+                              source=f"synthetic:{run.name}:seed{seed}", compute_rule="synthetic")
+    return SyntheticRun(curve, p, drift)
+
+
+def synthetic_curve(run: PaperRun, seed: int = 0, **options) -> Curve:
+    """The evaluations of `simulate_run(run, seed, **options)`."""
+    return simulate_run(run, seed, **options).curve
