@@ -14,9 +14,10 @@ if TYPE_CHECKING:
 def layout_problems(m: ModelConfig, p: ParallelismConfig) -> list[tuple[str, str]]:
     """Whether the model can be split as `p` says (the rules every converter and the trainer share)."""
     out: list[tuple[str, str]] = []
-    expert_tp = p.expert_tp or p.tp
+    expert_tp = p.expert_tp_size
+    # No vocab_size rule: the embedding and LM head are padded to a multiple of tp (models.mapping.padded_vocab_size).
     for field, size in (("num_attention_heads", m.num_attention_heads), ("num_query_groups", m.num_query_groups),
-                        ("vocab_size", m.vocab_size), ("ffn_hidden_size", m.ffn_hidden_size)):
+                        ("ffn_hidden_size", m.ffn_hidden_size)):
         if size % p.tp:
             out.append(("parallelism.tp", f"tp={p.tp} does not divide model.{field}={size}"))
     if m.num_layers % p.pp:
@@ -46,8 +47,8 @@ def cross_field_problems(r: Recipe) -> list[tuple[str, str]]:
                                    f"(cluster.trainer_nodes x cluster.gpus_per_node)"))
     elif p.dp is not None and p.tp * p.pp * p.dp != trainer_gpus:
         out.append(("parallelism.dp", f"tp*pp*dp={p.tp * p.pp * p.dp} != {trainer_gpus} trainer GPUs"))
-    dp = p.dp if p.dp is not None else max(trainer_gpus // (p.tp * p.pp), 1)
-    expert_tp = p.expert_tp or p.tp
+    dp = p.dp_size(trainer_gpus)
+    expert_tp = p.expert_tp_size
     if m.is_moe and (p.tp * dp) % (p.ep * expert_tp):
         out.append(("parallelism.ep", f"ep*expert_tp={p.ep * expert_tp} does not divide tp*dp={p.tp * dp}"))
     micro = dp * p.micro_batch_size

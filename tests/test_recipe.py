@@ -126,7 +126,6 @@ def test_resolved_recipe_round_trips_without_base(tmp_path):
         (["algorithm.length_control.think_budget_min=12500"], "algorithm.length_control.think_budget_min", ">"),
         (["parallelism.ep=2"], "parallelism.ep", "needs an MoE model"),
         (["parallelism.dp=3"], "parallelism.dp", "trainer GPUs"),
-        (["model.vocab_size=128257"], "parallelism.tp", "does not divide model.vocab_size"),
         (["algorithm.loss=ppo_clip", "algorithm.clip_high=0.26"], "algorithm.clip_high", "symmetric clip"),
     ],
 )

@@ -2,7 +2,7 @@
 
 Stable API (imported lazily, so `import megatron_scalerl.models` does not load megatron-core):
     build_model(model_cfg, parallel_cfg, *, fp32_lm_head, params_dtype, pre_process, post_process) -> GPTModel
-        forward(input_ids [b, s], position_ids [b, s], attention_mask=None) -> logits [b, s, vocab / tp] on the
+        forward(input_ids [b, s], position_ids [b, s], attention_mask=None) -> logits [b, s, padded_vocab / tp] on the
         last pipeline stage (vocab-parallel, not gathered); hidden states [s, b, h] on earlier stages.
         FP32 head on: FP32 weights and logits; off: logits in `params_dtype`.
     transformer_config(model_cfg, parallel_cfg, *, params_dtype) -> ScaleRLTransformerConfig

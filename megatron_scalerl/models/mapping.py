@@ -9,6 +9,8 @@ A `TensorRule` says how one Megatron parameter relates to one or more HF tensors
            glu          gate_proj, up_proj [f, h] -> linear_fc1 [2f, h] = [gate; up]
            expert_glu   experts.gate_up_proj [E, h, 2f] (HF stores x @ W) -> expert e's linear_fc1 = W[e].T [2f, h]
            expert_down  experts.down_proj [E, f, h] -> expert e's linear_fc2 = W[e].T [h, f]
+           vocab        embed_tokens / lm_head [vocab, h] -> [padded_vocab_size(vocab, tp), h]: zero rows appended
+                        (Megatron's padded vocabulary); to_hf drops them again
   split  how tensor parallelism shards the unsharded tensor
            none (replicated), dim0 (column-parallel, vocab-parallel), dim1 (row-parallel),
            glu  (each rank holds [its gate rows; its up rows], not a contiguous slice of [gate; up])
@@ -16,10 +18,16 @@ A `TensorRule` says how one Megatron parameter relates to one or more HF tensors
 Names: Megatron names are relative to GPTModel with `{layer}` the layer's index inside its pipeline stage and
 `{expert}` the local expert index on this expert-parallel rank; HF names use the global `{layer}` index.
 Routed expert e (global) lives on EP rank e // (E / ep) as local expert e % (E / ep).
+
+Padded vocabulary: the embedding and the output layer have `padded_vocab_size(vocab_size, tp)` rows, so that any
+vocabulary splits over any TP; the rows past `vocab_size` are padding (zero when loaded from HF, never a token id,
+masked out of every softmax: `models.provider` for the model's logits, `trainer.logprobs` for the trainer's).
+`ModelConfig.vocab_size` is always the true (HF) size.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,8 +37,23 @@ from torch import Tensor
 from megatron_scalerl.models.arch import is_moe_layer
 from megatron_scalerl.recipe import ModelConfig
 
-Fuse = Literal["copy", "qkv", "glu", "expert_glu", "expert_down"]
+Fuse = Literal["copy", "qkv", "glu", "expert_glu", "expert_down", "vocab"]
 Split = Literal["none", "dim0", "dim1", "glu"]
+
+# Megatron-LM's `make_vocab_size_divisible_by` default. A power of two, so the padded size is the same at every TP
+# that divides it (1, 2, 4, ..., 128): a checkpoint's embedding keeps its global shape when resharded between them.
+VOCAB_DIVISIBLE_BY = 128
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """Rows of the embedding / output layer: the smallest multiple of lcm(divisible_by, tp) >= vocab_size.
+
+    Megatron-LM pads to a multiple of divisible_by * tp, which changes with TP (263 tokens: 384 rows at TP1, 512 at
+    TP2) and so breaks resharding a checkpoint between those TPs; the lcm gives every tp dividing `divisible_by` the
+    same padded size (263 -> 384 at TP1..TP128) and is still divisible by any other tp.
+    """
+    multiple = math.lcm(divisible_by, tp)
+    return -(-vocab_size // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -105,11 +128,11 @@ LLAMA4 = ArchitectureMapping(
 )
 ARCHITECTURES = {"llama3": LLAMA3, "llama4": LLAMA4}
 
-EMBEDDING = TensorRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), split="dim0")
+EMBEDDING = TensorRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "dim0")
 FINAL_NORM = TensorRule("decoder.final_layernorm.weight", ("model.norm.weight",))
-OUTPUT_LAYER = TensorRule("output_layer.weight", ("lm_head.weight",), split="dim0")
+OUTPUT_LAYER = TensorRule("output_layer.weight", ("lm_head.weight",), "vocab", "dim0")
 # Tied embeddings split over pipeline stages: the last stage keeps its own copy of the embedding as the LM head.
-TIED_OUTPUT_LAYER = TensorRule("output_layer.weight", ("model.embed_tokens.weight",), split="dim0")
+TIED_OUTPUT_LAYER = TensorRule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", "dim0")
 
 # Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear layer.
 TE_ALIASES = {
@@ -164,10 +187,19 @@ def split_qkv(fused: Tensor, model_cfg: ModelConfig) -> tuple[Tensor, Tensor, Te
     return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
 
 
-def to_megatron(rule: TensorRule, hf: list[Tensor], model_cfg: ModelConfig, expert: int | None = None) -> Tensor:
-    """The unsharded Megatron tensor of `rule` from its HF tensors (`expert`: global index, expert rules only)."""
+def to_megatron(
+    rule: TensorRule, hf: list[Tensor], model_cfg: ModelConfig, *, tp: int, expert: int | None = None
+) -> Tensor:
+    """The unsharded Megatron tensor of `rule` from its HF tensors, to be split over `tp` ranks of the rule's group
+    (`tp` sets the padded vocabulary of vocab rules; `expert`: global index, expert rules only)."""
     if rule.fuse == "copy":
         return hf[0]
+    if rule.fuse == "vocab":
+        rows = hf[0].shape[0]
+        if rows != model_cfg.vocab_size:
+            raise ValueError(f"{rule.hf[0]}: {rows} rows, but the model's vocab_size is {model_cfg.vocab_size}")
+        padding = padded_vocab_size(rows, tp) - rows
+        return torch.cat([hf[0], hf[0].new_zeros(padding, *hf[0].shape[1:])])
     if rule.fuse == "qkv":
         return fuse_qkv(hf[0], hf[1], hf[2], model_cfg)
     if rule.fuse == "glu":
@@ -184,6 +216,8 @@ def to_hf(rule: TensorRule, full: Tensor | list[Tensor], model_cfg: ModelConfig)
     assert isinstance(full, Tensor)
     if rule.fuse == "copy":
         return {rule.hf[0]: full}
+    if rule.fuse == "vocab":
+        return {rule.hf[0]: full[: model_cfg.vocab_size]}
     if rule.fuse == "qkv":
         return dict(zip(rule.hf, split_qkv(full, model_cfg), strict=True))
     gate, up = full.chunk(2, dim=0)

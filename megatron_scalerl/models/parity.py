@@ -157,6 +157,7 @@ def run_layout(
         if out is None:  # not the last pipeline stage
             return None
         logits = _gather(out["logits"], ps.get_tensor_model_parallel_group(), dim=-1)
+        logits = logits[..., : model_cfg.vocab_size]  # the padded rows (models.mapping.padded_vocab_size) are not HF's
         logits = _gather(logits, ps.get_data_parallel_group(), dim=0)
         loss = _gather(out["loss"], ps.get_data_parallel_group(), dim=0).mean().item()
         if ps.get_tensor_model_parallel_rank() or dp_rank:

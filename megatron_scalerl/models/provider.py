@@ -3,7 +3,11 @@
     from megatron_scalerl.models import build_model
     model = build_model(recipe.model, recipe.parallelism, fp32_lm_head=recipe.trainer.fp32_lm_head,
                         params_dtype=torch.bfloat16)
-    logits = model(input_ids, position_ids, attention_mask=None)   # [b, s, vocab / tp], this rank's vocab shard
+    logits = model(input_ids, position_ids, attention_mask=None)   # [b, s, padded_vocab / tp], this rank's shard
+
+The embedding and output layer have `mapping.padded_vocab_size(vocab_size, tp)` rows (any vocabulary at any TP);
+the logits of the padding columns (global index >= vocab_size) are -inf, so they drop out of every softmax and
+their rows get no gradient. Gather the logits over TP and keep [..., :vocab_size] to compare with HF.
 
 Call after `platform.initialize_model_parallel(...)` with the same layout. `pre_process` / `post_process` default to
 this rank's pipeline position (first stage embeds, last stage has the final norm and output layer). Weights are
@@ -21,6 +25,7 @@ from megatron.core.models.gpt import GPTModel
 
 from megatron_scalerl.models.config import transformer_config
 from megatron_scalerl.models.layer_specs import decoder_block_spec
+from megatron_scalerl.models.mapping import padded_vocab_size
 from megatron_scalerl.models.output_layer import use_fp32_output_layer
 from megatron_scalerl.recipe import ModelConfig, ParallelismConfig, RopeScaling
 
@@ -70,7 +75,7 @@ def build_model(
     model = GPTModel(
         config=config,
         transformer_layer_spec=decoder_block_spec(model_cfg, config, pp_rank=pp_rank, vp_stage=vp_stage),
-        vocab_size=model_cfg.vocab_size,
+        vocab_size=padded_vocab_size(model_cfg.vocab_size, parallel_cfg.tp),
         max_sequence_length=model_cfg.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
@@ -84,4 +89,30 @@ def build_model(
     model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
     if fp32_lm_head:
         use_fp32_output_layer(model)
+    mask_vocab_padding(model, model_cfg.vocab_size)
     return model
+
+
+def mask_vocab_padding(model: GPTModel, vocab_size: int) -> None:
+    """Make the output layer return -inf in the padding columns of its logits [s, b, padded_vocab / tp] (global
+    columns >= `vocab_size`), so softmaxes over the model's logits (megatron's vocab-parallel cross-entropy, the
+    parity check) are over the true vocabulary and the padding rows of the weight get zero gradient. A no-op on
+    stages without an output layer and on TP ranks whose slice has no padding.
+
+    It wraps the layer's `forward` on the instance; the trainer replaces that forward to fuse the head into its
+    log-prob op (`trainer.setup.emit_hidden_states`), which masks the padding itself (`trainer.logprobs`).
+    """
+    layer = getattr(model, "output_layer", None)
+    if layer is None:
+        return
+    local = layer.output_size_per_partition
+    real = min(max(vocab_size - parallel_state.get_tensor_model_parallel_rank() * local, 0), local)
+    if real == local:
+        return
+
+    def forward(input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None):
+        logits, bias = type(layer).forward(layer, input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        padding = torch.arange(local, device=logits.device) >= real  # [padded_vocab / tp]
+        return logits.masked_fill(padding, float("-inf")), bias
+
+    layer.forward = forward

@@ -89,7 +89,8 @@ def _hf_tensors(hf_state: Mapping[str, Tensor], names: tuple[str, ...]) -> list[
 def hf_to_megatron_state(
     hf_state: Mapping[str, Tensor], model_cfg: ModelConfig, ranks: RankLayout
 ) -> dict[str, Tensor]:
-    """This rank's Megatron tensors (local-spec names) from full HF tensors."""
+    """This rank's Megatron tensors (local-spec names) from full HF tensors; the embedding / output layer slices
+    [padded_vocab / tp, h] come with the padding rows (zeros) of `mapping.padded_vocab_size`."""
     experts_per_rank = model_cfg.num_experts // ranks.ep_size if model_cfg.is_moe else 0
     state: dict[str, Tensor] = {}
     for rule, layer, local in _rules_of_stage(model_cfg, ranks):
@@ -97,10 +98,11 @@ def hf_to_megatron_state(
         rank, size = ranks.split_of(rule)
         if rule.is_expert:
             for local_expert in range(experts_per_rank):
-                full = to_megatron(rule, hf, model_cfg, expert=ranks.ep_rank * experts_per_rank + local_expert)
+                full = to_megatron(rule, hf, model_cfg, tp=size,
+                                   expert=ranks.ep_rank * experts_per_rank + local_expert)
                 state[megatron_name(rule, local, local_expert)] = shard(rule, full, rank, size)
         else:
-            state[megatron_name(rule, local)] = shard(rule, to_megatron(rule, hf, model_cfg), rank, size)
+            state[megatron_name(rule, local)] = shard(rule, to_megatron(rule, hf, model_cfg, tp=size), rank, size)
     return state
 
 
@@ -151,7 +153,8 @@ def export_hf_state(model: torch.nn.Module, model_cfg: ModelConfig) -> Iterator[
     """Yield (HF name, full tensor) for this pipeline stage's parameters, gathered over TP, expert-TP and EP.
 
     A collective: every rank of the stage's TP/EP groups must iterate it to the end, in step. Tensors keep the
-    model's dtypes (bf16 body, FP32 head when training in bf16).
+    model's dtypes (bf16 body, FP32 head when training in bf16) and HF's shapes: the embedding and LM head have
+    exactly `vocab_size` rows (the padding rows are dropped).
     """
     model = unwrap_model(model)
     ranks = RankLayout.current(model.config)

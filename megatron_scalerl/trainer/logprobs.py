@@ -5,9 +5,14 @@ The output projection is fused into the computation: for each chunk of `chunk_to
 Backward recomputes each chunk's logits. Peak memory therefore holds [chunk, vocab/tp] FP32 logits, never
 [seq_len, vocab]; the naive path (`naive_token_logprobs`) materialises all of them and keeps them for backward.
 
-Shapes: hidden [tokens, hidden] (any float dtype; the math is FP32), weight [vocab/tp, hidden] (this rank's vocab
-slice, rows tp_rank*V/tp ... (tp_rank+1)*V/tp - 1 as in Megatron's VocabParallelEmbedding / ColumnParallelLinear),
-targets [tokens] global token ids. Returns (logprobs [tokens] fp32, entropy [tokens] fp32).
+Shapes: hidden [tokens, hidden] (any float dtype; the math is FP32), weight [padded_vocab/tp, hidden] (this rank's
+vocab slice, rows tp_rank*P/tp ... (tp_rank+1)*P/tp - 1 of the padded vocabulary P as in Megatron's
+VocabParallelEmbedding / ColumnParallelLinear), targets [tokens] global token ids < vocab_size. Returns
+(logprobs [tokens] fp32, entropy [tokens] fp32).
+
+Vocabulary padding (`models.mapping.padded_vocab_size`): the weight rows with global index >= vocab_size are not
+tokens. They take no part in the max, the sum-exp or the entropy (exactly the softmax over the true vocabulary) and
+get zero gradient; a rank whose whole slice is padding contributes nothing to the reductions.
 
 Entropy is a metric: it carries no gradient. Log-probs are differentiable w.r.t. hidden and weight.
 """
@@ -26,63 +31,76 @@ def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | N
     return t
 
 
-def _vocab_start(weight: torch.Tensor, group: dist.ProcessGroup | None) -> int:
+def _vocab_slice(weight: torch.Tensor, group: dist.ProcessGroup | None, vocab_size: int | None) -> tuple[int, int]:
+    """(global index of this rank's first vocab row, how many of its rows are real tokens rather than padding)."""
     rank = dist.get_rank(group) if group is not None else 0
-    return rank * weight.shape[0]
+    start, rows = rank * weight.shape[0], weight.shape[0]
+    real = rows if vocab_size is None else min(max(vocab_size - start, 0), rows)
+    return start, real
+
+
+def _row_max(logits: torch.Tensor) -> torch.Tensor:
+    """Max over the vocab dim of [c, v]; -inf where v is 0 (a slice that is all padding)."""
+    if logits.shape[1] == 0:
+        return logits.new_full(logits.shape[:1], float("-inf"))
+    return logits.max(dim=-1).values
 
 
 class _FusedTokenLogprobs(torch.autograd.Function):
     """Output projection + log-softmax + gather, chunked; saves only the per-token log-normaliser."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens, group, logits_dtype):  # noqa: D417
-        n, v_local = hidden.shape[0], weight.shape[0]
-        w = weight.to(logits_dtype)
-        local_targets = targets - _vocab_start(weight, group)
-        in_slice = (local_targets >= 0) & (local_targets < v_local)
-        safe_targets = local_targets.clamp(0, v_local - 1)
+    def forward(ctx, hidden, weight, targets, chunk_tokens, group, logits_dtype, vocab_size):  # noqa: D417
+        n = hidden.shape[0]
+        vocab_start, v_real = _vocab_slice(weight, group, vocab_size)
+        w = weight[:v_real].to(logits_dtype)  # [v_real, h]: the padding rows take no part
+        local_targets = targets - vocab_start
+        in_slice = (local_targets >= 0) & (local_targets < v_real)
+        rows = torch.arange(n, device=hidden.device)
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logprobs)
         log_norm = torch.empty_like(logprobs)
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
-            logits = (hidden[start:end].to(logits_dtype) @ w.t()).float()  # [c, v_local]
-            row_max = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
+            logits = (hidden[start:end].to(logits_dtype) @ w.t()).float()  # [c, v_real]
+            row_max = _all_reduce(_row_max(logits), dist.ReduceOp.MAX, group)
             logits -= row_max[:, None]
             exp = logits.exp()
             sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
-            target = logits.gather(1, safe_targets[start:end, None]).squeeze(1) * in_slice[start:end]
+            hit = in_slice[start:end]
+            target = logits.new_zeros(end - start)
+            target[hit] = logits[rows[: end - start][hit], local_targets[start:end][hit]]
             target = _all_reduce(target, dist.ReduceOp.SUM, group)
             weighted = _all_reduce((exp * logits).sum(dim=-1), dist.ReduceOp.SUM, group)
             log_sum = sum_exp.log()
             logprobs[start:end] = target - log_sum
             entropy[start:end] = log_sum - weighted / sum_exp  # H = log Z - E_p[logit], shifted by row_max
             log_norm[start:end] = row_max + log_sum
-        ctx.save_for_backward(hidden, weight, safe_targets, in_slice, log_norm)
-        ctx.chunk_tokens, ctx.logits_dtype = chunk_tokens, logits_dtype
+        ctx.save_for_backward(hidden, weight, local_targets, in_slice, log_norm)
+        ctx.chunk_tokens, ctx.logits_dtype, ctx.v_real = chunk_tokens, logits_dtype, v_real
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy):
-        hidden, weight, safe_targets, in_slice, log_norm = ctx.saved_tensors
-        w = weight.to(ctx.logits_dtype)
-        w32 = weight.float()
+        hidden, weight, local_targets, in_slice, log_norm = ctx.saved_tensors
+        w = weight[: ctx.v_real].to(ctx.logits_dtype)
+        w32 = weight[: ctx.v_real].float()
         grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_weight = torch.zeros_like(w32)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # padding rows stay 0
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             end = min(start + ctx.chunk_tokens, hidden.shape[0])
             h = hidden[start:end]
             g = grad_logprobs[start:end].float()
-            # d logprob / d logits = onehot(target) - softmax; only this rank's vocab slice.
-            logits = (h.to(ctx.logits_dtype) @ w.t()).float()
+            # d logprob / d logits = onehot(target) - softmax; only the real rows of this rank's vocab slice.
+            logits = (h.to(ctx.logits_dtype) @ w.t()).float()  # [c, v_real]
             grad_logits = (logits - log_norm[start:end, None]).exp_().mul_(-g[:, None])
             hit = in_slice[start:end]
-            grad_logits[rows[: end - start][hit], safe_targets[start:end][hit]] += g[hit]
+            grad_logits[rows[: end - start][hit], local_targets[start:end][hit]] += g[hit]
             grad_hidden[start:end] = grad_logits @ w32  # partial over the vocab slice: reduced by the caller's mapping
-            grad_weight += grad_logits.t() @ h.float()
-        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None
+            grad_weight[: ctx.v_real] += grad_logits.t() @ h.float()
+        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 def token_logprobs(
@@ -94,10 +112,13 @@ def token_logprobs(
     sequence_parallel: bool = False,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     logits_dtype: torch.dtype = torch.float32,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropy of `targets` under softmax(hidden @ weight.T), in FP32.
+    """Log-probs and entropy of `targets` under softmax(hidden @ weight.T) over the first `vocab_size` vocab rows
+    (the true vocabulary; None: every row of the weight is a token), in FP32.
 
     hidden: [s, b, h] Megatron layout (with sequence parallel: this rank's [s/tp, b, h] slice) or [tokens, h].
+    weight: this rank's [padded_vocab/tp, h] slice of the LM head.
     targets: same leading shape as the full (gathered) hidden, global token ids. Returns tensors shaped like targets.
     `logits_dtype`: precision of the projection (FP32 for the FP32 LM head; bf16 reproduces a bf16 head; the
     softmax is FP32 either way).
@@ -115,7 +136,7 @@ def token_logprobs(
         raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree on tokens")
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     logprobs, entropy = _FusedTokenLogprobs.apply(flat_hidden, weight, targets.reshape(-1), chunk_tokens, tp_group,
-                                                logits_dtype)
+                                                logits_dtype, vocab_size)
     return logprobs.view(targets.shape), entropy.view(targets.shape)
 
 

@@ -58,7 +58,8 @@ class TrainStep:
     """Runs optimizer steps for one model (a list of pipeline-stage chunks wrapped in Megatron DDP)."""
 
     def __init__(self, recipe: Recipe, model_chunks: list, optimizer, head_weight_fn):
-        """`head_weight_fn(chunk)` -> this rank's output-layer weight [vocab/tp, hidden] (last pipeline stage)."""
+        """`head_weight_fn(chunk)` -> this rank's output-layer weight [padded_vocab/tp, hidden] (last pipeline
+        stage); its rows past `recipe.model.vocab_size` are vocabulary padding, masked out of the log-probs."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -97,7 +98,7 @@ class TrainStep:
         """hidden [rows, seq(/tp), h] -> (log-probs, entropy) of mb.targets, each [rows, seq] FP32."""
         lp, entropy = token_logprobs(hidden.transpose(0, 1), self.head_weight_fn(self.model[-1]), mb.targets.t(),
                                      tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
-                                     logits_dtype=self.logits_dtype)
+                                     logits_dtype=self.logits_dtype, vocab_size=self.recipe.model.vocab_size)
         return lp.t(), entropy.t()
 
     def _forward_step(self, loss_fn, data_iterator, model):
