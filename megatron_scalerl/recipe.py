@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from megatron_scalerl import choices
-from megatron_scalerl.errors import RecipeError
+from megatron_scalerl.errors import RecipeError, UserError
 from megatron_scalerl.fileio import dump_yaml, load_yaml, parse_yaml
 from megatron_scalerl.recipe_rules import cross_field_problems
 
@@ -306,8 +306,7 @@ HF_MODEL_PREFIX = "hf:"
 
 def _hf_model_preset(directory: str) -> dict[str, Any]:
     """`hf:DIR` as a model preset: the model section of DIR/config.json, and the trainer starting from DIR."""
-    from megatron_scalerl.errors import UserError
-    from megatron_scalerl.models.hf_io import read_hf_config
+    from megatron_scalerl.models.hf_io import read_hf_config  # models/ imports this module: imported when used
 
     try:
         _, model_cfg = read_hf_config(directory)

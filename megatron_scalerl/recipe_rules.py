@@ -15,7 +15,8 @@ def layout_problems(m: ModelConfig, p: ParallelismConfig) -> list[tuple[str, str
     """Whether the model can be split as `p` says (the rules every converter and the trainer share)."""
     out: list[tuple[str, str]] = []
     expert_tp = p.expert_tp_size
-    # No vocab_size rule: the embedding and LM head are padded to a multiple of tp (models.mapping.padded_vocab_size).
+    # No vocab_size rule: the embedding and LM head are padded to a multiple of lcm(128, tp)
+    # (models.mapping.padded_vocab_size).
     for field, size in (("num_attention_heads", m.num_attention_heads), ("num_query_groups", m.num_query_groups),
                         ("ffn_hidden_size", m.ffn_hidden_size)):
         if size % p.tp:

@@ -31,7 +31,7 @@ _EXPORTS = {
     "read_hf_checkpoint": "megatron_scalerl.models.hf_io",
     "hf_config_dict": "megatron_scalerl.models.hf_config",
     "model_config_from_hf": "megatron_scalerl.models.hf_config",
-    "FP32OutputLayer": "megatron_scalerl.models.output_layer",
+    "OutputLayer": "megatron_scalerl.models.output_layer",
 }
 
 __all__ = sorted(_EXPORTS)

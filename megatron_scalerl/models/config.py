@@ -77,7 +77,7 @@ def transformer_config(
         tensor_model_parallel_size=parallel_cfg.tp,
         pipeline_model_parallel_size=parallel_cfg.pp,
         expert_model_parallel_size=parallel_cfg.ep,
-        expert_tensor_parallel_size=parallel_cfg.expert_tp or parallel_cfg.tp,
+        expert_tensor_parallel_size=parallel_cfg.expert_tp_size,
         sequence_parallel=parallel_cfg.sequence_parallel and parallel_cfg.tp > 1,
         pipeline_dtype=params_dtype if parallel_cfg.pp > 1 else None,
         params_dtype=params_dtype,

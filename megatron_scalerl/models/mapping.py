@@ -56,6 +56,12 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISI
     return -(-vocab_size // multiple) * multiple
 
 
+def real_vocab_rows(vocab_size: int, slice_start: int, slice_rows: int) -> int:
+    """How many of a vocab slice's rows (global rows slice_start .. slice_start + slice_rows - 1 of the padded
+    vocabulary) are tokens rather than padding: 0 .. slice_rows."""
+    return min(max(vocab_size - slice_start, 0), slice_rows)
+
+
 @dataclass(frozen=True)
 class TensorRule:
     megatron: str

@@ -1,14 +1,18 @@
-"""The FP32 output layer (LM head): weights kept in FP32 and logits computed in FP32 from FP32 hidden states.
+"""The output layer (LM head) as ScaleRL runs it: one class, `OutputLayer`, set up in one place (`build_model`).
 
-ScaleRL (following MiniMax-M1) computes the LM head in FP32 so the trainer's log-probs match the generator's; the
-leave-one-out ablation `loo_no_fp32_head` turns it off, and then the head runs in the model dtype (bf16 logits).
-
-`use_fp32_output_layer(model)` changes the class of the `ColumnParallelLinear` GPTModel built (it adds no state,
-so the sharding, initialisation and tied-embedding wiring GPTModel set up stay exactly as they are) to
-`FP32OutputLayer`, which
-  - upcasts its input (and a tied embedding weight, if any) to FP32 before the matmul, and
-  - keeps its own parameters FP32 when the model is cast (`model.bfloat16()`, megatron's `Float16Module`).
-Logits stay vocab-parallel: each TP rank gets [s, b, vocab / tp] (the model is built with parallel_output=True).
+GPTModel builds a `ColumnParallelLinear`; `adopt_output_layer` changes its class to `OutputLayer` (it adds no
+parameters, so the sharding, initialisation and tied-embedding wiring GPTModel set up stay exactly as they are) and
+gives it three settings:
+  - `fp32` (the recipe's `trainer.fp32_lm_head`, after MiniMax-M1): the weights stay FP32 when the model is cast
+    (`model.bfloat16()`, megatron's `Float16Module`) and logits are computed in FP32 from FP32 hidden states (and an
+    FP32 copy of a tied bf16 embedding). Off (the `loo_no_fp32_head` ablation): the head runs in the model dtype.
+  - `vocab_size`: the layer has `mapping.padded_vocab_size` rows; the logit columns past the true vocabulary are
+    -inf, so every softmax over the logits (megatron's vocab-parallel cross-entropy, the parity check) is over the
+    true vocabulary and the padding rows get no gradient.
+  - `returns_hidden` (set by the trainer): forward returns its input, the hidden states [s(/tp), b, h], so GPTModel
+    returns those instead of logits; the trainer fuses the head into its chunked log-prob op
+    (`trainer.logprobs.token_logprobs`, which applies the same FP32 and padding rules to `layer.weight`).
+Logits stay vocab-parallel: each TP rank gets [s, b, padded_vocab / tp] (the model is built with parallel_output=True).
 """
 
 from __future__ import annotations
@@ -16,19 +20,37 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from torch import Tensor
 
+from megatron_scalerl.models.mapping import real_vocab_rows
 
-class FP32OutputLayer(ColumnParallelLinear):
-    """ColumnParallelLinear that computes in FP32 and refuses dtype casts of its parameters."""
+
+class OutputLayer(ColumnParallelLinear):
+    """ColumnParallelLinear with the FP32 head, the vocabulary-padding mask and the trainer's hidden-state mode."""
+
+    fp32: bool
+    vocab_size: int  # the true vocabulary; rows from here on are padding
+    returns_hidden: bool
 
     def forward(self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None):
-        if weight is not None:  # tied embeddings: the shared weight may be bf16
-            weight = weight.float()
-        return super().forward(input_.float(), weight=weight, runtime_gather_output=runtime_gather_output)
+        if self.returns_hidden:
+            return input_, None
+        if self.fp32:
+            input_ = input_.float()
+            weight = weight.float() if weight is not None else None  # tied embeddings: the shared weight may be bf16
+        logits, bias = super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        rows = self.output_size_per_partition
+        real = real_vocab_rows(self.vocab_size, parallel_state.get_tensor_model_parallel_rank() * rows, rows)
+        if real < rows:
+            logits = logits.masked_fill(torch.arange(rows, device=logits.device) >= real, float("-inf"))
+        return logits, bias
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True):  # noqa: ANN202
+        if not self.fp32:
+            return super()._apply(fn, recurse)
+
         def keep_fp32(tensor: Tensor) -> Tensor:
             moved = fn(tensor)
             if tensor.dtype == torch.float32 and moved.dtype != torch.float32:
@@ -38,12 +60,14 @@ class FP32OutputLayer(ColumnParallelLinear):
         return super()._apply(keep_fp32, recurse)
 
 
-def use_fp32_output_layer(model: torch.nn.Module) -> None:
-    """Turn `model.output_layer` (a GPTModel's) into an FP32 head in place; a no-op on stages without one."""
+def adopt_output_layer(model: torch.nn.Module, *, fp32: bool, vocab_size: int) -> None:
+    """Turn `model.output_layer` (a GPTModel's) into an `OutputLayer` in place; a no-op on stages without one."""
     layer = getattr(model, "output_layer", None)
     if layer is None:
         return
     if type(layer) is not ColumnParallelLinear:
         raise TypeError(f"expected GPTModel.output_layer to be a ColumnParallelLinear, got {type(layer).__name__}")
-    layer.__class__ = FP32OutputLayer
-    layer.float()
+    layer.__class__ = OutputLayer
+    layer.fp32, layer.vocab_size, layer.returns_hidden = fp32, vocab_size, False
+    if fp32:
+        layer.float()

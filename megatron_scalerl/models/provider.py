@@ -6,8 +6,9 @@
     logits = model(input_ids, position_ids, attention_mask=None)   # [b, s, padded_vocab / tp], this rank's shard
 
 The embedding and output layer have `mapping.padded_vocab_size(vocab_size, tp)` rows (any vocabulary at any TP);
-the logits of the padding columns (global index >= vocab_size) are -inf, so they drop out of every softmax and
-their rows get no gradient. Gather the logits over TP and keep [..., :vocab_size] to compare with HF.
+the output layer (`output_layer.OutputLayer`) returns -inf logits in the padding columns (global index >= vocab_size),
+so they drop out of every softmax and their rows get no gradient. Gather the logits over TP and keep
+[..., :vocab_size] to compare with HF.
 
 Call after `platform.initialize_model_parallel(...)` with the same layout. `pre_process` / `post_process` default to
 this rank's pipeline position (first stage embeds, last stage has the final norm and output layer). Weights are
@@ -26,7 +27,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron_scalerl.models.config import transformer_config
 from megatron_scalerl.models.layer_specs import decoder_block_spec
 from megatron_scalerl.models.mapping import padded_vocab_size
-from megatron_scalerl.models.output_layer import use_fp32_output_layer
+from megatron_scalerl.models.output_layer import adopt_output_layer
 from megatron_scalerl.recipe import ModelConfig, ParallelismConfig, RopeScaling
 
 
@@ -87,32 +88,6 @@ def build_model(
     )
     inv_freq = rope_inv_freq(model_cfg.head_dim, model_cfg.rope_theta, model_cfg.rope_scaling)
     model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
-    if fp32_lm_head:
-        use_fp32_output_layer(model)
-    mask_vocab_padding(model, model_cfg.vocab_size)
+    adopt_output_layer(model, fp32=fp32_lm_head, vocab_size=model_cfg.vocab_size)
     return model
 
-
-def mask_vocab_padding(model: GPTModel, vocab_size: int) -> None:
-    """Make the output layer return -inf in the padding columns of its logits [s, b, padded_vocab / tp] (global
-    columns >= `vocab_size`), so softmaxes over the model's logits (megatron's vocab-parallel cross-entropy, the
-    parity check) are over the true vocabulary and the padding rows of the weight get zero gradient. A no-op on
-    stages without an output layer and on TP ranks whose slice has no padding.
-
-    It wraps the layer's `forward` on the instance; the trainer replaces that forward to fuse the head into its
-    log-prob op (`trainer.setup.emit_hidden_states`), which masks the padding itself (`trainer.logprobs`).
-    """
-    layer = getattr(model, "output_layer", None)
-    if layer is None:
-        return
-    local = layer.output_size_per_partition
-    real = min(max(vocab_size - parallel_state.get_tensor_model_parallel_rank() * local, 0), local)
-    if real == local:
-        return
-
-    def forward(input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None):
-        logits, bias = type(layer).forward(layer, input_, weight=weight, runtime_gather_output=runtime_gather_output)
-        padding = torch.arange(local, device=logits.device) >= real  # [padded_vocab / tp]
-        return logits.masked_fill(padding, float("-inf")), bias
-
-    layer.forward = forward

@@ -106,11 +106,12 @@ class CheckpointStore:
 
     def _prune(self, saved: int) -> None:
         """Keep `saved` and the `keep - 1` newest before it; delete older ones; set newer ones aside."""
-        for iteration in self.iterations():
+        iterations = self.iterations()
+        for iteration in iterations:
             if iteration > saved:
                 self.set_aside(iteration, f"newer than iter_{saved:07d}, which the run saved after resuming from an "
                                           f"earlier checkpoint: left by a timeline the run abandoned")
-        for iteration in [i for i in self.iterations() if i <= saved][self.keep:]:
+        for iteration in [i for i in iterations if i <= saved][self.keep:]:
             shutil.rmtree(self.path(iteration), ignore_errors=True)
 
     def set_aside(self, iteration: int, reason: str) -> Path:

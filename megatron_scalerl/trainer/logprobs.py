@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_scalerl.models.mapping import real_vocab_rows
+
 DEFAULT_CHUNK_TOKENS = 1024
 
 
@@ -35,8 +37,7 @@ def _vocab_slice(weight: torch.Tensor, group: dist.ProcessGroup | None, vocab_si
     """(global index of this rank's first vocab row, how many of its rows are real tokens rather than padding)."""
     rank = dist.get_rank(group) if group is not None else 0
     start, rows = rank * weight.shape[0], weight.shape[0]
-    real = rows if vocab_size is None else min(max(vocab_size - start, 0), rows)
-    return start, real
+    return start, rows if vocab_size is None else real_vocab_rows(vocab_size, start, rows)
 
 
 def _row_max(logits: torch.Tensor) -> torch.Tensor:

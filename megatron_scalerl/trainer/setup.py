@@ -7,7 +7,6 @@ megatron DDP with the distributed optimizer (AdamW with the recipe's betas, eps,
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 
 import torch
@@ -32,16 +31,13 @@ def head_weight(chunk: torch.nn.Module) -> torch.Tensor:
     return gpt.output_layer.weight
 
 
-def _return_hidden(layer, input_, weight=None, runtime_gather_output=None):  # noqa: ANN001, ARG001
-    return input_, None
-
-
 def emit_hidden_states(gpt: torch.nn.Module) -> None:
     """Training fuses the LM head into the chunked log-prob op (trainer/logprobs.py): the last stage's output layer
-    returns its input, so GPTModel returns hidden states [b, s(/tp), h] instead of [b, s, vocab/tp] logits. The head's
-    parameters stay where they are (names, sharding, optimizer, checkpoints unchanged)."""
+    returns its input, so GPTModel returns hidden states [b, s(/tp), h] instead of [b, s, vocab/tp] logits
+    (`models.output_layer.OutputLayer.returns_hidden`). The head's parameters stay where they are (names, sharding,
+    optimizer, checkpoints unchanged)."""
     if getattr(gpt, "output_layer", None) is not None:
-        gpt.output_layer.forward = types.MethodType(_return_hidden, gpt.output_layer)
+        gpt.output_layer.returns_hidden = True
 
 
 def expert_weights_apart(gpt: torch.nn.Module) -> None:

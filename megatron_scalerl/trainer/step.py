@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megatron_scalerl.algo import LossNormalizers, loss_params, merge_metrics, policy_loss
 from megatron_scalerl.platform.distributed import all_gathered, current_device
+from megatron_scalerl.platform.megatron_optimizer import optimizer_parts
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.rollout.stream import TrainBatch
 from megatron_scalerl.trainer.logprobs import token_logprobs
@@ -210,7 +211,7 @@ class TrainStep:
 
         max_norm = self.recipe.trainer.grad_clip
         if max_norm > 0:
-            for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for part in optimizer_parts(self.optimizer):
                 params = part.get_parameters()
                 if params:
                     clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=grad_norm)
