@@ -17,6 +17,7 @@ Units: tokens for lengths and budgets, optimizer steps for intervals, GPU counts
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -112,6 +113,16 @@ class ParallelismConfig(Section):
     def expert_tp_size(self) -> int:
         """Tensor parallelism inside experts: `expert_tp`, or `tp` when unset."""
         return self.expert_tp or self.tp
+
+    def min_world_size(self) -> int:
+        """The fewest ranks that hold this layout: pp x lcm(tp, ep x expert TP); data parallelism fills the rest."""
+        return self.pp * math.lcm(self.tp, self.ep * self.expert_tp_size)
+
+    @property
+    def label(self) -> str:
+        """The layout in one word, e.g. 'TP2xPP1xEP2' ('xETP1' added when expert TP is not tp)."""
+        etp = f"xETP{self.expert_tp_size}" if self.expert_tp_size != self.tp else ""
+        return f"TP{self.tp}xPP{self.pp}xEP{self.ep}{etp}"
 
     def dp_size(self, trainer_gpus: int) -> int:
         """Data parallelism: `dp`, or what the trainer GPUs leave after tp x pp (recipes are validated with it)."""

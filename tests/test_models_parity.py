@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM
 
 from megatron_scalerl.models.hf_io import save_random_hf_model
 from megatron_scalerl.models.mapping import hf_parameter_names
-from megatron_scalerl.models.parity import Layout, LayoutResult, hf_reference, run_layout
 from megatron_scalerl.platform import run_local_workers
 from megatron_scalerl.recipe import ModelConfig, ParallelismConfig, load_recipe
+from megatron_scalerl.verify.parity import LayoutResult, hf_reference, run_layout, trainer_layout
 
 TOLERANCE = 1e-4
 SEQ_LEN = 80  # > 2 chunks of 32 tokens
@@ -56,7 +56,7 @@ def _tokens(name: str) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, vocab, (BATCH, SEQ_LEN), generator=generator))
 
 
-def _export_check(model_cfg: ModelConfig, layout: Layout, hf_dir: str) -> tuple[list[str], list[str]]:
+def _export_check(model_cfg: ModelConfig, layout: ParallelismConfig, hf_dir: str) -> tuple[list[str], list[str]]:
     """Load HF weights at `layout`, export them back: (HF names not given back bit for bit, with HF's shape; HF
     names this rank yielded)."""
     from pathlib import Path
@@ -68,9 +68,9 @@ def _export_check(model_cfg: ModelConfig, layout: Layout, hf_dir: str) -> tuple[
     from megatron_scalerl.platform import initialize_model_parallel
 
     hf_state = LazyHFState(Path(hf_dir))
-    initialize_model_parallel(layout.tp, layout.pp, layout.ep, layout.expert_tp)
+    initialize_model_parallel(layout.tp, layout.pp, layout.ep, layout.expert_tp_size)
     try:
-        model = build_model(model_cfg, layout.parallelism(), fp32_lm_head=True)
+        model = build_model(model_cfg, layout, fp32_lm_head=True)
         load_hf_state(model, hf_state, model_cfg)
         differing, names = [], []
         for name, tensor in export_hf_state(model, model_cfg):
@@ -83,14 +83,10 @@ def _export_check(model_cfg: ModelConfig, layout: Layout, hf_dir: str) -> tuple[
 
 
 def _layouts_worker(rank, model_cfg_json, hf_dir, layouts, input_ids, labels):
-    from pathlib import Path
-
-    from megatron_scalerl.models.hf_io import LazyHFState
-
     model_cfg = ModelConfig.model_validate_json(model_cfg_json)
     out = []
     for layout in layouts:
-        result = run_layout(model_cfg, layout, LazyHFState(Path(hf_dir)), input_ids, labels, with_grad=True)
+        result = run_layout(model_cfg, layout, hf_dir, input_ids, labels, with_grad=True)
         out.append((result, _export_check(model_cfg, layout, hf_dir)))
     return out
 
@@ -131,7 +127,7 @@ def _single_process_worker(rank, checkpoints):
     """Both families at TP1 and the FP32-head checks, in one worker process."""
     results = {}
     for arch in MODELS:
-        (run, export), = _layouts_worker(rank, _model_cfg(arch).model_dump_json(), checkpoints[arch], [Layout()],
+        (run, export), = _layouts_worker(rank, _model_cfg(arch).model_dump_json(), checkpoints[arch], [trainer_layout()],
                                          *_tokens(arch))
         results[arch] = (run, set(export[0]), set(export[1]))
     return results, _head_checks(rank, _model_cfg("llama3").model_dump_json())
@@ -173,13 +169,13 @@ def test_llama4_features_matter(change, checkpoints, tp1):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama3", "llama3_tied"])
 def test_dense_layouts_match_hf(name, checkpoints):
-    results = _run(name, checkpoints, [Layout(tp=2), Layout(pp=2)], world_size=2)
+    results = _run(name, checkpoints, [trainer_layout(tp=2), trainer_layout(pp=2)], world_size=2)
     _check_against_hf(name, checkpoints, results)
 
 
 @pytest.mark.slow
 def test_moe_layouts_match_hf_and_each_other(checkpoints, tp1):
-    layouts = [Layout(tp=2), Layout(pp=2), Layout(ep=2), Layout(tp=2, ep=2), Layout(tp=2, ep=2, etp=1)]
+    layouts = [trainer_layout(tp=2), trainer_layout(pp=2), trainer_layout(ep=2), trainer_layout(tp=2, ep=2), trainer_layout(tp=2, ep=2, expert_tp=1)]
     results = _run("llama4", checkpoints, layouts, world_size=4)
     _check_against_hf("llama4", checkpoints, results)
     single = tp1["llama4"][0]
@@ -189,7 +185,7 @@ def test_moe_layouts_match_hf_and_each_other(checkpoints, tp1):
 
 
 def _odd_vocabulary_worker(rank, checkpoints):
-    return [_layouts_worker(rank, _model_cfg(name).model_dump_json(), checkpoints[name], [Layout(tp=2)],
+    return [_layouts_worker(rank, _model_cfg(name).model_dump_json(), checkpoints[name], [trainer_layout(tp=2)],
                             *_tokens(name)) for name in ODD_VOCAB_MODELS]
 
 

@@ -91,7 +91,7 @@ TRAIN_263 = [*VOCAB_263, "trainer.precision=fp32"]  # fp32, so TP2 and TP1 agree
 
 def _train_and_save(rank, run_dir, hf, tp):
     """Two steps at `tp` from the HF weights, saving after the first: the (loss, grad norm) of each step."""
-    from megatron_scalerl.trainer.checkpoint import CheckpointStore
+    from megatron_scalerl.checkpoint.store import CheckpointStore
     from megatron_scalerl.trainer.setup import build_trainer
     from megatron_scalerl.trainer.state import save_trainer
     from tests.trainer_utils import rl_batch, tiny_recipe
@@ -110,8 +110,8 @@ def _train_and_save(rank, run_dir, hf, tp):
 def _at_tp1(rank, run_dir, hf):
     """At TP1: the two steps from the HF weights, then the second step again from the TP2 checkpoint in `run_dir`,
     the resumed model's vocab rows and whether its padding rows are still all zero."""
+    from megatron_scalerl.checkpoint.store import CheckpointStore
     from megatron_scalerl.models.weights import unwrap_model
-    from megatron_scalerl.trainer.checkpoint import CheckpointStore
     from megatron_scalerl.trainer.setup import build_trainer
     from megatron_scalerl.trainer.state import load_trainer
     from tests.trainer_utils import rl_batch, tiny_recipe

@@ -46,6 +46,7 @@ def _adam_state(model_chunks, optimizer) -> dict[str, dict[str, torch.Tensor]]:
 def _checks(rank, run_dir):
     from megatron.core.optimizer import get_megatron_optimizer
 
+    from megatron_scalerl.checkpoint.store import CheckpointStore
     from megatron_scalerl.platform import initialize_model_parallel
     from megatron_scalerl.platform.megatron_optimizer import (
         fix_param_group_index_map,
@@ -53,7 +54,6 @@ def _checks(rank, run_dir):
         optimizer_parts,
         patch_torch_adam_checkpoint_load,
     )
-    from megatron_scalerl.trainer.checkpoint import CheckpointStore
     from megatron_scalerl.trainer.setup import build_model_chunks, head_weight, optimizer_config
     from megatron_scalerl.trainer.state import load_trainer, save_trainer
     from megatron_scalerl.trainer.step import TrainStep

@@ -24,7 +24,7 @@ def _weights(trainer, model_cfg) -> dict:
 
 def _train_and_save(rank, run_dir, hf, layout):
     """Train STEPS steps, checkpointing after steps 0, 1, 2; the losses and the weights as saved at step 2."""
-    from megatron_scalerl.trainer.checkpoint import CheckpointStore
+    from megatron_scalerl.checkpoint.store import CheckpointStore
     from megatron_scalerl.trainer.setup import build_trainer
     from megatron_scalerl.trainer.state import save_trainer
 
@@ -49,7 +49,7 @@ def _train_and_save(rank, run_dir, hf, layout):
 def _resume(rank, run_dir, hf, layout):
     """Resume from the newest valid checkpoint at `layout`; the weights right after the load and the losses of the
     remaining steps."""
-    from megatron_scalerl.trainer.checkpoint import CheckpointStore
+    from megatron_scalerl.checkpoint.store import CheckpointStore
     from megatron_scalerl.trainer.setup import build_trainer
     from megatron_scalerl.trainer.state import load_trainer
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.metrics import MetricsLog, read_metrics
 from megatron_scalerl.recipe import Recipe, load_recipe
 from megatron_scalerl.rollout.stream import RolloutStream
-from megatron_scalerl.trainer.checkpoint import CheckpointStore
 from megatron_scalerl.trainer.setup import build_trainer
 from megatron_scalerl.trainer.state import load_trainer, save_trainer
 from megatron_scalerl.trainer.step import NonFiniteError

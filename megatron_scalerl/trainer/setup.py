@@ -59,8 +59,11 @@ def params_dtype(recipe: Recipe) -> torch.dtype:
     return torch.bfloat16 if recipe.trainer.precision == "bf16" else torch.float32
 
 
-def build_model_chunks(recipe: Recipe) -> list:
-    """This rank's model (initialised from the HF checkpoint `trainer.init_from` when set), ready for training."""
+def build_model_chunks(recipe: Recipe, *, hidden_states_out: bool = True) -> list:
+    """This rank's model (initialised from the HF checkpoint `trainer.init_from` when set), ready for training.
+
+    The last stage returns hidden states for the fused log-prob op (`emit_hidden_states`); `hidden_states_out=False`
+    keeps megatron's logits [b, s, padded vocab / tp] instead (what `scalerl verify` compares with HF)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.transformer.module import Float16Module
@@ -74,7 +77,8 @@ def build_model_chunks(recipe: Recipe) -> list:
     if recipe.trainer.init_from:
         _, hf_state = read_hf_checkpoint(recipe.trainer.init_from)
         load_hf_state(gpt, hf_state, recipe.model)
-    emit_hidden_states(gpt)
+    if hidden_states_out:
+        emit_hidden_states(gpt)
     expert_weights_apart(gpt)
     config = gpt.config
     config.variable_seq_lengths = True  # micro-batches are padded to their own longest row

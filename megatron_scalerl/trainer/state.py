@@ -1,7 +1,7 @@
 """Save and restore the trainer: model + optimizer (Megatron distributed checkpoint) + RL state + RNG states.
 
-Model and optimizer go through megatron-core `dist_checkpointing` (torch_dist format), whose sharded state dicts
-are layout-independent: a checkpoint written at TP2 loads at TP1/PP2/EP2. The optimizer uses the
+Model and optimizer go through `checkpoint.sharded` (megatron-core `dist_checkpointing`, torch_dist format), whose
+sharded state dicts are layout-independent: a checkpoint written at TP2 loads at TP1/PP2/EP2. The optimizer uses the
 `fully_reshardable` layout for the same reason (gathered on DP rank 0 at save; megatron-core 0.16.1 rejects
 the `fully_sharded_model_space` layout's flattened ranges). The RL state (`StepState`, data cursor, compute used) is
 JSON written by rank 0; RNG states are per rank and restored only when the world size is unchanged (our models have
@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
+from megatron_scalerl.checkpoint.sharded import load_sharded, save_sharded
+from megatron_scalerl.checkpoint.store import CheckpointStore, read_rl_state
 from megatron_scalerl.models.weights import unwrap_model
 from megatron_scalerl.platform.distributed import rank, world_size
 from megatron_scalerl.recipe import ModelConfig
-from megatron_scalerl.trainer.checkpoint import CheckpointError, CheckpointStore, read_rl_state
 from megatron_scalerl.trainer.step import StepState
 
 log = logging.getLogger(__name__)
@@ -28,24 +29,6 @@ log = logging.getLogger(__name__)
 # rank; loading reads it at any layout.
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable",
                       "distrib_optim_fully_reshardable_mem_efficient": True}
-
-
-def _strategies(path: Path, *, loading: bool):
-    """torch_dist save/load with the work split across the data-parallel replicas (each writes/reads its share)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.serialization import (
-        get_default_load_sharded_strategy,
-        get_default_save_sharded_strategy,
-    )
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-        FullyParallelLoadStrategyWrapper,
-        FullyParallelSaveStrategyWrapper,
-    )
-
-    group = ps.get_data_parallel_group(with_context_parallel=True)
-    if loading:
-        return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)), group)
-    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group)
 
 
 def _sharded_state(model_chunks: list, optimizer, *, is_loading: bool) -> dict:
@@ -70,11 +53,8 @@ def save_trainer(store: CheckpointStore, model_chunks: list, optimizer, step_sta
                  model_cfg: ModelConfig, extra_rl_state: dict) -> Path:
     """Collective. Publishes `checkpoints/iter_<step>` (step = optimizer steps taken). The architecture
     (`model_cfg`) is recorded in the RL state so tools can rebuild the model from the checkpoint alone."""
-    from megatron.core import dist_checkpointing
-
     def write(tmp: Path) -> None:
-        dist_checkpointing.save(_sharded_state(model_chunks, optimizer, is_loading=False), str(tmp),
-                                sharded_strategy=_strategies(tmp, loading=False))
+        save_sharded(_sharded_state(model_chunks, optimizer, is_loading=False), tmp)
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(_rng_state(), tmp / "rng" / f"rank_{rank():05d}.pt")
 
@@ -83,22 +63,12 @@ def save_trainer(store: CheckpointStore, model_chunks: list, optimizer, step_sta
     return store.save(step_state.step, write, rl_state)
 
 
-def _load(sharded_state: dict, path: Path, strategy=None) -> dict:
-    """Collective. megatron's dist_checkpointing.load, its many failure types turned into one CheckpointError."""
-    from megatron.core import dist_checkpointing
-
-    try:
-        return dist_checkpointing.load(sharded_state, str(path), sharded_strategy=strategy)
-    except Exception as exc:  # megatron raises many types for missing/mismatched shards
-        raise CheckpointError(f"{path}: cannot load into this model/layout: {exc}") from exc
-
-
 def load_trainer(path: Path, model_chunks: list, optimizer) -> tuple[StepState, dict]:
     """Collective. Loads model (+ optimizer when given) from checkpoint `path`; returns (StepState, rl_state)."""
     from megatron.core import tensor_parallel
 
     rl_state = read_rl_state(path)
-    loaded = _load(_sharded_state(model_chunks, optimizer, is_loading=True), path, _strategies(path, loading=True))
+    loaded = load_sharded(_sharded_state(model_chunks, optimizer, is_loading=True), path)
     unwrap_model(model_chunks[0]).load_state_dict(loaded["model"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
@@ -114,24 +84,3 @@ def load_trainer(path: Path, model_chunks: list, optimizer) -> tuple[StepState, 
                  rl_state.get("world_size"), world_size())
     step_state = StepState(**rl_state["step_state"])
     return step_state, rl_state
-
-
-def checkpoint_model_config(path: Path) -> ModelConfig:
-    """The architecture a checkpoint was written for (recorded by `save_trainer`)."""
-    rl_state = read_rl_state(path)
-    if "model" not in rl_state:
-        raise CheckpointError(f"{path}: rl_state.json records no model config")
-    return ModelConfig.model_validate(rl_state["model"])
-
-
-def load_model_weights(path: Path, model: torch.nn.Module) -> None:
-    """Collective. The model weights only (no optimizer) of checkpoint `path`, into a model at any layout.
-
-    Every rank checks the files are complete (sizes); verify checksums once beforehand
-    (`CheckpointStore.problems(path)`, as `scalerl verify logits` does) rather than on every rank.
-    """
-    problems = CheckpointStore.problems(path, checksums=False)
-    if problems:
-        raise CheckpointError(f"{path}: not a complete checkpoint: {'; '.join(problems[:3])}")
-    gpt = unwrap_model(model)
-    gpt.load_state_dict(_load({"model": gpt.sharded_state_dict()}, path)["model"])

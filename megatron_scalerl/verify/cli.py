@@ -51,17 +51,17 @@ def _verify_logits(args: argparse.Namespace) -> int:
 
     from megatron_scalerl.models.arch import check_model_layout
     from megatron_scalerl.models.hf_io import LazyHFState, read_hf_config
-    from megatron_scalerl.models.parity import Layout, hf_reference, run_layouts
     from megatron_scalerl.platform.distributed import check_layout
+    from megatron_scalerl.verify.parity import hf_reference, run_layouts, trainer_layout
 
     _, model_cfg = read_hf_config(args.hf)
     LazyHFState(Path(args.hf))  # fail early, in this process, on missing weights
     if args.megatron:
         _check_checkpoint_matches(Path(args.megatron), model_cfg, args.hf)
-    layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.expert_tp)
-    check_model_layout(model_cfg, layout.parallelism())
+    layout = trainer_layout(tp=args.tp, pp=args.pp, ep=args.ep, expert_tp=args.expert_tp)
+    check_model_layout(model_cfg, layout)
     world_size = layout.min_world_size()
-    dp = check_layout(world_size, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.expert_tp)
+    dp = check_layout(world_size, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.expert_tp_size)
     batch = args.batch or max(2, dp)
     if batch % dp:
         raise UserError(f"--batch: {batch} does not split over {dp} data-parallel ranks")
@@ -71,7 +71,7 @@ def _verify_logits(args: argparse.Namespace) -> int:
     input_ids = torch.randint(0, model_cfg.vocab_size, (batch, seq_len), generator=generator)
     labels = torch.randint(0, model_cfg.vocab_size, (batch, seq_len), generator=generator)
 
-    print(f"verify logits: {args.hf} at {layout} on {world_size} process(es), batch {batch} x {seq_len} tokens",
+    print(f"verify logits: {args.hf} at {layout.label} on {world_size} process(es), batch {batch} x {seq_len} tokens",
           file=sys.stderr)
     reference = hf_reference(args.hf, input_ids, labels, with_grad=False)
     (ours,) = run_layouts(model_cfg, args.hf, [layout], input_ids, labels, with_grad=False,
@@ -80,7 +80,7 @@ def _verify_logits(args: argparse.Namespace) -> int:
     report = {
         "hf": str(args.hf),
         "megatron": args.megatron,
-        "layout": str(layout),
+        "layout": layout.label,
         "world_size": world_size,
         "batch": batch,
         "seq_len": seq_len,
@@ -97,8 +97,8 @@ def _verify_logits(args: argparse.Namespace) -> int:
 
 def _check_checkpoint_matches(path: Path, hf_model_cfg, hf_dir: str) -> None:
     """A trainer checkpoint of the same architecture as the HF directory, complete per its manifest."""
-    from megatron_scalerl.trainer.checkpoint import CheckpointStore
-    from megatron_scalerl.trainer.state import checkpoint_model_config
+    from megatron_scalerl.checkpoint.sharded import checkpoint_model_config
+    from megatron_scalerl.checkpoint.store import CheckpointStore
 
     problems = CheckpointStore.problems(path) if path.is_dir() else ["no such directory"]  # sizes + checksums, once
     if problems:

@@ -1,9 +1,10 @@
 """Run our Megatron model at a parallel layout on the same tokens as Hugging Face transformers, and compare.
 
 Used by `scalerl verify logits` and by the parity tests. One set of spawned CPU workers (gloo) can run several
-layouts in turn (`run_layouts`): for each one every worker builds its shard, loads the HF weights through the
-mapping, splits the batch over data-parallel ranks, runs megatron's pipeline schedule (forward, optionally backward
-with megatron's DDP and optimizer for the grad norm), and gathers the vocab-parallel logits. The oracle is
+layouts in turn (`run_layouts`): for each one every worker builds its shard through the trainer's own
+`trainer.setup` (so what is verified is what trains), loads the HF weights through the mapping, splits the batch
+over data-parallel ranks, runs megatron's pipeline schedule (forward, optionally backward with the trainer's DDP and
+distributed optimizer for the grad norm), and gathers the vocab-parallel logits. The oracle is
 `hf_reference`: the HF model itself (fp32), its mean cross-entropy loss and the gradient norm of that loss.
 """
 
@@ -19,34 +20,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_scalerl.recipe import ModelConfig, ParallelismConfig
+from megatron_scalerl.recipe import ModelConfig, ParallelismConfig, Recipe, load_recipe
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A trainer layout. `etp` (expert tensor parallelism) defaults to `tp`; TP > 1 runs sequence parallel."""
+def trainer_layout(tp: int = 1, pp: int = 1, ep: int = 1, expert_tp: int | None = None) -> ParallelismConfig:
+    """A trainer layout to verify; TP > 1 runs sequence parallel, as the trainer's presets do."""
+    return ParallelismConfig(tp=tp, pp=pp, ep=ep, expert_tp=expert_tp, sequence_parallel=tp > 1)
 
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int | None = None
 
-    @property
-    def expert_tp(self) -> int:
-        return self.tp if self.etp is None else self.etp
-
-    def min_world_size(self) -> int:
-        """The fewest processes that hold this layout (data parallelism fills the rest)."""
-        return self.pp * math.lcm(self.tp, self.ep * self.expert_tp)
-
-    def parallelism(self) -> ParallelismConfig:
-        return ParallelismConfig(
-            tp=self.tp, pp=self.pp, ep=self.ep, expert_tp=self.expert_tp, sequence_parallel=self.tp > 1
-        )
-
-    def __str__(self) -> str:
-        etp = f"xETP{self.expert_tp}" if self.ep > 1 and self.etp is not None else ""
-        return f"TP{self.tp}xPP{self.pp}xEP{self.ep}{etp}"
+def verify_recipe(model_cfg: ModelConfig, parallelism: ParallelismConfig, hf_dir: str | None) -> Recipe:
+    """The `scalerl` recipe around `model_cfg` at `parallelism`, in fp32 with the FP32 head, starting from the HF
+    checkpoint `hf_dir` (None: random init, weights loaded afterwards). fp32, so that differences from HF are the
+    model's, not bf16 rounding."""
+    base = load_recipe("scalerl")
+    trainer = base.trainer.model_copy(update={"precision": "fp32", "fp32_lm_head": True, "init_from": hf_dir})
+    return base.model_copy(update={"model": model_cfg, "parallelism": parallelism, "trainer": trainer})
 
 
 @dataclass
@@ -115,45 +103,36 @@ def _gather(tensor: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
 
 
 def run_layout(
-    model_cfg: ModelConfig, layout: Layout, hf_state: Any, input_ids: Tensor, labels: Tensor, *, with_grad: bool,
-    megatron_ckpt: str | None = None,
+    model_cfg: ModelConfig, parallelism: ParallelismConfig, hf_dir: str, input_ids: Tensor, labels: Tensor, *,
+    with_grad: bool, megatron_ckpt: str | None = None,
 ) -> LayoutResult | None:
-    """Inside a worker of an initialised process group: build, load (the HF weights, or the trainer checkpoint
-    `megatron_ckpt`), run; the result on one rank, else None."""
+    """Inside a worker of an initialised process group: build the model (and, with `with_grad`, the optimizer) by the
+    trainer's own `trainer.setup`, with the weights of `hf_dir` or of the trainer checkpoint `megatron_ckpt`, and run
+    it; the result on one rank, else None."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_scalerl.models.provider import build_model
-    from megatron_scalerl.models.weights import load_hf_state
+    from megatron_scalerl.checkpoint.sharded import load_model_weights
+    from megatron_scalerl.models.weights import unwrap_model
     from megatron_scalerl.platform.distributed import current_device, initialize_model_parallel
+    from megatron_scalerl.trainer.setup import build_model_chunks, build_optimizer
 
-    initialize_model_parallel(layout.tp, layout.pp, layout.ep, layout.expert_tp)
+    p = parallelism
+    initialize_model_parallel(p.tp, p.pp, p.ep, p.expert_tp_size)
     try:
-        model = build_model(model_cfg, layout.parallelism(), fp32_lm_head=True)
-        if megatron_ckpt is None:
-            load_hf_state(model, hf_state, model_cfg)
-        else:
-            from megatron_scalerl.trainer.state import load_model_weights
-
-            load_model_weights(Path(megatron_ckpt), model)
+        recipe = verify_recipe(model_cfg, p, hf_dir if megatron_ckpt is None else None)
+        (model,) = build_model_chunks(recipe, hidden_states_out=False)
+        if megatron_ckpt is not None:
+            load_model_weights(Path(megatron_ckpt), unwrap_model(model))
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         if input_ids.shape[0] % dp_size:
-            raise ValueError(f"{layout}: batch {input_ids.shape[0]} does not split over {dp_size} data-parallel ranks")
+            raise ValueError(f"{p.label}: batch {input_ids.shape[0]} does not split over {dp_size} data-parallel ranks")
         device = current_device()
         ids, lbl = input_ids.chunk(dp_size)[dp_rank].to(device), labels.chunk(dp_size)[dp_rank].to(device)
-        optimizer = None
-        if with_grad:
-            model = DistributedDataParallel(
-                model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model
-            )
-            model.config.finalize_model_grads_func = finalize_model_grads
-            optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.0, clip_grad=1e9), [model])
-        else:
-            model.eval()
+        optimizer = build_optimizer(recipe, [model]) if with_grad else None
+        model.train(with_grad)
         with torch.set_grad_enabled(with_grad):
             out = _run_schedule(model, ids, lbl, forward_only=not with_grad)
-        grad_norm = float(optimizer.step()[1]) if optimizer is not None else None
+        grad_norm = float(optimizer.step()[1]) if optimizer is not None else None  # the norm before clipping
         if out is None:  # not the last pipeline stage
             return None
         logits = _gather(out["logits"], ps.get_tensor_model_parallel_group(), dim=-1)
@@ -162,7 +141,7 @@ def run_layout(
         loss = _gather(out["loss"], ps.get_data_parallel_group(), dim=0).mean().item()
         if ps.get_tensor_model_parallel_rank() or dp_rank:
             return None
-        return LayoutResult(str(layout), logits.cpu(), loss, grad_norm)
+        return LayoutResult(p.label, logits.cpu(), loss, grad_norm)
     finally:
         ps.destroy_model_parallel()
 
@@ -171,25 +150,22 @@ def run_layouts_worker(
     rank: int,
     model_cfg_json: str,
     hf_dir: str,
-    layouts: list[Layout],
+    layouts: list[ParallelismConfig],
     input_ids: Tensor,
     labels: Tensor,
     with_grad: bool,
     megatron_ckpt: str | None = None,
 ) -> list[LayoutResult | None]:
     """`run_local_workers` entry: every layout in turn on the same process group."""
-    from megatron_scalerl.models.hf_io import LazyHFState
-
     model_cfg = ModelConfig.model_validate_json(model_cfg_json)
-    hf_state = LazyHFState(Path(hf_dir))
-    return [run_layout(model_cfg, layout, hf_state, input_ids, labels, with_grad=with_grad,
+    return [run_layout(model_cfg, layout, hf_dir, input_ids, labels, with_grad=with_grad,
                        megatron_ckpt=megatron_ckpt) for layout in layouts]
 
 
 def run_layouts(
     model_cfg: ModelConfig,
     hf_dir: str,
-    layouts: list[Layout],
+    layouts: list[ParallelismConfig],
     input_ids: Tensor,
     labels: Tensor,
     *,
@@ -220,6 +196,6 @@ def run_layouts(
     for index, layout in enumerate(layouts):
         found = [r[index] for r in per_rank if r[index] is not None]
         if len(found) != 1:
-            raise RuntimeError(f"{layout}: expected one rank to report results, got {len(found)}")
+            raise RuntimeError(f"{layout.label}: expected one rank to report results, got {len(found)}")
         results.append(found[0])
     return results

@@ -6,8 +6,8 @@ import logging
 import pytest
 import torch.distributed as dist
 
+from megatron_scalerl.checkpoint.store import CheckpointError, CheckpointStore, read_rl_state
 from megatron_scalerl.platform import run_local_workers
-from megatron_scalerl.trainer.checkpoint import CheckpointError, CheckpointStore, read_rl_state
 
 
 def _writer(payload: bytes):

@@ -1,0 +1,72 @@
+"""Megatron distributed checkpoints (torch_dist format): save and load sharded state dicts, read a checkpoint's model.
+
+megatron-core's sharded state dicts are layout-independent: what a TP2 model saves loads into a TP1/PP2/EP2 one.
+Saving and loading split the work across data-parallel replicas (each writes / reads its share). The trainer
+(`trainer.state`) saves model + optimizer through here; tools that only need the weights (`scalerl verify logits
+--megatron`, conversion) read them with `load_model_weights`, and the architecture with `checkpoint_model_config`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatron_scalerl.checkpoint.store import CheckpointError, CheckpointStore, read_rl_state
+from megatron_scalerl.recipe import ModelConfig
+
+
+def _strategy(path: Path, *, loading: bool):
+    """torch_dist save/load with the work split across the data-parallel replicas."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_load_sharded_strategy,
+        get_default_save_sharded_strategy,
+    )
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    if loading:
+        return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)), group)
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group)
+
+
+def save_sharded(sharded_state: dict, path: Path) -> None:
+    """Collective. Write `sharded_state` (megatron ShardedTensors) into the existing directory `path`."""
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(sharded_state, str(path), sharded_strategy=_strategy(path, loading=False))
+
+
+def load_sharded(sharded_state: dict, path: Path) -> dict:
+    """Collective. megatron's dist_checkpointing.load, its many failure types turned into one CheckpointError."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load(sharded_state, str(path), sharded_strategy=_strategy(path, loading=True))
+    except Exception as exc:  # megatron raises many types for missing/mismatched shards
+        raise CheckpointError(f"{path}: cannot load into this model/layout: {exc}") from exc
+
+
+def checkpoint_model_config(path: Path) -> ModelConfig:
+    """The architecture a checkpoint was written for (recorded in its RL state by the trainer)."""
+    rl_state = read_rl_state(path)
+    if "model" not in rl_state:
+        raise CheckpointError(f"{path}: rl_state.json records no model config")
+    return ModelConfig.model_validate(rl_state["model"])
+
+
+def load_model_weights(path: Path, gpt: torch.nn.Module) -> None:
+    """Collective. The model weights only (no optimizer) of checkpoint `path` into `gpt` (an unwrapped GPTModel at
+    any layout).
+
+    Every rank checks the files are complete (sizes); verify checksums once beforehand
+    (`CheckpointStore.problems(path)`, as `scalerl verify logits` does) rather than on every rank.
+    """
+    problems = CheckpointStore.problems(path, checksums=False)
+    if problems:
+        raise CheckpointError(f"{path}: not a complete checkpoint: {'; '.join(problems[:3])}")
+    gpt.load_state_dict(load_sharded({"model": gpt.sharded_state_dict()}, path)["model"])
