@@ -17,6 +17,7 @@ from megatron_scalerl.errors import UserError
 COMMAND_MODULES = [
     "megatron_scalerl.recipe_cli",
     "megatron_scalerl.forecast.cli",
+    "megatron_scalerl.convert_cli",
     "megatron_scalerl.verify.cli",
 ]
 

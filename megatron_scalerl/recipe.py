@@ -192,7 +192,7 @@ class TrainerConfig(Section):
     keep_checkpoints: Pos
     max_consecutive_nonfinite: Pos  # abort after this many skipped non-finite steps in a row
     seed: int
-    init_from: str | None = None  # HF checkpoint directory the weights start from (None: random init with `seed`)
+    init_from: str | None = None  # HF or Megatron checkpoint directory the weights start from (None: random, `seed`)
 
 
 class DataSource(Section):

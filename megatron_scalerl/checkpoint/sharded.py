@@ -59,6 +59,17 @@ def checkpoint_model_config(path: Path) -> ModelConfig:
     return ModelConfig.model_validate(rl_state["model"])
 
 
+def require_model_config(path: Path, model_cfg: ModelConfig, expected_from: str) -> None:
+    """Raise CheckpointError unless checkpoint `path` was written for `model_cfg` (described by `expected_from`),
+    naming the first field that differs."""
+    ours, theirs = checkpoint_model_config(path).model_dump(), model_cfg.model_dump()
+    differing = [k for k in ours if ours[k] != theirs.get(k)]
+    if differing:
+        field = differing[0]
+        raise CheckpointError(f"{path}: model.{field} is {ours[field]!r} in the checkpoint but {theirs.get(field)!r} "
+                              f"in {expected_from} ({len(differing)} field(s) differ)")
+
+
 def load_model_weights(path: Path, gpt: torch.nn.Module) -> None:
     """Collective. The model weights only (no optimizer) of checkpoint `path` into `gpt` (an unwrapped GPTModel at
     any layout).

@@ -52,6 +52,39 @@ def sha256_file(path: Path, block: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
+def publish(final: Path, write: Callable[[Path], None], rl_state: dict, manifest_fields: dict) -> Path:
+    """Collective. Publish checkpoint directory `final` atomically: every rank calls `write(tmp_dir)` for its files
+    in `.<name>.partial` beside it, rank 0 adds `rl_state.json`, the ranks hash the files (split between them), rank 0
+    writes the manifest (`manifest_fields` + files) last and renames the directory into place. A directory already at
+    `final` is replaced only once the new one is complete."""
+    tmp = final.parent / f".{final.name}.partial"
+    if rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crash mid-save
+        tmp.mkdir(parents=True)
+    barrier()
+    write(tmp)
+    if rank() == 0:
+        atomic_write_json(tmp / RL_STATE, rl_state)
+    barrier()
+    files = from_rank0(sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+                        if rank() == 0 else None)
+    mine = {rel: {"bytes": (tmp / rel).stat().st_size, "sha256": sha256_file(tmp / rel)}
+            for rel in files[rank()::world_size()]}
+    gathered = all_gathered(mine)
+    if rank() == 0:
+        entries = {k: v for part in gathered for k, v in part.items()}
+        atomic_write_json(tmp / MANIFEST, {**manifest_fields, "created": time.time(),
+                                           "files": dict(sorted(entries.items()))})
+        replaced = final.parent / f".{final.name}.replaced"
+        if final.exists():  # re-saving an iteration (e.g. after a resume): the old copy stays until the new is in
+            shutil.rmtree(replaced, ignore_errors=True)
+            final.rename(replaced)
+        tmp.rename(final)
+        shutil.rmtree(replaced, ignore_errors=True)
+    barrier()
+    return final
+
+
 class CheckpointStore:
     """The `checkpoints/` folder of one run. Every rank constructs it; collective methods say so."""
 
@@ -75,31 +108,8 @@ class CheckpointStore:
 
     def save(self, iteration: int, write: Callable[[Path], None], rl_state: dict) -> Path:
         """Collective: every rank calls `write(tmp_dir)` for its shards; returns the published directory."""
-        final = self.path(iteration)
-        tmp = self.dir / f".iter_{iteration:07d}.partial"
+        final = publish(self.path(iteration), write, rl_state, {"iteration": iteration})
         if rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crash mid-save
-            tmp.mkdir(parents=True)
-        barrier()
-        write(tmp)
-        if rank() == 0:
-            atomic_write_json(tmp / RL_STATE, rl_state)
-        barrier()
-        files = from_rank0(sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-                            if rank() == 0 else None)
-        mine = {rel: {"bytes": (tmp / rel).stat().st_size, "sha256": sha256_file(tmp / rel)}
-                for rel in files[rank()::world_size()]}
-        gathered = all_gathered(mine)
-        if rank() == 0:
-            entries = {k: v for part in gathered for k, v in part.items()}
-            atomic_write_json(tmp / MANIFEST, {"iteration": iteration, "created": time.time(),
-                                               "files": dict(sorted(entries.items()))})
-            replaced = self.dir / f".iter_{iteration:07d}.replaced"
-            if final.exists():  # re-saving an iteration (e.g. after a resume): the old copy stays until the new is in
-                shutil.rmtree(replaced, ignore_errors=True)
-                final.rename(replaced)
-            tmp.rename(final)
-            shutil.rmtree(replaced, ignore_errors=True)
             self._prune(iteration)
         barrier()
         return final

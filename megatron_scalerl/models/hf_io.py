@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from safetensors import safe_open
 from torch import Tensor
@@ -18,6 +19,13 @@ from megatron_scalerl.recipe import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+
+
+def _safe_open(path: Path):
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as exc:  # safetensors raises its own error type for truncated or garbled files
+        raise UserError(f"{path}: unreadable safetensors file ({exc})") from None
 
 
 class LazyHFState(Mapping[str, Tensor]):
@@ -33,17 +41,26 @@ class LazyHFState(Mapping[str, Tensor]):
                 raise UserError(f"{index}: not a safetensors index ({exc})") from None
             self._file_of = {name: directory / file for name, file in weight_map.items()}
         elif (directory / SINGLE_FILE).is_file():
-            with safe_open(directory / SINGLE_FILE, framework="pt") as handle:
+            with _safe_open(directory / SINGLE_FILE) as handle:
                 self._file_of = {name: directory / SINGLE_FILE for name in handle.keys()}  # noqa: SIM118
         else:
             raise UserError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} (HF weights in safetensors format)")
 
-    def __getitem__(self, name: str) -> Tensor:
+    def _open(self, name: str):
         path = self._file_of[name]
         if not path.is_file():
             raise UserError(f"{path}: listed in the index for {name} but missing")
-        with safe_open(path, framework="pt") as handle:
+        return _safe_open(path)
+
+    def __getitem__(self, name: str) -> Tensor:
+        with self._open(name) as handle:
             return handle.get_tensor(name)
+
+    def shape_and_dtype(self, name: str) -> tuple[tuple[int, ...], str]:
+        """The stored shape and safetensors dtype name (e.g. 'BF16') of tensor `name`, from the file header only."""
+        with self._open(name) as handle:
+            view = handle.get_slice(name)
+            return tuple(view.get_shape()), view.get_dtype()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._file_of)
@@ -72,18 +89,33 @@ def read_hf_checkpoint(directory: str | Path) -> tuple[ModelConfig, LazyHFState]
     return model_cfg, LazyHFState(Path(directory))
 
 
+def hf_model_config(model_cfg: ModelConfig, **extra: Any):
+    """transformers' config object for `model_cfg` (`extra`: further config attributes)."""
+    from transformers import AutoConfig
+
+    config_dict = hf_config_dict(model_cfg)
+    kwargs = {k: v for k, v in config_dict.items() if k not in ("model_type", "torch_dtype")}
+    return AutoConfig.for_model(config_dict["model_type"], **kwargs, **extra)
+
+
+def hf_tensor_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape for `model_cfg`, as transformers builds the model (on the meta device: no memory);
+    the oracle a checkpoint's stored shapes are checked against."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_model_config(model_cfg))
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
 def save_random_hf_model(model_cfg: ModelConfig, directory: str | Path, *, seed: int, std: float = 0.02) -> Path:
     """Write an HF checkpoint of `model_cfg` with transformers' own random init (normal(0, `std`) weights) and
     norm weights drawn from U(0.5, 1.5), so that a norm mapped to the wrong place shows. Returns the directory."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config_dict = hf_config_dict(model_cfg)
-    config = AutoConfig.for_model(
-        config_dict["model_type"],
-        **{k: v for k, v in config_dict.items() if k not in ("model_type", "torch_dtype")},
-        initializer_range=std,
-    )
+    config = hf_model_config(model_cfg, initializer_range=std)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

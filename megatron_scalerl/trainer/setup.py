@@ -8,6 +8,7 @@ megatron DDP with the distributed optimizer (AdamW with the recipe's betas, eps,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -59,8 +60,25 @@ def params_dtype(recipe: Recipe) -> torch.dtype:
     return torch.bfloat16 if recipe.trainer.precision == "bf16" else torch.float32
 
 
+def load_initial_weights(gpt: torch.nn.Module, recipe: Recipe) -> None:
+    """Collective. The weights `trainer.init_from` names into `gpt` (this rank's shard): an HF checkpoint directory,
+    or a Megatron checkpoint (from `scalerl convert hf-to-megatron`, or another run's `checkpoints/iter_N`), written
+    at any layout; the checkpoint must be of the recipe's architecture."""
+    from megatron_scalerl.checkpoint.sharded import load_model_weights, require_model_config
+    from megatron_scalerl.checkpoint.store import MANIFEST
+    from megatron_scalerl.models import load_hf_state, read_hf_checkpoint
+
+    source = Path(recipe.trainer.init_from)
+    if (source / MANIFEST).is_file():
+        require_model_config(source, recipe.model, "the recipe (trainer.init_from)")
+        load_model_weights(source, gpt)
+    else:
+        _, hf_state = read_hf_checkpoint(source)
+        load_hf_state(gpt, hf_state, recipe.model)
+
+
 def build_model_chunks(recipe: Recipe, *, hidden_states_out: bool = True) -> list:
-    """This rank's model (initialised from the HF checkpoint `trainer.init_from` when set), ready for training.
+    """This rank's model (initialised from `trainer.init_from` when set: `load_initial_weights`), ready for training.
 
     The last stage returns hidden states for the fused log-prob op (`emit_hidden_states`); `hidden_states_out=False`
     keeps megatron's logits [b, s, padded vocab / tp] instead (what `scalerl verify` compares with HF)."""
@@ -68,15 +86,14 @@ def build_model_chunks(recipe: Recipe, *, hidden_states_out: bool = True) -> lis
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_scalerl.models import build_model, load_hf_state, read_hf_checkpoint
+    from megatron_scalerl.models import build_model
 
     dtype = params_dtype(recipe)
     gpt = build_model(recipe.model, recipe.parallelism, fp32_lm_head=recipe.trainer.fp32_lm_head,
                       params_dtype=dtype, pre_process=ps.is_pipeline_first_stage(),
                       post_process=ps.is_pipeline_last_stage())
     if recipe.trainer.init_from:
-        _, hf_state = read_hf_checkpoint(recipe.trainer.init_from)
-        load_hf_state(gpt, hf_state, recipe.model)
+        load_initial_weights(gpt, recipe)
     if hidden_states_out:
         emit_hidden_states(gpt)
     expert_weights_apart(gpt)

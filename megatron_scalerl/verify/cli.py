@@ -47,39 +47,52 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
 
 def _verify_logits(args: argparse.Namespace) -> int:
     _positive(args, "tp", "pp", "ep", "expert_tp", "seq_len", "batch")
+    from megatron_scalerl.verify.parity import trainer_layout
+
+    layout = trainer_layout(tp=args.tp, pp=args.pp, ep=args.ep, expert_tp=args.expert_tp)
+    report = logits_check(args.hf, args.megatron, layout, seq_len=args.seq_len, batch=args.batch, seed=args.seed,
+                          tolerance=args.tolerance, timeout_s=args.timeout)
+    print(json.dumps(report))
+    return 0 if report["ok"] else 1
+
+
+def logits_check(hf_dir: str, megatron: str | None, layout, *, seq_len: int | None = None, batch: int | None = None,
+                 seed: int = 0, tolerance: float = 1e-4, timeout_s: float = 1800.0) -> dict:
+    """Our model at `layout` (weights from `hf_dir`, or from the Megatron checkpoint `megatron`) against HF
+    transformers on `hf_dir`, fp32, on the same random tokens [batch, seq_len]: the report `scalerl verify logits`
+    prints (`max_abs_diff`, losses, `ok` when max_abs_diff <= tolerance)."""
     import torch
 
     from megatron_scalerl.models.arch import check_model_layout
     from megatron_scalerl.models.hf_io import LazyHFState, read_hf_config
     from megatron_scalerl.platform.distributed import check_layout
-    from megatron_scalerl.verify.parity import hf_reference, run_layouts, trainer_layout
+    from megatron_scalerl.verify.parity import hf_reference, run_layouts
 
-    _, model_cfg = read_hf_config(args.hf)
-    LazyHFState(Path(args.hf))  # fail early, in this process, on missing weights
-    if args.megatron:
-        _check_checkpoint_matches(Path(args.megatron), model_cfg, args.hf)
-    layout = trainer_layout(tp=args.tp, pp=args.pp, ep=args.ep, expert_tp=args.expert_tp)
+    _, model_cfg = read_hf_config(hf_dir)
+    LazyHFState(Path(hf_dir))  # fail early, in this process, on missing weights
+    if megatron:
+        _check_checkpoint_matches(Path(megatron), model_cfg, hf_dir)
     check_model_layout(model_cfg, layout)
     world_size = layout.min_world_size()
     dp = check_layout(world_size, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.expert_tp_size)
-    batch = args.batch or max(2, dp)
+    batch = batch or max(2, dp)
     if batch % dp:
         raise UserError(f"--batch: {batch} does not split over {dp} data-parallel ranks")
     chunk = model_cfg.attention_chunk_size if model_cfg.arch == "llama4" else None
-    seq_len = args.seq_len or (chunk + 16 if chunk else 64)
-    generator = torch.Generator().manual_seed(args.seed)
+    seq_len = seq_len or (chunk + 16 if chunk else 64)
+    generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, model_cfg.vocab_size, (batch, seq_len), generator=generator)
     labels = torch.randint(0, model_cfg.vocab_size, (batch, seq_len), generator=generator)
 
-    print(f"verify logits: {args.hf} at {layout.label} on {world_size} process(es), batch {batch} x {seq_len} tokens",
+    print(f"verify logits: {hf_dir} at {layout.label} on {world_size} process(es), batch {batch} x {seq_len} tokens",
           file=sys.stderr)
-    reference = hf_reference(args.hf, input_ids, labels, with_grad=False)
-    (ours,) = run_layouts(model_cfg, args.hf, [layout], input_ids, labels, with_grad=False,
-                          world_size=world_size, timeout_s=args.timeout, megatron_ckpt=args.megatron)
+    reference = hf_reference(hf_dir, input_ids, labels, with_grad=False)
+    (ours,) = run_layouts(model_cfg, hf_dir, [layout], input_ids, labels, with_grad=False,
+                          world_size=world_size, timeout_s=timeout_s, megatron_ckpt=megatron)
     diff = (ours.logits - reference.logits).abs().max().item()
-    report = {
-        "hf": str(args.hf),
-        "megatron": args.megatron,
+    return {
+        "hf": str(hf_dir),
+        "megatron": megatron,
         "layout": layout.label,
         "world_size": world_size,
         "batch": batch,
@@ -88,25 +101,17 @@ def _verify_logits(args: argparse.Namespace) -> int:
         "max_abs_logit": reference.logits.abs().max().item(),
         "loss_hf": reference.loss,
         "loss_megatron": ours.loss,
-        "tolerance": args.tolerance,
-        "ok": diff <= args.tolerance,
+        "tolerance": tolerance,
+        "ok": diff <= tolerance,
     }
-    print(json.dumps(report))
-    return 0 if report["ok"] else 1
 
 
 def _check_checkpoint_matches(path: Path, hf_model_cfg, hf_dir: str) -> None:
     """A trainer checkpoint of the same architecture as the HF directory, complete per its manifest."""
-    from megatron_scalerl.checkpoint.sharded import checkpoint_model_config
+    from megatron_scalerl.checkpoint.sharded import require_model_config
     from megatron_scalerl.checkpoint.store import CheckpointStore
 
     problems = CheckpointStore.problems(path) if path.is_dir() else ["no such directory"]  # sizes + checksums, once
     if problems:
         raise UserError(f"--megatron {path}: not a complete trainer checkpoint ({'; '.join(problems[:3])})")
-    ckpt_cfg = checkpoint_model_config(path)
-    ours, theirs = ckpt_cfg.model_dump(), hf_model_cfg.model_dump()
-    differing = [k for k in ours if ours[k] != theirs.get(k)]
-    if differing:
-        field = differing[0]
-        raise UserError(f"--megatron {path}: model.{field} is {ours[field]!r} in the checkpoint but "
-                        f"{theirs.get(field)!r} in {hf_dir}/config.json ({len(differing)} field(s) differ)")
+    require_model_config(path, hf_model_cfg, f"{hf_dir}/config.json")

@@ -1,0 +1,348 @@
+"""HF <-> Megatron checkpoint conversion at any layout: the code behind `scalerl convert`.
+
+    check_hf_checkpoint(hf_dir) -> (ModelConfig, dtypes)     config, every tensor present, readable, HF's shape
+    hf_to_megatron(hf_dir, out, parallelism, dtype=None)     -> OUT: a Megatron distributed checkpoint
+    megatron_to_hf(ckpt, out, parallelism, dtype=None)       -> OUT: HF safetensors shards + index + config
+
+Both directions run `parallelism.min_world_size()` spawned workers (gloo on CPU), each holding only its own shard
+of the model at that layout; tensors move one at a time (HF tensors are read lazily; export gathers one full tensor
+at a time and a writer keeps at most one output file of `shard_bytes` in memory). Run a large model (the 8B and
+Scout presets) at a layout that splits it, e.g. `--tp 8`: then no process ever holds it whole.
+
+Dtypes are kept tensor by tensor unless `dtype` is given: a converted checkpoint records each HF tensor's dtype and
+gives it back (a bf16 model with an FP32 LM head round-trips bit-exactly), a trainer checkpoint exports the trainer's
+dtypes (bf16 body, FP32 head); `config.json` names the body's dtype, and transformers and vLLM cast on load. Outputs are written under a temporary name and renamed at the end: an interrupted conversion
+leaves no half-written OUT. A Megatron output is published with a checksummed manifest (`checkpoint.store.publish`)
+and carries the source's config.json and tokenizer files under `hf/`, which megatron-to-hf copies back out.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from megatron_scalerl.errors import UserError
+from megatron_scalerl.models.hf_config import hf_config_dict
+from megatron_scalerl.models.hf_io import INDEX_FILE, LazyHFState, hf_tensor_shapes, read_hf_config
+from megatron_scalerl.models.mapping import hf_parameter_names
+from megatron_scalerl.recipe import ModelConfig, ParallelismConfig
+
+HF_EXTRAS_DIR = "hf"  # inside a converted Megatron checkpoint: the source's config.json and tokenizer files
+HF_EXTRA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+                  "chat_template.jinja", "chat_template.json")
+CHECKSUMS_FILE = "checksums.sha256"  # in an HF output: `sha256sum -c checksums.sha256` format
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F32": "float32", "F16": "float16"}
+HEAD = "lm_head.weight"
+EMBEDDING = "model.embed_tokens.weight"
+
+
+# -- HF input -----------------------------------------------------------------------------------------------------
+
+def check_hf_checkpoint(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, str]]:
+    """(ModelConfig, HF name -> stored dtype name) of an HF checkpoint, after checking without loading any tensor
+    that every tensor the model needs is listed, its file is readable and its shape is what config.json implies."""
+    hf_dir = Path(hf_dir)
+    _, model_cfg = read_hf_config(hf_dir)
+    state = LazyHFState(hf_dir)
+    expected = hf_tensor_shapes(model_cfg)
+    dtypes = {}
+    for name in hf_parameter_names(model_cfg):
+        if name not in state:
+            raise UserError(f"{hf_dir}: no tensor {name} in the safetensors files (config.json implies it)")
+        shape, dtype = state.shape_and_dtype(name)
+        if shape != expected[name]:
+            raise UserError(f"{hf_dir}: {name} has shape {list(shape)} but config.json implies {list(expected[name])}")
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise UserError(f"{hf_dir}: {name} is stored as {dtype}; supported: {', '.join(_SAFETENSORS_DTYPES)}")
+        dtypes[name] = _SAFETENSORS_DTYPES[dtype]
+    return model_cfg, dtypes
+
+
+def _model_dtypes(model_cfg: ModelConfig, body: str, head: str) -> tuple[torch.dtype, bool]:
+    """(params dtype, FP32 head?) of a model whose body tensors are `body` and LM head `head` (dtype names)."""
+    fp32_head = head == "float32" and body != "float32" and not model_cfg.tie_word_embeddings
+    return DTYPES[body], fp32_head
+
+
+def _build(model_cfg: ModelConfig, parallelism: ParallelismConfig, body: str, head: str) -> torch.nn.Module:
+    from megatron_scalerl.models.provider import build_model
+
+    params_dtype, fp32_head = _model_dtypes(model_cfg, body, head)
+    return build_model(model_cfg, parallelism, fp32_lm_head=fp32_head, params_dtype=params_dtype)
+
+
+def _copy_hf_extras(source: Path, target: Path) -> list[str]:
+    """Copy config.json and tokenizer files from `source` (if there) into `target`; the names copied."""
+    target.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in HF_EXTRA_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, target / name)
+            copied.append(name)
+    return copied
+
+
+# -- HF -> Megatron -------------------------------------------------------------------------------------------------
+
+def _hf_to_megatron_worker(rank: int, model_cfg_json: str, hf_dir: str, parallelism_json: str, body: str, head: str,
+                           hf_dtypes: dict[str, str], out: str) -> None:
+    from megatron.core import parallel_state as ps
+
+    from megatron_scalerl.checkpoint.sharded import save_sharded
+    from megatron_scalerl.checkpoint.store import publish
+    from megatron_scalerl.models.weights import load_hf_state
+    from megatron_scalerl.platform.distributed import initialize_model_parallel
+
+    model_cfg = ModelConfig.model_validate_json(model_cfg_json)
+    p = ParallelismConfig.model_validate_json(parallelism_json)
+    initialize_model_parallel(p.tp, p.pp, p.ep, p.expert_tp_size)
+    try:
+        gpt = _build(model_cfg, p, body, head)
+        load_hf_state(gpt, LazyHFState(Path(hf_dir)), model_cfg)
+
+        def write(tmp: Path) -> None:
+            save_sharded({"model": gpt.sharded_state_dict()}, tmp)
+            if rank == 0:
+                _copy_hf_extras(Path(hf_dir), tmp / HF_EXTRAS_DIR)
+
+        rl_state = {"model": model_cfg.model_dump(mode="json"), "converted_from": str(Path(hf_dir).resolve()),
+                    "layout": p.label, "hf_dtypes": hf_dtypes}
+        publish(Path(out), write, rl_state, {"iteration": 0, "kind": "converted from HF"})
+    finally:
+        ps.destroy_model_parallel()
+
+
+def hf_to_megatron(hf_dir: str | Path, out: str | Path, parallelism: ParallelismConfig, *, dtype: str | None = None,
+                   timeout_s: float = 3600.0) -> Path:
+    """Convert an HF checkpoint into a Megatron distributed checkpoint at `out` (loadable at any layout, e.g. as
+    `trainer.init_from`), converting at `parallelism` on its `min_world_size()` processes."""
+    from megatron_scalerl.models.arch import check_model_layout
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    model_cfg, dtypes = check_hf_checkpoint(hf_dir)
+    check_model_layout(model_cfg, parallelism)
+    body = dtype or dtypes[EMBEDDING]
+    head = dtype or dtypes.get(HEAD, body)
+    _refuse_existing(out)
+    hf_dtypes = {name: dtype or stored for name, stored in dtypes.items()}
+    _run(_hf_to_megatron_worker, parallelism, model_cfg.model_dump_json(), str(hf_dir),
+         parallelism.model_dump_json(), body, head, hf_dtypes, str(out), timeout_s=timeout_s)
+    return out
+
+
+# -- Megatron -> HF -------------------------------------------------------------------------------------------------
+
+def megatron_dtypes(ckpt: Path, model_cfg: ModelConfig) -> tuple[str, str]:
+    """(body, head) dtype names of a Megatron checkpoint, from its metadata (no tensor is read)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+
+    def dtype_of(key: str) -> str:
+        meta = metadata.get(key)
+        if meta is None or not hasattr(meta, "properties"):
+            raise UserError(f"{ckpt}: no tensor {key} in the checkpoint metadata")
+        return str(meta.properties.dtype).removeprefix("torch.")
+
+    body = dtype_of("embedding.word_embeddings.weight")
+    head = body if model_cfg.tie_word_embeddings else dtype_of("output_layer.weight")
+    return body, head
+
+
+class _ShardWriter:
+    """Writes HF tensors into safetensors files of at most `max_bytes` each (one file's tensors in memory)."""
+
+    def __init__(self, directory: Path, prefix: str, max_bytes: int, total: int):
+        from tqdm import tqdm
+
+        self.directory, self.prefix, self.max_bytes = directory, prefix, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.files: list[tuple[str, list[str], str]] = []  # (file name, tensor names, sha256)
+        self.progress = tqdm(total=total, desc=f"export {prefix}", unit="tensor", file=sys.stderr)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and sum(t.numel() * t.element_size() for t in self.pending.values()) + size > self.max_bytes:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.progress.update()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        name = f"{self.prefix}-{len(self.files):05d}.safetensors"
+        save_file(self.pending, self.directory / name, metadata={"format": "pt"})
+        self.files.append((name, list(self.pending), _sha256(self.directory / name)))
+        self.pending = {}
+
+    def close(self) -> list[tuple[str, list[str], str]]:
+        self.flush()
+        self.progress.close()
+        return self.files
+
+
+def _megatron_to_hf_worker(rank: int, model_cfg_json: str, ckpt: str, parallelism_json: str, dtypes: tuple,
+                           out_dtypes: dict[str, str] | str | None, tmp_out: str, shard_bytes: int) -> list:
+    """`out_dtypes`: one dtype name for every tensor, a dtype name per HF name, or None (keep the model's)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_scalerl.checkpoint.sharded import load_model_weights
+    from megatron_scalerl.models.weights import export_hf_state
+    from megatron_scalerl.platform.distributed import initialize_model_parallel
+
+    model_cfg = ModelConfig.model_validate_json(model_cfg_json)
+    p = ParallelismConfig.model_validate_json(parallelism_json)
+    initialize_model_parallel(p.tp, p.pp, p.ep, p.expert_tp_size)
+    try:
+        gpt = _build(model_cfg, p, *dtypes)
+        load_model_weights(Path(ckpt), gpt)
+        stage = ps.get_pipeline_model_parallel_rank()
+        writes = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+        names = _stage_names(model_cfg, gpt.config, stage, ps.is_pipeline_last_stage())
+        writer = _ShardWriter(Path(tmp_out), f"stage{stage:03d}", shard_bytes, len(names)) if writes else None
+        for name, tensor in export_hf_state(gpt, model_cfg):
+            if writer is not None:
+                target = out_dtypes.get(name) if isinstance(out_dtypes, dict) else out_dtypes
+                writer.add(name, tensor.to(DTYPES[target]) if target else tensor)
+        return writer.close() if writer is not None else []
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _stage_names(model_cfg: ModelConfig, config, stage: int, last_stage: bool) -> list[str]:
+    """HF names pipeline stage `stage` exports (for the progress bar's total); `config` is the model's."""
+    from megatron_scalerl.models.layer_specs import stage_layers
+    from megatron_scalerl.models.mapping import hf_names, layer_rules, model_rules
+
+    names = [n for rule in model_rules(model_cfg, first_stage=stage == 0, last_stage=last_stage)
+             for n in hf_names(rule, None) if not (model_cfg.tie_word_embeddings and n == HEAD)]
+    for layer in stage_layers(config, pp_rank=stage):
+        names.extend(n for rule in layer_rules(model_cfg, layer) for n in hf_names(rule, layer))
+    return names
+
+
+def hf_extras_source(ckpt: Path) -> Path | None:
+    """Where a Megatron checkpoint's config.json / tokenizer files are: its own `hf/` (a converted checkpoint), else,
+    for a trainer checkpoint RUN/checkpoints/iter_N, the HF directory the run started from (RUN/recipe.yaml's
+    `trainer.init_from`, or that checkpoint's own `hf/` when it is a converted one)."""
+    if (ckpt / HF_EXTRAS_DIR).is_dir():
+        return ckpt / HF_EXTRAS_DIR
+    recipe_file = ckpt.parent.parent / "recipe.yaml"
+    if ckpt.parent.name == "checkpoints" and recipe_file.is_file():
+        from megatron_scalerl.fileio import load_yaml
+
+        init_from = (load_yaml(recipe_file).get("trainer") or {}).get("init_from")
+        if init_from:
+            source = Path(init_from)
+            return source / HF_EXTRAS_DIR if (source / HF_EXTRAS_DIR).is_dir() else source
+    return None
+
+
+def megatron_to_hf(ckpt: str | Path, out: str | Path, parallelism: ParallelismConfig, *, dtype: str | None = None,
+                   shard_bytes: int = 2 << 30, timeout_s: float = 3600.0) -> Path:
+    """Convert a Megatron checkpoint (converted, or a trainer's `RUN/checkpoints/iter_N`) into an HF directory at
+    `out`: safetensors files of at most `shard_bytes` + index + config.json + tokenizer files when known +
+    `checksums.sha256`; the model is loaded at `parallelism` on its `min_world_size()` processes."""
+    from megatron_scalerl.checkpoint.sharded import checkpoint_model_config
+    from megatron_scalerl.checkpoint.store import CheckpointStore, read_rl_state
+    from megatron_scalerl.models.arch import check_model_layout
+
+    ckpt, out = Path(ckpt), Path(out)
+    problems = CheckpointStore.problems(ckpt) if ckpt.is_dir() else ["no such directory"]
+    if problems:
+        raise UserError(f"{ckpt}: not a complete checkpoint ({'; '.join(problems[:3])})")
+    model_cfg = checkpoint_model_config(ckpt)
+    check_model_layout(model_cfg, parallelism)
+    dtypes = megatron_dtypes(ckpt, model_cfg)
+    # a checkpoint converted from HF gives each tensor back in its HF dtype (the values came from there: lossless)
+    out_dtypes = dtype or read_rl_state(ckpt).get("hf_dtypes")
+    _refuse_existing(out)
+    tmp = out.parent / f".{out.name}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        per_rank = _run(_megatron_to_hf_worker, parallelism, model_cfg.model_dump_json(), str(ckpt),
+                        parallelism.model_dump_json(), dtypes, out_dtypes, str(tmp), shard_bytes, timeout_s=timeout_s)
+        _finish_hf_dir(tmp, [f for files in per_rank for f in files], model_cfg, dtype or dtypes[0],
+                       hf_extras_source(ckpt))
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _finish_hf_dir(tmp: Path, files: list[tuple[str, list[str], str]], model_cfg: ModelConfig, body_dtype: str,
+                   extras: Path | None) -> None:
+    """Name the stage files model-0000i-of-0000n, write the index, config.json, tokenizer files and checksums."""
+    files = sorted(files)
+    count = len(files)
+    weight_map, checksums = {}, []
+    for index, (name, tensor_names, sha) in enumerate(files, start=1):
+        final = f"model-{index:05d}-of-{count:05d}.safetensors"
+        (tmp / name).rename(tmp / final)
+        weight_map.update(dict.fromkeys(tensor_names, final))
+        checksums.append(f"{sha}  {final}")
+    total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
+    (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
+                                              "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    copied = _copy_hf_extras(extras, tmp) if extras is not None else []
+    config = json.loads((tmp / "config.json").read_text()) if "config.json" in copied else hf_config_dict(model_cfg)
+    config["torch_dtype"] = body_dtype
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / CHECKSUMS_FILE).write_text("\n".join(checksums) + "\n")
+
+
+def verify_hf_checksums(hf_dir: Path) -> list[str]:
+    """Files of an HF output whose sha256 differs from its `checksums.sha256` (empty: all match)."""
+    bad = []
+    for line in (hf_dir / CHECKSUMS_FILE).read_text().splitlines():
+        sha, name = line.split("  ", 1)
+        if not (hf_dir / name).is_file() or _sha256(hf_dir / name) != sha:
+            bad.append(name)
+    return bad
+
+
+# -- shared ---------------------------------------------------------------------------------------------------------
+
+def _sha256(path: Path) -> str:
+    from megatron_scalerl.checkpoint.store import sha256_file
+
+    return sha256_file(path)
+
+
+def _refuse_existing(out: Path) -> None:
+    if out.exists():
+        raise UserError(f"--out {out}: already exists (conversion never overwrites; remove it or pick another path)")
+
+
+def _run(fn, parallelism: ParallelismConfig, *args, timeout_s: float) -> list:
+    """`fn` on the layout's spawned workers; a worker's failure becomes one UserError line."""
+    from megatron_scalerl.platform.local_workers import WorkerError, run_local_workers
+
+    try:
+        return run_local_workers(fn, parallelism.min_world_size(), *args, backend="auto", timeout_s=timeout_s)
+    except WorkerError as exc:
+        last = [line for line in str(exc).splitlines() if line.strip()][-1]
+        raise UserError(f"conversion failed: {last.strip()}") from None
+
+
+def differing_tensors(a_dir: Path, b_dir: Path) -> Iterator[str]:
+    """HF names whose tensors differ (values, dtype or shape) between two HF directories, or that only one has."""
+    a, b = LazyHFState(a_dir), LazyHFState(b_dir)
+    for name in sorted(set(a) | set(b)):
+        if name not in a or name not in b:
+            yield name
+            continue
+        x, y = a[name], b[name]
+        if x.dtype != y.dtype or not torch.equal(x, y):
+            yield name

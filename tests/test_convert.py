@@ -1,0 +1,239 @@
+"""`scalerl convert`: HF <-> Megatron at any layout, bit-exact round trips, trainer checkpoints out, bad input refused.
+
+Oracles: the source HF tensors themselves (every tensor equal, dtype included), transformers loading the output
+(`AutoModelForCausalLM`, `AutoTokenizer`), and `scalerl verify logits` (HF on the output vs our model, fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_scalerl.errors import UserError
+from megatron_scalerl.models.convert import (
+    HF_EXTRAS_DIR,
+    differing_tensors,
+    hf_to_megatron,
+    megatron_to_hf,
+    verify_hf_checksums,
+)
+from megatron_scalerl.recipe import ParallelismConfig, load_recipe
+
+VOCAB = 263  # odd: padded to 384 rows inside the Megatron checkpoint, 263 again in HF
+
+
+def _write_tokenizer(directory: Path) -> None:
+    """A real (word-level) tokenizer over the model's 263 ids, saved in transformers' format."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(directory)
+
+
+def _hf_model(directory: Path, preset: str, *, head_fp32: bool = False) -> Path:
+    """A tiny HF checkpoint with a 263-token vocabulary and a tokenizer; bf16 body (+ an FP32 head if asked)."""
+    from megatron_scalerl.models.hf_io import save_random_hf_model
+
+    cfg = load_recipe("scalerl", model_preset=preset).model.model_copy(update={"vocab_size": VOCAB})
+    save_random_hf_model(cfg, directory, seed=3)
+    for file in directory.glob("*.safetensors"):
+        tensors = {k: v if head_fp32 and k == "lm_head.weight" else v.bfloat16() for k, v in load_file(file).items()}
+        save_file(tensors, file, metadata={"format": "pt"})
+    _write_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory) -> Path:
+    return _hf_model(tmp_path_factory.mktemp("dense") / "hf", "tiny_dense", head_fp32=True)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> Path:
+    return _hf_model(tmp_path_factory.mktemp("moe") / "hf", "tiny_moe")
+
+
+def _scalerl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_scalerl.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_dense_round_trip_is_bit_exact_and_loadable(dense, tmp_path):
+    """bf16 body + FP32 head, odd vocabulary, tied to nothing: HF -> Megatron -> HF gives every tensor back in its
+    own dtype; config and tokenizer travel with the checkpoint; transformers loads the result as-is."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    megatron = hf_to_megatron(dense, tmp_path / "meg", ParallelismConfig())
+    assert (megatron / HF_EXTRAS_DIR / "tokenizer.json").is_file()
+    out = megatron_to_hf(megatron, tmp_path / "hf2", ParallelismConfig())
+    assert list(differing_tensors(dense, out)) == []
+    assert load_file(next(out.glob("*.safetensors")))["lm_head.weight"].dtype == torch.float32
+    assert verify_hf_checksums(out) == []
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (dense / name).read_bytes()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokens = AutoTokenizer.from_pretrained(out)("w5 w7 w262", return_tensors="pt").input_ids
+    assert tokens.tolist() == [[5, 7, 262]]
+    assert model(tokens).logits.shape == (1, 3, VOCAB)
+    assert not list(tmp_path.glob(".*partial"))  # nothing left under a temporary name
+
+
+@pytest.mark.slow
+def test_moe_converts_at_ep2_and_back_at_tp2_with_verify(moe, tmp_path):
+    """Llama-4 MoE: written by 2 expert-parallel workers, read back by 2 tensor-parallel workers into small
+    safetensors files; `--verify` re-hashes the files and matches HF logits; every tensor is the source's."""
+    meg, out = tmp_path / "meg", tmp_path / "hf2"
+    proc = _scalerl("convert", "hf-to-megatron", "--hf", str(moe), "--out", str(meg), "--ep", "2", "--verify")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["checksums_ok"] and report["logits"]["max_abs_diff"] <= 1e-4
+    proc = _scalerl("convert", "megatron-to-hf", "--megatron", str(meg), "--out", str(out), "--tp", "2",
+                    "--shard-size", "1", "--verify")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["ok"]
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1  # --shard-size 1 MiB split it
+    assert list(differing_tensors(moe, out)) == []
+
+
+def _train_from_converted(rank, recipe_yaml: str, run_dir: str, hf_dir: str) -> dict:
+    """The trainer (bf16 + FP32 head) started from a converted Megatron checkpoint and from the HF directory: the
+    same weights; then one step and a trainer checkpoint; the trained model's HF export."""
+    from megatron_scalerl.checkpoint.store import CheckpointStore
+    from megatron_scalerl.models.weights import export_hf_state
+    from megatron_scalerl.recipe import load_recipe
+    from megatron_scalerl.trainer.setup import build_trainer
+    from megatron_scalerl.trainer.state import save_trainer
+    from tests.trainer_utils import rl_batch
+
+    recipe = load_recipe(recipe_yaml)
+    from_hf = build_trainer(recipe.model_copy(update={"trainer": recipe.trainer.model_copy(
+        update={"init_from": hf_dir})}))
+    hf_start = dict(export_hf_state(from_hf.model[0], recipe.model))
+    trainer = build_trainer(recipe)
+    start = dict(export_hf_state(trainer.model[0], recipe.model))  # at TP1 these are views of the live weights
+    same_start = all(torch.equal(start[k], hf_start[k]) for k in hf_start)
+    trainer.step.run(rl_batch(0, vocab=VOCAB))
+    save_trainer(CheckpointStore(run_dir, keep=1), trainer.model, trainer.optimizer, trainer.step.state,
+                 recipe.model, {"wall_hours": 0.0})
+    trained = {k: v.clone() for k, v in export_hf_state(trainer.model[0], recipe.model)}
+    return {"same_start": same_start, "trained": trained}
+
+
+@pytest.mark.slow
+def test_trainer_starts_from_a_converted_checkpoint_and_its_checkpoints_export(dense, tmp_path):
+    """`trainer.init_from` takes the converted checkpoint (written at TP2, read at TP1); the run's own checkpoint
+    exports to HF with the trainer's dtypes (bf16 body, FP32 head), the tokenizer of the run's source, and exactly
+    the trained weights."""
+    from megatron_scalerl.fileio import dump_yaml
+    from megatron_scalerl.platform import run_local_workers
+    from tests.trainer_utils import tiny_recipe
+
+    meg = hf_to_megatron(dense, tmp_path / "meg", ParallelismConfig(tp=2))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    recipe = tiny_recipe(hf=str(meg), extra=[f"model.vocab_size={VOCAB}"])
+    (run_dir / "recipe.yaml").write_text(dump_yaml(recipe.model_dump(mode="json")))
+    (result,) = run_local_workers(_train_from_converted, 1, str(run_dir / "recipe.yaml"), str(run_dir), str(dense),
+                                  timeout_s=600)
+    assert result["same_start"]
+    out = megatron_to_hf(run_dir / "checkpoints" / "iter_0000001", tmp_path / "trained_hf", ParallelismConfig())
+    exported = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert exported["lm_head.weight"].dtype == torch.float32
+    assert exported["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert exported.keys() == result["trained"].keys()
+    assert all(torch.equal(exported[k], result["trained"][k]) for k in exported)
+    assert (out / "tokenizer.json").read_bytes() == (dense / "tokenizer.json").read_bytes()
+
+
+# -- bad input: one line, exit 2, nothing written -------------------------------------------------------------------
+
+def _copy_hf(source: Path, target: Path) -> Path:
+    import shutil
+
+    shutil.copytree(source, target)
+    return target
+
+
+def _refused(args: list[str], message: str, out: Path) -> None:
+    proc = _scalerl("convert", *args, "--out", str(out), timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}*"))
+
+
+def test_unknown_architecture(dense, tmp_path):
+    bad = _copy_hf(dense, tmp_path / "gpt2")
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "gpt2", "architectures": ["GPT2LMHead"]}))
+    _refused(["hf-to-megatron", "--hf", str(bad)], "model_type", tmp_path / "out")
+
+
+def test_truncated_shard(dense, tmp_path):
+    bad = _copy_hf(dense, tmp_path / "truncated")
+    shard = bad / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    _refused(["hf-to-megatron", "--hf", str(bad)], "model.safetensors: unreadable safetensors file", tmp_path / "out")
+
+
+def test_missing_shard(dense, tmp_path):
+    bad = _copy_hf(dense, tmp_path / "missing")
+    weight_map = {name: "model-00002-of-00002.safetensors" for name in load_file(bad / "model.safetensors")}
+    (bad / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (bad / "model.safetensors").unlink()
+    _refused(["hf-to-megatron", "--hf", str(bad)], "model-00002-of-00002.safetensors: listed in the index",
+             tmp_path / "out")
+
+
+def test_shape_disagrees_with_config(dense, tmp_path):
+    bad = _copy_hf(dense, tmp_path / "shape")
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
+    _refused(["hf-to-megatron", "--hf", str(bad)], "mlp.gate_proj.weight has shape", tmp_path / "out")
+
+
+def test_checkpoint_that_fails_its_manifest(dense, tmp_path):
+    meg = hf_to_megatron(dense, tmp_path / "meg", ParallelismConfig())
+    data = next(meg.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    _refused(["megatron-to-hf", "--megatron", str(meg)], "sha256 mismatch", tmp_path / "out")
+
+
+def test_existing_output_is_never_overwritten(dense, tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(UserError, match="already exists"):
+        hf_to_megatron(dense, tmp_path / "out", ParallelismConfig())
+
+
+def test_interrupted_conversion_leaves_no_output(dense, tmp_path):
+    """Killed mid-conversion: OUT does not exist (the work sits under a hidden temporary name), and a rerun works."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_scalerl.cli", "convert", "hf-to-megatron", "--hf",
+                             str(dense), "--out", str(out)], start_new_session=True, stderr=subprocess.DEVNULL)
+    partial = tmp_path / ".out.partial"
+    deadline = time.monotonic() + 120
+    while not partial.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert partial.exists(), "the conversion never started writing"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()
+    hf_to_megatron(dense, out, ParallelismConfig())
+    assert (out / "manifest.json").is_file()
