@@ -90,15 +90,15 @@ def test_dense_round_trip_is_bit_exact_and_loadable(dense, tmp_path):
 
 
 @pytest.mark.slow
-def test_moe_converts_at_ep2_and_back_at_tp2_with_verify(moe, tmp_path):
-    """Llama-4 MoE: written by 2 expert-parallel workers, read back by 2 tensor-parallel workers into small
-    safetensors files; `--verify` re-hashes the files and matches HF logits; every tensor is the source's."""
+def test_moe_converts_at_ep2_and_back_at_tp2_pp2_with_verify(moe, tmp_path):
+    """Llama-4 MoE: written by 2 expert-parallel workers, read back by TP2 x PP2 workers (each pipeline stage writes
+    its own files) into small safetensors files; `--verify` re-hashes the files and matches HF logits; every tensor is the source's."""
     meg, out = tmp_path / "meg", tmp_path / "hf2"
     proc = _scalerl("convert", "hf-to-megatron", "--hf", str(moe), "--out", str(meg), "--ep", "2", "--verify")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["ok"] and report["checksums_ok"] and report["logits"]["max_abs_diff"] <= 1e-4
-    proc = _scalerl("convert", "megatron-to-hf", "--megatron", str(meg), "--out", str(out), "--tp", "2",
+    proc = _scalerl("convert", "megatron-to-hf", "--megatron", str(meg), "--out", str(out), "--tp", "2", "--pp", "2",
                     "--shard-size", "1", "--verify")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["ok"]
