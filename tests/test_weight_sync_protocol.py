@@ -33,8 +33,7 @@ def test_buckets_respect_size_order_and_dtype():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bucket_round_trip_through_header(dtype):
-    named = [("a", torch.randn(3, 4, dtype=dtype)), ("b", torch.randn(5, dtype=dtype)), ("c", torch.randn(2, 3))]
-    named[2] = ("c", named[2][1].to(dtype))
+    named = [(name, torch.randn(*shape).to(dtype)) for name, shape in (("a", (3, 4)), ("b", (5,)), ("c", (2, 3)))]
     bucket = Bucket.pack(7, named)
     header = json.loads(json.dumps(bucket.header()))  # plain JSON, as it travels
     received = Bucket.empty_from_header(header, torch.device("cpu"))
@@ -74,6 +73,14 @@ def test_server_command_enables_weight_transfer():
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     plain = VLLMServerConfig(model="/m", port=1, weight_transfer=False)
     assert "--weight-transfer-config" not in plain.command() and "VLLM_SERVER_DEV_MODE" not in plain.environment({})
+
+
+def test_server_command_passes_llama4_temperature_tuning(tmp_path):
+    """vLLM turns Llama-4's attention temperature tuning on only above 32k tokens unless told: pass the checkpoint's."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama4_text", "attn_temperature_tuning": True}))
+    cmd = VLLMServerConfig(model=str(tmp_path), port=1).command()
+    assert json.loads(cmd[cmd.index("--override-generation-config") + 1]) == {"attn_temperature_tuning": True}
+    assert "--override-generation-config" not in VLLMServerConfig(model="/no/such/dir", port=1).command()
 
 
 def test_worker_extension_registers_gloo_and_fits_vllm_worker():

@@ -83,6 +83,9 @@ class WeightSender:
         self.urls = [u.rstrip("/") for u in urls]
         self.config = config
         self.backend = resolve_backend("auto")
+        if config.checksums and self.backend != "gloo":
+            raise ValueError(f"checksum mode needs receivers that record checksums (the gloo engine); the "
+                             f"{self.backend} receiver is vLLM's own and does not")
         self.master_address = master_address or _local_address_towards(self.urls[0])
         self.pool = ThreadPoolExecutor(max_workers=len(urls) + 1, thread_name_prefix="weight-sync")
         self.transport = make_transport(self.backend, bucket_bytes=int(config.bucket_mib * 1024 * 1024))
