@@ -18,7 +18,6 @@ from safetensors.torch import load_file, save_file
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.models.convert import (
     HF_EXTRAS_DIR,
-    differing_tensors,
     hf_to_megatron,
     megatron_to_hf,
     verify_hf_checksums,
@@ -26,6 +25,15 @@ from megatron_scalerl.models.convert import (
 from megatron_scalerl.recipe import ParallelismConfig, load_recipe
 
 VOCAB = 263  # odd: padded to 384 rows inside the Megatron checkpoint, 263 again in HF
+
+
+def differing_tensors(a_dir: Path, b_dir: Path) -> list[str]:
+    """HF names whose tensors differ (values, dtype or shape) between two HF directories, or that only one has."""
+    from megatron_scalerl.models.hf_io import LazyHFState
+
+    a, b = LazyHFState(a_dir), LazyHFState(b_dir)
+    return [name for name in sorted(set(a) | set(b))
+            if name not in a or name not in b or a[name].dtype != b[name].dtype or not torch.equal(a[name], b[name])]
 
 
 def _write_tokenizer(directory: Path) -> None:
@@ -76,7 +84,7 @@ def test_dense_round_trip_is_bit_exact_and_loadable(dense, tmp_path):
     megatron = hf_to_megatron(dense, tmp_path / "meg", ParallelismConfig())
     assert (megatron / HF_EXTRAS_DIR / "tokenizer.json").is_file()
     out = megatron_to_hf(megatron, tmp_path / "hf2", ParallelismConfig())
-    assert list(differing_tensors(dense, out)) == []
+    assert differing_tensors(dense, out) == []
     assert load_file(next(out.glob("*.safetensors")))["lm_head.weight"].dtype == torch.float32
     assert verify_hf_checksums(out) == []
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -103,7 +111,7 @@ def test_moe_converts_at_ep2_and_back_at_tp2_pp2_with_verify(moe, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["ok"]
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 1  # --shard-size 1 MiB split it
-    assert list(differing_tensors(moe, out)) == []
+    assert differing_tensors(moe, out) == []
 
 
 def _train_from_converted(rank, recipe_yaml: str, run_dir: str, hf_dir: str) -> dict:

@@ -49,7 +49,7 @@ def test_verify_logits_tp2_ep2(moe_dir):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--megatron", "/nonexistent/iter_0000001"], "--megatron /nonexistent/iter_0000001: not a complete trainer"),
+        (["--megatron", "/nonexistent/iter_0000001"], "--megatron /nonexistent/iter_0000001: not a complete checkpoint"),
         (["--tp", "3"], "parallelism.tp: tp=3 does not divide model.num_attention_heads=4"),
         (["--ep", "0"], "--ep: must be >= 1, got 0"),
     ],

@@ -17,28 +17,14 @@ from tests.trainer_utils import FP32, tiny_hf_checkpoint, tiny_recipe
 from tests.weight_sync_utils import (
     assert_matches,
     hf_greedy,
+    push_and_read,
     server_greedy,
     start_server,
-    sync_scenario,
     wait_all_ready,
-    weight_version,
 )
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 20.0
-
-
-def _scenarios(rank, recipes, urls, config, kill_pid):
-    """Trainer ranks: the three pushes in turn; rank 0 reads every server's weight version and greedy outputs after
-    each successful push."""
-    results = []
-    for recipe, version, kill in recipes:
-        result = sync_scenario(rank, recipe, urls, config, version, kill_pid=kill_pid if kill else None)
-        if rank == 0 and result["error"] is None:
-            result["versions"] = [weight_version(url) for url in urls]
-            result["outputs"] = [server_greedy(url) for url in urls]
-        results.append(result)
-    return results
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +38,7 @@ def synced(tmp_path_factory):
         tp2 = tiny_recipe("tiny_dense", tp=2, hf=b, extra=FP32)
         pp2 = tiny_recipe("tiny_dense", pp=2, hf=c, extra=FP32)
         config = WeightSyncConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=TIMEOUT_S, checksums=True)
-        per_rank = run_local_workers(_scenarios, 2, [(tp2, 1, False), (pp2, 2, False), (tp2, 3, True)],
+        per_rank = run_local_workers(push_and_read, 2, [(tp2, 1, False), (pp2, 2, False), (tp2, 3, True)],
                                      [s.url for s in servers], config, servers[1].process.pid, timeout_s=400)
         yield {"dirs": (a, b, c), "servers": servers, "before": before, "ranks": per_rank}
     finally:

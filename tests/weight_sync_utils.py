@@ -3,6 +3,7 @@ trainer side run in spawned workers (the real trainer: `build_trainer`, `push_we
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -12,7 +13,8 @@ from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig, r
 
 MAX_TOKENS = 6
 # Prompt token ids; the last is longer than one 32-token KV block, so its first block lands in the prefix cache.
-PROMPTS = [[5, 17, 300, 42, 9], [int(t) for t in torch.randint(1, 1000, (48,), generator=torch.Generator().manual_seed(1))]]
+PROMPTS = [[5, 17, 300, 42, 9],
+           [int(t) for t in torch.randint(1, 1000, (48,), generator=torch.Generator().manual_seed(1))]]
 
 
 def start_server(model_dir: str, log_dir, *, tp: int = 1, dtype: str = "float32") -> VLLMServer:
@@ -39,14 +41,16 @@ def server_greedy(url: str, prompts=PROMPTS) -> list[tuple[list[int], list[float
     return out
 
 
-def hf_greedy(model_dir: str, prompts=PROMPTS) -> list[tuple[list[int], list[float]]]:
-    """The same from transformers (fp32): greedy continuation and each chosen token's log-prob."""
+@functools.cache
+def hf_greedy(model_dir: str) -> list[tuple[list[int], list[float]]]:
+    """The same from transformers (fp32) for PROMPTS: greedy continuation and each chosen token's log-prob (computed
+    once per checkpoint; do not modify the result)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
-        for prompt in prompts:
+        for prompt in PROMPTS:
             ids, logprobs = list(prompt), []
             for _ in range(MAX_TOKENS):
                 last = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
@@ -101,3 +105,17 @@ def sync_scenario(rank: int, recipe, urls: list[str], config, version: int, kill
     if sender is not None:
         sender.close()
     return {"stats": stats, "error": error, "seconds": seconds}
+
+
+def push_and_read(rank: int, pushes: list, urls: list[str], config, kill_pid: int | None = None) -> list[dict]:
+    """`run_local_workers` entry. On every trainer rank, each push `(recipe, weight version, kill)` in turn
+    (`sync_scenario`; `kill`: SIGKILL server `kill_pid` during it); after each successful push rank 0 also reads
+    every server's weight version (`versions`) and greedy outputs (`outputs`), in `urls` order."""
+    results = []
+    for recipe, version, kill in pushes:
+        result = sync_scenario(rank, recipe, urls, config, version, kill_pid=kill_pid if kill else None)
+        if rank == 0 and result["error"] is None:
+            result["versions"] = [weight_version(url) for url in urls]
+            result["outputs"] = [server_greedy(url) for url in urls]
+        results.append(result)
+    return results

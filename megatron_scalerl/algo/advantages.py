@@ -25,7 +25,7 @@ import torch
 from megatron_scalerl.algo.filters import group_index, select_samples
 from megatron_scalerl.choices import ADVANTAGE_NORMS
 
-AdvantageNorm = Literal["batch", "prompt", "none"]
+AdvantageNorm = Literal[ADVANTAGE_NORMS]
 
 
 def _group_mean(values: torch.Tensor, index: torch.Tensor, num_groups: int, members: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 
 from megatron_scalerl.choices import AGGREGATIONS
 
-Aggregation = Literal["prompt", "sample", "token"]
+Aggregation = Literal[AGGREGATIONS]
 
 
 @dataclass(frozen=True, eq=False)

@@ -22,7 +22,7 @@ import torch
 
 from megatron_scalerl.choices import TRUNCATED_POLICIES
 
-TruncatedPolicy = Literal["keep", "mask", "drop"]
+TruncatedPolicy = Literal[TRUNCATED_POLICIES]
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,6 @@ import torch
 
 from megatron_scalerl import choices
 from megatron_scalerl.algo.aggregation import LossNormalizers
-from megatron_scalerl.choices import AGGREGATIONS
 from megatron_scalerl.errors import UserError
 
 # Tokens per chunk of rows in policy_loss: bounds the objectives' temporaries to a few MiB each, whatever the batch.
@@ -219,8 +218,8 @@ def policy_loss(name: str, *, logprobs: torch.Tensor, gen_logprobs: torch.Tensor
     spec = _spec(name)
     if set(params) != set(spec.params):
         raise UserError(f"loss {name} takes parameters {', '.join(spec.params)}; got {', '.join(params) or 'none'}")
-    if aggregation not in AGGREGATIONS:
-        raise UserError(f"unknown aggregation '{aggregation}' (known: {', '.join(AGGREGATIONS)})")
+    if aggregation not in choices.AGGREGATIONS:
+        raise UserError(f"unknown aggregation '{aggregation}' (known: {', '.join(choices.AGGREGATIONS)})")
     _check_inputs(logprobs, gen_logprobs, old_logprobs, advantages, mask, group_ids)
     mask = mask.bool()
     num_samples, seq_len = logprobs.shape

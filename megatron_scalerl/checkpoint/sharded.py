@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_scalerl.checkpoint.store import CheckpointError, CheckpointStore, read_rl_state
+from megatron_scalerl.checkpoint.store import CheckpointError, read_rl_state, require_complete
 from megatron_scalerl.recipe import ModelConfig
 
 
@@ -75,9 +75,7 @@ def load_model_weights(path: Path, gpt: torch.nn.Module) -> None:
     any layout).
 
     Every rank checks the files are complete (sizes); verify checksums once beforehand
-    (`CheckpointStore.problems(path)`, as `scalerl verify logits` does) rather than on every rank.
+    (`checkpoint.store.require_complete(path)`, as `scalerl verify logits` does) rather than on every rank.
     """
-    problems = CheckpointStore.problems(path, checksums=False)
-    if problems:
-        raise CheckpointError(f"{path}: not a complete checkpoint: {'; '.join(problems[:3])}")
+    require_complete(path, checksums=False)
     gpt.load_state_dict(load_sharded({"model": gpt.sharded_state_dict()}, path)["model"])

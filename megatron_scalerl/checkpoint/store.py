@@ -85,6 +85,14 @@ def publish(final: Path, write: Callable[[Path], None], rl_state: dict, manifest
     return final
 
 
+def require_complete(path: Path, *, checksums: bool = True, name: str | None = None) -> None:
+    """Raise CheckpointError, naming `name` (default: the path), unless `path` is a complete checkpoint: every file
+    of its manifest present with its size (and its SHA-256 with `checksums`)."""
+    problems = CheckpointStore.problems(path, checksums=checksums) if path.is_dir() else ["no such directory"]
+    if problems:
+        raise CheckpointError(f"{name or path}: not a complete checkpoint ({'; '.join(problems[:3])})")
+
+
 class CheckpointStore:
     """The `checkpoints/` folder of one run. Every rank constructs it; collective methods say so."""
 

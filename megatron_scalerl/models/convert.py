@@ -11,8 +11,10 @@ Scout presets) at a layout that splits it, e.g. `--tp 8`: then no process ever h
 
 Dtypes are kept tensor by tensor unless `dtype` is given: a converted checkpoint records each HF tensor's dtype and
 gives it back (a bf16 model with an FP32 LM head round-trips bit-exactly), a trainer checkpoint exports the trainer's
-dtypes (bf16 body, FP32 head); `config.json` names the body's dtype, and transformers and vLLM cast on load. Outputs are written under a temporary name and renamed at the end: an interrupted conversion
-leaves no half-written OUT. A Megatron output is published with a checksummed manifest (`checkpoint.store.publish`)
+dtypes (bf16 body, FP32 head); `config.json` names the body's dtype, and transformers and vLLM cast on load.
+
+Outputs are written under a temporary name and renamed at the end: an interrupted conversion leaves no half-written
+OUT. A Megatron output is published with a checksummed manifest (`checkpoint.store.publish`)
 and carries the source's config.json and tokenizer files under `hf/`, which megatron-to-hf copies back out.
 """
 
@@ -21,11 +23,11 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from megatron_scalerl.checkpoint.store import sha256_file
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.models.hf_config import hf_config_dict
 from megatron_scalerl.models.hf_io import INDEX_FILE, LazyHFState, hf_tensor_shapes, read_hf_config
@@ -164,14 +166,16 @@ class _ShardWriter:
 
         self.directory, self.prefix, self.max_bytes = directory, prefix, max_bytes
         self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
         self.files: list[tuple[str, list[str], str]] = []  # (file name, tensor names, sha256)
         self.progress = tqdm(total=total, desc=f"export {prefix}", unit="tensor", file=sys.stderr)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
-        if self.pending and sum(t.numel() * t.element_size() for t in self.pending.values()) + size > self.max_bytes:
+        if self.pending and self.pending_bytes + size > self.max_bytes:
             self.flush()
         self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
         self.progress.update()
 
     def flush(self) -> None:
@@ -181,8 +185,8 @@ class _ShardWriter:
             return
         name = f"{self.prefix}-{len(self.files):05d}.safetensors"
         save_file(self.pending, self.directory / name, metadata={"format": "pt"})
-        self.files.append((name, list(self.pending), _sha256(self.directory / name)))
-        self.pending = {}
+        self.files.append((name, list(self.pending), sha256_file(self.directory / name)))
+        self.pending, self.pending_bytes = {}, 0
 
     def close(self) -> list[tuple[str, list[str], str]]:
         self.flush()
@@ -196,7 +200,7 @@ def _megatron_to_hf_worker(rank: int, model_cfg_json: str, ckpt: str, parallelis
     from megatron.core import parallel_state as ps
 
     from megatron_scalerl.checkpoint.sharded import load_model_weights
-    from megatron_scalerl.models.weights import export_hf_state
+    from megatron_scalerl.models.weights import export_hf_state, exported_hf_names
     from megatron_scalerl.platform.distributed import initialize_model_parallel
 
     model_cfg = ModelConfig.model_validate_json(model_cfg_json)
@@ -207,8 +211,8 @@ def _megatron_to_hf_worker(rank: int, model_cfg_json: str, ckpt: str, parallelis
         load_model_weights(Path(ckpt), gpt)
         stage = ps.get_pipeline_model_parallel_rank()
         writes = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-        names = _stage_names(model_cfg, gpt.config, stage, ps.is_pipeline_last_stage())
-        writer = _ShardWriter(Path(tmp_out), f"stage{stage:03d}", shard_bytes, len(names)) if writes else None
+        total = len(exported_hf_names(gpt, model_cfg))
+        writer = _ShardWriter(Path(tmp_out), f"stage{stage:03d}", shard_bytes, total) if writes else None
         for name, tensor in export_hf_state(gpt, model_cfg):
             if writer is not None:
                 target = out_dtypes.get(name) if isinstance(out_dtypes, dict) else out_dtypes
@@ -216,18 +220,6 @@ def _megatron_to_hf_worker(rank: int, model_cfg_json: str, ckpt: str, parallelis
         return writer.close() if writer is not None else []
     finally:
         ps.destroy_model_parallel()
-
-
-def _stage_names(model_cfg: ModelConfig, config, stage: int, last_stage: bool) -> list[str]:
-    """HF names pipeline stage `stage` exports (for the progress bar's total); `config` is the model's."""
-    from megatron_scalerl.models.layer_specs import stage_layers
-    from megatron_scalerl.models.mapping import hf_names, layer_rules, model_rules
-
-    names = [n for rule in model_rules(model_cfg, first_stage=stage == 0, last_stage=last_stage)
-             for n in hf_names(rule, None) if not (model_cfg.tie_word_embeddings and n == HEAD)]
-    for layer in stage_layers(config, pp_rank=stage):
-        names.extend(n for rule in layer_rules(model_cfg, layer) for n in hf_names(rule, layer))
-    return names
 
 
 def hf_extras_source(ckpt: Path) -> Path | None:
@@ -253,13 +245,11 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, parallelism: ParallelismCo
     `out`: safetensors files of at most `shard_bytes` + index + config.json + tokenizer files when known +
     `checksums.sha256`; the model is loaded at `parallelism` on its `min_world_size()` processes."""
     from megatron_scalerl.checkpoint.sharded import checkpoint_model_config
-    from megatron_scalerl.checkpoint.store import CheckpointStore, read_rl_state
+    from megatron_scalerl.checkpoint.store import read_rl_state, require_complete
     from megatron_scalerl.models.arch import check_model_layout
 
     ckpt, out = Path(ckpt), Path(out)
-    problems = CheckpointStore.problems(ckpt) if ckpt.is_dir() else ["no such directory"]
-    if problems:
-        raise UserError(f"{ckpt}: not a complete checkpoint ({'; '.join(problems[:3])})")
+    require_complete(ckpt)  # every file against its SHA-256, once, here
     model_cfg = checkpoint_model_config(ckpt)
     check_model_layout(model_cfg, parallelism)
     dtypes = megatron_dtypes(ckpt, model_cfg)
@@ -307,18 +297,12 @@ def verify_hf_checksums(hf_dir: Path) -> list[str]:
     bad = []
     for line in (hf_dir / CHECKSUMS_FILE).read_text().splitlines():
         sha, name = line.split("  ", 1)
-        if not (hf_dir / name).is_file() or _sha256(hf_dir / name) != sha:
+        if not (hf_dir / name).is_file() or sha256_file(hf_dir / name) != sha:
             bad.append(name)
     return bad
 
 
 # -- shared ---------------------------------------------------------------------------------------------------------
-
-def _sha256(path: Path) -> str:
-    from megatron_scalerl.checkpoint.store import sha256_file
-
-    return sha256_file(path)
-
 
 def _refuse_existing(out: Path) -> None:
     if out.exists():
@@ -334,15 +318,3 @@ def _run(fn, parallelism: ParallelismConfig, *args, timeout_s: float) -> list:
     except WorkerError as exc:
         last = [line for line in str(exc).splitlines() if line.strip()][-1]
         raise UserError(f"conversion failed: {last.strip()}") from None
-
-
-def differing_tensors(a_dir: Path, b_dir: Path) -> Iterator[str]:
-    """HF names whose tensors differ (values, dtype or shape) between two HF directories, or that only one has."""
-    a, b = LazyHFState(a_dir), LazyHFState(b_dir)
-    for name in sorted(set(a) | set(b)):
-        if name not in a or name not in b:
-            yield name
-            continue
-        x, y = a[name], b[name]
-        if x.dtype != y.dtype or not torch.equal(x, y):
-            yield name

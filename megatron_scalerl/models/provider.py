@@ -90,4 +90,3 @@ def build_model(
     model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
     adopt_output_layer(model, fp32=fp32_lm_head, vocab_size=model_cfg.vocab_size)
     return model
-

@@ -149,12 +149,25 @@ def _all_gather(tensor: Tensor, group: dist.ProcessGroup | None, size: int) -> l
     return out
 
 
+def _exported_rules(model_cfg: ModelConfig, ranks: RankLayout) -> Iterator[tuple[TensorRule, int | None, int | None]]:
+    """`_rules_of_stage` without the last stage's copy of a tied embedding (the first stage exports it)."""
+    return ((rule, layer, local) for rule, layer, local in _rules_of_stage(model_cfg, ranks)
+            if rule is not TIED_OUTPUT_LAYER)
+
+
+def exported_hf_names(model: torch.nn.Module, model_cfg: ModelConfig) -> list[str]:
+    """The HF names `export_hf_state(model, model_cfg)` yields on this rank, in order, without gathering anything."""
+    ranks = RankLayout.current(unwrap_model(model).config)
+    return [name for rule, layer, _ in _exported_rules(model_cfg, ranks) for name in hf_names(rule, layer)]
+
+
 def export_hf_state(model: torch.nn.Module, model_cfg: ModelConfig) -> Iterator[tuple[str, Tensor]]:
     """Yield (HF name, full tensor) for this pipeline stage's parameters, gathered over TP, expert-TP and EP.
 
     A collective: every rank of the stage's TP/EP groups must iterate it to the end, in step. Tensors keep the
     model's dtypes (bf16 body, FP32 head when training in bf16) and HF's shapes: the embedding and LM head have
-    exactly `vocab_size` rows (the padding rows are dropped).
+    exactly `vocab_size` rows (the padding rows are dropped). A tensor that needed no gather or fusion (TP1) is a
+    view of the live parameter: copy it before the weights change.
     """
     model = unwrap_model(model)
     ranks = RankLayout.current(model.config)
@@ -163,9 +176,7 @@ def export_hf_state(model: torch.nn.Module, model_cfg: ModelConfig) -> Iterator[
     etp_group = parallel_state.get_expert_tensor_parallel_group()
     ep_group = parallel_state.get_expert_model_parallel_group()
     experts_per_rank = model_cfg.num_experts // ranks.ep_size if model_cfg.is_moe else 0
-    for rule, layer, local in _rules_of_stage(model_cfg, ranks):
-        if rule is TIED_OUTPUT_LAYER:
-            continue
+    for rule, layer, local in _exported_rules(model_cfg, ranks):
         group, size = (etp_group, ranks.etp_size) if rule.group == "etp" else (tp_group, ranks.tp_size)
 
         def full_tensor(name: str, group: dist.ProcessGroup = group, size: int = size, rule: TensorRule = rule) -> Tensor:

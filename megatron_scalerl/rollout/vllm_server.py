@@ -10,9 +10,9 @@ when `weight_transfer` is on (the default), what weight sync needs: `VLLM_SERVER
 `/init_weight_transfer_engine` ... `/finish_weight_update`, `/collective_rpc`, `/reset_prefix_cache`),
 `--weight-transfer-config` with the backend of this machine (`platform.resolve_backend`: nccl with CUDA, which is
 vLLM's own engine; gloo without, ours) and our worker extension (`weight_sync.worker_extension`). On a CPU machine
-the KV cache gets `cpu_kv_cache_gib` GiB (`VLLM_CPU_KVCACHE_SPACE`) and CUDA graphs are off (`--enforce-eager`). A Llama-4 checkpoint's
-`attn_temperature_tuning` is passed on (`--override-generation-config`): vLLM otherwise decides it from
-`max_model_len` (on only above 32k tokens) and would compute another function than the trainer.
+the KV cache gets `cpu_kv_cache_gib` GiB (`VLLM_CPU_KVCACHE_SPACE`) and CUDA graphs are off (`--enforce-eager`).
+A Llama-4 checkpoint's `attn_temperature_tuning` is passed on (`--override-generation-config`): vLLM otherwise
+decides it from `max_model_len` (on only above 32k tokens) and would compute another function than the trainer.
 `api_key` guards vLLM's /v1 routes; the dev routes are unguarded (vLLM), so keep servers on a private network.
 The process runs in its own session: `stop` ends the API server, engine core and workers together.
 """

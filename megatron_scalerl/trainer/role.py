@@ -4,8 +4,8 @@
 
 Reads `RUN/recipe.yaml` (resolved), joins the process group (nccl with CUDA, gloo otherwise; every collective bounded
 by `cluster.collective_timeout_s`), builds the model at the recipe's layout, resumes from the newest valid checkpoint
-in `RUN/checkpoints/` (or initialises from `trainer.init_from`, an HF or Megatron checkpoint, else randomly with `trainer.seed`), then for each
-step i reads `RUN/rollouts/batch_i`, trains, appends a `trainer` record to `RUN/metrics.jsonl` and checkpoints every
+in `RUN/checkpoints/` (or initialises from `trainer.init_from`, an HF or Megatron checkpoint, else randomly with
+`trainer.seed`), then for each step i reads `RUN/rollouts/batch_i`, trains, appends a `trainer` record to `RUN/metrics.jsonl` and checkpoints every
 `trainer.checkpoint_interval` steps and at the end.
 """
 

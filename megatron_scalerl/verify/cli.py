@@ -26,16 +26,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     logits = vsub.add_parser("logits", help="compare Megatron and HF logits on the same tokens (fp32)")
     logits.add_argument("--hf", required=True, help="HF checkpoint directory (config.json + safetensors)")
     logits.add_argument("--megatron", help="Megatron checkpoint to load instead of converting --hf")
-    logits.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    logits.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    logits.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE)")
-    logits.add_argument("--expert-tp", type=int, help="expert tensor-parallel size (default: --tp)")
+    add_layout_arguments(logits)
     logits.add_argument("--seq-len", type=int, help="tokens per sequence (default: attention chunk + 16, or 64)")
     logits.add_argument("--batch", type=int, help="sequences (default: the data-parallel size, at least 2)")
     logits.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     logits.add_argument("--tolerance", type=float, default=1e-4, help="largest accepted |logit difference|")
     logits.add_argument("--timeout", type=float, default=1800.0, help="seconds before the workers are stopped")
     logits.set_defaults(func=_verify_logits)
+
+
+def add_layout_arguments(parser: argparse.ArgumentParser, whose: str = "") -> None:
+    """--tp / --pp / --ep / --expert-tp of the worker processes a command spawns (read with `layout_from_arguments`)."""
+    parser.add_argument("--tp", type=int, default=1, help=f"tensor-parallel size{whose}")
+    parser.add_argument("--pp", type=int, default=1, help=f"pipeline-parallel size{whose}")
+    parser.add_argument("--ep", type=int, default=1, help=f"expert-parallel size{whose} (MoE)")
+    parser.add_argument("--expert-tp", type=int, help="expert tensor-parallel size (default: --tp)")
+
+
+def layout_from_arguments(args: argparse.Namespace):
+    """The `parity.trainer_layout` of `add_layout_arguments`' options, each checked to be >= 1."""
+    _positive(args, "tp", "pp", "ep", "expert_tp")
+    from megatron_scalerl.verify.parity import trainer_layout
+
+    return trainer_layout(tp=args.tp, pp=args.pp, ep=args.ep, expert_tp=args.expert_tp)
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:
@@ -46,21 +59,20 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
 
 
 def _verify_logits(args: argparse.Namespace) -> int:
-    _positive(args, "tp", "pp", "ep", "expert_tp", "seq_len", "batch")
-    from megatron_scalerl.verify.parity import trainer_layout
-
-    layout = trainer_layout(tp=args.tp, pp=args.pp, ep=args.ep, expert_tp=args.expert_tp)
-    report = logits_check(args.hf, args.megatron, layout, seq_len=args.seq_len, batch=args.batch, seed=args.seed,
-                          tolerance=args.tolerance, timeout_s=args.timeout)
+    _positive(args, "seq_len", "batch")
+    report = logits_check(args.hf, args.megatron, layout_from_arguments(args), seq_len=args.seq_len,
+                          batch=args.batch, seed=args.seed, tolerance=args.tolerance, timeout_s=args.timeout)
     print(json.dumps(report))
     return 0 if report["ok"] else 1
 
 
 def logits_check(hf_dir: str, megatron: str | None, layout, *, seq_len: int | None = None, batch: int | None = None,
-                 seed: int = 0, tolerance: float = 1e-4, timeout_s: float = 1800.0) -> dict:
+                 seed: int = 0, tolerance: float = 1e-4, timeout_s: float = 1800.0,
+                 megatron_hashed: bool = False) -> dict:
     """Our model at `layout` (weights from `hf_dir`, or from the Megatron checkpoint `megatron`) against HF
     transformers on `hf_dir`, fp32, on the same random tokens [batch, seq_len]: the report `scalerl verify logits`
-    prints (`max_abs_diff`, losses, `ok` when max_abs_diff <= tolerance)."""
+    prints (`max_abs_diff`, losses, `ok` when max_abs_diff <= tolerance). `megatron_hashed`: the caller has just
+    checked `megatron`'s files against their SHA-256 (only their sizes are checked again)."""
     import torch
 
     from megatron_scalerl.models.arch import check_model_layout
@@ -71,7 +83,7 @@ def logits_check(hf_dir: str, megatron: str | None, layout, *, seq_len: int | No
     _, model_cfg = read_hf_config(hf_dir)
     LazyHFState(Path(hf_dir))  # fail early, in this process, on missing weights
     if megatron:
-        _check_checkpoint_matches(Path(megatron), model_cfg, hf_dir)
+        _check_checkpoint_matches(Path(megatron), model_cfg, hf_dir, checksums=not megatron_hashed)
     check_model_layout(model_cfg, layout)
     world_size = layout.min_world_size()
     dp = check_layout(world_size, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.expert_tp_size)
@@ -106,12 +118,10 @@ def logits_check(hf_dir: str, megatron: str | None, layout, *, seq_len: int | No
     }
 
 
-def _check_checkpoint_matches(path: Path, hf_model_cfg, hf_dir: str) -> None:
-    """A trainer checkpoint of the same architecture as the HF directory, complete per its manifest."""
+def _check_checkpoint_matches(path: Path, hf_model_cfg, hf_dir: str, *, checksums: bool) -> None:
+    """A Megatron checkpoint of the same architecture as the HF directory, complete per its manifest."""
     from megatron_scalerl.checkpoint.sharded import require_model_config
-    from megatron_scalerl.checkpoint.store import CheckpointStore
+    from megatron_scalerl.checkpoint.store import require_complete
 
-    problems = CheckpointStore.problems(path) if path.is_dir() else ["no such directory"]  # sizes + checksums, once
-    if problems:
-        raise UserError(f"--megatron {path}: not a complete trainer checkpoint ({'; '.join(problems[:3])})")
+    require_complete(path, checksums=checksums, name=f"--megatron {path}")  # once, here, not on every worker
     require_model_config(path, hf_model_cfg, f"{hf_dir}/config.json")

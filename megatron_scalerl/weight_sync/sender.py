@@ -37,7 +37,7 @@ from megatron_scalerl.platform.local_workers import free_port
 from megatron_scalerl.recipe import ModelConfig
 from megatron_scalerl.rollout.vllm_server import ServerError, request_json
 from megatron_scalerl.weight_sync.export import export_buckets
-from megatron_scalerl.weight_sync.protocol import Bucket, WeightSyncError, checksum, rank_offsets
+from megatron_scalerl.weight_sync.protocol import MIB, Bucket, WeightSyncError, checksum, rank_offsets
 from megatron_scalerl.weight_sync.transport import make_transport
 
 log = logging.getLogger("megatron_scalerl.weight_sync")
@@ -88,7 +88,7 @@ class WeightSender:
                              f"{self.backend} receiver is vLLM's own and does not")
         self.master_address = master_address or _local_address_towards(self.urls[0])
         self.pool = ThreadPoolExecutor(max_workers=len(urls) + 1, thread_name_prefix="weight-sync")
-        self.transport = make_transport(self.backend, bucket_bytes=int(config.bucket_mib * 1024 * 1024))
+        self.transport = make_transport(self.backend, bucket_bytes=int(config.bucket_mib * MIB))
         self.world_sizes: list[int] = []
         self.failed: str | None = None
 
@@ -179,7 +179,7 @@ class WeightSender:
             del bucket, futures  # let the next bucket be exported without this one alive
         self._each("POST /finish_weight_update",
                    lambda url: self._call(url, "/finish_weight_update", {"weight_version": version}))
-        self._each("POST /reset_prefix_cache", lambda url: self._reset_prefix_cache(url))
+        self._each("POST /reset_prefix_cache", self._reset_prefix_cache)
         verified = self._verify_checksums(sent) if self.config.checksums else 0
         return SyncStats(version, count, total, time.monotonic() - start, verified)
 
