@@ -61,3 +61,15 @@ def test_trainer_role_waits_for_batches_then_names_the_missing_producer(tmp_path
     assert proc.returncode != 0
     assert "trainer ERROR no TrainBatch 1 in" in proc.stderr and "orchestrator" in proc.stderr
     assert [r["step"] for r in read_metrics(tmp_path, role="trainer")] == [1]
+
+
+def test_trainer_refuses_a_world_size_the_recipe_does_not_describe():
+    """tiny_moe's preset is one trainer GPU: two processes would train at DP2 and report half the GPU-hours."""
+    from megatron_scalerl.errors import UserError
+    from megatron_scalerl.recipe import load_recipe
+    from megatron_scalerl.trainer.role import require_trainer_world
+
+    recipe = load_recipe("scalerl", model_preset="tiny_moe")
+    require_trainer_world(recipe, 1)
+    with pytest.raises(UserError, match=r"runs on 2 processes, but the recipe's layout is tp x pp x dp = 1 x 1 x 1"):
+        require_trainer_world(recipe, 2)

@@ -51,9 +51,22 @@ def _rl_extras(run_dir: Path, wall_hours: float) -> dict:
     return extras
 
 
+def require_trainer_world(recipe: Recipe, world_size: int) -> None:
+    """The trainer's processes must be the recipe's trainer GPUs (tp x pp x dp): the layout, the micro-batch split
+    and the GPU-hours the run reports all follow from them."""
+    p = recipe.parallelism
+    expected = p.tp * p.pp * p.dp_size(recipe.cluster.trainer_gpus)
+    if world_size != expected:
+        raise UserError(f"the trainer runs on {world_size} processes, but the recipe's layout is tp x pp x dp = "
+                        f"{p.tp} x {p.pp} x {p.dp_size(recipe.cluster.trainer_gpus)} = {expected} (cluster.trainer_nodes "
+                        f"x cluster.gpus_per_node = {recipe.cluster.trainer_gpus}): start {expected} processes "
+                        f"(torchrun --nproc-per-node) or change the recipe's cluster / parallelism sections")
+
+
 def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, batch_timeout_s: float = 3600.0,
                 is_log_rank: bool = True) -> dict:
     """Train until `max_steps` (default: trainer.max_steps) optimizer steps; returns the last step's metrics."""
+    require_trainer_world(recipe, dist.get_world_size())
     trainer = build_trainer(recipe)
     store = CheckpointStore(run_dir, keep=recipe.trainer.keep_checkpoints)
     rl_state: dict = {}
