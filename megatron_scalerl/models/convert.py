@@ -213,7 +213,7 @@ def _megatron_to_hf_worker(rank: int, model_cfg_json: str, ckpt: str, parallelis
         writes = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
         total = len(exported_hf_names(gpt, model_cfg))
         writer = _ShardWriter(Path(tmp_out), f"stage{stage:03d}", shard_bytes, total) if writes else None
-        for name, tensor in export_hf_state(gpt, model_cfg):
+        for name, tensor in export_hf_state(gpt, model_cfg, to_first_rank=True):
             if writer is not None:
                 target = out_dtypes.get(name) if isinstance(out_dtypes, dict) else out_dtypes
                 writer.add(name, tensor.to(DTYPES[target]) if target else tensor)

@@ -233,16 +233,31 @@ def to_hf(rule: TensorRule, full: Tensor | list[Tensor], model_cfg: ModelConfig)
 # ---- tensor-parallel sharding -------------------------------------------------------------------------------------
 
 
+def shard_pieces(split: Split, full: Tensor, size: int) -> list[list[Tensor]] | None:
+    """Per TP rank, the contiguous views of the unsharded `full` that make its shard, back to back (dim0: one
+    chunk; glu: its gate rows, its up rows), so shards can be cut out of or received straight into `full`.
+    None for a dim1 split (strided columns, not contiguous) and for replicated tensors."""
+    if split == "dim0":
+        return [[chunk] for chunk in full.chunk(size, dim=0)]
+    if split == "glu":
+        gate, up = full.chunk(2, dim=0)
+        return [list(pair) for pair in zip(gate.chunk(size, dim=0), up.chunk(size, dim=0), strict=True)]
+    return None
+
+
+def split_shard(split: Split, shard_: Tensor) -> list[Tensor]:
+    """A dim0 or glu shard cut into the pieces `shard_pieces` gives its rank, in the same order."""
+    return list(shard_.chunk(2, dim=0)) if split == "glu" else [shard_]
+
+
 def shard(rule: TensorRule, full: Tensor, rank: int, size: int) -> Tensor:
     """This TP rank's slice of the unsharded Megatron tensor."""
     if rule.split == "none" or size == 1:
         return full
-    if rule.split == "dim0":
-        return full.chunk(size, dim=0)[rank].contiguous()
     if rule.split == "dim1":
         return full.chunk(size, dim=1)[rank].contiguous()
-    gate, up = full.chunk(2, dim=0)
-    return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    pieces = shard_pieces(rule.split, full, size)[rank]
+    return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0].contiguous()
 
 
 def unshard(rule: TensorRule, shards: list[Tensor]) -> Tensor:

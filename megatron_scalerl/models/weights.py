@@ -23,12 +23,15 @@ from megatron_scalerl.models.layer_specs import stage_layers
 from megatron_scalerl.models.mapping import (
     TE_ALIASES,
     TIED_OUTPUT_LAYER,
+    Split,
     TensorRule,
     hf_names,
     layer_rules,
     megatron_name,
     model_rules,
     shard,
+    shard_pieces,
+    split_shard,
     to_hf,
     to_megatron,
     unshard,
@@ -149,6 +152,37 @@ def _all_gather(tensor: Tensor, group: dist.ProcessGroup | None, size: int) -> l
     return out
 
 
+def _gather_to_first(split: Split, local_shard: Tensor, group: dist.ProcessGroup | None, size: int
+                     ) -> Tensor | None:
+    """The tensor unsharded along `split` (a rule's TP split) on the first rank of `group`, None on the others, by
+    point-to-point sends to it: half an all-gather's traffic at size 2 and, on gloo, about 4x the throughput of its
+    `gather` (measured: 2.4 GB/s against 0.6). Dim0 and glu shards are received straight into the unsharded tensor
+    (`mapping.shard_pieces`), without the copy `unshard` makes."""
+    if size == 1 or split == "none":
+        return local_shard
+    first = dist.get_rank(group) == 0
+    if split == "dim1":
+        if not first:
+            dist.send(local_shard.contiguous(), group=group, group_dst=0)
+            return None
+        shards = [local_shard] + [torch.empty_like(local_shard) for _ in range(size - 1)]
+        for peer in range(1, size):
+            dist.recv(shards[peer], group=group, group_src=peer)
+        return torch.cat(shards, dim=1)
+    if not first:
+        for piece in split_shard(split, local_shard):
+            dist.send(piece.contiguous(), group=group, group_dst=0)
+        return None
+    full = local_shard.new_empty(size * local_shard.shape[0], *local_shard.shape[1:])
+    pieces = shard_pieces(split, full, size)
+    for target, mine in zip(pieces[0], split_shard(split, local_shard), strict=True):
+        target.copy_(mine)
+    for peer in range(1, size):
+        for target in pieces[peer]:
+            dist.recv(target, group=group, group_src=peer)
+    return full
+
+
 def _exported_rules(model_cfg: ModelConfig, ranks: RankLayout) -> Iterator[tuple[TensorRule, int | None, int | None]]:
     """`_rules_of_stage` without the last stage's copy of a tied embedding (the first stage exports it)."""
     return ((rule, layer, local) for rule, layer, local in _rules_of_stage(model_cfg, ranks)
@@ -161,13 +195,18 @@ def exported_hf_names(model: torch.nn.Module, model_cfg: ModelConfig) -> list[st
     return [name for rule, layer, _ in _exported_rules(model_cfg, ranks) for name in hf_names(rule, layer)]
 
 
-def export_hf_state(model: torch.nn.Module, model_cfg: ModelConfig) -> Iterator[tuple[str, Tensor]]:
+def export_hf_state(model: torch.nn.Module, model_cfg: ModelConfig, *, to_first_rank: bool = False
+                    ) -> Iterator[tuple[str, Tensor]]:
     """Yield (HF name, full tensor) for this pipeline stage's parameters, gathered over TP, expert-TP and EP.
 
     A collective: every rank of the stage's TP/EP groups must iterate it to the end, in step. Tensors keep the
     model's dtypes (bf16 body, FP32 head when training in bf16) and HF's shapes: the embedding and LM head have
     exactly `vocab_size` rows (the padding rows are dropped). A tensor that needed no gather or fusion (TP1) is a
     view of the live parameter: copy it before the weights change.
+
+    `to_first_rank`: gather onto the first rank of each TP / expert group only (for a consumer on one rank, as the
+    weight sync and the checkpoint converter are): only ranks first in all their groups (TP, expert-TP, EP; e.g.
+    each stage's first rank) yield anything; the others yield nothing but must still iterate to the end.
     """
     model = unwrap_model(model)
     ranks = RankLayout.current(model.config)
@@ -176,18 +215,30 @@ def export_hf_state(model: torch.nn.Module, model_cfg: ModelConfig) -> Iterator[
     etp_group = parallel_state.get_expert_tensor_parallel_group()
     ep_group = parallel_state.get_expert_model_parallel_group()
     experts_per_rank = model_cfg.num_experts // ranks.ep_size if model_cfg.is_moe else 0
+    yields = not to_first_rank or ranks.tp_rank == ranks.etp_rank == ranks.ep_rank == 0
     for rule, layer, local in _exported_rules(model_cfg, ranks):
         group, size = (etp_group, ranks.etp_size) if rule.group == "etp" else (tp_group, ranks.tp_size)
 
-        def full_tensor(name: str, group: dist.ProcessGroup = group, size: int = size, rule: TensorRule = rule) -> Tensor:
+        def full_tensor(name: str, group: dist.ProcessGroup = group, size: int = size, rule: TensorRule = rule
+                        ) -> Tensor | None:
             local_shard = params[resolve_parameter_name(name, params)].detach()
+            if to_first_rank:
+                return _gather_to_first(rule.split, local_shard, group, size)
             return unshard(rule, _all_gather(local_shard, group, size if rule.split != "none" else 1))
 
         if rule.is_expert:
-            mine = torch.stack([full_tensor(megatron_name(rule, local, e)) for e in range(experts_per_rank)])
-            every = torch.cat(_all_gather(mine, ep_group, ranks.ep_size), dim=0)
+            mine = [full_tensor(megatron_name(rule, local, e)) for e in range(experts_per_rank)]
+            if mine[0] is None:  # not an expert-TP group's first rank: neither is anyone in my EP group
+                continue
+            every = _gather_to_first("dim0", torch.stack(mine), ep_group, ranks.ep_size) if to_first_rank else (
+                torch.cat(_all_gather(torch.stack(mine), ep_group, ranks.ep_size), dim=0))
+            if not yields:
+                continue
             tensors = to_hf(rule, list(every), model_cfg)
         else:
-            tensors = to_hf(rule, full_tensor(megatron_name(rule, local)), model_cfg)
+            full = full_tensor(megatron_name(rule, local))
+            if not yields:
+                continue
+            tensors = to_hf(rule, full, model_cfg)
         for template, tensor in tensors.items():
             yield template.format(layer=layer), tensor

@@ -109,7 +109,7 @@ def export_buckets(model_chunks: list, model_cfg: ModelConfig, *, bucket_mib: fl
     stages = parallel_state.get_pipeline_model_parallel_world_size()
     group = parallel_state.get_pipeline_model_parallel_group()
     on_rank0_pipeline = dist.get_global_rank(group, 0) == 0  # my pipeline starts at global rank 0
-    named = export_hf_state(model_chunks[0], model_cfg)
+    named = export_hf_state(model_chunks[0], model_cfg, to_first_rank=True)
     if not on_rank0_pipeline:
         for _ in named:  # take part in this stage's TP/EP gathers
             pass
