@@ -44,9 +44,10 @@ from megatron_scalerl.recipe import Recipe, load_recipe
 END_OF_SYNC, END_OF_BENCH = 0, -1
 
 
-def bench_recipe(args: argparse.Namespace) -> Recipe:
-    """tiny_dense resized by `args`, at TP `args.tp`, in the recipe's default precision (bf16, FP32 head)."""
-    base = load_recipe("scalerl", [f"parallelism.tp={args.tp}", f"cluster.gpus_per_node={args.tp}"],
+def bench_recipe(args: argparse.Namespace, *overrides: str) -> Recipe:
+    """tiny_dense resized by `args` (hidden, layers, vocab), at TP `args.tp`, with the recipe `overrides`
+    ("dotted.key=value"; none: the recipe's default precision, bf16 with the FP32 head)."""
+    base = load_recipe("scalerl", [f"parallelism.tp={args.tp}", f"cluster.gpus_per_node={args.tp}", *overrides],
                        model_preset="tiny_dense")
     model = base.model.model_copy(update={
         "hidden_size": args.hidden, "ffn_hidden_size": args.hidden * 11 // 4, "num_layers": args.layers,

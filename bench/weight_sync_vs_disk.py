@@ -35,26 +35,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from weight_sync import bench_recipe  # this folder's link benchmark: the same resized model
 
 from megatron_scalerl.models.hf_io import save_random_hf_model
 from megatron_scalerl.platform import free_port, run_local_workers
-from megatron_scalerl.recipe import Recipe, load_recipe
+from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig, request_json
 from megatron_scalerl.weight_sync.sender import WeightSyncConfig
 
 PROMPT = list(range(3, 40))
-
-
-def bench_recipe(args: argparse.Namespace, hf_dir: str | None = None) -> Recipe:
-    """tiny_dense resized by `args`, fp32, at TP `args.tp`, starting from the HF checkpoint `hf_dir`."""
-    overrides = [f"parallelism.tp={args.tp}", f"cluster.gpus_per_node={args.tp}", "trainer.precision=fp32"]
-    base = load_recipe("scalerl", overrides + ([f"trainer.init_from={hf_dir}"] if hf_dir else []),
-                       model_preset="tiny_dense")
-    model = base.model.model_copy(update={
-        "hidden_size": args.hidden, "ffn_hidden_size": args.hidden * 11 // 4, "num_layers": args.layers,
-        "num_attention_heads": args.hidden // 64, "num_query_groups": args.hidden // 128, "head_dim": 64,
-        "vocab_size": args.vocab})
-    return base.model_copy(update={"model": model})
 
 
 def _status_mib(field: str) -> float:
@@ -77,7 +66,7 @@ def _disk_round_trip(rank: int, trainer, recipe: Recipe, urls: list[str], direct
 
     from megatron_scalerl.models.weights import export_hf_state
 
-    state = dict(export_hf_state(trainer.model[0], recipe.model))
+    state = dict(export_hf_state(trainer.model[0], recipe.model, to_first_rank=True))
     if rank != 0:
         return
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
@@ -153,9 +142,10 @@ def main() -> None:
     buckets = [float(x) for x in args.buckets.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        a_dir = str(save_random_hf_model(bench_recipe(args).model, root / "a", seed=1))
-        b_dir = str(save_random_hf_model(bench_recipe(args).model, root / "b", seed=2))
-        recipe = bench_recipe(args, b_dir)
+        recipe = bench_recipe(args, "trainer.precision=fp32")
+        a_dir = str(save_random_hf_model(recipe.model, root / "a", seed=1))
+        b_dir = str(save_random_hf_model(recipe.model, root / "b", seed=2))
+        recipe = bench_recipe(args, "trainer.precision=fp32", f"trainer.init_from={b_dir}")
         model_mib = (Path(b_dir) / "model.safetensors").stat().st_size / 2**20
         servers = [VLLMServer(VLLMServerConfig(model=a_dir, port=free_port(), dtype="float32", max_model_len=256,
                                                skip_tokenizer_init=True, extra_args=("--tokens-only",),
