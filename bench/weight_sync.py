@@ -44,6 +44,14 @@ from megatron_scalerl.recipe import Recipe, load_recipe
 END_OF_SYNC, END_OF_BENCH = 0, -1
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, *, hidden: int, layers: int) -> None:
+    """--tp, --hidden, --layers, --vocab: the trainer's layout and the resized model `bench_recipe` builds."""
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--vocab", type=int, default=8192)
+
+
 def bench_recipe(args: argparse.Namespace, *overrides: str) -> Recipe:
     """tiny_dense resized by `args` (hidden, layers, vocab), at TP `args.tp`, with the recipe `overrides`
     ("dotted.key=value"; none: the recipe's default precision, bf16 with the FP32 head)."""
@@ -134,10 +142,9 @@ def bench_rank(rank: int, recipe: Recipe, port: int, buckets: list[float], repea
                 times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    totals: list[int] = []
-    results = {f"sync {mib:g} MiB": measure(lambda mib=mib: totals.append(sync(mib))) for mib in buckets}
+    results = {f"sync {mib:g} MiB": measure(lambda mib=mib: sync(mib)) for mib in buckets}
     results.update({f"export {mib:g} MiB": measure(lambda mib=mib: sync(mib, send=False)) for mib in buckets})
-    nbytes = totals[0] if rank == 0 else 0
+    nbytes = sync(buckets[0], send=False)  # what every sync sent (0 off rank 0)
     buffer = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else None
     if rank == 0:  # the receiver's warm buffer, allocated and touched before the timing
         flat(nbytes, buffer)
@@ -155,12 +162,9 @@ def bench_rank(rank: int, recipe: Recipe, port: int, buckets: list[float], repea
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tp", type=int, default=2)
+    add_model_arguments(parser, hidden=1024, layers=12)
     parser.add_argument("--buckets", default="1,4,16,256", help="bucket sizes in MiB, comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds, every collective")
     args = parser.parse_args()
     buckets = [float(x) for x in args.buckets.split(",")]
@@ -175,12 +179,11 @@ def main() -> None:
         if end.is_alive():
             end.terminate()
     mib = report["bytes"] / 2**20
-    flat = report["seconds"]["flat"]
+    flat, fresh = report["seconds"]["flat"], report["seconds"]["flat, fresh buffer"]
     print(f"{mib:.0f} MiB on the wire (bf16, FP32 head), trainer TP{args.tp} -> 1 receiver, median of {args.repeats}")
-    print(f"{'variant':<16} {'seconds':>8} {'MiB/s':>8} {'ratio':>8}")
+    print(f"{'variant':<20} {'seconds':>8} {'MiB/s':>8} {'vs flat':>8} {'vs fresh':>9}")
     for name, seconds in report["seconds"].items():
-        print(f"{name:<16} {seconds:8.3f} {mib / seconds:8.0f} {flat / seconds:8.2f}")
-    fresh = report["seconds"]["flat, fresh buffer"]
+        print(f"{name:<20} {seconds:8.3f} {mib / seconds:8.0f} {flat / seconds:8.2f} {fresh / seconds:9.2f}")
     syncs = {k.replace(" ", "_"): v for k, v in report["seconds"].items() if not k.startswith("flat")}
     print(json.dumps({"wire_mib": round(mib, 1), "tp": args.tp,
                       "seconds": {k: round(v, 4) for k, v in report["seconds"].items()},

@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from weight_sync import bench_recipe  # this folder's link benchmark: the same resized model
+from weight_sync import add_model_arguments, bench_recipe  # this folder's link benchmark: the same model
 
 from megatron_scalerl.models.hf_io import save_random_hf_model
 from megatron_scalerl.platform import free_port, run_local_workers
@@ -131,13 +131,10 @@ def bench_rank(rank: int, recipe: Recipe, urls: list[str], config: WeightSyncCon
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tp", type=int, default=2)
+    add_model_arguments(parser, hidden=512, layers=24)
     parser.add_argument("--servers", type=int, default=1)
     parser.add_argument("--buckets", default="1,16,256", help="bucket sizes in MiB, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--vocab", type=int, default=8192)
     args = parser.parse_args()
     buckets = [float(x) for x in args.buckets.split(",")]
     with tempfile.TemporaryDirectory() as tmp:

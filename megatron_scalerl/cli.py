@@ -27,6 +27,15 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message}")
 
 
+def command_group(sub: argparse._SubParsersAction, name: str, help: str, metavar: str) -> argparse._SubParsersAction:
+    """`scalerl NAME ...`: a command whose own sub-commands (one required, shown as `metavar`) are added to the
+    returned object; its parsers report usage errors as `UserError` too."""
+    group = sub.add_parser(name, help=help)
+    commands = group.add_subparsers(dest=f"{name}_command", metavar=metavar, parser_class=type(group))
+    commands.required = True
+    return commands
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="scalerl", description="ScaleRL post-training at cluster scale.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)

@@ -14,16 +14,16 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from megatron_scalerl.cli import command_group
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.verify.cli import add_layout_arguments, layout_from_arguments, logits_check
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    convert = sub.add_parser("convert", help="convert checkpoints between HF and Megatron layouts")
-    csub = convert.add_subparsers(dest="convert_command", metavar="DIRECTION", parser_class=type(convert))
-    csub.required = True
+    csub = command_group(sub, "convert", "convert checkpoints between HF and Megatron layouts", "DIRECTION")
     to_megatron = csub.add_parser("hf-to-megatron", help="HF safetensors -> Megatron distributed checkpoint")
     to_megatron.add_argument("--hf", required=True, help="HF checkpoint directory (config.json + safetensors)")
     to_hf = csub.add_parser("megatron-to-hf", help="Megatron checkpoint (converted or RUN/checkpoints/iter_N) -> HF")
@@ -47,11 +47,12 @@ def _hf_to_megatron(args: argparse.Namespace) -> int:
     layout = layout_from_arguments(args)
     start = time.monotonic()
     out = hf_to_megatron(args.hf, args.out, layout, dtype=args.dtype, timeout_s=args.timeout)
-    report = {"out": str(out), "seconds": round(time.monotonic() - start, 2)}
-    if args.verify:
-        report["checksums_ok"] = not CheckpointStore.problems(out)
-        report["logits"] = logits_check(args.hf, str(out), layout, timeout_s=args.timeout, megatron_hashed=True)
-    return _finish(report)
+
+    def verify() -> dict:
+        return {"checksums_ok": not CheckpointStore.problems(out),
+                "logits": logits_check(args.hf, str(out), layout, timeout_s=args.timeout, megatron_hashed=True)}
+
+    return _finish(out, start, verify if args.verify else None)
 
 
 def _megatron_to_hf(args: argparse.Namespace) -> int:
@@ -63,15 +64,22 @@ def _megatron_to_hf(args: argparse.Namespace) -> int:
     start = time.monotonic()
     out = megatron_to_hf(args.megatron, args.out, layout, dtype=args.dtype,
                          shard_bytes=int(args.shard_size * 2**20), timeout_s=args.timeout)
-    report = {"out": str(out), "seconds": round(time.monotonic() - start, 2)}
-    if args.verify:  # (megatron_to_hf checked the source against its SHA-256 before converting)
-        report["checksums_ok"] = not verify_hf_checksums(Path(out))
-        report["logits"] = logits_check(str(out), args.megatron, layout, timeout_s=args.timeout,
-                                        megatron_hashed=True)
-    return _finish(report)
+
+    def verify() -> dict:  # (megatron_to_hf checked the source against its SHA-256 before converting)
+        return {"checksums_ok": not verify_hf_checksums(Path(out)),
+                "logits": logits_check(str(out), args.megatron, layout, timeout_s=args.timeout,
+                                       megatron_hashed=True)}
+
+    return _finish(out, start, verify if args.verify else None)
 
 
-def _finish(report: dict) -> int:
+def _finish(out: Path, start: float, verify: Callable[[], dict] | None) -> int:
+    """Print the report (conversion `seconds`; with `verify`, its results and `verify_seconds`); exit status."""
+    report: dict = {"out": str(out), "seconds": round(time.monotonic() - start, 2)}
+    if verify is not None:
+        began = time.monotonic()
+        report.update(verify())
+        report["verify_seconds"] = round(time.monotonic() - began, 2)
     ok = report.get("checksums_ok", True) and report.get("logits", {}).get("ok", True)
     report["ok"] = ok
     print(json.dumps(report))

@@ -20,6 +20,9 @@ from megatron_scalerl.errors import UserError
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+# The mode open() gives a new file under this process's umask (0o644 under the usual 022). Files that libraries
+# create through private temporary files (mkstemp, safetensors) get 0600 and are set to this.
+DEFAULT_FILE_MODE = 0o666 & ~_UMASK
 
 
 class _Loader(yaml.SafeLoader):
@@ -82,7 +85,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the mode open() would
+        os.fchmod(fd, DEFAULT_FILE_MODE)  # mkstemp makes 0600
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from megatron_scalerl import recipe as rc
+from megatron_scalerl.cli import command_group
 
 
 def _add_source(p: argparse.ArgumentParser, name: str = "recipe") -> None:
@@ -20,9 +21,7 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    recipe = sub.add_parser("recipe", help="show, compare and validate recipes")
-    rsub = recipe.add_subparsers(dest="recipe_command", metavar="ACTION", parser_class=type(recipe))
-    rsub.required = True
+    rsub = command_group(sub, "recipe", "show, compare and validate recipes", "ACTION")
 
     show = rsub.add_parser("show", help="print the resolved recipe")
     _add_source(show)

@@ -218,6 +218,19 @@ def test_checkpoint_that_fails_its_manifest(dense, tmp_path):
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
     _refused(["megatron-to-hf", "--megatron", str(meg)], "sha256 mismatch", tmp_path / "out")
+    # the trainer starting from it refuses it too (its two ranks split the hashing), before loading any weight
+    from megatron_scalerl.platform import WorkerError, run_local_workers
+    from tests.trainer_utils import tiny_recipe
+
+    recipe = tiny_recipe(dp=2, hf=str(meg), extra=[f"model.vocab_size={VOCAB}"])
+    with pytest.raises(WorkerError, match=r"trainer\.init_from .*sha256 mismatch"):
+        run_local_workers(_build_trainer, 2, recipe, timeout_s=300)
+
+
+def _build_trainer(rank: int, recipe) -> None:
+    from megatron_scalerl.trainer.setup import build_trainer
+
+    build_trainer(recipe)
 
 
 def test_existing_output_is_never_overwritten(dense, tmp_path):

@@ -56,9 +56,10 @@ def _tokens(name: str) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, vocab, (BATCH, SEQ_LEN), generator=generator))
 
 
-def _export_check(model_cfg: ModelConfig, layout: ParallelismConfig, hf_dir: str) -> tuple[list[str], list[str]]:
-    """Load HF weights at `layout`, export them back: (HF names not given back bit for bit, with HF's shape; HF
-    names this rank yielded)."""
+def _export_check(model_cfg: ModelConfig, layout: ParallelismConfig, hf_dir: str
+                  ) -> tuple[list[str], list[str], list[str]]:
+    """Load HF weights at `layout`, export them back, gathered on every rank and onto first ranks only: (HF names not
+    given back bit for bit, with HF's shape, in either; HF names this rank yielded in each)."""
     from pathlib import Path
 
     from megatron.core import parallel_state
@@ -72,12 +73,15 @@ def _export_check(model_cfg: ModelConfig, layout: ParallelismConfig, hf_dir: str
     try:
         model = build_model(model_cfg, layout, fp32_lm_head=True)
         load_hf_state(model, hf_state, model_cfg)
-        differing, names = [], []
-        for name, tensor in export_hf_state(model, model_cfg):
-            if not torch.equal(tensor, hf_state[name]):  # also False when the shapes differ
-                differing.append(name)
-            names.append(name)
-        return differing, names
+        differing, names = [], {False: [], True: []}
+        for to_first_rank in (False, True):  # gathered on every rank, and onto each group's first rank only
+            for name, tensor in export_hf_state(model, model_cfg, to_first_rank=to_first_rank):
+                if not torch.equal(tensor, hf_state[name]):  # also False when the shapes differ
+                    differing.append(f"{name} (to_first_rank={to_first_rank})")
+                names[to_first_rank].append(name)
+        if names[True] and names[True] != names[False]:  # a rank that gets any of its stage gets all of it
+            differing.append(f"to_first_rank gave {len(names[True])} of the stage's {len(names[False])} tensors")
+        return differing, names[False], names[True]
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -98,28 +102,28 @@ def _run(arch, checkpoints, layouts, world_size) -> list[tuple[LayoutResult, set
 
 
 def _merge_ranks(per_rank, num_layouts) -> list[tuple[LayoutResult, set[str], set[str]]]:
-    """Per layout: (the one reported result, HF names exported differently on any rank, HF names exported)."""
+    """Per layout: (the one reported result, HF names exported differently on any rank, HF names exported, HF names
+    exported onto first ranks)."""
     results = []
     for index in range(num_layouts):
         reported = [r[index][0] for r in per_rank if r[index][0] is not None]
         assert len(reported) == 1
-        differing = set().union(*(r[index][1][0] for r in per_rank))
-        names = set().union(*(r[index][1][1] for r in per_rank))
-        results.append((reported[0], differing, names))
+        differing, names, first_names = (set().union(*(r[index][1][i] for r in per_rank)) for i in range(3))
+        results.append((reported[0], differing, names, first_names))
     return results
 
 
 def _check_against_hf(arch, checkpoints, results):
     reference = hf_reference(checkpoints[arch], *_tokens(arch), with_grad=True)
     vocab = _model_cfg(arch).vocab_size
-    for result, export_differing, names in results:
+    for result, export_differing, names, first_names in results:
         where = f"{arch} {result.layout}"
         assert torch.isneginf(result.logits[..., vocab:]).all(), where  # the vocabulary padding, if any
         assert (result.logits[..., :vocab] - reference.logits).abs().max().item() <= TOLERANCE, where
         assert result.loss == pytest.approx(reference.loss, rel=1e-5), where
         assert result.grad_norm == pytest.approx(reference.grad_norm, rel=1e-4), where
         assert not export_differing, where
-        assert names == set(hf_parameter_names(_model_cfg(arch))), where
+        assert names == first_names == set(hf_parameter_names(_model_cfg(arch))), where
     return reference
 
 
@@ -129,7 +133,7 @@ def _single_process_worker(rank, checkpoints):
     for arch in MODELS:
         (run, export), = _layouts_worker(rank, _model_cfg(arch).model_dump_json(), checkpoints[arch], [trainer_layout()],
                                          *_tokens(arch))
-        results[arch] = (run, set(export[0]), set(export[1]))
+        results[arch] = (run, *(set(part) for part in export))
     return results, _head_checks(rank, _model_cfg("llama3").model_dump_json())
 
 
@@ -179,7 +183,7 @@ def test_moe_layouts_match_hf_and_each_other(checkpoints, tp1):
     results = _run("llama4", checkpoints, layouts, world_size=4)
     _check_against_hf("llama4", checkpoints, results)
     single = tp1["llama4"][0]
-    for result, _, _ in results:  # the same loss and grad norm as one process
+    for result, *_ in results:  # the same loss and grad norm as one process
         assert result.loss == pytest.approx(single.loss, rel=1e-6), result.layout
         assert result.grad_norm == pytest.approx(single.grad_norm, rel=1e-5), result.layout
 

@@ -85,12 +85,35 @@ def publish(final: Path, write: Callable[[Path], None], rl_state: dict, manifest
     return final
 
 
-def require_complete(path: Path, *, checksums: bool = True, name: str | None = None) -> None:
+def checkpoint_problems(path: Path, *, checksums: bool = True, collective: bool = False) -> list[str]:
+    """`CheckpointStore.problems` of `path` (empty: complete). `collective`: every rank calls it, the ranks split the
+    hashing (each checks every world-size-th file) and all get the same answer."""
+    if not path.is_dir():
+        return ["no such directory"]
+    if not collective:
+        return CheckpointStore.problems(path, checksums=checksums)
+    parts = all_gathered(CheckpointStore.problems(path, checksums=checksums, share=(rank(), world_size())))
+    return list(dict.fromkeys(p for part in parts for p in part))
+
+
+def require_complete(path: Path, *, checksums: bool = True, name: str | None = None, collective: bool = False) -> None:
     """Raise CheckpointError, naming `name` (default: the path), unless `path` is a complete checkpoint: every file
-    of its manifest present with its size (and its SHA-256 with `checksums`)."""
-    problems = CheckpointStore.problems(path, checksums=checksums) if path.is_dir() else ["no such directory"]
+    of its manifest present with its size (and its SHA-256 with `checksums`); `collective`: see
+    `checkpoint_problems`."""
+    problems = checkpoint_problems(path, checksums=checksums, collective=collective)
     if problems:
-        raise CheckpointError(f"{name or path}: not a complete checkpoint ({'; '.join(problems[:3])})")
+        raise CheckpointError(f"{name or path}: not a complete checkpoint ({'; '.join(problems[:3])}){_hint(path)}")
+
+
+def _hint(path: Path) -> str:
+    """What a directory without a manifest is likely to be instead of a Megatron checkpoint."""
+    if (path / MANIFEST).is_file() or not path.is_dir():
+        return ""
+    if (path / "config.json").is_file():
+        return "; it is a Hugging Face checkpoint directory (scalerl convert hf-to-megatron makes one from it)"
+    if (path / "checkpoints").is_dir():
+        return f"; it is a run directory: its checkpoints are {path / 'checkpoints'}/iter_NNNNNNN"
+    return ""
 
 
 class CheckpointStore:
@@ -153,7 +176,7 @@ class CheckpointStore:
         file starting at the i-th (ranks split the hashing; see `latest_valid`)."""
         manifest_path = path / MANIFEST
         if not manifest_path.is_file():
-            return ["no manifest.json (save did not finish)"]
+            return ["no manifest.json: an unfinished save, or not a checkpoint"]
         try:
             manifest = json.loads(manifest_path.read_text())
             files = manifest["files"]
@@ -182,8 +205,7 @@ class CheckpointStore:
         skipped = []
         for iteration in from_rank0(self.iterations() if rank() == 0 else None):
             path = self.path(iteration)
-            parts = all_gathered(self.problems(path, checksums=checksums, share=(rank(), world_size())))
-            found = list(dict.fromkeys(p for part in parts for p in part))
+            found = checkpoint_problems(path, checksums=checksums, collective=True)
             if not found:
                 for skipped_iteration, reasons in skipped:
                     log.warning("skipping corrupt checkpoint %s (%s); using %s", self.path(skipped_iteration).name,

@@ -14,15 +14,14 @@ import argparse
 import math
 import sys
 
+from megatron_scalerl.cli import command_group
 from megatron_scalerl.errors import UserError
 
 DEFAULT_BUDGETS = "16k,50k,100k"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    forecast = sub.add_parser("forecast", help="fit, compare and backtest compute-performance curves")
-    fsub = forecast.add_subparsers(dest="forecast_command", metavar="ACTION", parser_class=type(forecast))
-    fsub.required = True
+    fsub = command_group(sub, "forecast", "fit, compare and backtest compute-performance curves", "ACTION")
 
     fit = fsub.add_parser("fit", help="fit one run, predict budgets and targets, recommend")
     fit.add_argument("run", help="run directory, metrics .jsonl file or wandb .csv export")

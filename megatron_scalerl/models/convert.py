@@ -21,6 +21,7 @@ and carries the source's config.json and tokenizer files under `hf/`, which mega
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ import torch
 
 from megatron_scalerl.checkpoint.store import sha256_file
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.fileio import DEFAULT_FILE_MODE
 from megatron_scalerl.models.hf_config import hf_config_dict
 from megatron_scalerl.models.hf_io import INDEX_FILE, LazyHFState, hf_tensor_shapes, read_hf_config
 from megatron_scalerl.models.mapping import hf_parameter_names
@@ -128,11 +130,11 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, parallelism: Parallelism
     from megatron_scalerl.models.arch import check_model_layout
 
     hf_dir, out = Path(hf_dir), Path(out)
+    _refuse_existing(out)
     model_cfg, dtypes = check_hf_checkpoint(hf_dir)
     check_model_layout(model_cfg, parallelism)
     body = dtype or dtypes[EMBEDDING]
     head = dtype or dtypes.get(HEAD, body)
-    _refuse_existing(out)
     hf_dtypes = {name: dtype or stored for name, stored in dtypes.items()}
     _run(_hf_to_megatron_worker, parallelism, model_cfg.model_dump_json(), str(hf_dir),
          parallelism.model_dump_json(), body, head, hf_dtypes, str(out), timeout_s=timeout_s)
@@ -185,6 +187,7 @@ class _ShardWriter:
             return
         name = f"{self.prefix}-{len(self.files):05d}.safetensors"
         save_file(self.pending, self.directory / name, metadata={"format": "pt"})
+        os.chmod(self.directory / name, DEFAULT_FILE_MODE)  # safetensors writes 0600: servers run as other users
         self.files.append((name, list(self.pending), sha256_file(self.directory / name)))
         self.pending, self.pending_bytes = {}, 0
 
@@ -249,13 +252,13 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, parallelism: ParallelismCo
     from megatron_scalerl.models.arch import check_model_layout
 
     ckpt, out = Path(ckpt), Path(out)
+    _refuse_existing(out)
     require_complete(ckpt)  # every file against its SHA-256, once, here
     model_cfg = checkpoint_model_config(ckpt)
     check_model_layout(model_cfg, parallelism)
     dtypes = megatron_dtypes(ckpt, model_cfg)
     # a checkpoint converted from HF gives each tensor back in its HF dtype (the values came from there: lossless)
     out_dtypes = dtype or read_rl_state(ckpt).get("hf_dtypes")
-    _refuse_existing(out)
     tmp = out.parent / f".{out.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

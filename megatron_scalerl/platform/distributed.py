@@ -69,11 +69,14 @@ def init_distributed(
     local_rank: int | None = None,
     master_addr: str | None = None,
     master_port: int | None = None,
+    store_hosted: bool = False,
 ) -> DistributedInfo:
     """Join the default process group (env:// rendezvous unless given explicitly).
 
     Ranks, world size and the rendezvous address come from the arguments or from RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR, MASTER_PORT. `timeout_s` (seconds) bounds the rendezvous and every later collective.
+    `store_hosted`: another process already serves the rendezvous store at that address (`run_local_workers`' parent,
+    which bound it itself: no port can be taken between picking and binding it); every rank joins as a client.
     """
     resolved = resolve_backend(backend)
     rank = _env_int("RANK", rank)
@@ -88,14 +91,14 @@ def init_distributed(
     device = current_device()
     if dist.is_initialized():
         return DistributedInfo(dist.get_rank(), dist.get_world_size(), local_rank, resolved, device)
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(
-            backend=resolved,
-            init_method=f"tcp://{addr}:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        if store_hosted:
+            store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+            dist.init_process_group(backend=resolved, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend=resolved, init_method=f"tcp://{addr}:{port}", rank=rank,
+                                    world_size=world_size, timeout=timeout)
     except (RuntimeError, dist.DistError) as exc:
         raise RuntimeError(
             f"rank {rank} of {world_size}: could not join the {resolved} process group at {addr}:{port} "

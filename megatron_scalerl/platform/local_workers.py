@@ -52,7 +52,8 @@ def _worker_main(
         silence_cpu_import_warnings()
     torch.set_num_threads(threads)
     try:
-        init_distributed(backend, timeout_s, rank=rank, world_size=world_size, local_rank=rank, master_port=port)
+        init_distributed(backend, timeout_s, rank=rank, world_size=world_size, local_rank=rank, master_port=port,
+                         store_hosted=True)
         value = fn(rank, *args)
         # Pickled here, by value: torch's queue would share tensor storage through file descriptors that die with
         # this process, which may exit before the parent reads the result.
@@ -79,9 +80,17 @@ def run_local_workers(
     `fn` must be importable by module path (a top-level function). `timeout_s` (seconds) bounds the whole run
     and every collective inside it.
     """
+    import datetime
+
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # The rendezvous store, bound here on a port the kernel picks (free_port() would leave a window in which another
+    # process, e.g. a gloo connection of a concurrent test, takes the port); it lives until the workers are done.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    port = store.port
     procs = [
         ctx.Process(
             target=_worker_main,

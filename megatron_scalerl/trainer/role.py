@@ -90,9 +90,11 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
 
     def checkpoint() -> None:
         nonlocal saved_step
-        save_trainer(store, trainer.model, trainer.optimizer, trainer.step.state, recipe.model,
-                     _rl_extras(run_dir, wall_hours()))
+        path = save_trainer(store, trainer.model, trainer.optimizer, trainer.step.state, recipe.model,
+                            _rl_extras(run_dir, wall_hours()))
         saved_step = trainer.step.state.step
+        if is_log_rank:
+            log.info("checkpoint %s (step %d)", path, saved_step)
         if is_log_rank:  # batches older than the oldest kept checkpoint can never be read again
             stream.prune(before=min(store.iterations()))
 

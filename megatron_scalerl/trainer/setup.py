@@ -65,11 +65,12 @@ def load_initial_weights(gpt: torch.nn.Module, recipe: Recipe) -> None:
     or a Megatron checkpoint (from `scalerl convert hf-to-megatron`, or another run's `checkpoints/iter_N`), written
     at any layout; the checkpoint must be of the recipe's architecture."""
     from megatron_scalerl.checkpoint.sharded import load_model_weights, require_model_config
-    from megatron_scalerl.checkpoint.store import MANIFEST
+    from megatron_scalerl.checkpoint.store import MANIFEST, require_complete
     from megatron_scalerl.models import load_hf_state, read_hf_checkpoint
 
     source = Path(recipe.trainer.init_from)
     if (source / MANIFEST).is_file():
+        require_complete(source, name=f"trainer.init_from {source}", collective=True)  # hashing split over ranks
         require_model_config(source, recipe.model, "the recipe (trainer.init_from)")
         load_model_weights(source, gpt)
     else:

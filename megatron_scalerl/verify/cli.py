@@ -16,13 +16,12 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_scalerl.cli import command_group
 from megatron_scalerl.errors import UserError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    verify = sub.add_parser("verify", help="check converted models against Hugging Face")
-    vsub = verify.add_subparsers(dest="verify_command", metavar="WHAT", parser_class=type(verify))
-    vsub.required = True
+    vsub = command_group(sub, "verify", "check converted models against Hugging Face", "WHAT")
     logits = vsub.add_parser("logits", help="compare Megatron and HF logits on the same tokens (fp32)")
     logits.add_argument("--hf", required=True, help="HF checkpoint directory (config.json + safetensors)")
     logits.add_argument("--megatron", help="Megatron checkpoint to load instead of converting --hf")
