@@ -24,12 +24,12 @@ $(STAMP): pyproject.toml scripts/setup_venv.sh
 	touch $(STAMP)
 
 # Two pytest workers (pytest-xdist), whole files to each, so a module's fixtures (a vLLM server, a trainer) are
-# built once: 13.4 min instead of 18.4 for the whole suite on 2 cores.
+# built once; files in the order tests/conftest.py gives (vLLM files first): 8.5 min for the suite on 2 cores.
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
 
 demo: setup
 	@echo "make demo: the embedded CPU run (PipelineRL-k on tiny_dense) is delivered by the PipelineRL/demo issue;" >&2

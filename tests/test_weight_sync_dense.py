@@ -23,7 +23,7 @@ from tests.weight_sync_utils import (
     wait_all_ready,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 TIMEOUT_S = 20.0
 
 

@@ -16,7 +16,7 @@ from megatron_scalerl.weight_sync.sender import WeightSender, WeightSyncConfig
 from tests.trainer_utils import tiny_hf_checkpoint
 from tests.weight_sync_utils import hf_greedy, server_greedy, start_server
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 def _buckets(checkpoint: str):

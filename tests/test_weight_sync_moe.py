@@ -23,7 +23,7 @@ from tests.weight_sync_utils import (
     wait_all_ready,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 def _experts_from(base: str, donor: str, out) -> str:
