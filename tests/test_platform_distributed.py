@@ -76,3 +76,20 @@ def test_run_local_workers_times_out():
     with pytest.raises(WorkerError, match="did not finish within 10 s"):
         run_local_workers(_sleep, 1, timeout_s=10)
     assert time.monotonic() - start < 60
+
+
+def _environment(rank: int) -> tuple[str | None, str, bool]:
+    import os
+    import sys
+
+    return os.environ.get("SCALERL_TEST_PROBE"), os.getcwd(), "megatron.core" in sys.modules
+
+
+def test_workers_take_the_callers_environment_and_directory(tmp_path, monkeypatch):
+    """Workers fork from a forkserver started once per process: each must still see the environment and working
+    directory of the call that started it, not of the forkserver's start, and start with megatron-core loaded."""
+    for value in ("first", "second"):
+        (tmp_path / value).mkdir()
+        monkeypatch.chdir(tmp_path / value)
+        monkeypatch.setenv("SCALERL_TEST_PROBE", value)
+        assert run_local_workers(_environment, 2, timeout_s=120) == [(value, str(tmp_path / value), True)] * 2
