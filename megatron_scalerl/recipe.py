@@ -196,17 +196,25 @@ class TrainerConfig(Section):
 
 
 class DataSource(Section):
-    kind: Literal["jsonl", "reasoning_gym"]
-    path: str | None = None  # jsonl: file with `problem` and `answer` fields
-    task: str | None = None  # reasoning_gym task name
+    """One prompt set. jsonl / parquet: a file (relative paths are read from the working directory) with one problem
+    per row in `problem_field` and its gold answer in `answer_field`; reasoning_gym: `size` problems of `task`
+    generated offline with the recipe's seed. `weight`: expected appearances of each of its prompts per epoch
+    (2.0: twice; 0.5: a seeded half of them, a different half each epoch)."""
+
+    kind: Literal["jsonl", "parquet", "reasoning_gym"]
+    path: str | None = None
+    problem_field: str = "problem"
+    answer_field: str = "answer"
+    task: str | None = None
+    size: Pos | None = None  # reasoning_gym: problems generated
     weight: PosFloat = 1.0
 
     @model_validator(mode="after")
     def _needs(self) -> DataSource:
-        if self.kind == "jsonl" and not self.path:
-            raise ValueError("kind jsonl needs `path`")
-        if self.kind == "reasoning_gym" and not self.task:
-            raise ValueError("kind reasoning_gym needs `task`")
+        if self.kind in ("jsonl", "parquet") and not self.path:
+            raise ValueError(f"kind {self.kind} needs `path`")
+        if self.kind == "reasoning_gym" and not (self.task and self.size):
+            raise ValueError("kind reasoning_gym needs `task` and `size`")
         return self
 
 
