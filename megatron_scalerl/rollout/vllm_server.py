@@ -118,7 +118,8 @@ class VLLMServerConfig:
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--host", self.host, "--port", str(self.port), "--dtype", self.dtype, "--seed", str(self.seed),
-               "--tensor-parallel-size", str(self.tensor_parallel_size)]
+               "--tensor-parallel-size", str(self.tensor_parallel_size),
+               "--logprobs-mode", "processed_logprobs"]  # the sampler's own log-probs (after temperature, top-p)
         if self.max_model_len is not None:
             cmd += ["--max-model-len", str(self.max_model_len)]
         if self.api_key:

