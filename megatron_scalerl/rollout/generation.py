@@ -1,8 +1,7 @@
 """One training sample from the fleet, with the recipe's length control applied inside generation.
 
-    policy = InterruptionPolicy.from_config(recipe.algorithm.length_control, phrase_ids=..., max_new_tokens=...,
-                                            seed=recipe.trainer.seed)
-    sample = await generate_sample(fleet, GenerationRequest(key, prompt_ids, max_tokens), policy,
+    policy = length_control_policy(recipe, tokenizer)     # None unless length_control.mode is "interruption"
+    sample = await generate_sample(fleet, GenerationRequest(key, prompt_ids, recipe.rollout.max_new_tokens), policy,
                                    think_close_ids=tokenizer.encode("</think>", add_special_tokens=False))
 
 Interruption (`algo.length_control`): the first request may generate the sample's thinking budget (tokens, drawn per
@@ -17,8 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from megatron_scalerl.algo.length_control import InterruptionPolicy, join_segments
+from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.rollout.fleet import Fleet, Generation, GenerationRequest
 
 
@@ -43,6 +44,18 @@ class Sample:
         return cls(generation.key, generation.prompt_ids, generation.completion_ids, generation.logprobs,
                    generation.versions, [True] * len(generation.completion_ids), generation.finish_reason,
                    interrupted=False, truncated=generation.finish_reason == "length", server=generation.server)
+
+
+def length_control_policy(recipe: Recipe, tokenizer: Any) -> InterruptionPolicy | None:
+    """The recipe's setting (algorithm.length_control.mode): forced interruption -> its policy, the phrase
+    tokenised by `tokenizer` (no special tokens); length_penalty or none -> None (one request up to
+    rollout.max_new_tokens; the penalty is added to the reward, `algo.length_control.length_penalty`)."""
+    config = recipe.algorithm.length_control
+    if config.mode != "interruption":
+        return None
+    return InterruptionPolicy.from_config(
+        config, phrase_ids=tokenizer.encode(config.interruption_phrase, add_special_tokens=False),
+        max_new_tokens=recipe.rollout.max_new_tokens, seed=recipe.trainer.seed)
 
 
 def contains(tokens: Sequence[int], pattern: Sequence[int]) -> bool:
