@@ -67,6 +67,7 @@ def offline(model: str, requests: list[GenerationRequest], max_num_seqs: int, re
         if attempt:
             times.append(time.perf_counter() - start)
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    llm.llm_engine.engine_core.shutdown()  # else its engine process outlives this one, which waits for it at exit
     out.put((statistics.median(times), tokens))
 
 
@@ -94,8 +95,12 @@ def main() -> None:
         queue = ctx.Queue()
         proc = ctx.Process(target=offline, args=(model, requests, args.max_num_seqs, args.repeats, queue))
         proc.start()
-        offline_s, offline_tokens = queue.get(timeout=1800)
-        proc.join(120)
+        try:
+            offline_s, offline_tokens = queue.get(timeout=1800)
+            proc.join(120)
+        finally:
+            if proc.is_alive():
+                proc.kill()
         config = VLLMServerConfig(model=model, port=free_port(), dtype="float32", max_model_len=MAX_MODEL_LEN,
                                   skip_tokenizer_init=True, env=ENV,
                                   extra_args=("--block-size", "32", "--tokens-only", "--max-num-seqs",

@@ -70,6 +70,7 @@ def _offline(model: str, requests: list[GenerationRequest], out) -> None:
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, seed=r.seed,
                              logprobs=0, detokenize=False) for r in requests]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests], params)
+    llm.llm_engine.engine_core.shutdown()  # else its engine process outlives this one, which waits for it at exit
     out.put([(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
                                                                              o.outputs[0].token_ids, strict=True)])
              for o in outputs])
@@ -91,8 +92,12 @@ def test_many_concurrent_samples_match_offline_generate(fleet_servers):
     out = ctx.Queue()
     proc = ctx.Process(target=_offline, args=(fleet_servers["a"], requests[:6], out))
     proc.start()
-    offline = out.get(timeout=300)
-    proc.join(60)
+    try:
+        offline = out.get(timeout=300)
+        proc.join(60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
     for sample, (tokens, logprobs) in zip(samples, offline, strict=False):
         assert sample.completion_ids == tokens, sample.key
         assert max(abs(x - y) for x, y in zip(sample.logprobs, logprobs, strict=True)) < 1e-4
