@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-fp32-lm-head", dest="fp32_lm_head", action="store_false",
                         help="serve the LM head in the serving dtype")
-    parser.add_argument("--log", help="server log file (default: MODEL/../logs/vllm_PORT.log)")
+    parser.add_argument("--log", help="server log file (default: logs/vllm_PORT.log under the working directory)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
     parser.add_argument("--health-interval", type=float, default=10.0, help="seconds between health checks")
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER,
@@ -82,7 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = VLLMServerConfig(model=str(model), port=args.port, host=args.host, tensor_parallel_size=args.tp,
                               dtype=args.dtype, max_model_len=args.max_model_len, api_key=args.api_key,
                               seed=args.seed, extra_args=extra)
-    log = Path(args.log) if args.log else model.resolve().parent / "logs" / f"vllm_{args.port}.log"
+    log = Path(args.log) if args.log else Path("logs") / f"vllm_{args.port}.log"
     server = VLLMServer(config, log)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
