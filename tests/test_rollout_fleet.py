@@ -167,7 +167,6 @@ def test_a_killed_server_loses_no_sample_and_gets_weights_before_work(fleet_serv
             victim.kill()
             samples = await asyncio.gather(*running)
             down = fleet.stats()[victim.url]
-            victim.process = None
             victim.start()
             await asyncio.get_running_loop().run_in_executor(None, victim.wait_ready, 300.0)
             for _ in range(120):

@@ -16,21 +16,10 @@ from megatron_scalerl.platform import free_port
 from megatron_scalerl.rollout.serve_cli import _watch
 from megatron_scalerl.rollout.vllm_server import ServerError, VLLMServer, VLLMServerConfig, request_json
 from tests.trainer_utils import tiny_hf_checkpoint
-from tests.weight_sync_utils import PROMPTS, hf_greedy
+from tests.weight_sync_utils import hf_greedy, server_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 KEY = "s3cret"
-
-
-def _greedy(url: str, api_key: str | None) -> list[tuple[list[int], list[float]]]:
-    out = []
-    for prompt in PROMPTS:
-        answer = request_json(url, "/inference/v1/generate", {
-            "token_ids": prompt, "sampling_params": {"max_tokens": 6, "temperature": 0.0, "logprobs": 0}},
-            timeout_s=60, api_key=api_key)
-        choice = answer["choices"][0]
-        out.append((choice["token_ids"], [entry["logprob"] for entry in choice["logprobs"]["content"]]))
-    return out
 
 
 def _live_group_members(pgid: int) -> list[int]:
@@ -82,7 +71,8 @@ def test_serve_guards_routes_keeps_an_fp32_head_and_stops_cleanly(tmp_path):
         (head,) = request_json(url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=30,
                                api_key=KEY)["results"]
         assert head["converted_from"] is None  # serve made it FP32 already
-        for (tokens, logprobs), (hf_tokens, hf_logprobs) in zip(_greedy(url, KEY), hf_greedy(model), strict=True):
+        served = server_greedy(url, api_key=KEY)
+        for (tokens, logprobs), (hf_tokens, hf_logprobs) in zip(served, hf_greedy(model), strict=True):
             assert tokens == hf_tokens
             assert max(abs(a - b) for a, b in zip(logprobs, hf_logprobs, strict=True)) < 2e-3
         proc.send_signal(signal.SIGTERM)

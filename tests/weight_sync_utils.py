@@ -28,14 +28,14 @@ def start_server(model_dir: str, log_dir, *, tp: int = 1, dtype: str = "float32"
     return VLLMServer(config, log_dir / f"vllm_{config.port}.log").start()
 
 
-def server_greedy(url: str, prompts=PROMPTS) -> list[tuple[list[int], list[float]]]:
+def server_greedy(url: str, prompts=PROMPTS, api_key: str | None = None) -> list[tuple[list[int], list[float]]]:
     """(greedy token ids, their log-probs) of each prompt from a server's token-in/token-out route."""
     out = []
     for prompt in prompts:
         answer = request_json(url, "/inference/v1/generate", {
             "token_ids": prompt,
             "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 0, "detokenize": False},
-        }, timeout_s=60)
+        }, timeout_s=60, api_key=api_key)
         choice = answer["choices"][0]
         out.append((choice["token_ids"], [entry["logprob"] for entry in choice["logprobs"]["content"]]))
     return out

@@ -143,15 +143,15 @@ class Fleet:
 
     # -- HTTP --------------------------------------------------------------------------------------------------------
 
-    async def _post(self, url: str, path: str, body: Any = None, *, timeout_s: float, **query: Any) -> Any:
-        """POST (GET when `body` is "GET") to one server; `_RetryElsewhere` on transport errors and HTTP 5xx,
-        FleetError on other HTTP errors (a bad request fails everywhere)."""
+    async def _post(self, url: str, path: str, body: Any = None, *, timeout_s: float, method: str = "POST",
+                    **query: Any) -> Any:
+        """One call to one server; `_RetryElsewhere` on transport errors and HTTP 5xx, FleetError on other HTTP
+        errors (a bad request fails everywhere)."""
         assert self._session is not None, "use `async with Fleet(...)`"
-        method = "GET" if body == "GET" else "POST"
         params = {k: str(v).lower() if isinstance(v, bool) else v for k, v in query.items()}
         try:
-            async with self._session.request(method, url + path, json=None if method == "GET" else body,
-                                             params=params, timeout=aiohttp.ClientTimeout(total=timeout_s)) as reply:
+            async with self._session.request(method, url + path, json=body, params=params,
+                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as reply:
                 text = await reply.text()
                 if reply.status >= 500:
                     raise _RetryElsewhere(f"{url}{path}: HTTP {reply.status}: {text[:500]}")
@@ -254,7 +254,7 @@ class Fleet:
             await asyncio.sleep(self.health_interval_s)
             for server in [s for s in self.servers.values() if not s.up]:
                 try:
-                    await self._post(server.url, "/health", "GET", timeout_s=self.control_timeout_s)
+                    await self._post(server.url, "/health", method="GET", timeout_s=self.control_timeout_s)
                     if self.on_server_back is not None:
                         await self.on_server_back(server.url)
                     if not self._running.is_set():  # paused meanwhile: it joins frozen, like the others

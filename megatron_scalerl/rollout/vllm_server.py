@@ -203,13 +203,14 @@ class VLLMServer:
                 time.sleep(0.5)
 
     def kill(self) -> None:
-        """SIGKILL the server's whole process group at once (no clean shutdown)."""
+        """SIGKILL the server's whole process group at once (no clean shutdown); `start` may start it again."""
         if self.process is not None:
             try:
                 os.killpg(self.process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             self.process.wait()
+            self.process = None
 
     def stop(self) -> None:
         """SIGTERM the server's process group; SIGKILL it after `stop_timeout_s` seconds."""
