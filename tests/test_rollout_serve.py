@@ -54,12 +54,13 @@ def test_serve_guards_routes_keeps_an_fp32_head_and_stops_cleanly(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "megatron_scalerl.cli", "serve", "--model", model, "--port", str(port),
          "--api-key", KEY, "--dtype", "float16", "--max-model-len", "256", "--log", str(tmp_path / "vllm.log"),
-         "--health-interval", "2", "--", "--skip-tokenizer-init", "--tokens-only", "--block-size", "32"],
+         "--health-interval", "2"],  # as a user runs it: nothing for vLLM beyond our flags
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
     try:
         ready = _read_ready_line(proc, 300)
         assert f"at {url}" in ready and "FP32 LM head" in ready and "API key on every route" in ready
+        assert "no tokenizer in the checkpoint: token ids in and out only" in ready
         server_pid = int(ready.split("(pid ")[1].split(",")[0])
         assert request_json(url, "/health", method="GET", timeout_s=10) is None  # open: launchers poll it
         for route, body in (("/inference/v1/generate", {"token_ids": [1]}),

@@ -67,7 +67,7 @@ def test_server_command_enables_weight_transfer():
     cmd = config.command()
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "gloo"}  # no CUDA here
-    assert cmd[cmd.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == WORKER_EXTENSION and "--enable-scale-out" in cmd
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2" and "--enforce-eager" in cmd
     env = config.environment({})
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
@@ -85,6 +85,16 @@ def test_server_command_passes_llama4_temperature_tuning(tmp_path):
     cmd = VLLMServerConfig(model=str(tmp_path), port=1).command()
     assert json.loads(cmd[cmd.index("--override-generation-config") + 1]) == {"attn_temperature_tuning": True}
     assert "--override-generation-config" not in VLLMServerConfig(model="/no/such/dir", port=1).command()
+
+
+@pytest.mark.parametrize("chunk, block", [(32, "32"), (8192, None), (None, None)])
+def test_server_block_size_divides_the_attention_chunk(tmp_path, chunk, block):
+    """vLLM refuses requests when the Llama-4 attention chunk is not a multiple of the KV block (128 on CPUs)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama4_text", "attention_chunk_size": chunk}))
+    cmd = VLLMServerConfig(model=str(tmp_path), port=1).command()
+    assert (cmd[cmd.index("--block-size") + 1] if "--block-size" in cmd else None) == block
+    assert VLLMServerConfig(model=str(tmp_path), port=1, extra_args=("--block-size", "16")).command().count(
+        "--block-size") == 1  # the caller's own choice wins
 
 
 def test_worker_extension_registers_gloo_and_fits_vllm_worker():

@@ -9,7 +9,9 @@ API key (`--api-key` or the environment's `SCALERL_API_KEY`), every route but /h
 answers, the LM head is made FP32 (weights and logits; the recipe's `trainer.fp32_lm_head`, on by default) and one
 line says where it serves. It then stays in the foreground, checking /health every `--health-interval` seconds:
 SIGTERM or Ctrl-C stops the server and exits 0; a server that exits or stops answering ends the command with exit
-1 and the log's tail. The local launcher and SLURM run this same command.
+1 and the log's tail. The local launcher and SLURM run this same command. The fleet's token-in/token-out route
+(`/inference/v1/generate`) is always on; a checkpoint without tokenizer files (the tiny presets' exports) is served
+with token ids in and out only (`--skip-tokenizer-init`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_serve)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 HEALTH_FAILURES = 3  # consecutive failed /health checks that end the command (one can be a busy CPU server)
 
 
@@ -79,9 +82,10 @@ def _serve(args: argparse.Namespace) -> int:
     if not (model / "config.json").is_file():
         raise UserError(f"--model {model}: not a Hugging Face checkpoint directory (no config.json)")
     extra = tuple(args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args)
+    tokenizer = any((model / name).is_file() for name in TOKENIZER_FILES)
     config = VLLMServerConfig(model=str(model), port=args.port, host=args.host, tensor_parallel_size=args.tp,
                               dtype=args.dtype, max_model_len=args.max_model_len, api_key=args.api_key,
-                              seed=args.seed, extra_args=extra)
+                              seed=args.seed, skip_tokenizer_init=not tokenizer, extra_args=extra)
     log = Path(args.log) if args.log else Path("logs") / f"vllm_{args.port}.log"
     server = VLLMServer(config, log)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -93,7 +97,9 @@ def _serve(args: argparse.Namespace) -> int:
                          api_key=args.api_key)
         print(f"serving {model} at {server.url} (pid {server.process.pid}, TP {args.tp}, "
               f"{'FP32' if args.fp32_lm_head else 'serving-dtype'} LM head, "
-              f"{'API key on every route but /health' if args.api_key else 'no API key'}); log: {log}", flush=True)
+              f"{'API key on every route but /health' if args.api_key else 'no API key'}"
+              f"{'' if tokenizer else '; no tokenizer in the checkpoint: token ids in and out only'}); log: {log}",
+              flush=True)
         _watch(server, args.health_interval)
         return 0
     except ServerError as exc:

@@ -11,7 +11,8 @@ when `weight_transfer` is on (the default), what weight sync needs: `VLLM_SERVER
 `--weight-transfer-config` with the backend of this machine (`platform.resolve_backend`: nccl with CUDA, which is
 vLLM's own engine; gloo without, ours) and our worker extension (`weight_sync.worker_extension`). On a CPU machine
 the KV cache gets `cpu_kv_cache_gib` GiB (`VLLM_CPU_KVCACHE_SPACE`) and CUDA graphs are off (`--enforce-eager`).
-A Llama-4 checkpoint's `attn_temperature_tuning` is passed on (`--override-generation-config`): vLLM otherwise
+A Llama-4 checkpoint whose attention chunk the default KV block does not divide gets a block that does
+(`--block-size`; the engine refuses the first request otherwise). Its `attn_temperature_tuning` is passed on (`--override-generation-config`): vLLM otherwise
 decides it from `max_model_len` (on only above 32k tokens) and would compute another function than the trainer.
 `api_key` guards every route but /health (vLLM's own key check covers /v1 and /inference only; `server_auth` adds
 the rest); it travels in the environment (`VLLM_API_KEY`), not on the command line that `ps` shows. On CPUs the
@@ -24,6 +25,7 @@ The process runs in its own session: `stop` ends the API server, engine core and
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -85,6 +87,17 @@ def find_tcmalloc() -> str | None:
     return None
 
 
+def _kv_block_size(attention_chunk_size: int | None) -> int | None:
+    """The KV block size (tokens) for a checkpoint with chunked local attention (Llama-4), or None to keep vLLM's:
+    vLLM needs the chunk to be a multiple of the block, and its default block (128 tokens on CPUs, 16 on GPUs) is
+    larger than the tiny presets' 32-token chunk."""
+    if not attention_chunk_size:
+        return None
+    default = 16 if torch.cuda.is_available() else 128
+    block = math.gcd(int(attention_chunk_size), default)
+    return None if block == default else block
+
+
 def _default_eager() -> bool:
     return not torch.cuda.is_available()
 
@@ -128,15 +141,19 @@ class VLLMServerConfig:
             cmd.append("--enforce-eager")
         if self.skip_tokenizer_init:
             cmd.append("--skip-tokenizer-init")
-        tuning = _checkpoint_config(self.model).get("attn_temperature_tuning")
+        checkpoint = _checkpoint_config(self.model)
+        tuning = checkpoint.get("attn_temperature_tuning")
         if tuning is not None:
             cmd += ["--override-generation-config", json.dumps({"attn_temperature_tuning": tuning})]
-        if self.weight_transfer:
+        block = _kv_block_size(checkpoint.get("attention_chunk_size"))
+        if block is not None and "--block-size" not in self.extra_args:
+            cmd += ["--block-size", str(block)]
+        if self.weight_transfer:  # a generator of ours: weight updates, and the fleet's token-in/token-out route
             from megatron_scalerl.platform.distributed import resolve_backend
             from megatron_scalerl.weight_sync.protocol import WORKER_EXTENSION
 
             cmd += ["--weight-transfer-config", json.dumps({"backend": resolve_backend("auto")}),
-                    "--worker-extension-cls", WORKER_EXTENSION]
+                    "--worker-extension-cls", WORKER_EXTENSION, "--enable-scale-out"]
         return cmd + list(self.extra_args)
 
     def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
