@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "megatron_scalerl.convert_cli",
     "megatron_scalerl.verify.cli",
     "megatron_scalerl.rollout.serve_cli",
+    "megatron_scalerl.launch.local",
 ]
 
 

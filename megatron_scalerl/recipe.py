@@ -99,7 +99,8 @@ class ModelConfig(Section):
 
 
 class ParallelismConfig(Section):
-    """Trainer layout. dp = trainer GPUs / (tp * pp) unless given; micro_batch_size is in samples."""
+    """Trainer layout (dp = trainer GPUs / (tp * pp) unless given; micro_batch_size is in samples) and the
+    generators' tensor parallelism."""
 
     tp: Pos = 1
     pp: Pos = 1
@@ -108,6 +109,7 @@ class ParallelismConfig(Section):
     dp: Pos | None = None
     sequence_parallel: bool = False
     micro_batch_size: Pos = 1
+    generator_tp: Pos = 1  # tensor parallelism of each vLLM generator: generator GPUs / generator_tp servers
 
     @property
     def expert_tp_size(self) -> int:
@@ -252,6 +254,10 @@ class ClusterConfig(Section):
     @property
     def trainer_gpus(self) -> int:
         return self.trainer_nodes * self.gpus_per_node
+
+    @property
+    def generator_gpus(self) -> int:
+        return self.generator_nodes * self.gpus_per_node
 
     @property
     def total_gpus(self) -> int:

@@ -48,6 +48,10 @@ def cross_field_problems(r: Recipe) -> list[tuple[str, str]]:
                                    f"(cluster.trainer_nodes x cluster.gpus_per_node)"))
     elif p.dp is not None and p.tp * p.pp * p.dp != trainer_gpus:
         out.append(("parallelism.dp", f"tp*pp*dp={p.tp * p.pp * p.dp} != {trainer_gpus} trainer GPUs"))
+    if c.generator_gpus % p.generator_tp:
+        out.append(("parallelism.generator_tp", f"generator_tp={p.generator_tp} does not divide the "
+                                                f"{c.generator_gpus} generator GPUs (cluster.generator_nodes x "
+                                                f"cluster.gpus_per_node)"))
     dp = p.dp_size(trainer_gpus)
     expert_tp = p.expert_tp_size
     if m.is_moe and (p.tp * dp) % (p.ep * expert_tp):

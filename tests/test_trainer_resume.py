@@ -58,7 +58,7 @@ def _resume(rank, run_dir, hf, layout):
     trainer.step.state, rl_state = load_trainer(path, trainer.model, trainer.optimizer)
     weights = _weights(trainer, trainer.step.recipe.model)
     losses = [trainer.step.run(rl_batch(seed))["train/loss"] for seed in range(trainer.step.state.step, STEPS)]
-    return {"iteration": iteration, "hours": rl_state["wall_hours"], "version": trainer.step.state.weight_version,
+    return {"iteration": iteration, "hours": rl_state["wall_hours"], "version": trainer.step.state.updates,
             "losses": losses, "weights": weights}
 
 

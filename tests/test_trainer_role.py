@@ -50,7 +50,7 @@ def test_trainer_role_trains_checkpoints_and_resumes(tmp_path):
     steps = [r["step"] for r in read_metrics(tmp_path, role="trainer")]
     assert steps == [1, 2, 3, 4, 5]
     state = json.loads((tmp_path / "checkpoints" / "iter_0000005" / "rl_state.json").read_text())
-    assert state["step_state"]["weight_version"] == 5 and state["curriculum"] == {"retired": [7]}
+    assert state["step_state"]["updates"] == 5 and state["curriculum"] == {"retired": [7]}
     assert state["wall_hours"] > records[-1]["wall_hours"]
 
 

@@ -109,7 +109,7 @@ def _learning(rank):
 
     before = objective()
     losses = [trainer.step.run(batch)["train/loss"] for _ in range(4)]
-    return before, objective(), losses, trainer.step.state.weight_version
+    return before, objective(), losses, trainer.step.state.updates
 
 
 def test_cispo_steps_on_a_fixed_batch_improve_the_policy(single_rank):
@@ -135,7 +135,7 @@ def _non_finite(rank):
     try:
         trainer.step.run(bad)
     except NonFiniteError as exc:
-        return m["train/skipped"], unchanged, trainer.step.state.weight_version, trainer.step.state.skipped_steps, \
+        return m["train/skipped"], unchanged, trainer.step.state.updates, trainer.step.state.skipped_steps, \
             str(exc)
     return None
 

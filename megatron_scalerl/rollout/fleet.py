@@ -268,6 +268,16 @@ class Fleet:
                     self._changed.notify_all()
                 log.warning("generator %s is back", server.url)
 
+    async def weight_version(self, url: str) -> int | None:
+        """The policy version server `url` serves: its /weight_info as an int (the trainer tags each update with its
+        step); None while it serves its start-up weights (vLLM's "default") or when it does not answer."""
+        try:
+            answer = await self._post(url.rstrip("/"), "/weight_info", method="GET", timeout_s=self.control_timeout_s)
+        except _RetryElsewhere:
+            return None
+        version = str((answer or {}).get("weight_version"))
+        return int(version) if version.isdigit() else None
+
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per server: up, outstanding tokens, requests answered, failures."""
         return {s.url: {"up": s.up, "outstanding_tokens": s.outstanding_tokens, "generated": s.generated,

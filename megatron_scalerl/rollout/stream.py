@@ -165,16 +165,22 @@ class RolloutStream:
         indices = [int(p.stem.split("_")[1]) for p in self.dir.glob("batch_*.safetensors")]
         return max(indices, default=-1) + 1
 
-    def put(self, batch: TrainBatch, metadata: dict | None = None) -> int:
-        """Validate and append a batch atomically; returns its index."""
+    def put(self, batch: TrainBatch, metadata: dict | None = None, *, index: int | None = None) -> int:
+        """Validate and append a batch atomically as `index` (default: the next one; a given index must be the
+        next one, so a batch is never written twice); returns its index."""
         batch.validate("TrainBatch to write")
-        index = self.next_index()
+        expected = self.next_index()
+        if index is not None and index != expected:
+            raise BatchError(f"{self.dir}: TrainBatch {index} to write, but the stream's next index is {expected}")
+        index = expected
         atomic_write_bytes(self.path(index), encode(batch, {"index": index, "created": time.time(), **(metadata or {})}))
         return index
 
     def prune(self, *, before: int) -> int:
-        """Delete the batches with index < `before` (already trained on and behind every kept checkpoint)."""
+        """Delete the batches with index < `before` (already trained on and behind every kept checkpoint), except
+        the newest, which marks where the producer continues (`next_index`)."""
         removed = 0
+        before = min(before, self.next_index() - 1)
         for path in self.dir.glob("batch_*.safetensors"):
             if int(path.stem.split("_")[1]) < before:
                 path.unlink(missing_ok=True)

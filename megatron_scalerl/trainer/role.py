@@ -5,8 +5,13 @@
 Reads `RUN/recipe.yaml` (resolved), joins the process group (nccl with CUDA, gloo otherwise; every collective bounded
 by `cluster.collective_timeout_s`), builds the model at the recipe's layout, resumes from the newest valid checkpoint
 in `RUN/checkpoints/` (or initialises from `trainer.init_from`, an HF or Megatron checkpoint, else randomly with
-`trainer.seed`), then for each step i reads `RUN/rollouts/batch_i`, trains, appends a `trainer` record to `RUN/metrics.jsonl` and checkpoints every
-`trainer.checkpoint_interval` steps and at the end.
+`trainer.seed`), sends its weights to the run's generators (`RUN/generators.json`, see `generator_sync`; a run
+without that file trains alone), then for each step i reads `RUN/rollouts/batch_i`, trains, sends the new weights
+(tagged i + 1: every step under PipelineRL-k, every k-th step under PPO-off-policy-k, whose generators keep one policy
+for k batches), appends a `trainer` record to `RUN/metrics.jsonl` and checkpoints every
+`trainer.checkpoint_interval` steps and at the end. While it waits for a batch it re-syncs any generator that
+restarted. `trainer/idle_fraction` is the share of its wall time spent waiting for batches. SIGTERM: the current
+step finishes, the trainer checkpoints it and exits 0.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -22,11 +29,14 @@ import torch.distributed as dist
 from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.metrics import MetricsLog, read_metrics
+from megatron_scalerl.platform.distributed import from_rank0
 from megatron_scalerl.recipe import Recipe, load_recipe
-from megatron_scalerl.rollout.stream import RolloutStream
+from megatron_scalerl.rollout.stream import RolloutStream, TrainBatch
+from megatron_scalerl.trainer.generator_sync import GeneratorLink
 from megatron_scalerl.trainer.setup import build_trainer
 from megatron_scalerl.trainer.state import load_trainer, save_trainer
 from megatron_scalerl.trainer.step import NonFiniteError
+from megatron_scalerl.weight_sync.protocol import WeightSyncError
 
 log = logging.getLogger("megatron_scalerl.trainer")
 
@@ -63,9 +73,37 @@ def require_trainer_world(recipe: Recipe, world_size: int) -> None:
                         f"(torchrun --nproc-per-node) or change the recipe's cluster / parallelism sections")
 
 
+def push_due(recipe: Recipe, step: int) -> bool:
+    """Whether the weights after `step` optimizer steps go to the generators: PipelineRL-k updates them after every
+    step; PPO-off-policy-k keeps one policy for k batches, so only every k-th step's weights are sent."""
+    return recipe.rollout.off_policy == "pipeline" or step % recipe.rollout.k == 0
+
+
+def _next_batch(stream: RolloutStream, index: int, *, timeout_s: float, vocab_size: int, link: GeneratorLink | None,
+                model: list, stop: threading.Event, poll_s: float = 0.5) -> TrainBatch | None:
+    """Batch `index` once the orchestrator wrote it, or None once a stop is requested (`stop`, set by SIGTERM);
+    TimeoutError after `timeout_s` seconds. Meanwhile a generator that restarted gets the current weights. Collective:
+    rank 0 decides for every rank."""
+    deadline = time.monotonic() + timeout_s
+    is_rank0 = dist.get_rank() == 0
+    while True:
+        ready, stopping = from_rank0((stream.path(index).exists(), stop.is_set()) if is_rank0 else None)
+        if stopping:
+            return None
+        if ready:
+            return stream.get(index, timeout_s=timeout_s, vocab_size=vocab_size)[0]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no TrainBatch {index} in {stream.dir} after {timeout_s:.0f} s: is the orchestrator "
+                               "(the stream's producer) running?")
+        if link is None or not link.catch_up(model, index):
+            time.sleep(poll_s)
+
+
 def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, batch_timeout_s: float = 3600.0,
-                is_log_rank: bool = True) -> dict:
-    """Train until `max_steps` (default: trainer.max_steps) optimizer steps; returns the last step's metrics."""
+                is_log_rank: bool = True, stop: threading.Event | None = None) -> dict:
+    """Train until `max_steps` (default: trainer.max_steps) optimizer steps, or until `stop` is set (then at the
+    next batch boundary); checkpoints the last step either way. Returns the last step's metrics."""
+    stop = stop or threading.Event()
     require_trainer_world(recipe, dist.get_world_size())
     trainer = build_trainer(recipe)
     store = CheckpointStore(run_dir, keep=recipe.trainer.keep_checkpoints)
@@ -73,13 +111,14 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
     latest = store.latest_valid(set_aside=True)
     if latest is not None:
         trainer.step.state, rl_state = load_trainer(latest[1], trainer.model, trainer.optimizer)
-        log.info("resumed from %s (step %d, weight version %d)", latest[1].name, trainer.step.state.step,
-                 trainer.step.state.weight_version)
+        log.info("resumed from %s (step %d)", latest[1].name, trainer.step.state.step)
     stream = RolloutStream(run_dir)
+    link = GeneratorLink.from_run_dir(run_dir, recipe, is_rank0=dist.get_rank() == 0)
     metrics = MetricsLog(run_dir, "trainer", wandb_mode=recipe.logging.wandb_mode if is_log_rank else "disabled",
                          wandb_project=recipe.logging.wandb_project, run_name=recipe.name, config=recipe.to_dict())
     compute_hours_before = _compute_hours_so_far(run_dir, rl_state)
     start = time.monotonic()
+    waited_s = 0.0
     total_gpus = recipe.cluster.total_gpus
     last: dict = {}
 
@@ -100,20 +139,33 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
 
     end = max_steps if max_steps is not None else recipe.trainer.max_steps
     try:
+        if link is not None:
+            link.push(trainer.model, trainer.step.state.step)
         while trainer.step.state.step < end:
-            batch, _ = stream.get(trainer.step.state.step, timeout_s=batch_timeout_s,
-                                  vocab_size=recipe.model.vocab_size)
+            waiting = time.monotonic()
+            batch = _next_batch(stream, trainer.step.state.step, timeout_s=batch_timeout_s,
+                                vocab_size=recipe.model.vocab_size, link=link, model=trainer.model, stop=stop)
+            waited_s += time.monotonic() - waiting
+            if batch is None:
+                log.info("stop requested: checkpointing step %d", trainer.step.state.step)
+                break
             last = trainer.step.run(batch)
+            step = trainer.step.state.step
+            if link is not None and push_due(recipe, step):
+                last.update(link.push(trainer.model, step))
             hours = wall_hours()
-            last.update({"wall_hours": hours, "gpus": total_gpus, "gpu_hours": hours * total_gpus})
-            if is_log_rank and trainer.step.state.step % recipe.logging.log_interval == 0:
-                metrics.log(trainer.step.state.step, last)
-            if trainer.step.state.step % recipe.trainer.checkpoint_interval == 0:
+            last.update({"wall_hours": hours, "gpus": total_gpus, "gpu_hours": hours * total_gpus,
+                         "trainer/idle_fraction": waited_s / max(time.monotonic() - start, 1e-9)})
+            if is_log_rank and step % recipe.logging.log_interval == 0:
+                metrics.log(step, last)
+            if step % recipe.trainer.checkpoint_interval == 0:
                 checkpoint()
         if saved_step != trainer.step.state.step:
             checkpoint()
     finally:
         metrics.close()
+        if link is not None:
+            link.close()
     return last
 
 
@@ -138,11 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as exc:  # rendezvous failed or timed out: the message names the address and rank
             raise UserError(str(exc)) from None
         try:
+            stop = threading.Event()  # SIGTERM (Ctrl-C of `scalerl train`, SLURM's time limit): checkpoint, exit 0
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())
             run_trainer(args.run_dir, recipe, max_steps=args.max_steps, batch_timeout_s=args.batch_timeout_s,
-                        is_log_rank=info.rank == 0)
+                        is_log_rank=info.rank == 0, stop=stop)
         finally:
             destroy_distributed()
-    except (UserError, TimeoutError, NonFiniteError, dist.DistError) as exc:
+    except (UserError, TimeoutError, NonFiniteError, WeightSyncError, dist.DistError) as exc:
         log.error("%s", exc)
         return 2 if isinstance(exc, UserError) else 1
     return 0

@@ -49,8 +49,8 @@ def lr_at(updates: int, *, lr: float, warmup_steps: int) -> float:
 class StepState:
     """What changes from step to step (saved in checkpoints as part of the RL state)."""
 
-    step: int = 0  # optimizer steps attempted (the index of the next TrainBatch to read)
-    weight_version: int = 0  # successful updates: the policy version the generators should run
+    step: int = 0  # optimizer steps attempted: the index of the next TrainBatch, and the policy's weight version
+    updates: int = 0  # successful updates (skipped non-finite steps excluded): the LR warm-up's count
     consecutive_nonfinite: int = 0
     skipped_steps: list[int] = field(default_factory=list)
 
@@ -153,11 +153,11 @@ class TrainStep:
     def run(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on `batch` (the whole step's batch, identical on every rank). Returns its metrics."""
         start = time.perf_counter()
-        step, version_before = self.state.step, self.state.weight_version
+        step = self.state.step
         normalizers = LossNormalizers.from_sample_tokens(batch.loss_tokens_per_sample(), batch.group_ids)
         microbatches = self._microbatches(batch)
         scale = float(len(microbatches) * self.dp_size)
-        lr = lr_at(version_before, lr=self.recipe.trainer.lr, warmup_steps=self.recipe.trainer.warmup_steps)
+        lr = lr_at(self.state.updates, lr=self.recipe.trainer.lr, warmup_steps=self.recipe.trainer.warmup_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         for chunk in self.model:
@@ -173,7 +173,7 @@ class TrainStep:
             finite = self._clip_and_update(grad_norm)
         self.state.step += 1
         if finite:
-            self.state.weight_version += 1
+            self.state.updates += 1
             self.state.consecutive_nonfinite = 0
         else:  # nothing to undo: the gradients are zeroed at the start of the next step
             self.state.consecutive_nonfinite += 1
@@ -193,9 +193,9 @@ class TrainStep:
             "train/truncated_fraction": float(batch.truncated.float().mean()),
             "train/samples": batch.num_samples, "train/tokens": tokens,
             "train/step_time_s": elapsed, "train/tokens_per_s": tokens / elapsed,
-            "train/weight_version": self.state.weight_version,
-            # PipelineRL-k bounds this: how many updates behind the policy that wrote the batch's oldest token was
-            "train/max_version_lag": float(version_before - batch.weight_versions[batch.loss_mask].min())
+            "train/updates": self.state.updates,
+            # PipelineRL-k bounds this by k: how many steps behind this step's policy the batch's oldest token's was
+            "train/staleness_max": float(step - batch.weight_versions[batch.loss_mask].min())
             if bool(batch.loss_mask.any()) else 0.0,
         }
 

@@ -10,7 +10,10 @@ count on `/get_world_size`). The transport is the machine's process-group backen
 vLLM's own NCCL engine on GPUs, our gloo engine (`gloo_engine`) on CPUs. A sync, on every server concurrently:
 `/start_weight_update`; per bucket `/update_weights` (names, dtype names, shapes) while rank 0 broadcasts the
 bucket; `/finish_weight_update` with the weight version; `/reset_prefix_cache` (running requests are re-queued, so
-no KV block computed with the old weights is reused). Every HTTP call and broadcast waits at most
+no KV block computed with the old weights is reused). With `pause_generation` (the default) the sync is wrapped in
+`/pause?mode=keep` ... `/resume`: running requests freeze in place and continue on the new weights (PipelineRL's
+in-flight update); a failed sync leaves the servers paused, so nothing is generated from half-updated weights.
+Every HTTP call and broadcast waits at most
 `timeout_s` seconds; a failure raises WeightSyncError naming the server (and whether it still answers /health) and
 the bucket. After a failure the sender must be closed; the servers need a complete sync before serving again.
 
@@ -33,7 +36,6 @@ from typing import Any
 import torch
 
 from megatron_scalerl.platform.distributed import from_rank0, resolve_backend
-from megatron_scalerl.platform.local_workers import free_port
 from megatron_scalerl.recipe import ModelConfig
 from megatron_scalerl.rollout.vllm_server import ServerError, request_json
 from megatron_scalerl.weight_sync.export import export_buckets
@@ -47,7 +49,8 @@ log = logging.getLogger("megatron_scalerl.weight_sync")
 class WeightSyncConfig:
     """`bucket_mib`: bucket size (MiB); `serving_dtype`: the servers' dtype (the LM head stays FP32 with
     `fp32_lm_head`); `timeout_s`: bound (seconds) on each HTTP call, broadcast and the rendezvous; `checksums`:
-    verify every tensor's checksum on every server worker after each sync; `api_key`: the servers' key."""
+    verify every tensor's checksum on every server worker after each sync; `api_key`: the servers' key;
+    `pause_generation`: freeze the servers' running requests during the update (pause(keep) -> update -> resume)."""
 
     bucket_mib: float = 256.0
     serving_dtype: torch.dtype = torch.bfloat16
@@ -55,6 +58,7 @@ class WeightSyncConfig:
     timeout_s: float = 120.0
     checksums: bool = False
     api_key: str | None = None
+    pause_generation: bool = True
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,7 @@ class WeightSender:
         if self.config.fp32_lm_head and self.config.serving_dtype != torch.float32:
             self._each("FP32 LM head", lambda url: self._call(url, "/collective_rpc",
                                                               {"method": "scalerl_fp32_lm_head"}))
-        port = free_port()
+        port = self.transport.listen(self.master_address)
         init = {url: self.transport.worker_init_info(self.master_address, port, offset, world, self.config)
                 for url, offset in zip(self.urls, offsets, strict=True)}
         futures = {self.pool.submit(self._call, url, "/init_weight_transfer_engine", {"init_info": init[url]}): url
@@ -162,6 +166,9 @@ class WeightSender:
 
     def _send(self, buckets: Iterable[Bucket], version: str, progress: Callable[[Bucket], None] | None) -> SyncStats:
         start = time.monotonic()
+        if self.config.pause_generation:
+            self._each("POST /pause", lambda url: self._call(url, "/pause", query={"mode": "keep",
+                                                                                  "clear_cache": False}))
         self._each("POST /start_weight_update", lambda url: self._call(url, "/start_weight_update"))
         sent: dict[str, tuple[str, int]] = {}  # name -> (checksum, bucket index)
         count = total = 0
@@ -180,6 +187,8 @@ class WeightSender:
         self._each("POST /finish_weight_update",
                    lambda url: self._call(url, "/finish_weight_update", {"weight_version": version}))
         self._each("POST /reset_prefix_cache", self._reset_prefix_cache)
+        if self.config.pause_generation:
+            self._each("POST /resume", lambda url: self._call(url, "/resume"))
         verified = self._verify_checksums(sent) if self.config.checksums else 0
         return SyncStats(version, count, total, time.monotonic() - start, verified)
 

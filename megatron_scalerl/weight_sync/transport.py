@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -19,6 +20,12 @@ class GlooTransport:
 
     def __init__(self) -> None:
         self.group: torch.distributed.ProcessGroup | None = None
+        self._listening: socket.socket | None = None
+
+    def listen(self, address: str) -> int:
+        """Bind the rendezvous port now (no other process can take it before `open`); returns it."""
+        self._listening = socket.create_server((address, 0))
+        return self._listening.getsockname()[1]
 
     @staticmethod
     def worker_init_info(address: str, port: int, rank_offset: int, world_size: int, config: Any) -> dict:
@@ -30,17 +37,25 @@ class GlooTransport:
         return {"bucket": bucket.index}
 
     def open(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
-        """Host the rendezvous (TCPStore at address:port) as rank 0 and wait up to `timeout_s` s for every rank."""
+        """Host the rendezvous (a TCPStore on the socket `listen` bound) as rank 0 and wait up to `timeout_s` s for
+        every rank. Hosting it on our own socket also keeps it ours under torchrun, whose agent-store setting
+        would otherwise make rank 0 a client of torchrun's store."""
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
+        assert self._listening is not None, "listen() first"
+        listening, self._listening = self._listening, None
         self.group = stateless_init_torch_distributed_process_group(
-            address, port, 0, world_size, backend="gloo", timeout=timedelta(seconds=timeout_s))
+            address, port, 0, world_size, backend="gloo", timeout=timedelta(seconds=timeout_s),
+            listen_socket=listening)
 
     def broadcast(self, bucket: Bucket, timeout_s: float) -> None:
         assert self.group is not None, "open() first"
         self.group.broadcast(bucket.packed.cpu(), 0, timedelta(seconds=timeout_s)).wait()
 
     def close(self) -> None:
+        if self._listening is not None:
+            self._listening.close()
+            self._listening = None
         if self.group is not None:
             self.group.shutdown()
             self.group = None
@@ -64,6 +79,13 @@ class NcclTransport:
     @staticmethod
     def update_extras(bucket: Bucket) -> dict:
         return {}
+
+    @staticmethod
+    def listen(address: str) -> int:
+        """A free port for the rendezvous (vLLM's NCCL trainer side binds it itself in `open`)."""
+        from megatron_scalerl.platform.local_workers import free_port
+
+        return free_port()
 
     def open(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init

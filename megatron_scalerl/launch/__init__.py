@@ -1,0 +1,1 @@
+"""Launching a run: the roles' command lines (`roles`) and the one-machine launcher behind `scalerl train` (`local`)."""

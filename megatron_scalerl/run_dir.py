@@ -1,0 +1,43 @@
+"""Files of the run directory that several roles share (see DESIGN.md's run directory contract).
+
+    RUN/generators.json   {"urls": [...], "dtype": "float32"}: the run's generator servers and their serving dtype,
+                          written by the launcher, read by the trainer (weight sync) and the orchestrator (fleet).
+
+Every role takes the servers' API key from `$SCALERL_API_KEY` (never from a file or a command line).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_scalerl.errors import UserError
+from megatron_scalerl.fileio import atomic_write_text
+
+GENERATORS_FILE = "generators.json"
+API_KEY_ENV = "SCALERL_API_KEY"
+SERVING_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def write_generators(run_dir: str | Path, urls: list[str], dtype: str) -> Path:
+    """Record the run's generators (base URLs) and their serving dtype (one of SERVING_DTYPES)."""
+    if dtype not in SERVING_DTYPES:
+        raise ValueError(f"serving dtype {dtype!r} is not one of {SERVING_DTYPES}")
+    path = Path(run_dir) / GENERATORS_FILE
+    atomic_write_text(path, json.dumps({"urls": urls, "dtype": dtype}, indent=1) + "\n")
+    return path
+
+
+def read_generators(run_dir: str | Path) -> tuple[list[str], str] | None:
+    """(urls, dtype) from `RUN/generators.json`, or None when the run has none (the trainer then trains alone)."""
+    path = Path(run_dir) / GENERATORS_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        urls, dtype = [str(u).rstrip("/") for u in record["urls"]], str(record["dtype"])
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise UserError(f"{path}: expected {{\"urls\": [...], \"dtype\": ...}}: {type(exc).__name__}: {exc}") from None
+    if not urls or dtype not in SERVING_DTYPES:
+        raise UserError(f"{path}: needs at least one URL and a dtype in {SERVING_DTYPES} (got {urls!r}, {dtype!r})")
+    return urls, dtype

@@ -1,0 +1,142 @@
+"""The trainer's link to the generator fleet: its weights go to every live generator at start and after each step.
+
+    link = GeneratorLink.from_run_dir(run_dir, recipe, is_rank0=rank == 0)    # None when the run has no generators
+    link.push(trainer.model, version=state.step)      # collective: every trainer rank calls it
+    link.catch_up(trainer.model, version=state.step)  # collective: re-sync a generator that restarted
+
+The generators are listed in `RUN/generators.json` (`{"urls": [...], "dtype": "float32"}`, written by the launcher;
+`dtype` is the servers' serving dtype, the API key comes from `$SCALERL_API_KEY`). A push after step s is tagged
+version s, the policy after s optimizer steps: the tokens it generates carry s in the rollout stream, so staleness is
+counted in optimizer steps.
+
+Rank 0 talks to the servers and tells the other ranks what to do (`from_rank0`), so every rank takes the same path
+through the collective export:
+- `push`: the servers that answer /health get the weights in flight (`WeightSender`: pause(keep) -> update ->
+  resume). When the set of live servers changed, the broadcast group is formed again. A sync that fails (a server
+  died during it) is retried once without the servers that stopped answering; a second failure raises.
+- `catch_up`: a live server whose weight version is not the trainer's (it restarted and serves its start-up
+  weights, or it was down during a push) gets a push. The trainer calls it while it waits for its next batch, so a
+  generator that restarted is serving the current policy before the orchestrator gives it work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from megatron_scalerl.platform.distributed import from_rank0
+from megatron_scalerl.recipe import Recipe
+from megatron_scalerl.rollout.vllm_server import ServerError, request_json
+from megatron_scalerl.run_dir import API_KEY_ENV, read_generators
+from megatron_scalerl.weight_sync.protocol import WeightSyncError
+from megatron_scalerl.weight_sync.sender import WeightSender, WeightSyncConfig, push_weights
+
+log = logging.getLogger("megatron_scalerl.trainer")
+
+HEALTH_TIMEOUT_S = 5.0
+BUCKET_MIB = 64.0  # buckets of the live sync (MiB): one in memory at a time on trainer rank 0
+
+
+class GeneratorLink:
+    """Trainer side of the run's generators (see the module docstring). Every method is collective."""
+
+    def __init__(self, urls: list[str], recipe: Recipe, config: WeightSyncConfig, *, is_rank0: bool):
+        self.urls = urls
+        self.model_cfg = recipe.model
+        self.config = config
+        self.is_rank0 = is_rank0
+        self.sender: WeightSender | None = None
+        self.version: int | None = None  # the version the live servers were last given
+
+    @classmethod
+    def from_run_dir(cls, run_dir: str | Path, recipe: Recipe, *, is_rank0: bool) -> GeneratorLink | None:
+        found = read_generators(run_dir)
+        if found is None:
+            return None
+        urls, dtype = found
+        config = WeightSyncConfig(bucket_mib=BUCKET_MIB, serving_dtype=getattr(torch, dtype),
+                                  fp32_lm_head=recipe.trainer.fp32_lm_head,
+                                  timeout_s=float(recipe.cluster.collective_timeout_s),
+                                  api_key=os.environ.get(API_KEY_ENV))
+        return cls(urls, recipe, config, is_rank0=is_rank0)
+
+    # ---- rank 0: what the servers say ----------------------------------------------------------------------------
+
+    def _ask(self, url: str, path: str) -> tuple[bool, dict | None]:
+        """(answered, JSON answer) of GET `path` on one server."""
+        try:
+            return True, request_json(url, path, method="GET", timeout_s=HEALTH_TIMEOUT_S, api_key=self.config.api_key)
+        except ServerError:
+            return False, None
+
+    def _live(self) -> list[str]:
+        return [url for url in self.urls if self._ask(url, "/health")[0]]
+
+    def _behind(self, version: int) -> list[str]:
+        """Live servers whose weight version is not `version`."""
+        behind = []
+        for url in self.urls:
+            answered, info = self._ask(url, "/weight_info")
+            if answered and (info or {}).get("weight_version") != str(version):
+                behind.append(url)
+        return behind
+
+    def _connect(self, live: list[str]) -> str | None:
+        """(Re)form the broadcast group with `live` when it changed; returns an error message or None."""
+        if self.sender is not None and self.sender.urls == live and self.sender.failed is None:
+            return None
+        self._close()
+        try:
+            self.sender = WeightSender(live, self.config).connect()
+            return None
+        except (WeightSyncError, ServerError) as exc:
+            self._close()
+            return f"connecting to the generators {live}: {exc}"
+
+    def _close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
+    # ---- collective -------------------------------------------------------------------------------------------
+
+    def push(self, model_chunks: list, version: int) -> dict[str, float]:
+        """Send the weights, tagged `version`, to every live server; returns the sync's metrics."""
+        for attempt in (1, 2):
+            live = from_rank0(self._live() if self.is_rank0 else None)
+            if not live:
+                log.warning("no generator answers /health: version %d is sent when one is back", version)
+                self.version = None
+                return {"sync/generators": 0.0}
+            error = from_rank0(self._connect(live) if self.is_rank0 else None)
+            if error is None:
+                try:
+                    stats = push_weights(model_chunks, self.model_cfg, self.config, self.sender, version)
+                    self.version = version
+                    seconds = stats.seconds if stats is not None else 0.0
+                    return {"sync/generators": float(len(live)), "sync/seconds": seconds}
+                except WeightSyncError as exc:
+                    error = str(exc)
+            if self.is_rank0:
+                self._close()
+            if attempt == 2:
+                raise WeightSyncError(f"weight sync of version {version} failed twice: {error}")
+            log.warning("weight sync of version %d failed (%s); trying again with the servers that answer", version,
+                        error)
+        raise AssertionError("unreachable")
+
+    def catch_up(self, model_chunks: list, version: int) -> bool:
+        """Push `version` again if a live server does not serve it; returns whether a push happened."""
+        behind = from_rank0(self._behind(version) if self.is_rank0 else None)
+        if not behind:
+            return False
+        log.info("generators %s are not at version %d: sending it", behind, version)
+        self.push(model_chunks, version)
+        return True
+
+    def close(self) -> None:
+        if self.is_rank0:
+            self._close()

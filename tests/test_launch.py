@@ -1,0 +1,67 @@
+"""`scalerl train` before any process starts: the run directory it prepares, the roles' commands, bad input."""
+
+import pytest
+
+from megatron_scalerl.cli import main
+from megatron_scalerl.launch.roles import generator_command, prepare_run_dir, serving_dtype, trainer_command
+from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.run_dir import read_generators, write_generators
+
+RECIPE = load_recipe("scalerl", model_preset="tiny_moe")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from megatron_scalerl.models.tokenizer import train_tokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(["Calculate 5 - 3. <think> 2 </think> \\boxed{2}"] * 20, vocab_size=300).save_pretrained(out)
+    return out
+
+
+def test_run_dir_holds_the_recipe_and_a_servable_model_dir(tmp_path, tokenizer_dir):
+    from transformers import AutoConfig, AutoTokenizer
+
+    prepare_run_dir(tmp_path, RECIPE, tokenizer_dir)
+    assert load_recipe(tmp_path / "recipe.yaml") == RECIPE
+    config = AutoConfig.from_pretrained(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
+    assert config.eos_token_id == tokenizer.eos_token_id and config.vocab_size == RECIPE.model.vocab_size
+    assert tokenizer.encode("</think>", add_special_tokens=False) == [tokenizer.convert_tokens_to_ids("</think>")]
+
+
+def test_roles_commands(tmp_path):
+    generator = generator_command(tmp_path, RECIPE, port=8123, host="127.0.0.1", dtype="float32",
+                                  log=tmp_path / "g.log")
+    assert generator[-3:] == ["--", "--load-format", "dummy"]  # the trainer sends the weights
+    assert generator[generator.index("--max-model-len") + 1] == str(256 + 512)
+    assert "--nproc-per-node=1" in trainer_command(tmp_path, RECIPE)
+    assert serving_dtype(RECIPE, cuda=False) == "float32" and serving_dtype(RECIPE, cuda=True) == "bfloat16"
+    write_generators(tmp_path, ["http://a:1/"], "float32")
+    assert read_generators(tmp_path) == (["http://a:1"], "float32")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train"], "give --recipe"),
+    (["train", "--resume"], "--resume needs --run-dir of an existing run"),
+    (["train", "--recipe", "scalerl", "--model", "tiny_moe", "--run-dir", "{tmp}/empty"],
+     "the run needs a tokenizer"),
+    (["train", "--recipe", "scalerl", "--model", "tiny_moe", "--run-dir", "{tmp}/used", "--tokenizer", "{tok}"],
+     "is not empty: continue it with --resume"),
+])
+def test_train_refuses_bad_input_in_one_line(tmp_path, tokenizer_dir, capsys, argv, message):
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "recipe.yaml").write_text("x")
+    argv = [a.format(tmp=tmp_path, tok=tokenizer_dir) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, tokenizer_dir):
+    from megatron_scalerl.errors import UserError
+
+    small = load_recipe("scalerl", model_preset="tiny_moe", overrides=["model.vocab_size=128"])
+    with pytest.raises(UserError, match=r"tokenizer .*: 2\d\d ids, more than model.vocab_size 128"):
+        prepare_run_dir(tmp_path / "run", small, tokenizer_dir)
+    assert not (tmp_path / "run").exists()
