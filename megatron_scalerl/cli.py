@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "megatron_scalerl.verify.cli",
     "megatron_scalerl.rollout.serve_cli",
     "megatron_scalerl.launch.local",
+    "megatron_scalerl.demo.run",
 ]
 
 

@@ -200,7 +200,7 @@ class TrainerConfig(Section):
 class DataSource(Section):
     """One prompt set. jsonl / parquet: a file (relative paths are read from the working directory) with one problem
     per row in `problem_field` and its gold answer in `answer_field`; reasoning_gym: `size` problems of `task`
-    generated offline with the recipe's seed. `weight`: expected appearances of each of its prompts per epoch
+    generated offline with the recipe's seed and the task's config `options` (e.g. basic_arithmetic's max_terms). `weight`: expected appearances of each of its prompts per epoch
     (2.0: twice; 0.5: a seeded half of them, a different half each epoch)."""
 
     kind: Literal["jsonl", "parquet", "reasoning_gym"]
@@ -209,6 +209,7 @@ class DataSource(Section):
     answer_field: str = "answer"
     task: str | None = None
     size: Pos | None = None  # reasoning_gym: problems generated
+    options: dict[str, int | float | str | bool] = Field(default_factory=dict)  # reasoning_gym: the task's config
     weight: PosFloat = 1.0
 
     @model_validator(mode="after")
@@ -217,6 +218,8 @@ class DataSource(Section):
             raise ValueError(f"kind {self.kind} needs `path`")
         if self.kind == "reasoning_gym" and not (self.task and self.size):
             raise ValueError("kind reasoning_gym needs `task` and `size`")
+        if self.options and self.kind != "reasoning_gym":
+            raise ValueError("`options` configure a reasoning_gym task; a file source has none")
         return self
 
 

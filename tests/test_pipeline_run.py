@@ -25,7 +25,7 @@ from megatron_scalerl.rollout.stream import RolloutStream
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 SCALERL = Path(sys.executable).with_name("scalerl")
-STEPS = 6
+STEPS = 8
 OVERRIDES = [f"trainer.max_steps={STEPS}", "trainer.checkpoint_interval=2", "algorithm.zero_variance_filter=false",
              "logging.wandb_mode=disabled", "algorithm.length_control.think_budget_min=24",
              "algorithm.length_control.think_budget_max=32", "algorithm.length_control.answer_budget=16",
@@ -39,17 +39,33 @@ def _train(*args: str) -> subprocess.Popen:
                             text=True, env=env, start_new_session=True)
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 400) -> None:
+def _wait_until(ready, proc: subprocess.Popen, what: str, timeout_s: float = 400) -> None:
     deadline = time.monotonic() + timeout_s
-    while not path.exists():
+    while not ready():
         assert proc.poll() is None, f"scalerl train exited {proc.returncode}:\n{proc.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, f"no {path} after {timeout_s} s"
-        time.sleep(1)
+        assert time.monotonic() < deadline, f"not {what} after {timeout_s} s"
+        time.sleep(0.5)
 
 
 def _pids(pattern: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
+
+
+def _launch(args: list[str], faults: list[tuple[str, object, object]]) -> tuple[int, str]:
+    """`scalerl train ARGS`; for each (what, ready, fault) in turn, once `ready()`: `fault()`. Returns the launch's
+    exit code and output (it ends on its own, or because of a fault)."""
+    proc = _train(*args)
+    try:
+        for what, ready, fault in faults:
+            _wait_until(ready, proc, what)
+            fault()
+        out, _ = proc.communicate(timeout=600)
+        return proc.returncode, out
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # the launcher stops its roles (each in a session of its own)
+            proc.wait(timeout=200)
 
 
 @pytest.fixture(scope="module")
@@ -59,40 +75,66 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     model = build_model(load_recipe("scalerl", model_preset="tiny_moe"), root / "hf", seed=3)
     run_dir = root / "run"
-    args = ["--recipe", "scalerl", "--model", "tiny_moe", "--run-dir", str(run_dir),
-            "--set", f"trainer.init_from={model}", *[a for o in OVERRIDES for a in ("--set", o)]]
     stream = RolloutStream(run_dir)
-    first = _train(*args)
-    try:
-        _wait_for(stream.path(1), first)
-        url = json.loads((run_dir / "generators.json").read_text())["urls"][0]
-        port = url.rsplit(":", 1)[1]
+
+    def kill_generator():
+        port = json.loads((run_dir / "generators.json").read_text())["urls"][0].rsplit(":", 1)[1]
         [server] = _pids(f"vllm.entrypoints.openai.api_server.*--port {port}")
         os.killpg(server, signal.SIGKILL)  # the server's whole group: API server, engine core, worker
-        _wait_for(stream.path(3), first)
-        [orchestrator] = _pids(f"megatron_scalerl.rollout.orchestrator --run-dir {run_dir}")
-        os.kill(orchestrator, signal.SIGKILL)
-        first_out, _ = first.communicate(timeout=300)
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-    second = _train("--run-dir", str(run_dir), "--resume")
-    second_out, _ = second.communicate(timeout=900)
-    return {"dir": run_dir, "first": (first.returncode, first_out), "second": (second.returncode, second_out)}
+
+    def kill(pattern: str):
+        [pid] = _pids(f"{pattern} --run-dir {run_dir}")
+        os.kill(pid, signal.SIGKILL)
+
+    def batches_beyond(count: int):
+        return lambda: stream.next_index() > count
+
+    def trainer_steps():
+        return [r["step"] for r in read_metrics(run_dir, role="trainer")]
+
+    fresh = ["--recipe", "scalerl", "--model", "tiny_moe", "--run-dir", str(run_dir),
+             "--set", f"trainer.init_from={model}", *[a for o in OVERRIDES for a in ("--set", o)]]
+    resume = ["--run-dir", str(run_dir), "--resume"]
+    launches = {"dir": run_dir}
+    # 1: a generator dies after the second batch (restarted, the run goes on); the orchestrator two batches later
+    killed_at: list[int] = []
+    launches["first"] = _launch(fresh, [
+        ("two batches", batches_beyond(1), lambda: (kill_generator(), killed_at.append(stream.next_index()))),
+        ("two batches after the generator kill", lambda: stream.next_index() >= killed_at[0] + 2,
+         lambda: kill("megatron_scalerl.rollout.orchestrator"))])
+    # 2: the trainer dies two steps after it resumed (its steps since its last checkpoint are lost)
+    done = len(trainer_steps())
+    launches["second"] = _launch(resume, [("two more trainer steps", lambda: len(trainer_steps()) >= done + 2,
+                                           lambda: kill("-u -m megatron_scalerl.trainer"))])
+    # 3: to the end
+    launches["third"] = _launch(resume, [])
+    return launches
 
 
 def test_a_killed_generator_is_restarted_and_the_run_goes_on(run):
     code, out = run["first"]
     assert "generator 0 exited" in out and "starting it again" in out
     assert code == 1 and "orchestrator failed" in out  # the second fault ends the first launch
+    code, out = run["second"]
+    assert code == 1 and "trainer failed" in out
 
 
 def test_resume_finishes_the_run_without_repeating_or_losing_work(run):
-    code, out = run["second"]
+    code, out = run["third"]
     assert code == 0, out[-3000:]
     run_dir = run["dir"]
-    trainer_steps = [r["step"] for r in read_metrics(run_dir, role="trainer")]
-    assert trainer_steps == list(range(1, STEPS + 1))  # each step trained once, across the two launches
+    records = read_metrics(run_dir, role="trainer")
+    # launch 1 stopped the trainer cleanly: it checkpointed, so launch 2 went on from there without repeating a step;
+    # launch 2's trainer was SIGKILLed: launch 3 repeated the steps after its last checkpoint (and only those)
+    steps = [r["step"] for r in records]
+    resumed = [int(line.split("(step ")[1].rstrip(")")) for line in
+               (run_dir / "logs" / "trainer.log").read_text().splitlines() if "resumed from iter_" in line]
+    assert len(resumed) == 2, resumed
+    clean, killed = resumed
+    assert steps[:clean] == list(range(1, clean + 1)) and clean <= killed
+    assert sorted(set(steps)) == list(range(1, STEPS + 1))
+    assert all(steps.count(step) == 1 for step in range(1, killed + 1))  # nothing behind a checkpoint twice
+    assert (run_dir / "checkpoints" / f"iter_{STEPS:07d}").is_dir()
     prompts, groups = [], []
     stream = RolloutStream(run_dir)
     assert stream.next_index() == STEPS
@@ -111,4 +153,4 @@ def test_resume_finishes_the_run_without_repeating_or_losing_work(run):
     assert validated[0] == 0 and validated[-1] == STEPS and len(validated) >= 3, validated
     assert all(r["gpu_hours"] > 0 for r in batches)
     state = json.loads((run_dir / "curriculum.json").read_text())
-    assert state["batch"] == STEPS - 1 and state["pending"]
+    assert state["batch"] == STEPS - 1

@@ -90,6 +90,15 @@ def test_reasoning_gym_is_seeded_and_keyed():
         load_source(DataSource(kind="reasoning_gym", task="no_such_task", size=2), seed=0)
 
 
+def test_reasoning_gym_options_configure_the_task():
+    easy = DataSource(kind="reasoning_gym", task="basic_arithmetic", size=50,
+                      options={"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": "+-"})
+    problems = load_source(easy, seed=0)
+    assert all(p.problem.count(" + ") + p.problem.count(" - ") == 1 for p in problems)
+    with pytest.raises(UserError, match="reasoning_gym task 'basic_arithmetic'"):
+        load_source(DataSource(kind="reasoning_gym", task="basic_arithmetic", size=2, options={"bogus": 1}), seed=0)
+
+
 def test_the_tiny_presets_data_loads_and_splits():
     recipe = load_recipe("scalerl", model_preset="tiny_moe")
     sources = load_sources(recipe.data.train, seed=recipe.trainer.seed)

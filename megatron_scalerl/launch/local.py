@@ -78,21 +78,21 @@ class Role:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """SIGTERM the role's process group; SIGKILL it after `timeout_s` seconds."""
+        """SIGTERM the role's main process (it stops its own children: torchrun its workers, which must still have
+        their checkpoint writers), wait up to `timeout_s` seconds, then SIGKILL whatever is left of its group."""
         if self.process is None:
             return
-        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 30.0)):
-            if self.process.poll() is not None:
-                break
+        if self.process.poll() is None:
             try:
-                os.killpg(self.process.pid, sig)
-                self.process.wait(timeout=wait_s)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
+                self.process.send_signal(signal.SIGTERM)
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
                 pass
-        try:  # stragglers of the group (a server's engine core, torchrun's workers)
+        try:  # stragglers of the group (a server's engine core, a worker that did not stop)
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        self.process.wait()
 
 
 class _Interrupted(Exception):

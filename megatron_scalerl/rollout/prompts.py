@@ -111,7 +111,7 @@ def _generate_reasoning_gym(source: DataSource, seed: int) -> list[Problem]:
     import reasoning_gym
 
     try:
-        dataset = reasoning_gym.create_dataset(source.task, size=source.size, seed=seed)
+        dataset = reasoning_gym.create_dataset(source.task, size=source.size, seed=seed, **source.options)
     except Exception as exc:  # an unknown task or bad arguments: reasoning-gym raises ValueError or others
         raise UserError(f"data.train: reasoning_gym task '{source.task}': {exc}") from None
     return [_row(entry, f"reasoning_gym/{source.task}[{i}]", ("question", "answer"), f"reasoning_gym/{source.task}#{i}")

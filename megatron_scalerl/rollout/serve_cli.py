@@ -75,8 +75,25 @@ def _watch(server, interval_s: float) -> None:
                 raise
 
 
+def _fp32_lm_head(url: str, api_key: str | None, retry_s: float = 120.0) -> None:
+    """Make the served LM head FP32; a trainer may already be sending weights to the new server (its layered reload
+    holds the head empty meanwhile), so a refusal for that reason is retried for up to `retry_s` seconds."""
+    from megatron_scalerl.rollout.vllm_server import ServerError, request_json
+    from megatron_scalerl.weight_sync.protocol import WEIGHT_UPDATE_IN_PROGRESS
+
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            request_json(url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=120, api_key=api_key)
+            return
+        except ServerError as exc:
+            if WEIGHT_UPDATE_IN_PROGRESS not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
 def _serve(args: argparse.Namespace) -> int:
-    from megatron_scalerl.rollout.vllm_server import ServerError, VLLMServer, VLLMServerConfig, request_json
+    from megatron_scalerl.rollout.vllm_server import ServerError, VLLMServer, VLLMServerConfig
 
     model = Path(args.model)
     if not (model / "config.json").is_file():
@@ -93,8 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
         server.start()
         server.wait_ready(args.ready_timeout)
         if args.fp32_lm_head:
-            request_json(server.url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=120,
-                         api_key=args.api_key)
+            _fp32_lm_head(server.url, args.api_key)
         print(f"serving {model} at {server.url} (pid {server.process.pid}, TP {args.tp}, "
               f"{'FP32' if args.fp32_lm_head else 'serving-dtype'} LM head, "
               f"{'API key on every route but /health' if args.api_key else 'no API key'}"

@@ -14,6 +14,8 @@ from torch import Tensor
 
 # `--worker-extension-cls` of our servers (`weight_sync.worker_extension`; importing it registers the gloo receiver).
 WORKER_EXTENSION = "megatron_scalerl.weight_sync.worker_extension.ScaleRLWorkerExtension"
+# The worker extension's refusal to convert the LM head while a weight update holds it empty (callers retry on it).
+WEIGHT_UPDATE_IN_PROGRESS = "the LM head is being reloaded by a weight update"
 # The only tensor that keeps FP32 on the wire and on the server when `fp32_lm_head` is on.
 LM_HEAD = "lm_head.weight"
 MIB = 1024 * 1024

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-from megatron_scalerl.weight_sync.protocol import checksum, dtype_name
+from megatron_scalerl.weight_sync.protocol import WEIGHT_UPDATE_IN_PROGRESS, checksum, dtype_name
 
 # The name is the process-group backend's: servers get `{"backend": platform.resolve_backend("auto")}`.
 try:
@@ -51,6 +51,8 @@ def make_lm_head_fp32(model: torch.nn.Module) -> dict | None:
     weight = getattr(head, "weight", None)
     if weight is None:
         return None
+    if weight.is_meta:  # inside a weight update (layered reload): the layer has no data until it finishes
+        raise RuntimeError(f"{WEIGHT_UPDATE_IN_PROGRESS}: call again once it finished")
     if weight.dtype == torch.float32:
         return {"converted_from": None, "checksum": checksum(weight)}
     if any(p is weight for name, p in model.named_parameters(remove_duplicate=False) if not name.startswith("lm_head.")):

@@ -1,0 +1,116 @@
+"""The demo's warm start: a short supervised stage that teaches the random tiny model the answer format, stopped as
+soon as its sampled pass rate on the run's held-out prompts reaches the demo's starting band.
+
+    result = warm_start(recipe, hf_dir, out_dir, target=0.15)   # out_dir: the warm-started HF checkpoint
+
+RL needs a policy that is sometimes right: from a random model every reward is -1 and every group is filtered out.
+The supervised data are the recipe's training prompts (the validation holdout is excluded, as in the run) with a
+worked completion (`model.solution_text`) and EOS; the loss covers the completion only. Every `eval_every` steps the
+model samples `eval_samples` completions per held-out prompt at the recipe's temperature, graded like the run
+(thinking stripped, math-verify); training stops at the first evaluation at or above `target`, so the run starts
+between the target and what RL can still improve. Plain PyTorch on transformers' model (CPU, fp32).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_scalerl.demo.model import solution_text
+from megatron_scalerl.recipe import Recipe
+from megatron_scalerl.rollout.prompts import Problem, load_sources, render_prompt, split_validation
+from megatron_scalerl.rollout.rewards import strip_thinking, verify_math
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    steps: int  # optimizer steps taken
+    pass_rate: float  # the last evaluation's sampled pass rate on the held-out prompts
+    history: list[tuple[int, float]]  # (step, pass rate) of every evaluation
+    seconds: float
+
+
+def _examples(tokenizer, problems: list[Problem]) -> list[tuple[list[int], int]]:
+    """(token ids of prompt + completion + EOS, number of prompt tokens) per problem."""
+    out = []
+    for problem in problems:
+        prompt = tokenizer(render_prompt(problem.problem, tokenizer)).input_ids
+        completion = tokenizer(solution_text(problem), add_special_tokens=False).input_ids
+        out.append(([*prompt, *completion, tokenizer.eos_token_id], len(prompt)))
+    return out
+
+
+def _batch(examples: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids [B, T], attention mask [B, T] and labels [B, T] (-100 outside the completion)."""
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, (tokens, prompt) in enumerate(examples):
+        ids[row, :len(tokens)] = torch.tensor(tokens)
+        mask[row, :len(tokens)] = 1
+        labels[row, prompt:len(tokens)] = torch.tensor(tokens[prompt:])
+    return ids, mask, labels
+
+
+@torch.no_grad()
+def sampled_pass_rate(model, tokenizer, problems: list[Problem], *, samples: int, temperature: float,
+                      max_new_tokens: int, seed: int) -> float:
+    """Mean correctness of `samples` sampled completions per problem (left-padded batch generation)."""
+    tokenizer.padding_side = "left"
+    prompts = [render_prompt(p.problem, tokenizer) for p in problems for _ in range(samples)]
+    golds = [p.answer for p in problems for _ in range(samples)]
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True)
+    torch.manual_seed(seed)
+    out = model.generate(**encoded, do_sample=True, temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(out[:, encoded.input_ids.shape[1]:], skip_special_tokens=False)
+    texts = [t.replace(tokenizer.eos_token, "").replace(tokenizer.pad_token, "") for t in texts]
+    return sum(verify_math(strip_thinking(t), gold) for t, gold in zip(texts, golds, strict=True)) / len(texts)
+
+
+def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, target: float = 0.15, max_steps: int = 600,
+               batch_size: int = 32, lr: float = 2e-3, eval_every: int = 25, eval_prompts: int = 32,
+               eval_samples: int = 2) -> WarmStart:
+    """Supervised steps on `hf_dir`'s model until the sampled held-out pass rate reaches `target` (or `max_steps`);
+    writes the model and tokenizer to `out_dir`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.monotonic()
+    seed = recipe.trainer.seed
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    train, validation = split_validation(load_sources(recipe.data.train, seed=seed), recipe.data.validation_holdout,
+                                         seed=seed)
+    examples = _examples(tokenizer, [p for problems, _ in train for p in problems])
+    held_out = validation[:eval_prompts]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    order = random.Random(seed)
+    history: list[tuple[int, float]] = []
+    step, rate = 0, 0.0
+    while step < max_steps:
+        model.train()
+        ids, mask, labels = _batch(order.sample(examples, batch_size), tokenizer.pad_token_id)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        if step % eval_every == 0 or step == max_steps:
+            model.eval()
+            rate = sampled_pass_rate(model, tokenizer, held_out, samples=eval_samples,
+                                     temperature=recipe.rollout.temperature,
+                                     max_new_tokens=recipe.algorithm.length_control.think_budget_max, seed=step)
+            history.append((step, rate))
+            print(f"warm start step {step}: loss {loss.item():.3f}, held-out pass rate {rate:.3f}", flush=True)
+            if rate >= target:
+                break
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    return WarmStart(steps=step, pass_rate=rate, history=history, seconds=time.monotonic() - start)
