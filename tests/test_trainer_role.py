@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,15 +17,19 @@ from tests.trainer_utils import rl_batch, tiny_recipe
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
-def _run_trainer(run_dir: Path, nproc: int, *extra: str, wait_s: int = 20) -> subprocess.CompletedProcess:
+def _trainer_command(run_dir: Path, nproc: int, *extra: str, wait_s: int = 20) -> tuple[list[str], dict]:
     cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", "-m", "megatron_scalerl.trainer",
            "--run-dir", str(run_dir), "--batch-timeout-s", str(wait_s), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    return cmd, {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+
+
+def _run_trainer(run_dir: Path, nproc: int, *extra: str, wait_s: int = 20) -> subprocess.CompletedProcess:
+    cmd, env = _trainer_command(run_dir, nproc, *extra, wait_s=wait_s)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
 
-def _prepare(run_dir: Path, steps: int, **layout) -> None:
-    recipe = tiny_recipe(extra=["trainer.checkpoint_interval=2", "logging.wandb_mode=disabled"], **layout)
+def _prepare(run_dir: Path, steps: int, interval: int = 2, **layout) -> None:
+    recipe = tiny_recipe(extra=[f"trainer.checkpoint_interval={interval}", "logging.wandb_mode=disabled"], **layout)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
     stream = RolloutStream(run_dir)
@@ -61,6 +67,23 @@ def test_trainer_role_waits_for_batches_then_names_the_missing_producer(tmp_path
     assert proc.returncode != 0
     assert "trainer ERROR no TrainBatch 1 in" in proc.stderr and "orchestrator" in proc.stderr
     assert [r["step"] for r in read_metrics(tmp_path, role="trainer")] == [1]
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_the_current_step_and_exits_cleanly(tmp_path):
+    """What `scalerl train` does on Ctrl-C and SLURM on a time limit: SIGTERM to torchrun, which passes it on."""
+    _prepare(tmp_path, 2, interval=100)
+    cmd, env = _trainer_command(tmp_path, 1, "--max-steps", "5", wait_s=300)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + 240
+    while [r["step"] for r in read_metrics(tmp_path, role="trainer")] != [1, 2]:  # now waiting for batch 2
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "stop requested: checkpointing step 2" in out
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("iter_*")) == ["iter_0000002"]
 
 
 def test_trainer_refuses_a_world_size_the_recipe_does_not_describe():

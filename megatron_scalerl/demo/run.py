@@ -22,7 +22,7 @@ from pathlib import Path
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.recipe import load_recipe
 
-WARM_START_TARGET = 0.15  # sampled held-out pass rate at which the supervised stage stops
+WARM_START_TARGET = 0.3  # sampled held-out pass rate at which the supervised stage stops
 
 
 def register(sub: argparse._SubParsersAction) -> None:

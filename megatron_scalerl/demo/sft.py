@@ -13,6 +13,8 @@ between the target and what RL can still improve. Plain PyTorch on transformers'
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -73,6 +75,17 @@ def sampled_pass_rate(model, tokenizer, problems: list[Problem], *, samples: int
     return sum(verify_math(strip_thinking(t), gold) for t, gold in zip(texts, golds, strict=True)) / len(texts)
 
 
+@contextlib.contextmanager
+def _every_core():
+    """torch on all cores for a while (the supervised stage runs alone; the run's roles share the cores later)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, target: float = 0.15, max_steps: int = 600,
                batch_size: int = 32, lr: float = 2e-3, eval_every: int = 25, eval_prompts: int = 32,
                eval_samples: int = 2) -> WarmStart:
@@ -93,24 +106,25 @@ def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, targe
     order = random.Random(seed)
     history: list[tuple[int, float]] = []
     step, rate = 0, 0.0
-    while step < max_steps:
-        model.train()
-        ids, mask, labels = _batch(order.sample(examples, batch_size), tokenizer.pad_token_id)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        if step % eval_every == 0 or step == max_steps:
-            model.eval()
-            rate = sampled_pass_rate(model, tokenizer, held_out, samples=eval_samples,
-                                     temperature=recipe.rollout.temperature,
-                                     max_new_tokens=recipe.algorithm.length_control.think_budget_max, seed=step)
-            history.append((step, rate))
-            print(f"warm start step {step}: loss {loss.item():.3f}, held-out pass rate {rate:.3f}", flush=True)
-            if rate >= target:
-                break
+    with _every_core():
+        while step < max_steps:
+            model.train()
+            ids, mask, labels = _batch(order.sample(examples, batch_size), tokenizer.pad_token_id)
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            if step % eval_every == 0 or step == max_steps:
+                model.eval()
+                rate = sampled_pass_rate(model, tokenizer, held_out, samples=eval_samples,
+                                         temperature=recipe.rollout.temperature,
+                                         max_new_tokens=recipe.algorithm.length_control.think_budget_max, seed=step)
+                history.append((step, rate))
+                print(f"warm start step {step}: loss {loss.item():.3f}, held-out pass rate {rate:.3f}", flush=True)
+                if rate >= target:
+                    break
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     return WarmStart(steps=step, pass_rate=rate, history=history, seconds=time.monotonic() - start)

@@ -162,6 +162,8 @@ def run_local(run_dir: Path, recipe: Recipe, *, resume: bool, ready_timeout_s: f
         print(f"run {run_dir}: stopping (the trainer checkpoints first); resume with --resume", flush=True)
         return 130
     finally:
+        for sig in previous:  # a second Ctrl-C must not cut the ordered stop short (each role is bounded in time)
+            signal.signal(sig, signal.SIG_IGN)
         for role in roles:
             role.stop()
         for sig, handler in previous.items():

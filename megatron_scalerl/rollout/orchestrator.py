@@ -384,8 +384,17 @@ class Orchestrator:
         self.metrics.close()
 
 
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM leaves like Ctrl-C: the state on disk is that of the last batch written
+def _stop_now(state_path: Path):
+    """SIGTERM / Ctrl-C: the state on disk is always that of the last batch written (it is saved before each batch),
+    so the orchestrator leaves at once; in-flight samples are dropped (their prompts are in the saved state's
+    `pending`, admitted again on resume) and the grader's workers exit when their pipe closes."""
+
+    def handler(*_: object) -> None:
+        log.info("stopped; the state of the last batch written is in %s", state_path)
+        logging.shutdown()
+        os._exit(0)
+
+    return handler
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -414,11 +423,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--tokenizer {tokenizer_dir}: no usable tokenizer: {exc}") from None
         orchestrator = Orchestrator(args.run_dir, recipe, tokenizer, generators[0], api_key=os.environ.get(API_KEY_ENV),
                                     resume=args.resume, max_batches=args.max_batches)
-        signal.signal(signal.SIGTERM, _interrupt)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _stop_now(args.run_dir / STATE_FILE))
         asyncio.run(orchestrator.run())
-    except KeyboardInterrupt:
-        log.info("stopped; the state of the last batch written is in %s", args.run_dir / STATE_FILE)
-        return 0
     except (UserError, FleetError) as exc:
         log.error("%s", exc)
         return 2 if isinstance(exc, UserError) else 1
