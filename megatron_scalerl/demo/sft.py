@@ -5,7 +5,8 @@ soon as its sampled pass rate on the run's held-out prompts reaches the demo's s
 
 RL needs a policy that is sometimes right: from a random model every reward is -1 and every group is filtered out.
 The supervised data are the recipe's training prompts (the validation holdout is excluded, as in the run) with a
-worked completion (`model.solution_text`) and EOS; the loss covers the completion only. Every `eval_every` steps the
+worked completion (`model.solution_text`) and EOS, a chosen share of them never closing the thinking block (no
+answer: what RL then learns away first); the loss covers the completion only. Every `eval_every` steps the
 model samples `eval_samples` completions per held-out prompt at the recipe's temperature, graded like the run
 (thinking stripped, math-verify); training stops at the first evaluation at or above `target`, so the run starts
 between the target and what RL can still improve. Plain PyTorch on transformers' model (CPU, fp32).
@@ -36,12 +37,16 @@ class WarmStart:
     seconds: float
 
 
-def _examples(tokenizer, problems: list[Problem]) -> list[tuple[list[int], int]]:
-    """(token ids of prompt + completion + EOS, number of prompt tokens) per problem."""
+def _examples(tokenizer, problems: list[Problem], *, unclosed_fraction: float, seed: int
+              ) -> list[tuple[list[int], int]]:
+    """(token ids of prompt + completion + EOS, number of prompt tokens) per problem; a seeded `unclosed_fraction`
+    of the completions stop after their thinking (no answer)."""
+    coin = random.Random(seed)
     out = []
     for problem in problems:
         prompt = tokenizer(render_prompt(problem.problem, tokenizer)).input_ids
-        completion = tokenizer(solution_text(problem), add_special_tokens=False).input_ids
+        closed = coin.random() >= unclosed_fraction
+        completion = tokenizer(solution_text(problem, close_thinking=closed), add_special_tokens=False).input_ids
         out.append(([*prompt, *completion, tokenizer.eos_token_id], len(prompt)))
     return out
 
@@ -88,9 +93,11 @@ def _every_core():
 
 def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, target: float = 0.15, max_steps: int = 600,
                batch_size: int = 32, lr: float = 2e-3, eval_every: int = 25, eval_prompts: int = 32,
-               eval_samples: int = 2) -> WarmStart:
+               eval_samples: int = 2, unclosed_fraction: float = 0.0) -> WarmStart:
     """Supervised steps on `hf_dir`'s model until the sampled held-out pass rate reaches `target` (or `max_steps`);
-    writes the model and tokenizer to `out_dir`."""
+    writes the model and tokenizer to `out_dir`. `unclosed_fraction`: share of the supervised completions that never
+    close their thinking (so have no answer), like a base model that follows the answer format only some of the
+    time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.monotonic()
@@ -100,7 +107,8 @@ def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, targe
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     train, validation = split_validation(load_sources(recipe.data.train, seed=seed), recipe.data.validation_holdout,
                                          seed=seed)
-    examples = _examples(tokenizer, [p for problems, _ in train for p in problems])
+    examples = _examples(tokenizer, [p for problems, _ in train for p in problems],
+                         unclosed_fraction=unclosed_fraction, seed=seed)
     held_out = validation[:eval_prompts]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     order = random.Random(seed)
