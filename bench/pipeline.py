@@ -24,8 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_scalerl.launch.local import run_local
-from megatron_scalerl.launch.roles import prepare_run_dir
+from megatron_scalerl.launch.local import start_run
 from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
 
@@ -34,8 +33,7 @@ def run(root: Path, model: Path, name: str, overrides: list[str]) -> dict:
     recipe = load_recipe("demo", [f"trainer.init_from={model}", "algorithm.zero_variance_filter=false",
                                   "logging.wandb_mode=disabled", "data.validation_interval=100000", *overrides])
     run_dir = root / name
-    prepare_run_dir(run_dir, recipe, model)
-    code = run_local(run_dir, recipe, resume=False)
+    code = start_run(run_dir, recipe, model)
     if code != 0:
         sys.exit(f"{name} run failed (exit {code}); logs in {run_dir / 'logs'}")
     return {"dir": run_dir, "records": [r for r in read_metrics(run_dir, "orchestrator") if "rollout/groups" in r]}

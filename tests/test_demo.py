@@ -48,7 +48,10 @@ def test_validation_curve_is_plotted_from_the_runs_metrics(tmp_path):
     from megatron_scalerl.demo.run import plot_validation
     from megatron_scalerl.errors import UserError
 
-    with pytest.raises(UserError, match="no val/pass_rate record"):
+    with pytest.raises(UserError, match="no metrics.jsonl"):
+        plot_validation(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "role": "trainer", "gpu_hours": 0.1}) + "\n")
+    with pytest.raises(UserError, match="no row has the metric column 'val/pass_rate'"):
         plot_validation(tmp_path)
     rows = [{"step": s, "role": "orchestrator", "gpu_hours": 0.01 * (s + 1), "val/pass_rate": 0.2 + 0.02 * s}
             for s in (0, 10, 20)]

@@ -15,7 +15,8 @@ def tokenizer_dir(tmp_path_factory):
     from megatron_scalerl.models.tokenizer import train_tokenizer
 
     out = tmp_path_factory.mktemp("tokenizer")
-    train_tokenizer(["Calculate 5 - 3. <think> 2 </think> \\boxed{2}"] * 20, vocab_size=300).save_pretrained(out)
+    train_tokenizer(["Calculate 5 - 3. <think> 2 </think> \\boxed{2}"] * 20, vocab_size=300,
+                    markers=("<think>", "</think>")).save_pretrained(out)
     return out
 
 

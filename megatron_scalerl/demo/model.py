@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 
 from megatron_scalerl.models.hf_io import save_random_hf_model
-from megatron_scalerl.models.tokenizer import train_tokenizer
+from megatron_scalerl.models.tokenizer import special_token_ids, train_tokenizer
 from megatron_scalerl.recipe import Recipe
-from megatron_scalerl.rollout.prompts import THINK_CLOSE, Problem, load_sources, render_prompt
+from megatron_scalerl.rollout.prompts import THINK_CLOSE, THINK_OPEN, Problem, load_sources, render_prompt
 
 PHRASE_REPEATS = 200  # copies of the interruption phrase in the corpus: enough for BPE to merge it into few tokens
 
@@ -36,11 +36,11 @@ def tokenizer_corpus(recipe: Recipe) -> list[str]:
 def build_model(recipe: Recipe, out_dir: str | Path, *, seed: int = 0) -> Path:
     """Write an HF checkpoint of `recipe.model` with random weights and the trained tokenizer; returns `out_dir`."""
     out = Path(out_dir)
-    tokenizer = train_tokenizer(tokenizer_corpus(recipe), vocab_size=recipe.model.vocab_size)
+    tokenizer = train_tokenizer(tokenizer_corpus(recipe), vocab_size=recipe.model.vocab_size,
+                                markers=(THINK_OPEN, THINK_CLOSE))
     save_random_hf_model(recipe.model, out, seed=seed)
     tokenizer.save_pretrained(out)
     config = json.loads((out / "config.json").read_text())
-    config.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id)
+    config.update(special_token_ids(tokenizer))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

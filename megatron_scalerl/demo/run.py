@@ -59,38 +59,18 @@ def _models(recipe, model_root: Path) -> Path:
 
 
 def plot_validation(run_dir: Path) -> Path:
-    """`RUN/val_pass_rate.png`: the validation pass rate against GPU-hours and steps."""
-    import matplotlib
+    """`RUN/val_pass_rate.png`: the validation pass rate against GPU-hours, read as the forecaster reads it."""
+    from megatron_scalerl.forecast.data import load_curve
+    from megatron_scalerl.forecast.plots import curve_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from megatron_scalerl.metrics import read_metrics
-
-    rows = sorted((r["step"], r["gpu_hours"], r["val/pass_rate"]) for r in read_metrics(run_dir, "orchestrator")
-                  if "val/pass_rate" in r)
-    if not rows:
-        raise UserError(f"{run_dir}/metrics.jsonl has no val/pass_rate record to plot")
-    steps, hours, rates = zip(*rows, strict=True)
-    figure, axis = plt.subplots(figsize=(6, 3.6), dpi=120)
-    axis.plot(hours, rates, marker="o")
-    for step, hour, rate in rows:
-        axis.annotate(str(step), (hour, rate), textcoords="offset points", xytext=(0, 6), fontsize=7, ha="center")
-    axis.set_xlabel("GPU-hours (wall x processes held; labels: trainer step)")
-    axis.set_ylabel("validation pass rate (mean@k)")
-    axis.set_title(f"{run_dir.name}: held-out pass rate during RL")
-    axis.grid(alpha=0.3)
-    figure.tight_layout()
     path = run_dir / "val_pass_rate.png"
-    figure.savefig(path)
-    plt.close(figure)
+    path.write_bytes(curve_png(load_curve(run_dir)))
     return path
 
 
 def _demo(args: argparse.Namespace) -> int:
     from megatron_scalerl.cli import main as scalerl
-    from megatron_scalerl.launch.local import run_local
-    from megatron_scalerl.launch.roles import prepare_run_dir
+    from megatron_scalerl.launch.local import start_run
 
     run_dir: Path = args.run_dir
     if run_dir.exists() and any(run_dir.iterdir()):
@@ -102,8 +82,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.steps:
         overrides.append(f"trainer.max_steps={args.steps}")
     recipe = load_recipe("demo", overrides)
-    prepare_run_dir(run_dir, recipe, warm)
-    code = run_local(run_dir, recipe, resume=False)
+    code = start_run(run_dir, recipe, warm)
     if code != 0:
         return code
     print(f"demo: validation curve {plot_validation(run_dir)}", flush=True)

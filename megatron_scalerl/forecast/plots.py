@@ -8,6 +8,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from megatron_scalerl.forecast.compare import Comparison, log_f
+from megatron_scalerl.forecast.data import Curve
 from megatron_scalerl.forecast.predict import A_MARGIN, Forecast
 
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
@@ -45,6 +46,18 @@ def _draw_run(ax, forecast: Forecast, colour: str, right: float, label: str) -> 
         tail = (1 - forecast.options.level) / 2
         ax.fill_between(grid, np.quantile(draws, tail, axis=0), np.quantile(draws, 1 - tail, axis=0), color=colour,
                         alpha=0.18, lw=0, label=f"{forecast.options.level:.0%} interval" if label == "data" else None)
+
+
+def curve_png(curve: Curve) -> bytes:
+    """A run's evaluations as they are: the metric against GPU-hours (linear), no fit (e.g. the demo's own curve)."""
+    fig = Figure(figsize=(6.5, 3.8))
+    ax = fig.add_subplot()
+    ax.plot(curve.compute, curve.reward, marker="o", color=COLOURS[0])
+    ax.set_xlabel("GPU-hours (wall x every GPU the run holds)")
+    ax.set_ylabel(curve.metric)
+    ax.set_title(f"{curve.name}: {curve.metric} during RL")
+    ax.grid(True, alpha=0.3)
+    return _png(fig)
 
 
 def forecast_png(forecast: Forecast, show_budgets: bool = True) -> bytes:

@@ -57,21 +57,22 @@ class Role:
 
     def start(self) -> Role:
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.log, "ab")  # noqa: SIM115 - handed to the child; closed when it is replaced
-        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE if self.echo else out,
-                                        stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
-                                        env={**os.environ, **self.env})
+        with open(self.log, "ab") as out:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE if self.echo else out,
+                                            stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
+                                            env={**os.environ, **self.env})
         if self.echo:
-            threading.Thread(target=self._tee, args=(self.process, out), daemon=True).start()
+            threading.Thread(target=self._tee, args=(self.process, self.log), daemon=True).start()
         return self
 
     @staticmethod
-    def _tee(process: subprocess.Popen, log) -> None:
-        for line in process.stdout:
-            log.write(line)
-            log.flush()
-            sys.stdout.write(line.decode(errors="replace"))
-            sys.stdout.flush()
+    def _tee(process: subprocess.Popen, log: Path) -> None:
+        with open(log, "ab") as out:
+            for line in process.stdout:
+                out.write(line)
+                out.flush()
+                sys.stdout.write(line.decode(errors="replace"))
+                sys.stdout.flush()
 
     def tail(self, lines: int = 20) -> str:
         text = self.log.read_text(errors="replace") if self.log.is_file() else ""
@@ -104,22 +105,24 @@ def _interrupt(*_: object) -> None:
 
 
 def _wait_ready(generators: list[Role], urls: list[str], timeout_s: float) -> None:
-    from megatron_scalerl.rollout.vllm_server import ServerError, request_json
+    from megatron_scalerl.rollout.vllm_server import ServerError, wait_healthy
 
     deadline = time.monotonic() + timeout_s
     for role, url in zip(generators, urls, strict=True):
-        while True:
-            if role.process.poll() is not None:
-                raise UserError(f"{role.name} exited with code {role.process.returncode} while starting; "
-                                f"{role.log}:\n{role.tail()}")
-            try:
-                request_json(url, "/health", method="GET", timeout_s=5)
-                break
-            except ServerError:
-                if time.monotonic() > deadline:
-                    raise UserError(f"{role.name} ({url}) not ready within {timeout_s:g} s; {role.log}:\n"
-                                    f"{role.tail()}") from None
-                time.sleep(POLL_S)
+        try:
+            wait_healthy(url, role.process, max(deadline - time.monotonic(), 0.0), what=f"{role.name} ({url})",
+                         log_path=role.log, log_tail=role.tail)
+        except ServerError as exc:
+            raise UserError(str(exc)) from None
+
+
+def start_run(run_dir: Path, recipe: Recipe, tokenizer_dir: Path) -> int:
+    """A new run of `recipe` in `run_dir` (absent or empty) with the tokenizer in `tokenizer_dir`: prepare the run
+    directory, then `run_local`; the exit code."""
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise UserError(f"{run_dir} is not empty: continue it with --resume, or choose another --run-dir")
+    prepare_run_dir(run_dir, recipe, tokenizer_dir)
+    return run_local(run_dir, recipe, resume=False)
 
 
 def run_local(run_dir: Path, recipe: Recipe, *, resume: bool, ready_timeout_s: float = 900.0) -> int:
@@ -213,8 +216,4 @@ def _train(args: argparse.Namespace) -> int:
     if not args.recipe:
         raise UserError("give --recipe (a preset name or YAML file), or --resume with --run-dir")
     recipe = load_recipe(args.recipe, args.overrides, args.model_preset)
-    run_dir = args.run_dir or Path("runs") / recipe.name
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise UserError(f"{run_dir} is not empty: continue it with --resume, or choose another --run-dir")
-    prepare_run_dir(run_dir, recipe, tokenizer_source(recipe, args.tokenizer))
-    return run_local(run_dir, recipe, resume=False)
+    return start_run(args.run_dir or Path("runs") / recipe.name, recipe, tokenizer_source(recipe, args.tokenizer))

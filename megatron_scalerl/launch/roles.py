@@ -19,18 +19,16 @@ import sys
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.models.tokenizer import TOKENIZER_FILES, has_tokenizer, special_token_ids
 from megatron_scalerl.recipe import Recipe
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "chat_template.jinja")
 MODEL_DIR = "model"
 
 
 def tokenizer_source(recipe: Recipe, given: Path | None) -> Path:
     """The directory whose tokenizer files the run uses: `given`, else `trainer.init_from` when it has them."""
     for candidate in (given, Path(recipe.trainer.init_from) if recipe.trainer.init_from else None):
-        if candidate is not None and any((candidate / name).is_file() for name in ("tokenizer.json",
-                                                                                   "tokenizer.model")):
+        if candidate is not None and has_tokenizer(candidate):
             return candidate
     raise UserError("the run needs a tokenizer (the orchestrator renders prompts and grades answers): pass "
                     "--tokenizer DIR, or start from an HF checkpoint with tokenizer files (trainer.init_from)"
@@ -54,8 +52,7 @@ def prepare_run_dir(run_dir: Path, recipe: Recipe, tokenizer_dir: Path) -> None:
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy2(tokenizer_dir / name, model_dir / name)
-    config = {**hf_config_dict(recipe.model), "bos_token_id": tokenizer.bos_token_id,
-              "eos_token_id": tokenizer.eos_token_id}
+    config = {**hf_config_dict(recipe.model), **special_token_ids(tokenizer)}
     (model_dir / "config.json").write_text(json.dumps(config, indent=1) + "\n")
 
 

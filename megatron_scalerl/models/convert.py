@@ -34,12 +34,11 @@ from megatron_scalerl.fileio import DEFAULT_FILE_MODE
 from megatron_scalerl.models.hf_config import hf_config_dict
 from megatron_scalerl.models.hf_io import INDEX_FILE, LazyHFState, hf_tensor_shapes, read_hf_config
 from megatron_scalerl.models.mapping import hf_parameter_names
+from megatron_scalerl.models.tokenizer import TOKENIZER_FILES
 from megatron_scalerl.recipe import ModelConfig, ParallelismConfig
 
 HF_EXTRAS_DIR = "hf"  # inside a converted Megatron checkpoint: the source's config.json and tokenizer files
-HF_EXTRA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                  "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
-                  "chat_template.jinja", "chat_template.json")
+HF_EXTRA_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 CHECKSUMS_FILE = "checksums.sha256"  # in an HF output: `sha256sum -c checksums.sha256` format
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F32": "float32", "F16": "float16"}

@@ -1,43 +1,61 @@
 """A byte-level BPE tokenizer trained locally, for the tiny models (nothing can be downloaded from a hub).
 
-    tokenizer = train_tokenizer(texts, vocab_size=1024)      # a transformers PreTrainedTokenizerFast
+    tokenizer = train_tokenizer(texts, vocab_size=1024, markers=("<think>", "</think>"))  # PreTrainedTokenizerFast
     tokenizer.save_pretrained(hf_dir)                         # beside config.json: vLLM and transformers load it
 
 Byte-level: any text encodes (no unknown token), and decoding gives the text back. Special tokens: BOS (prepended
-to every encoded text), EOS (the generators stop on it; config.json's eos_token_id) and the thinking markers
-`<think>` / `</think>` as single tokens, so the interruption policy and the grader find them by id and by text.
+to every encoded text), EOS (the generators stop on it; config.json's eos_token_id) and the caller's `markers` (the
+thinking markers) as single tokens, so the interruption policy and the grader find them by id and by text.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.rollout.prompts import THINK_CLOSE, THINK_OPEN
+
+# The files a Hugging Face tokenizer may consist of (copied beside a converted or served checkpoint), and those
+# that alone make one loadable.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+TOKENIZER_CORE_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
-SPECIAL_TOKENS = [BOS, EOS, THINK_OPEN, THINK_CLOSE]
 BYTE_ALPHABET = 256
 
 
-def train_tokenizer(texts: Iterable[str], *, vocab_size: int):
-    """A tokenizer of exactly `vocab_size` ids at most (the model's embedding rows), trained on `texts`."""
+def has_tokenizer(directory: str | Path) -> bool:
+    """Whether `directory` holds a tokenizer transformers and vLLM can load."""
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_CORE_FILES)
+
+
+def special_token_ids(tokenizer) -> dict[str, int | None]:
+    """The token ids an HF config.json records for `tokenizer` (the generators stop on `eos_token_id`)."""
+    return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id}
+
+
+def train_tokenizer(texts: Iterable[str], *, vocab_size: int, markers: Sequence[str] = ()):
+    """A tokenizer of at most `vocab_size` ids (the model's embedding rows), trained on `texts`; each of `markers`
+    is one special token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    if vocab_size < BYTE_ALPHABET + len(SPECIAL_TOKENS):
+    special = [BOS, EOS, *markers]
+    if vocab_size < BYTE_ALPHABET + len(special):
         raise UserError(f"vocab_size {vocab_size}: a byte-level tokenizer needs at least "
-                        f"{BYTE_ALPHABET + len(SPECIAL_TOKENS)} ids")
+                        f"{BYTE_ALPHABET + len(special)} ids")
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     core.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
     core.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
                                                         special_tokens=[(BOS, core.token_to_id(BOS))])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=EOS,
-                                        additional_special_tokens=[THINK_OPEN, THINK_CLOSE])
+                                        additional_special_tokens=list(markers))
     if len(tokenizer) > vocab_size:
         raise AssertionError(f"trained {len(tokenizer)} ids for a vocabulary of {vocab_size}")
     return tokenizer

@@ -121,13 +121,14 @@ class Orchestrator:
         return {"batch": self.written - 1, "next_group": self.next_group, "sampler": self.sampler.state_dict(),
                 "resampling": self.resampling.state_dict(), "validated": sorted(self.validated),
                 "pending": self.requeued + [self.pending[i].key for i in sorted(self.pending)],
-                "wall_hours": self._wall_hours()}
+                "wall_hours": self._compute()["wall_hours"]}
 
-    def _save_state(self) -> None:
-        """The state after the batch about to be written; the previous state stays as curriculum.prev.json."""
+    def _save_state(self, *, new_batch: bool) -> None:
+        """Write the state. Before a new batch (`new_batch`) the previous state stays as curriculum.prev.json, the
+        state a resume needs if the batch never lands; otherwise the current state is replaced in place."""
         path = self.run_dir / STATE_FILE
         text = json.dumps(self._state(), indent=1) + "\n"
-        if path.exists():
+        if new_batch and path.exists():
             os.replace(path, self.run_dir / PREVIOUS_STATE_FILE)
         atomic_write_text(path, text)
 
@@ -156,8 +157,11 @@ class Orchestrator:
             raise UserError(f"{self.run_dir}: the stream's last batch is {last}, but neither {STATE_FILE} nor "
                             f"{PREVIOUS_STATE_FILE} is the state after it: cannot resume without repeating prompts")
 
-    def _wall_hours(self) -> float:
-        return self.wall_hours_before + (time.monotonic() - self.started) / 3600.0
+    def _compute(self) -> dict[str, float]:
+        """The run's compute so far: wall hours (over restarts), GPUs held, GPU-hours (wall x every GPU held)."""
+        hours = self.wall_hours_before + (time.monotonic() - self.started) / 3600.0
+        gpus = self.recipe.cluster.total_gpus
+        return {"wall_hours": hours, "gpus": gpus, "gpu_hours": hours * gpus}
 
     # ---- generation -----------------------------------------------------------------------------------------
 
@@ -253,12 +257,12 @@ class Orchestrator:
             batch, figures = build_train_batch(fresh, batch_index=self.written, recipe=self.recipe) if fresh \
                 else (None, {})
             if batch is None:  # every group filtered or stale: these prompts are used up, the batch index is not
-                atomic_write_text(self.run_dir / STATE_FILE, json.dumps(self._state(), indent=1) + "\n")
+                self._save_state(new_batch=False)
                 log.info("batch %d: no sample reached the loss (%d groups, %d of them stale); drawing more",
                          self.written, len(chosen), len(stale))
             else:
                 self.written += 1
-                self._save_state()
+                self._save_state(new_batch=True)
                 self.stream.put(batch, {"groups": [g.index for g in fresh], "prompts": [g.problem.key for g in fresh]},
                                 index=self.written - 1)
                 figures["rollout/stale_groups_regenerated"] = float(len(stale))
@@ -268,7 +272,6 @@ class Orchestrator:
 
     def _log_batch(self, figures: dict[str, float]) -> None:
         seconds = max(time.monotonic() - self.started, 1e-9)
-        hours = self._wall_hours()
         figures.update({
             "rollout/generator_idle_fraction": self.window["idle"] / max(self.window["polls"], 1),
             "rollout/tokens_per_s": self.generated["tokens"] / seconds,  # since this process started
@@ -276,8 +279,7 @@ class Orchestrator:
             "rollout/policy_version": float(self.version or 0),
             "curriculum/retired_prompts": float(len(self.resampling.retired)),
             "curriculum/epoch": float(self.sampler.epoch),
-            "wall_hours": hours, "gpus": self.recipe.cluster.total_gpus,
-            "gpu_hours": hours * self.recipe.cluster.total_gpus,
+            **self._compute(),
         })
         self.window = {"idle": 0, "polls": 0}
         self.metrics.log(self.written, figures)
@@ -320,11 +322,9 @@ class Orchestrator:
         correct = [c for g in groups for c in g.correct]
         lengths = [len(s.completion_ids) for g in groups for s in g.samples]
         truncated = [s.truncated for g in groups for s in g.samples]
-        hours = self._wall_hours()
         figures = {"val/pass_rate": sum(correct) / len(correct), "val/samples": float(len(correct)),
                    "val/length_mean": sum(lengths) / len(lengths), "val/truncation_rate": sum(truncated) / len(lengths),
-                   "wall_hours": hours, "gpus": self.recipe.cluster.total_gpus,
-                   "gpu_hours": hours * self.recipe.cluster.total_gpus}
+                   **self._compute()}
         self.metrics.log(version, figures)
         self.validated.add(version)
         print(f"validation at step {version}: pass rate {figures['val/pass_rate']:.3f} "
@@ -377,7 +377,7 @@ class Orchestrator:
             await self.validations[self.max_batches]
         if self.failure is not None:
             raise self.failure
-        atomic_write_text(self.run_dir / STATE_FILE, json.dumps(self._state(), indent=1) + "\n")
+        self._save_state(new_batch=False)
 
     def close(self) -> None:
         self.grader.close()

@@ -47,7 +47,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_serve)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 HEALTH_FAILURES = 3  # consecutive failed /health checks that end the command (one can be a busy CPU server)
 
 
@@ -93,13 +92,14 @@ def _fp32_lm_head(url: str, api_key: str | None, retry_s: float = 120.0) -> None
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from megatron_scalerl.models.tokenizer import has_tokenizer
     from megatron_scalerl.rollout.vllm_server import ServerError, VLLMServer, VLLMServerConfig
 
     model = Path(args.model)
     if not (model / "config.json").is_file():
         raise UserError(f"--model {model}: not a Hugging Face checkpoint directory (no config.json)")
     extra = tuple(args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args)
-    tokenizer = any((model / name).is_file() for name in TOKENIZER_FILES)
+    tokenizer = has_tokenizer(model)
     config = VLLMServerConfig(model=str(model), port=args.port, host=args.host, tensor_parallel_size=args.tp,
                               dtype=args.dtype, max_model_len=args.max_model_len, api_key=args.api_key,
                               seed=args.seed, skip_tokenizer_init=not tokenizer, extra_args=extra)

@@ -34,6 +34,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,24 @@ class VLLMServerConfig:
         return {**env, **self.env}
 
 
+def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float, *, what: str, log_path: Path,
+                 log_tail: Callable[[], str]) -> None:
+    """Return once GET `url`/health answers 200; ServerError naming `what`, with `log_path` and `log_tail()`, if
+    `process` (the server, or the command that runs it) exits first or `timeout_s` seconds pass."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        code = process.poll()
+        if code is not None:
+            raise ServerError(f"{what} exited with code {code} while starting; {log_path}:\n{log_tail()}")
+        try:
+            request_json(url, "/health", method="GET", timeout_s=5)
+            return
+        except ServerError:
+            if time.monotonic() > deadline:
+                raise ServerError(f"{what} not healthy within {timeout_s:g} s; {log_path}:\n{log_tail()}") from None
+            time.sleep(0.5)
+
+
 class VLLMServer:
     """A server process started from `config`; its output goes to `log_path` (appended)."""
 
@@ -200,24 +219,15 @@ class VLLMServer:
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Return once GET /health answers 200; ServerError (with the log's tail) if the process exits first or
-        `timeout_s` seconds pass."""
+        `timeout_s` seconds pass (the server is stopped then)."""
         if self.process is None:
             raise ServerError(f"{self.url}: not started")
-        deadline = time.monotonic() + timeout_s
-        while True:
-            code = self.process.poll()
-            if code is not None:
-                raise ServerError(f"vLLM server {self.url} exited with code {code} while starting; "
-                                  f"{self.log_path}:\n{self.log_tail()}")
-            try:
-                request_json(self.url, "/health", method="GET", timeout_s=5)
-                return
-            except ServerError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise ServerError(f"vLLM server {self.url} not healthy within {timeout_s:g} s; "
-                                      f"{self.log_path}:\n{self.log_tail()}") from None
-                time.sleep(0.5)
+        try:
+            wait_healthy(self.url, self.process, timeout_s, what=f"vLLM server {self.url}", log_path=self.log_path,
+                         log_tail=self.log_tail)
+        except ServerError:
+            self.stop()
+            raise
 
     def kill(self) -> None:
         """SIGKILL the server's whole process group at once (no clean shutdown); `start` may start it again."""

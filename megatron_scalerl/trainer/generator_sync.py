@@ -49,7 +49,6 @@ class GeneratorLink:
         self.config = config
         self.is_rank0 = is_rank0
         self.sender: WeightSender | None = None
-        self.version: int | None = None  # the version the live servers were last given
 
     @classmethod
     def from_run_dir(cls, run_dir: str | Path, recipe: Recipe, *, is_rank0: bool) -> GeneratorLink | None:
@@ -103,30 +102,31 @@ class GeneratorLink:
 
     # ---- collective -------------------------------------------------------------------------------------------
 
+    def _prepare(self) -> tuple[list[str], str | None]:
+        """Rank 0: the live servers, and the error of (re)forming the group with them (None: ready to send)."""
+        live = self._live()
+        return live, self._connect(live) if live else None
+
     def push(self, model_chunks: list, version: int) -> dict[str, float]:
         """Send the weights, tagged `version`, to every live server; returns the sync's metrics."""
+        error = None
         for attempt in (1, 2):
-            live = from_rank0(self._live() if self.is_rank0 else None)
+            if attempt == 2:
+                log.warning("weight sync of version %d failed (%s); trying again with the servers that answer",
+                            version, error)
+            live, error = from_rank0(self._prepare() if self.is_rank0 else None)
             if not live:
                 log.warning("no generator answers /health: version %d is sent when one is back", version)
-                self.version = None
                 return {"sync/generators": 0.0}
-            error = from_rank0(self._connect(live) if self.is_rank0 else None)
             if error is None:
                 try:
                     stats = push_weights(model_chunks, self.model_cfg, self.config, self.sender, version)
-                    self.version = version
-                    seconds = stats.seconds if stats is not None else 0.0
-                    return {"sync/generators": float(len(live)), "sync/seconds": seconds}
+                    return {"sync/generators": float(len(live)), "sync/seconds": stats.seconds if stats else 0.0}
                 except WeightSyncError as exc:
                     error = str(exc)
             if self.is_rank0:
                 self._close()
-            if attempt == 2:
-                raise WeightSyncError(f"weight sync of version {version} failed twice: {error}")
-            log.warning("weight sync of version %d failed (%s); trying again with the servers that answer", version,
-                        error)
-        raise AssertionError("unreachable")
+        raise WeightSyncError(f"weight sync of version {version} failed twice: {error}")
 
     def catch_up(self, model_chunks: list, version: int) -> bool:
         """Push `version` again if a live server does not serve it; returns whether a push happened."""
