@@ -108,6 +108,7 @@ class ParallelismConfig(Section):
     expert_tp: Pos | None = None  # tensor parallelism inside experts (None: same as tp)
     dp: Pos | None = None
     sequence_parallel: bool = False
+    recompute: Literal["none", "full"] = "none"  # full: keep only each layer's input, recompute the rest in backward
     micro_batch_size: Pos = 1
     generator_tp: Pos = 1  # tensor parallelism of each vLLM generator: generator GPUs / generator_tp servers
 

@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_source(show)
     _add_overrides(show)
     show.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    show.add_argument("--plan", action="store_true",
+                      help="print the per-GPU memory plan of the trainer and generator layouts instead")
+    show.add_argument("--gpu-gib", type=float, default=80.0, help="GPU memory the plan is checked against (GiB)")
     show.set_defaults(func=_show)
 
     diff = rsub.add_parser("diff", help="list the fields where two recipes differ")
@@ -46,8 +49,43 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _show(args: argparse.Namespace) -> int:
     recipe = rc.load_recipe(args.recipe, args.overrides, args.model_preset)
+    if args.plan:
+        return _plan(recipe, args.gpu_gib, args.json)
     print(json.dumps(recipe.to_dict()) if args.json else recipe.to_yaml(), end="\n" if args.json else "")
     return 0
+
+
+def _plan(recipe: rc.Recipe, gpu_gib: float, as_json: bool) -> int:
+    """Exit 0 when both layouts fit GPUs of `gpu_gib` GiB, else 1."""
+    from megatron_scalerl.models.memory_plan import (
+        VLLM_GPU_MEMORY_UTILIZATION,
+        generator_plan,
+        kv_sequences,
+        trainer_plan,
+    )
+
+    p = recipe.parallelism
+    plans = [(trainer_plan(recipe), 1.0), (generator_plan(recipe), VLLM_GPU_MEMORY_UTILIZATION)]
+    sequences = kv_sequences(recipe, gpu_gib)
+    fits = all(plan.fits(gpu_gib, usable) for plan, usable in plans)
+    if as_json:
+        print(json.dumps({"recipe": recipe.name, "gpu_gib": gpu_gib, "fits": fits, "kv_sequences": sequences,
+                          "plans": [plan.as_dict() for plan, _ in plans]}))
+        return 0 if fits else 1
+    experts = f" ep{p.ep} etp{p.expert_tp_size}" if recipe.model.is_moe else ""
+    print(f"{recipe.name}: {recipe.model.arch}, trainer tp{p.tp} pp{p.pp}{experts} "
+          f"dp{p.dp_size(recipe.cluster.trainer_gpus)} on {recipe.cluster.trainer_gpus} GPUs, recompute {p.recompute}; "
+          f"generators tp{p.generator_tp} on {recipe.cluster.generator_gpus} GPUs; per-GPU GiB against {gpu_gib:g}")
+    for plan, usable in plans:
+        print(f"  {plan.what}")
+        for part, size in plan.parts.items():
+            print(f"    {part:<38} {size / 2**30:8.2f}")
+        verdict = "fits" if plan.fits(gpu_gib, usable) else "DOES NOT FIT"
+        print(f"    {'total':<38} {plan.total_gib:8.2f}  {verdict} ({usable:.0%} of {gpu_gib:g} GiB)")
+        for note in plan.notes:
+            print(f"    ({note})")
+    print(f"  generator KV cache: {sequences} full-length sequences at once per server")
+    return 0 if fits else 1
 
 
 def _diff(args: argparse.Namespace) -> int:

@@ -10,21 +10,13 @@ trainer re-syncs it and the orchestrator's fleet takes it back). The run ends wh
 have both finished; a role that fails ends it with exit 1 and its log's tail.
 
 Ctrl-C or SIGTERM: the orchestrator stops first (its state is that of its last batch), then the trainer, which
-checkpoints its current step, then the generators; exit 130. `--resume` continues from the checkpoints, the rollout
-stream and the orchestrator's state. Roles run in sessions of their own, so a terminal's Ctrl-C reaches only this
-process, which stops them in that order.
+checkpoints its current step, then the generators (launch/supervise.py); exit 130 or 143. `--resume` continues from
+the checkpoints, the rollout stream and the orchestrator's state.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import subprocess
-import sys
-import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
@@ -36,84 +28,9 @@ from megatron_scalerl.launch.roles import (
     tokenizer_source,
     trainer_command,
 )
+from megatron_scalerl.launch.supervise import Role, run_roles
 from megatron_scalerl.platform.local_workers import free_port
 from megatron_scalerl.recipe import Recipe, load_recipe
-
-POLL_S = 1.0
-STOP_TIMEOUT_S = 120.0  # seconds a role gets to stop cleanly (the trainer's last checkpoint) before SIGKILL
-
-
-@dataclass
-class Role:
-    """One role's process; `command` is started again by `start` (a generator after it died)."""
-
-    name: str
-    command: list[str]
-    log: Path
-    env: dict[str, str] = field(default_factory=dict)
-    echo: bool = False  # copy its stdout lines to ours (the orchestrator's progress)
-    process: subprocess.Popen | None = None
-    restarts: int = 0
-
-    def start(self) -> Role:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as out:  # the child keeps its own descriptor
-            self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE if self.echo else out,
-                                            stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
-                                            env={**os.environ, **self.env})
-        if self.echo:
-            threading.Thread(target=self._tee, args=(self.process, self.log), daemon=True).start()
-        return self
-
-    @staticmethod
-    def _tee(process: subprocess.Popen, log: Path) -> None:
-        with open(log, "ab") as out:
-            for line in process.stdout:
-                out.write(line)
-                out.flush()
-                sys.stdout.write(line.decode(errors="replace"))
-                sys.stdout.flush()
-
-    def tail(self, lines: int = 20) -> str:
-        text = self.log.read_text(errors="replace") if self.log.is_file() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """SIGTERM the role's main process (it stops its own children: torchrun its workers, which must still have
-        their checkpoint writers), wait up to `timeout_s` seconds, then SIGKILL whatever is left of its group."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            try:
-                self.process.send_signal(signal.SIGTERM)
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # stragglers of the group (a server's engine core, a worker that did not stop)
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait()
-
-
-class _Interrupted(Exception):
-    pass
-
-
-def _interrupt(*_: object) -> None:
-    raise _Interrupted
-
-
-def _wait_ready(generators: list[Role], urls: list[str], timeout_s: float) -> None:
-    from megatron_scalerl.rollout.vllm_server import ServerError, wait_healthy
-
-    deadline = time.monotonic() + timeout_s
-    for role, url in zip(generators, urls, strict=True):
-        try:
-            wait_healthy(url, role.process, max(deadline - time.monotonic(), 0.0), what=f"{role.name} ({url})",
-                         log_path=role.log, log_tail=role.tail)
-        except ServerError as exc:
-            raise UserError(str(exc)) from None
 
 
 def start_run(run_dir: Path, recipe: Recipe, tokenizer_dir: Path) -> int:
@@ -150,49 +67,7 @@ def run_local(run_dir: Path, recipe: Recipe, *, resume: bool, ready_timeout_s: f
     trainer = Role("trainer", trainer_command(run_dir, recipe), logs / "trainer.log", trainer_env)
     orchestrator = Role("orchestrator", orchestrator_command(run_dir, resume=resume), logs / "orchestrator.log",
                         echo=True)
-    roles = [orchestrator, trainer, *generators]  # the order they stop in
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        for role in generators:
-            role.start()
-        print(f"run {run_dir}: starting {servers} generator(s); logs in {logs}", flush=True)
-        _wait_ready(generators, urls, ready_timeout_s)
-        trainer.start()
-        orchestrator.start()
-        print(f"run {run_dir}: trainer and orchestrator started", flush=True)
-        return _supervise(trainer, orchestrator, generators)
-    except _Interrupted:
-        print(f"run {run_dir}: stopping (the trainer checkpoints first); resume with --resume", flush=True)
-        return 130
-    finally:
-        for sig in previous:  # a second Ctrl-C must not cut the ordered stop short (each role is bounded in time)
-            signal.signal(sig, signal.SIG_IGN)
-        for role in roles:
-            role.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _supervise(trainer: Role, orchestrator: Role, generators: list[Role]) -> int:
-    finished: set[str] = set()
-    while True:
-        for role in (trainer, orchestrator):
-            code = role.process.poll()
-            if code is None or role.name in finished:
-                continue
-            if code != 0:
-                print(f"{role.name} failed (exit {code}); {role.log}:\n{role.tail()}", file=sys.stderr, flush=True)
-                return 1
-            finished.add(role.name)
-        if finished == {trainer.name, orchestrator.name}:
-            return 0
-        for role in generators:
-            if role.process.poll() is not None:
-                role.restarts += 1
-                print(f"{role.name} exited (code {role.process.returncode}); starting it again "
-                      f"(restart {role.restarts}); the trainer re-syncs its weights", flush=True)
-                role.start()
-        time.sleep(POLL_S)
+    return run_roles(f"run {run_dir}", generators, urls, trainer, orchestrator, ready_timeout_s=ready_timeout_s)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

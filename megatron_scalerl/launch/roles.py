@@ -64,16 +64,18 @@ def serving_dtype(recipe: Recipe, cuda: bool) -> str:
     return "bfloat16" if recipe.trainer.precision == "bf16" else "float32"
 
 
-def trainer_command(run_dir: Path, recipe: Recipe, *, nnodes: int = 1, node_rank: int = 0,
-                    rendezvous: str | None = None) -> list[str]:
-    """torchrun over the trainer's processes (`rendezvous` host:port for several nodes, else standalone)."""
+def trainer_command(run_dir: Path, recipe: Recipe, *, rendezvous: str | None = None) -> list[str]:
+    """torchrun over the trainer's processes: all `cluster.trainer_gpus` of them on this machine, or, given
+    `rendezvous` (host:port on the first trainer node), this node's `cluster.gpus_per_node` of `cluster.trainer_nodes`
+    nodes; each node's rank then comes from $PET_NODE_RANK (torchrun's own variable for --node-rank)."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    per_node = recipe.cluster.trainer_gpus // nnodes
-    where = ["--standalone"] if rendezvous is None else [f"--nnodes={nnodes}", f"--node-rank={node_rank}",
-                                                         f"--master-addr={rendezvous.split(':')[0]}",
-                                                         f"--master-port={rendezvous.split(':')[1]}"]
-    return [torchrun, *where, f"--nproc-per-node={per_node}", "-m", "megatron_scalerl.trainer",
-            "--run-dir", str(run_dir)]
+    if rendezvous is None:
+        where = ["--standalone", f"--nproc-per-node={recipe.cluster.trainer_gpus}"]
+    else:
+        host, port = rendezvous.rsplit(":", 1)
+        where = [f"--nnodes={recipe.cluster.trainer_nodes}", f"--nproc-per-node={recipe.cluster.gpus_per_node}",
+                 f"--master-addr={host}", f"--master-port={port}"]
+    return [torchrun, *where, "-m", "megatron_scalerl.trainer", "--run-dir", str(run_dir)]
 
 
 def generator_command(run_dir: Path, recipe: Recipe, *, port: int, host: str, dtype: str, log: Path) -> list[str]:

@@ -80,6 +80,8 @@ def transformer_config(
         expert_tensor_parallel_size=parallel_cfg.expert_tp_size,
         sequence_parallel=parallel_cfg.sequence_parallel and parallel_cfg.tp > 1,
         pipeline_dtype=params_dtype if parallel_cfg.pp > 1 else None,
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+           if parallel_cfg.recompute == "full" else {}),
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,

@@ -46,6 +46,7 @@ from megatron_scalerl.algo.length_control import length_penalty
 from megatron_scalerl.algo.resampling import NoPositiveResampling
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text
+from megatron_scalerl.launch.gpu_hours import ComputeMeter
 from megatron_scalerl.metrics import MetricsLog
 from megatron_scalerl.recipe import Recipe, load_recipe
 from megatron_scalerl.rollout.fleet import Fleet, FleetError, GenerationRequest
@@ -106,8 +107,7 @@ class Orchestrator:
         self.failed = asyncio.Event()
         self.version: int | None = None
         self.changed = asyncio.Condition()
-        self.wall_hours_before = 0.0
-        self.started = time.monotonic()
+        self.compute = ComputeMeter(run_dir, recipe.cluster.total_gpus)
         self.window = {"idle": 0, "polls": 0}  # generator idle polls since the last batch
         self.generated = {"tokens": 0, "samples": 0}  # completion tokens and samples of finished groups
         if resume:
@@ -121,7 +121,7 @@ class Orchestrator:
         return {"batch": self.written - 1, "next_group": self.next_group, "sampler": self.sampler.state_dict(),
                 "resampling": self.resampling.state_dict(), "validated": sorted(self.validated),
                 "pending": self.requeued + [self.pending[i].key for i in sorted(self.pending)],
-                "wall_hours": self._compute()["wall_hours"]}
+                "wall_hours": self.compute.wall_hours()}
 
     def _save_state(self, *, new_batch: bool) -> None:
         """Write the state. Before a new batch (`new_batch`) the previous state stays as curriculum.prev.json, the
@@ -147,7 +147,7 @@ class Orchestrator:
                 self.written, self.next_group = last + 1, int(state["next_group"])
                 self.requeued = [key for key in state["pending"] if key in self.problems]
                 self.validated = set(state["validated"])
-                self.wall_hours_before = float(state["wall_hours"])
+                self.compute.wall_hours_before = float(state["wall_hours"])
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 raise UserError(f"{path}: malformed orchestrator state: {type(exc).__name__}: {exc}") from None
             log.info("resumed from %s: %d batches written, %d prompts to admit again", path.name, self.written,
@@ -156,12 +156,6 @@ class Orchestrator:
         if last >= 0:
             raise UserError(f"{self.run_dir}: the stream's last batch is {last}, but neither {STATE_FILE} nor "
                             f"{PREVIOUS_STATE_FILE} is the state after it: cannot resume without repeating prompts")
-
-    def _compute(self) -> dict[str, float]:
-        """The run's compute so far: wall hours (over restarts), GPUs held, GPU-hours (wall x every GPU held)."""
-        hours = self.wall_hours_before + (time.monotonic() - self.started) / 3600.0
-        gpus = self.recipe.cluster.total_gpus
-        return {"wall_hours": hours, "gpus": gpus, "gpu_hours": hours * gpus}
 
     # ---- generation -----------------------------------------------------------------------------------------
 
@@ -271,7 +265,7 @@ class Orchestrator:
                 self.changed.notify_all()
 
     def _log_batch(self, figures: dict[str, float]) -> None:
-        seconds = max(time.monotonic() - self.started, 1e-9)
+        seconds = max(time.monotonic() - self.compute.started, 1e-9)
         figures.update({
             "rollout/generator_idle_fraction": self.window["idle"] / max(self.window["polls"], 1),
             "rollout/tokens_per_s": self.generated["tokens"] / seconds,  # since this process started
@@ -279,7 +273,7 @@ class Orchestrator:
             "rollout/policy_version": float(self.version or 0),
             "curriculum/retired_prompts": float(len(self.resampling.retired)),
             "curriculum/epoch": float(self.sampler.epoch),
-            **self._compute(),
+            **self.compute.figures(),
         })
         self.window = {"idle": 0, "polls": 0}
         self.metrics.log(self.written, figures)
@@ -324,7 +318,7 @@ class Orchestrator:
         truncated = [s.truncated for g in groups for s in g.samples]
         figures = {"val/pass_rate": sum(correct) / len(correct), "val/samples": float(len(correct)),
                    "val/length_mean": sum(lengths) / len(lengths), "val/truncation_rate": sum(truncated) / len(lengths),
-                   **self._compute()}
+                   **self.compute.figures()}
         self.metrics.log(version, figures)
         self.validated.add(version)
         print(f"validation at step {version}: pass rate {figures['val/pass_rate']:.3f} "

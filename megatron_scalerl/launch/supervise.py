@@ -1,0 +1,178 @@
+"""Run a run's roles as processes and watch them: the part that `scalerl train` (one machine) and the SLURM job
+(`launch/slurm.py`, each role behind an `srun`) share.
+
+    generators -> wait until healthy -> trainer + orchestrator -> watch -> ordered stop
+
+The run ends when the trainer and the orchestrator have both finished (exit 0); a failed one ends it (exit 1, its
+log's tail printed). A generator that exits is started again (the trainer re-syncs it, the orchestrator's fleet takes
+it back); one that keeps dying within `QUICK_EXIT_S` seconds of its start (its node is gone) is given up after
+`QUICK_EXITS` tries and the fleet goes on without it; with no generator left the run fails.
+
+A stop signal (`stop_signals`: Ctrl-C, SIGTERM, SLURM's time-limit warning) stops the roles in order: the
+orchestrator (its state on disk is that of its last batch), the trainer (it checkpoints its current step), the
+generators; the exit code is then 128 + the signal's number. Every role runs in a session of its own, so a terminal's
+Ctrl-C reaches only the supervisor, which stops them in that order.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_scalerl.errors import UserError
+
+POLL_S = 1.0
+STOP_TIMEOUT_S = 120.0  # seconds a role gets to stop cleanly (the trainer's last checkpoint) before SIGKILL
+QUICK_EXIT_S = 60.0  # a generator that exits this soon after its start counts as a quick exit
+QUICK_EXITS = 3  # quick exits in a row after which a generator is given up
+
+
+@dataclass
+class Role:
+    """One role's process; `command` is started again by `start` (a generator after it died)."""
+
+    name: str
+    command: list[str]
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    echo: bool = False  # copy its stdout lines to ours (the orchestrator's progress)
+    terminate: Callable[[], bool] | None = None  # asks the role to stop; False: do it with SIGTERM (srun's tasks
+    # must get the signal from SLURM: a SIGTERM to srun itself kills them at once)
+    process: subprocess.Popen | None = None
+    started: float = 0.0  # time.monotonic() of the last start
+    restarts: int = 0
+    quick_exits: int = 0  # in a row
+
+    def start(self) -> Role:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE if self.echo else out,
+                                            stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
+                                            env={**os.environ, **self.env})
+        self.started = time.monotonic()
+        if self.echo:
+            threading.Thread(target=self._tee, args=(self.process, self.log), daemon=True).start()
+        return self
+
+    @staticmethod
+    def _tee(process: subprocess.Popen, log: Path) -> None:
+        with open(log, "ab") as out:
+            for line in process.stdout:
+                out.write(line)
+                out.flush()
+                sys.stdout.write(line.decode(errors="replace"))
+                sys.stdout.flush()
+
+    def tail(self, lines: int = 20) -> str:
+        text = self.log.read_text(errors="replace") if self.log.is_file() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Ask the role to stop (`terminate`, else SIGTERM to its main process, which stops its own children: torchrun
+        its workers, which must still have their checkpoint writers), wait up to `timeout_s` seconds, then SIGKILL
+        what is left of its process group."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            try:
+                if self.terminate is None or not self.terminate():
+                    self.process.send_signal(signal.SIGTERM)
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # stragglers of the group (a server's engine core, a worker that did not stop)
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+
+class _Stop(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stop(signum: int, _frame: object) -> None:
+    raise _Stop(signum)
+
+
+def _wait_ready(generators: list[Role], urls: list[str], timeout_s: float) -> None:
+    from megatron_scalerl.rollout.vllm_server import ServerError, wait_healthy
+
+    deadline = time.monotonic() + timeout_s
+    for role, url in zip(generators, urls, strict=True):
+        try:
+            wait_healthy(url, role.process, max(deadline - time.monotonic(), 0.0), what=f"{role.name} ({url})",
+                         log_path=role.log, log_tail=role.tail)
+        except ServerError as exc:
+            raise UserError(str(exc)) from None
+
+
+def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role, orchestrator: Role, *,
+              ready_timeout_s: float = 900.0,
+              stop_signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> int:
+    """Start and watch the roles (generator i serves `urls[i]`) until the run ends or a stop signal comes; the exit
+    code (0, 1, or 128 + the stop signal's number). `label` names the run in progress lines."""
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in stop_signals}
+    try:
+        for role in generators:
+            role.start()
+        print(f"{label}: starting {len(generators)} generator(s); logs in {trainer.log.parent}", flush=True)
+        _wait_ready(generators, urls, ready_timeout_s)
+        trainer.start()
+        orchestrator.start()
+        print(f"{label}: trainer and orchestrator started", flush=True)
+        return _supervise(trainer, orchestrator, generators)
+    except _Stop as stop:
+        print(f"{label}: {stop} received: stopping (the trainer checkpoints first)", flush=True)
+        return 128 + stop.signum
+    finally:
+        for sig in previous:  # a second signal must not cut the ordered stop short (each role is bounded in time)
+            signal.signal(sig, signal.SIG_IGN)
+        for role in (orchestrator, trainer, *generators):
+            role.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _supervise(trainer: Role, orchestrator: Role, generators: list[Role]) -> int:
+    finished: set[str] = set()
+    live = list(generators)
+    while True:
+        for role in (trainer, orchestrator):
+            code = role.process.poll()
+            if code is None or role.name in finished:
+                continue
+            if code != 0:
+                print(f"{role.name} failed (exit {code}); {role.log}:\n{role.tail()}", file=sys.stderr, flush=True)
+                return 1
+            finished.add(role.name)
+        if finished == {trainer.name, orchestrator.name}:
+            return 0
+        for role in list(live):
+            if role.process.poll() is None:
+                continue
+            quick = time.monotonic() - role.started < QUICK_EXIT_S
+            role.quick_exits = role.quick_exits + 1 if quick else 0
+            if role.quick_exits >= QUICK_EXITS:
+                live.remove(role)
+                print(f"{role.name} exited {QUICK_EXITS} times within {QUICK_EXIT_S:.0f} s of its start (code "
+                      f"{role.process.returncode}): given up, the fleet goes on without it; {role.log}:\n"
+                      f"{role.tail(5)}", file=sys.stderr, flush=True)
+                if not live:
+                    print("no generator left: the run cannot go on", file=sys.stderr, flush=True)
+                    return 1
+                continue
+            role.restarts += 1
+            print(f"{role.name} exited (code {role.process.returncode}); starting it again (restart "
+                  f"{role.restarts}); the trainer re-syncs its weights", flush=True)
+            role.start()
+        time.sleep(POLL_S)

@@ -1,0 +1,192 @@
+"""Will it fit: per-GPU memory of the trainer's layout and of a generator's, from the recipe alone (pure arithmetic).
+
+Trainer, per GPU of the most loaded pipeline stage (bytes):
+- weights: the stage's share of parameters (dense ones / tp, routed experts / (ep x expert_tp), embedding and output
+  layer / tp on their stages) x 2 in bf16 or 4 in fp32 (the FP32 head always 4);
+- gradients: 4 bytes per parameter (Megatron's main grads are FP32: grad_reduce_in_fp32);
+- optimizer: Adam's two moments (+ the FP32 master copy in bf16) = 8 (12) bytes per parameter, sharded over the
+  parameter's data-parallel group by the distributed optimizer (experts: the expert-data-parallel group);
+- activations of the micro-batches in flight (1F1B keeps `pp` of them on the first stage: the stage's layers x pp =
+  all layers' worth of one micro-batch) at micro_batch_size x (max_prompt_tokens + max_new_tokens) tokens: per layer
+  the tensors autograd keeps (norm inputs, q/k/v, attention output, MLP inputs, SwiGLU halves, expert copies of the
+  routed tokens), split by tp (sequence parallelism splits the rest), or with full recomputation the layer inputs
+  only plus one layer's working set; attention "flash" (GPU: softmax never stored) or "unfused" (CPU: a x s^2);
+- the FP32 head's chunked log-probs: 1024-token chunks of FP32 logits (forward, softmax, gradient);
+- a fixed runtime reserve (CUDA context, NCCL buffers, allocator slack).
+
+Generator (one vLLM server of generator_tp GPUs), per GPU: all weights / generator_tp (the head FP32 with
+`fp32_lm_head`), the KV cache of at least one sequence at full length (max_prompt_tokens + max_new_tokens; the rest
+of the GPU up to vLLM's gpu_memory_utilization, 0.9, holds more: `kv_sequences`), and the runtime reserve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_scalerl.models.arch import is_moe_layer
+from megatron_scalerl.models.mapping import padded_vocab_size
+from megatron_scalerl.recipe import Recipe
+
+GIB = 2**30
+RUNTIME_RESERVE_GIB = 3.0  # CUDA context, NCCL communicators and buffers, allocator fragmentation
+LOGPROB_CHUNK_TOKENS = 1024  # trainer/logprobs.py's DEFAULT_CHUNK_TOKENS
+VLLM_MAX_NUM_SEQS = 256
+VLLM_GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass
+class MemoryPlan:
+    """Per-GPU bytes by part (insertion order is print order)."""
+
+    what: str
+    parts: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_gib(self) -> float:
+        return sum(self.parts.values()) / GIB
+
+    def fits(self, gpu_gib: float, usable_fraction: float = 1.0) -> bool:
+        return self.total_gib <= gpu_gib * usable_fraction
+
+    def as_dict(self) -> dict:
+        return {"what": self.what, "gib": {k: v / GIB for k, v in self.parts.items()}, "total_gib": self.total_gib,
+                "notes": self.notes}
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters of one kind each, whole model (not split)."""
+
+    dense_per_layer: list[int]  # attention, norms, dense MLP or router + shared expert, per layer
+    experts_per_layer: list[int]  # routed experts, per layer (0 on dense layers)
+    embedding: int
+    output: int  # the output layer (0 when tied to the embedding)
+    final_norm: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.dense_per_layer) + sum(self.experts_per_layer) + self.embedding + self.output + self.final_norm
+
+
+def param_counts(recipe: Recipe, tp: int = 1) -> ParamCounts:
+    m = recipe.model
+    h, hd = m.hidden_size, m.head_dim
+    attention = h * hd * (2 * m.num_attention_heads + 2 * m.num_query_groups) + 2 * h  # q, k, v, o; two norms
+    dense, experts = [], []
+    for layer in range(m.num_layers):
+        if is_moe_layer(m, layer):
+            dense.append(attention + h * m.num_experts + 3 * h * m.moe_ffn_hidden_size)  # router, shared expert
+            experts.append(m.num_experts * 3 * h * m.moe_ffn_hidden_size)
+        else:
+            dense.append(attention + 3 * h * m.ffn_hidden_size)
+            experts.append(0)
+    vocab = padded_vocab_size(m.vocab_size, tp) * h
+    return ParamCounts(dense, experts, vocab, 0 if m.tie_word_embeddings else vocab, h)
+
+
+def _layer_activation_bytes(recipe: Recipe, tokens: int, moe: bool, attention: str, recompute: bool) -> float:
+    """Bytes autograd keeps for one layer of one micro-batch of `tokens` tokens (rows x sequence), per TP rank."""
+    m, par = recipe.model, recipe.parallelism
+    b = 2 if recipe.trainer.precision == "bf16" else 4
+    tp, h, hd = par.tp, m.hidden_size, m.head_dim
+    sp = par.sequence_parallel and tp > 1
+    if recompute:
+        return tokens * h * b / (tp if sp else 1)  # the layer's input only
+    replicated = 4 * h  # two norm inputs, two norm outputs: split only by sequence parallelism
+    attention_part = (2 * m.num_attention_heads + 2 * m.num_query_groups) * hd  # q, k, v, attention output
+    if moe:  # balanced routing: each token's k routed copies (in, FC1, SwiGLU, out), the shared expert, router
+        f = m.moe_ffn_hidden_size
+        mlp = m.moe_router_topk * (2 * h + 3 * f) + 3 * f + m.num_experts
+    else:
+        mlp = 3 * m.ffn_hidden_size  # FC1 output (gate and up), SwiGLU output
+    per_token = replicated / (tp if sp else 1) + (attention_part + mlp) / tp
+    total = tokens * per_token * b
+    if attention == "unfused":
+        rows = par.micro_batch_size
+        seq = tokens // rows
+        total += rows * m.num_attention_heads / tp * seq * seq * b  # the stored softmax
+    return total
+
+
+def trainer_plan(recipe: Recipe, *, recompute: bool | None = None,
+                 attention: Literal["flash", "unfused"] = "flash") -> MemoryPlan:
+    """The trainer's per-GPU memory on its most loaded pipeline stage. `recompute` defaults to the recipe's
+    `parallelism.recompute`; `attention` "flash" (GPUs) or "unfused" (CPUs)."""
+    stages = [(True, recipe.parallelism.pp == 1), (recipe.parallelism.pp == 1, True)]  # (first, last) stages
+    plans = [_stage_plan(recipe, first, last, recompute, attention) for first, last in stages]
+    return max(plans, key=lambda plan: plan.total_gib)
+
+
+def _stage_plan(recipe: Recipe, first: bool, last: bool, recompute: bool | None, attention: str) -> MemoryPlan:
+    par, m = recipe.parallelism, recipe.model
+    recompute = par.recompute == "full" if recompute is None else recompute
+    counts = param_counts(recipe, par.tp)
+    layers = range(m.num_layers // par.pp) if first else range(m.num_layers - m.num_layers // par.pp, m.num_layers)
+    dense = sum(counts.dense_per_layer[i] for i in layers) / par.tp + (counts.embedding / par.tp if first else 0)
+    experts = sum(counts.experts_per_layer[i] for i in layers) / (par.ep * par.expert_tp_size)
+    head = (counts.output + counts.final_norm) / par.tp if last else 0.0
+    bf16 = recipe.trainer.precision == "bf16"
+    weight_bytes = 2 if bf16 else 4
+    dp = par.dp_size(recipe.cluster.trainer_gpus)
+    expert_dp = max(1, recipe.cluster.trainer_gpus // (par.pp * par.ep * par.expert_tp_size))
+    plan = MemoryPlan(f"trainer ({'first' if first else 'last'} pipeline stage)" if par.pp > 1 else "trainer")
+    plan.parts["weights"] = (dense + experts) * weight_bytes + head * (4 if recipe.trainer.fp32_lm_head
+                                                                       else weight_bytes)
+    plan.parts["gradients (fp32)"] = (dense + experts + head) * 4
+    plan.parts["optimizer (distributed)"] = ((dense + head) / dp + experts / expert_dp) * (12 if bf16 else 8)
+    tokens = par.micro_batch_size * (recipe.rollout.max_prompt_tokens + recipe.rollout.max_new_tokens)
+    micro_batches = max(1, recipe.rollout.prompts_per_step * recipe.rollout.generations_per_prompt
+                        // (dp * par.micro_batch_size))
+    in_flight = min(par.pp, micro_batches) if first else 1  # 1F1B: the first stage holds pp micro-batches
+    per_layer = [_layer_activation_bytes(recipe, tokens, is_moe_layer(m, i), attention, recompute) for i in layers]
+    activations = sum(per_layer) * in_flight
+    if recompute:  # one layer's full working set during its backward
+        activations += max(_layer_activation_bytes(recipe, tokens, is_moe_layer(m, i), attention, False)
+                           for i in layers)
+    plan.parts["activations" + (" (full recompute)" if recompute else "")] = activations
+    if last:
+        vocab_per_rank = padded_vocab_size(m.vocab_size, par.tp) / par.tp
+        plan.parts["fp32 log-prob chunks"] = 3 * min(LOGPROB_CHUNK_TOKENS, tokens) * vocab_per_rank * 4
+    plan.parts["runtime reserve"] = RUNTIME_RESERVE_GIB * GIB
+    plan.notes.append(f"{counts.total / 1e9:.2f}B parameters, {len(layers)} layers on this stage; micro-batch of "
+                      f"{tokens} tokens, {in_flight} in flight; dp {dp}, expert dp {expert_dp}; attention {attention}")
+    return plan
+
+
+def generator_plan(recipe: Recipe) -> MemoryPlan:
+    """One vLLM server's per-GPU memory: weights, the KV cache of one sequence at full length (vLLM refuses to start
+    without it; `kv_sequences` says how many fit on a given GPU), and the runtime reserve."""
+    tp = recipe.parallelism.generator_tp
+    counts = param_counts(recipe, 1)
+    serve_bytes = 2 if recipe.trainer.precision == "bf16" else 4
+    head_bytes = 4 if recipe.trainer.fp32_lm_head else serve_bytes
+    plan = MemoryPlan("generator")
+    plan.parts["weights"] = ((counts.total - counts.output) * serve_bytes + counts.output * head_bytes) / tp
+    plan.parts["kv cache, one full-length sequence"] = kv_bytes_per_sequence(recipe)
+    plan.parts["runtime reserve"] = RUNTIME_RESERVE_GIB * GIB
+    plan.notes.append(f"tp {tp}; a sequence is up to {_sequence_tokens(recipe)} tokens; vLLM may use "
+                      f"{VLLM_GPU_MEMORY_UTILIZATION:.0%} of a GPU (gpu_memory_utilization)")
+    return plan
+
+
+def _sequence_tokens(recipe: Recipe) -> int:
+    return recipe.rollout.max_prompt_tokens + recipe.rollout.max_new_tokens
+
+
+def kv_bytes_per_sequence(recipe: Recipe) -> float:
+    """KV-cache bytes per GPU of one full-length sequence on a generator (KV heads split by generator_tp, replicated
+    when it exceeds them)."""
+    m, tp = recipe.model, recipe.parallelism.generator_tp
+    kv_heads = max(1, m.num_query_groups // tp)
+    serve_bytes = 2 if recipe.trainer.precision == "bf16" else 4
+    return _sequence_tokens(recipe) * m.num_layers * 2 * kv_heads * m.head_dim * serve_bytes
+
+
+def kv_sequences(recipe: Recipe, gpu_gib: float) -> int:
+    """Full-length sequences a generator can hold at once on GPUs of `gpu_gib` GiB (vLLM decodes at most
+    max_num_seqs, 256, and preempts when the cache is full)."""
+    plan = generator_plan(recipe)
+    free = gpu_gib * GIB * VLLM_GPU_MEMORY_UTILIZATION - (plan.parts["weights"] + plan.parts["runtime reserve"])
+    return max(0, min(VLLM_MAX_NUM_SEQS, int(free // kv_bytes_per_sequence(recipe))))
