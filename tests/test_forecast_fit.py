@@ -257,3 +257,14 @@ def test_flat_or_falling_metric_says_no_gain():
         forecast = make_forecast(Curve.from_arrays(compute, reward), ForecastOptions(resamples=20))
         assert not forecast.identifiable and "no gain over R0" in forecast.warnings[0]
         assert forecast.recommendation().startswith("No measurable gain")
+
+
+def test_prediction_intervals_of_a_small_noisy_run_stay_pass_rates():
+    """A demo-sized run: 7 validations of 256 samples from 0.24 to 0.45 over 0.15 GPU-hours. Its bootstrap draws
+    spread wide, but a pass rate stays in [0, 1]."""
+    compute = np.linspace(0.0, 0.15, 7)
+    reward = np.array([0.238, 0.25, 0.31, 0.29, 0.38, 0.41, 0.453])
+    forecast = make_forecast(Curve.from_arrays(compute, reward), ForecastOptions(
+        resamples=60, budgets=(1.0, 5.0, 100.0), eval_draws=256, min_compute=0.0))
+    for prediction in forecast.to_dict()["predictions"]:
+        assert 0.0 <= prediction["lo"] <= prediction["reward"] <= prediction["hi"] <= 1.0

@@ -172,9 +172,10 @@ class Bootstrap:
 
     def rewards(self, compute) -> np.ndarray:
         """Draws of the run's pass rate p(C) at `compute` GPU-hours, shape (k, len(compute)): the fitted curve minus
-        each replicate's forecast error (its refitted curve minus its own pass rate)."""
+        each replicate's forecast error (its refitted curve minus its own pass rate), kept in [0, 1] (a pass rate;
+        on a small noisy run the error draws alone would reach below 0)."""
         fitted = self.base.predict(np.atleast_1d(np.asarray(compute, dtype=float)))
-        return 2 * fitted[None, :] - self.curves(compute) + self.drift_at(compute)
+        return np.clip(2 * fitted[None, :] - self.curves(compute) + self.drift_at(compute), 0.0, 1.0)
 
     def compute_to_reach(self, reward: float) -> np.ndarray:
         """GPU-hours each refitted curve needs to reach `reward` (inf where it never does): shape (k,)."""

@@ -66,6 +66,9 @@ def node_problems(run_dir: Path, model: Path, ports: list[int], gpus: int | None
         problems.append(f"model {model} is not visible here (no config.json)")
     for port in ports:
         with socket.socket() as sock:
+            # SO_REUSEADDR: a listener still makes the bind fail, while the same check on another (virtual) node of
+            # this host or a closed connection's TIME_WAIT does not
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind(("0.0.0.0", port))
             except OSError:

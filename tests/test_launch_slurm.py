@@ -1,0 +1,142 @@
+"""The SLURM launcher's parts that need no cluster: the allocation's roles and checks, preflight's parsers and node
+check on recorded output, GPU-hours from sacct, and the supervisor's handling of generators that keep dying."""
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_scalerl.errors import UserError
+from megatron_scalerl.launch.gpu_hours import ComputeMeter, parse_sacct, record_job
+from megatron_scalerl.launch.preflight import node_problems, parse_nccl_tests
+from megatron_scalerl.launch.slurm import Allocation, Group, Node, _per_node_count, job_roles
+from megatron_scalerl.launch.supervise import Role, _supervise
+from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.run_dir import read_generators
+
+NCCL_TESTS = Path(__file__).parent / "data" / "nccl_tests"
+DEMO = load_recipe("demo")  # two trainer nodes x 1, one generator node
+
+
+def _alloc(trainer_nodes=2, generator_nodes=1, gpus=1, cpus=2) -> Allocation:
+    nodes = [Node(f"gpu{i}", f"10.0.0.{i}") for i in range(trainer_nodes + generator_nodes)]
+    return Allocation(4321, 0, Group(nodes[:trainer_nodes], gpus, cpus), Group(nodes[trainer_nodes:], gpus, cpus),
+                      ("4321", "4322"))
+
+
+@pytest.mark.parametrize("name, busbw", [("all_reduce_perf_h100x8.txt", 448.212),
+                                         ("all_reduce_perf_efa_2nodes_mpirun.txt", 1.15327)])
+def test_nccl_tests_average_bus_bandwidth_from_recorded_runs(name, busbw):
+    assert parse_nccl_tests((NCCL_TESTS / name).read_text()) == pytest.approx(busbw)
+
+
+def test_nccl_tests_output_that_never_finished_is_refused():
+    text = (NCCL_TESTS / "all_reduce_perf_h100x8.txt").read_text().split("# Out of bounds")[0]
+    with pytest.raises(ValueError, match="Avg bus bandwidth"):
+        parse_nccl_tests(text)
+
+
+def test_sacct_gpu_hours_sum_every_allocation_and_requeued_run():
+    # sacct -X -n -P --duplicates -o JobID,ElapsedRaw,AllocTRES: two het components (4 and 8 nodes of 8 GPUs), the
+    # first run requeued after 600 s
+    text = ("4321+0|600|billing=256,cpu=256,gres/gpu=32,mem=2000G,node=4\n"
+            "4321+1|600|billing=512,cpu=512,gres/gpu=64,mem=4000G,node=8\n"
+            "4321+0|3000|billing=256,cpu=256,gres/gpu=32,mem=2000G,node=4\n"
+            "4321+1|3000|billing=512,cpu=512,gres/gpu=64,mem=4000G,node=8\n")
+    assert parse_sacct(text) == pytest.approx((600 + 3000) * 96 / 3600)
+    assert parse_sacct("4321+0|600|billing=2,cpu=2,mem=1G,node=1\n") is None  # no GPU TRES: not GPU-hours
+
+
+def test_compute_meter_takes_sacct_when_it_answers(tmp_path, monkeypatch):
+    meter = ComputeMeter(tmp_path, gpus=16)
+    assert meter.figures()["gpu_hours_source"] == "wall"  # not a SLURM run
+    record_job(tmp_path, 4321)
+    record_job(tmp_path, 4321)
+    assert (tmp_path / "slurm_jobs.txt").read_text() == "4321\n"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sacct = bin_dir / "sacct"  # stands in for SLURM's sacct on a cluster with accounting
+    sacct.write_text("#!/bin/sh\necho '4321+0|7200|cpu=8,gres/gpu=8,node=1'\necho '4321+1|7200|cpu=8,gres/gpu=8,node=1'\n")
+    sacct.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    figures = ComputeMeter(tmp_path, gpus=16).figures()
+    assert figures["gpu_hours_source"] == "sacct" and figures["gpu_hours"] == pytest.approx(32.0, abs=0.01)
+    sacct.write_text("#!/bin/sh\necho 'sacct: error: Slurm accounting storage is disabled' >&2\nexit 1\n")
+    assert ComputeMeter(tmp_path, gpus=16).figures()["gpu_hours_source"] == "wall"
+
+
+@pytest.mark.parametrize("value, count", [("8", 8), ("gpu:8", 8), ("h100:4", 4), ("64(x4)", 64), ("", None),
+                                          (None, None)])
+def test_slurm_per_node_counts(value, count):
+    assert _per_node_count(value) == count
+
+
+def test_allocation_smaller_than_the_recipe_is_refused_naming_both():
+    with pytest.raises(UserError, match=r"trainer group has 1 node\(s\), the recipe needs cluster.trainer_nodes=2"):
+        _alloc(trainer_nodes=1).check(DEMO)
+    with pytest.raises(UserError, match=r"holds 1 GPU\(s\) per node, the recipe needs cluster.gpus_per_node=8"):
+        _alloc().check(load_recipe("demo", ["cluster.gpus_per_node=8"]))
+    _alloc().check(DEMO)
+
+
+def test_job_roles_place_generators_and_trainer_on_their_groups(tmp_path):
+    alloc = _alloc()
+    generators, urls, trainer, orchestrator = job_roles(tmp_path, DEMO, alloc, resume=True, cuda=False)
+    assert urls == [f"http://10.0.0.2:{alloc.base_port + 2}"]
+    assert read_generators(tmp_path) == (urls, "float32")
+    [generator] = generators
+    assert generator.command[:2] == ["srun", "--het-group=1"] and "--nodelist=gpu2" in generator.command
+    assert "--gpus-per-task=1" in generator.command and generator.command[generator.command.index("--host") + 1] \
+        == "0.0.0.0"
+    assert trainer.command[:2] == ["srun", "--het-group=0"] and "--nodes=2" in trainer.command
+    assert 'PET_NODE_RANK=$SLURM_NODEID exec "$@"' in trainer.command
+    assert "--nnodes=2" in trainer.command and "--master-addr=10.0.0.0" in trainer.command
+    assert f"--master-port={alloc.base_port}" in trainer.command
+    assert orchestrator.command[-1] == "--resume" and "srun" not in orchestrator.command
+    assert generator.terminate is not None and trainer.terminate is not None  # SIGTERM through SLURM, not srun
+
+
+def test_node_check_names_each_problem(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert node_problems(tmp_path / "run", model, [], None, None) == []
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        problems = node_problems(a_file / "run", tmp_path / "missing", [port], None, None)
+    assert len(problems) == 3
+    assert "not writable" in problems[0] and "missing is not visible" in problems[1] and f"port {port}" in problems[2]
+
+
+def _role(tmp_path, name, code):
+    return Role(name, [sys.executable, "-c", code], tmp_path / f"{name}.log")
+
+
+def test_supervisor_gives_up_a_generator_that_keeps_dying_and_the_run_goes_on(tmp_path, capsys):
+    trainer = _role(tmp_path, "trainer", "import time; time.sleep(8)").start()
+    orchestrator = _role(tmp_path, "orchestrator", "import time; time.sleep(8)").start()
+    dead = _role(tmp_path, "generator 0", "import sys; print('node gone'); sys.exit(3)").start()
+    alive = _role(tmp_path, "generator 1", "import time; time.sleep(30)").start()
+    try:
+        assert _supervise(trainer, orchestrator, [dead, alive]) == 0
+    finally:
+        alive.stop(timeout_s=5)
+    err = capsys.readouterr().err
+    assert "generator 0 exited 3 times" in err and "given up" in err and dead.restarts == 2
+
+
+def test_supervisor_fails_the_run_when_no_generator_is_left(tmp_path, capsys):
+    trainer = _role(tmp_path, "trainer", "import time; time.sleep(30)").start()
+    orchestrator = _role(tmp_path, "orchestrator", "import time; time.sleep(30)").start()
+    dead = _role(tmp_path, "generator 0", "import sys; sys.exit(3)").start()
+    try:
+        assert _supervise(trainer, orchestrator, [dead]) == 1
+    finally:
+        trainer.stop(timeout_s=5)
+        orchestrator.stop(timeout_s=5)
+    assert "no generator left" in capsys.readouterr().err

