@@ -73,6 +73,21 @@ def _checks(rank: int) -> dict:
     gathered = [torch.empty(3) for _ in range(2)]
     dist.all_gather(gathered, forked)
     out["tp_streams_differ"] = not torch.equal(gathered[0], gathered[1])
+    # ... and a checkpointed (recomputed) function draws the same random numbers in its recomputation.
+    from megatron.core.tensor_parallel import checkpoint
+
+    def noisy(x):
+        with tracker.fork():
+            return torch.nn.functional.dropout(x, 0.5) * torch.rand_like(x)
+
+    x, states = torch.randn(64, requires_grad=True), tracker.get_states()
+    torch.manual_seed(9)
+    checkpoint(noisy, False, x).sum().backward()
+    recomputed_grad, x.grad = x.grad, None
+    torch.manual_seed(9)
+    tracker.set_states(states)
+    noisy(x).sum().backward()
+    out["recompute_same_randomness"] = torch.equal(recomputed_grad, x.grad)
 
     # 2. current device.
     out["current_device"] = torch.cuda.current_device()
@@ -137,6 +152,7 @@ def test_rng_tracker_is_cpu_and_forks_per_tp_rank(checks):
         assert result["tracker_class"] == "CPURNGStatesTracker"
         assert result["stock_tracker_fails"], "megatron's CUDA tracker now works on CPU: the workaround can go"
         assert result["default_stream_restored"]
+        assert result["recompute_same_randomness"]
     assert checks[0]["tp_streams_differ"]
 
 

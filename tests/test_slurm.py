@@ -49,12 +49,25 @@ def models(tmp_path_factory):
                               root / name, seed=3) for name in ("tiny_moe", "tiny_dense")}
 
 
-def _sbatch(env, script: str, out: Path, sizes: list[str], settings: dict[str, str]) -> int:
+@pytest.fixture
+def jobs(cluster):
+    """Job ids a test submitted: cancelled when it ends, so a failed test's job never holds nodes the next one needs."""
+    submitted: list[int] = []
+    yield submitted
+    for job in submitted:
+        subprocess.run(["scancel", str(job)], env=cluster, capture_output=True)
+    deadline = time.monotonic() + 120
+    while any(_squeue(cluster, job) for job in submitted) and time.monotonic() < deadline:
+        time.sleep(1)
+
+
+def _sbatch(env, jobs: list[int], script: str, out: Path, sizes: list[str], settings: dict[str, str]) -> int:
     exports = ",".join(["ALL", *(f"{k}={v}" for k, v in settings.items())])
     done = subprocess.run(["sbatch", "--parsable", f"--output={out}", *sizes, f"--export={exports}", script],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
     assert done.returncode == 0, done.stderr
-    return int(done.stdout.strip().split(";")[0].split("+")[0])
+    jobs.append(int(done.stdout.strip().split(";")[0].split("+")[0]))
+    return jobs[-1]
 
 
 def _squeue(env, job: int) -> list[str]:
@@ -62,15 +75,25 @@ def _squeue(env, job: int) -> list[str]:
     return out.stdout.split()
 
 
-def _wait(what: str, ready, timeout_s: float, log: Path, *, job_alive=None) -> None:
-    """Poll `ready()` until true; fail after `timeout_s` seconds, or at once when `job_alive()` turns false."""
+def _wait(what: str, ready, timeout_s: float, log: Path, env, *, job_alive=None) -> None:
+    """Poll `ready()` until true; fail after `timeout_s` seconds, or at once when `job_alive()` turns false, with
+    the queue, the nodes, the job's output and its roles' logs in the message."""
     deadline = time.monotonic() + timeout_s
     while not ready():
         gone = job_alive is not None and not job_alive()
-        assert not gone and time.monotonic() < deadline, (
-            f"not {what} {'before the job ended' if gone else f'after {timeout_s} s'}; {log}:\n"
-            + (log.read_text()[-3000:] if log.exists() else "(no output)"))
+        if gone or time.monotonic() > deadline:
+            pytest.fail(f"not {what} {'before the job ended' if gone else f'after {timeout_s} s'}\n"
+                        + _cluster_report(env, log))
         time.sleep(2)
+
+
+def _cluster_report(env, log: Path) -> str:
+    def run(*cmd: str) -> str:
+        return subprocess.run(cmd, capture_output=True, text=True, env=env).stdout
+    parts = ["squeue:\n" + run("squeue", "-o", "%i %T %r %M"), "sinfo:\n" + run("sinfo", "-N", "-o", "%N %T %E"),
+             f"{log}:\n" + (log.read_text()[-3000:] if log.exists() else "(no output)")]
+    parts += [f"{role}:\n" + role.read_text()[-2000:] for role in sorted(log.parent.glob("run/logs/*.log"))]
+    return "\n".join(parts)
 
 
 def _trainer_steps(run_dir: Path) -> list[int]:
@@ -88,22 +111,23 @@ MOE_SIZES = ["--nodes=2", "--gpus-per-node=1", ":", "--nodes=1", "--gpus-per-nod
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_moe_job_requeues_on_time_limit_and_finishes_the_run(cluster, models, tmp_path):
+@pytest.mark.timeout(1600)
+def test_moe_job_requeues_on_time_limit_and_finishes_the_run(cluster, jobs, models, tmp_path):
     run_dir, out, steps = tmp_path / "run", tmp_path / "job.out", 6
-    job = _sbatch(cluster, "slurm/scalerl_moe.sbatch", out, MOE_SIZES, _run_settings(run_dir, models["tiny_moe"], steps))
-    _wait("two trainer steps", lambda: len(_trainer_steps(run_dir)) >= 2, 600, out,
+    job = _sbatch(cluster, jobs, "slurm/scalerl_moe.sbatch", out, MOE_SIZES, _run_settings(run_dir, models["tiny_moe"], steps))
+    _wait("two trainer steps", lambda: len(_trainer_steps(run_dir)) >= 2, 600, out, cluster,
           job_alive=lambda: bool(_squeue(cluster, job)))
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True, env=cluster)  # time is up
-    _wait("requeued", lambda: "requeueing" in out.read_text() and _squeue(cluster, job)[:1] == ["PENDING"], 300, out)
+    _wait("requeued", lambda: "requeueing" in out.read_text() and _squeue(cluster, job)[:1] == ["PENDING"], 300, out, cluster)
     # this cluster's scheduler may leave a requeued het-job pending ~2 min after it is eligible: start it now
     time.sleep(8)  # past cred_expire (5 s), the requeue's own hold
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster, capture_output=True)
-    _wait("the job's end", lambda: not _squeue(cluster, job), 900, out)
+    _wait("the job's end", lambda: not _squeue(cluster, job), 600, out, cluster)
     text = out.read_text()
     assert "SIGUSR1 received" in text and "continuing the run" in text, text[-3000:]
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
-    [resumed] = [int(line.split("(step ")[1].rstrip(")")) for line in trainer_log.splitlines()
-                 if "resumed from iter_" in line]
+    [resumed] = {int(line.split("(step ")[1].rstrip(")")) for line in trainer_log.splitlines()
+                 if "resumed from iter_" in line}  # one step, whichever ranks log it
     assert resumed >= 2  # the SIGTERM checkpoint (the interval, 50, never came)
     trained = _trainer_steps(run_dir)
     assert sorted(set(trained)) == list(range(1, steps + 1))
@@ -118,24 +142,24 @@ def test_moe_job_requeues_on_time_limit_and_finishes_the_run(cluster, models, tm
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_dense_job_runs_to_its_end(cluster, models, tmp_path):
+def test_dense_job_runs_to_its_end(cluster, jobs, models, tmp_path):
     run_dir, out = tmp_path / "run", tmp_path / "job.out"
     settings = _run_settings(run_dir, models["tiny_dense"], 2, "cluster.trainer_nodes=1")
     settings["SCALERL_MODEL"] = "tiny_dense"
-    job = _sbatch(cluster, "slurm/scalerl_dense.sbatch", out, ["--nodes=1", "--gpus-per-node=1", ":", "--nodes=1",
+    job = _sbatch(cluster, jobs, "slurm/scalerl_dense.sbatch", out, ["--nodes=1", "--gpus-per-node=1", ":", "--nodes=1",
                                                               "--gpus-per-node=1"], settings)
-    _wait("the job's end", lambda: not _squeue(cluster, job), 900, out)
+    _wait("the job's end", lambda: not _squeue(cluster, job), 600, out, cluster)
     assert "trainer and orchestrator started" in out.read_text(), out.read_text()[-3000:]
     assert sorted(set(_trainer_steps(run_dir))) == [1, 2]
     assert (run_dir / "checkpoints" / "iter_0000002").is_dir()
     assert json.loads((run_dir / "generators.json").read_text())["urls"][0].startswith("http://127.0.0.1:")
 
 
-def test_preflight_alone_passes_and_measures_the_trainer_all_reduce(cluster, models, tmp_path):
+def test_preflight_alone_passes_and_measures_the_trainer_all_reduce(cluster, jobs, models, tmp_path):
     out = tmp_path / "preflight.out"
-    job = _sbatch(cluster, "slurm/preflight.sbatch", out, MOE_SIZES,
+    job = _sbatch(cluster, jobs, "slurm/preflight.sbatch", out, MOE_SIZES,
                   _run_settings(tmp_path / "run", models["tiny_moe"], 2))
-    _wait("preflight's end", lambda: not _squeue(cluster, job), 300, out)
+    _wait("preflight's end", lambda: not _squeue(cluster, job), 300, out, cluster)
     text = out.read_text()
     assert "preflight passed" in text and "torch.distributed all-reduce (gloo) over 2 trainer processes" in text, text
     assert not (tmp_path / "run").exists()  # preflight alone starts no run
@@ -146,11 +170,26 @@ def test_preflight_alone_passes_and_measures_the_trainer_all_reduce(cluster, mod
     (["--nodes=1", "--gpus-per-node=1", ":", "--nodes=1", "--gpus-per-node=1"], {},
      "trainer group has 1 node(s), the recipe needs cluster.trainer_nodes=2"),
 ])
-def test_bad_settings_fail_at_the_start_with_one_clear_line(cluster, models, tmp_path, sizes, settings, message):
+def test_bad_settings_fail_at_the_start_with_one_clear_line(cluster, jobs, models, tmp_path, sizes, settings, message):
     out = tmp_path / "job.out"
-    job = _sbatch(cluster, "slurm/scalerl_moe.sbatch", out, sizes,
+    job = _sbatch(cluster, jobs, "slurm/scalerl_moe.sbatch", out, sizes,
                   {**_run_settings(tmp_path / "run", models["tiny_moe"], 2), **settings})
-    _wait("the job's end", lambda: not _squeue(cluster, job), 300, out)
+    _wait("the job's end", lambda: not _squeue(cluster, job), 300, out, cluster)
     errors = [line for line in out.read_text().splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0], out.read_text()
     assert not (tmp_path / "run" / "logs").exists()  # no role was started
+
+
+def test_eval_job_chains_after_another_with_dependency(cluster, jobs, tmp_path):
+    from megatron_scalerl.recipe import load_recipe
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "recipe.yaml").write_text(load_recipe("demo").to_yaml())
+    first = _sbatch(cluster, jobs, "--wrap=sleep 3", tmp_path / "first.out", [], {})
+    out = tmp_path / "eval.out"
+    job = _sbatch(cluster, jobs, "slurm/eval.sbatch", out, [f"--dependency=afterany:{first}", "--gpus-per-node=1"],
+                  {"SCALERL_RUN_DIR": str(run_dir), "SCALERL_EVAL_ONCE": "1"})
+    assert _squeue(cluster, job) == ["PENDING"]  # waits for the first job
+    _wait("the eval job's end", lambda: not _squeue(cluster, job), 300, out, cluster)
+    assert f"evaluated 0 checkpoint(s) of {run_dir}" in out.read_text(), out.read_text()

@@ -10,7 +10,8 @@ Trainer, per GPU of the most loaded pipeline stage (bytes):
   all layers' worth of one micro-batch) at micro_batch_size x (max_prompt_tokens + max_new_tokens) tokens: per layer
   the tensors autograd keeps (norm inputs, q/k/v, attention output, MLP inputs, SwiGLU halves, expert copies of the
   routed tokens), split by tp (sequence parallelism splits the rest), or with full recomputation the layer inputs
-  only plus one layer's working set; attention "flash" (GPU: softmax never stored) or "unfused" (CPU: a x s^2);
+  only plus one layer's working set; Transformer Engine kernels (GPU: flash attention, no scores kept) or torch
+  ones (CPU: unfused attention keeps rows x heads x seq x window scores; tests/test_memory_plan.py measures these);
 - the FP32 head's chunked log-probs: 1024-token chunks of FP32 logits (forward, softmax, gradient);
 - a fixed runtime reserve (CUDA context, NCCL buffers, allocator slack).
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_scalerl.models.arch import is_moe_layer
+from megatron_scalerl.models.arch import is_moe_layer, is_rope_layer
 from megatron_scalerl.models.mapping import padded_vocab_size
 from megatron_scalerl.recipe import Recipe
 
@@ -86,72 +87,100 @@ def param_counts(recipe: Recipe, tp: int = 1) -> ParamCounts:
     return ParamCounts(dense, experts, vocab, 0 if m.tie_word_embeddings else vocab, h)
 
 
-def _layer_activation_bytes(recipe: Recipe, tokens: int, moe: bool, attention: str, recompute: bool) -> float:
-    """Bytes autograd keeps for one layer of one micro-batch of `tokens` tokens (rows x sequence), per TP rank."""
+def _norm_bytes(recipe: Recipe, kernels: str) -> float:
+    """Bytes an RMSNorm keeps per token: its input and 1/rms (Transformer Engine), or, computed in FP32 by torch
+    ops, the FP32 input and normalised copy and 1/rms."""
+    h, b = recipe.model.hidden_size, _activation_bytes(recipe)
+    return 8 * h + 4 if kernels == "torch" else b * h + 4
+
+
+def _activation_bytes(recipe: Recipe) -> int:
+    return 2 if recipe.trainer.precision == "bf16" else 4
+
+
+def _layer_activation_bytes(recipe: Recipe, rows: int, seq: int, layer: int, kernels: str, recompute: bool) -> float:
+    """Bytes autograd keeps for layer `layer` of one micro-batch of rows x seq tokens, per TP rank.
+
+    kernels "transformer_engine" (GPUs): fused norms, flash attention (no scores kept, K and V at their query
+    groups), SwiGLU keeping its input and output. "torch" (CPUs, megatron's local layers): norms in FP32, unfused
+    attention (K and V expanded to every head, FP32 scores and the probabilities kept: rows x heads x seq x window),
+    eager SwiGLU (its input, both halves and its output). With full recomputation: the layer's input only."""
     m, par = recipe.model, recipe.parallelism
-    b = 2 if recipe.trainer.precision == "bf16" else 4
-    tp, h, hd = par.tp, m.hidden_size, m.head_dim
-    sp = par.sequence_parallel and tp > 1
+    b, tp, h, hd = _activation_bytes(recipe), par.tp, m.hidden_size, m.head_dim
+    heads, groups = m.num_attention_heads, m.num_query_groups
+    sequence_split = tp if par.sequence_parallel and tp > 1 else 1
+    tokens = rows * seq
     if recompute:
-        return tokens * h * b / (tp if sp else 1)  # the layer's input only
-    replicated = 4 * h  # two norm inputs, two norm outputs: split only by sequence parallelism
-    attention_part = (2 * m.num_attention_heads + 2 * m.num_query_groups) * hd  # q, k, v, attention output
-    if moe:  # balanced routing: each token's k routed copies (in, FC1, SwiGLU, out), the shared expert, router
-        f = m.moe_ffn_hidden_size
-        mlp = m.moe_router_topk * (2 * h + 3 * f) + 3 * f + m.num_experts
+        return tokens * h * b / sequence_split
+    torch_kernels = kernels == "torch"
+    replicated = 2 * _norm_bytes(recipe, kernels) + 2 * b * h  # two norms and their outputs (QKV and FC1 inputs)
+    kv_heads = heads if torch_kernels else groups
+    attention = b * (2 * heads + 2 * kv_heads) * hd + (0 if torch_kernels else 4 * heads)  # q k v, output, (lse)
+    rope = is_rope_layer(m, layer)
+    if m.use_qk_norm and rope:  # L2 norm of q and k in FP32: the FP32 copies and their norms
+        attention += 4 * (heads + groups) * (hd + 1)
+    swiglu = 5 if torch_kernels else 3  # x f: FC1's output (2f) and FC2's input (f), eager: gate and up copies
+    if is_moe_layer(m, layer):  # balanced routing: each token's top-k copies through an expert, the shared expert
+        f = m.moe_ffn_hidden_size / par.expert_tp_size
+        mlp = (m.moe_router_topk * (2 * b * h + swiglu * b * f) + swiglu * b * m.moe_ffn_hidden_size / tp
+               + (4 + b) * m.num_experts + b)  # routed copies in and out, shared expert, router logits and probs
     else:
-        mlp = 3 * m.ffn_hidden_size  # FC1 output (gate and up), SwiGLU output
-    per_token = replicated / (tp if sp else 1) + (attention_part + mlp) / tp
-    total = tokens * per_token * b
-    if attention == "unfused":
-        rows = par.micro_batch_size
-        seq = tokens // rows
-        total += rows * m.num_attention_heads / tp * seq * seq * b  # the stored softmax
+        mlp = swiglu * b * m.ffn_hidden_size / tp
+    total = tokens * (replicated / sequence_split + attention / tp + mlp)
+    if torch_kernels:  # the unfused attention's FP32 scores and probabilities
+        window = min(seq, m.attention_chunk_size) if rope and m.attention_chunk_size else seq
+        total += rows * heads / tp * seq * window * (4 + b)
     return total
 
 
 def trainer_plan(recipe: Recipe, *, recompute: bool | None = None,
-                 attention: Literal["flash", "unfused"] = "flash") -> MemoryPlan:
+                 kernels: Literal["transformer_engine", "torch"] = "transformer_engine") -> MemoryPlan:
     """The trainer's per-GPU memory on its most loaded pipeline stage. `recompute` defaults to the recipe's
-    `parallelism.recompute`; `attention` "flash" (GPUs) or "unfused" (CPUs)."""
+    `parallelism.recompute`; `kernels`: the layers' implementation, Transformer Engine (GPUs) or torch (CPUs)."""
     stages = [(True, recipe.parallelism.pp == 1), (recipe.parallelism.pp == 1, True)]  # (first, last) stages
-    plans = [_stage_plan(recipe, first, last, recompute, attention) for first, last in stages]
+    plans = [_stage_plan(recipe, first, last, recompute, kernels) for first, last in stages]
     return max(plans, key=lambda plan: plan.total_gib)
 
 
-def _stage_plan(recipe: Recipe, first: bool, last: bool, recompute: bool | None, attention: str) -> MemoryPlan:
+def _stage_plan(recipe: Recipe, first: bool, last: bool, recompute: bool | None, kernels: str) -> MemoryPlan:
     par, m = recipe.parallelism, recipe.model
     recompute = par.recompute == "full" if recompute is None else recompute
     counts = param_counts(recipe, par.tp)
     layers = range(m.num_layers // par.pp) if first else range(m.num_layers - m.num_layers // par.pp, m.num_layers)
     dense = sum(counts.dense_per_layer[i] for i in layers) / par.tp + (counts.embedding / par.tp if first else 0)
     experts = sum(counts.experts_per_layer[i] for i in layers) / (par.ep * par.expert_tp_size)
-    head = (counts.output + counts.final_norm) / par.tp if last else 0.0
+    head = counts.output / par.tp if last else 0.0
+    final_norm = counts.final_norm if last else 0.0
     bf16 = recipe.trainer.precision == "bf16"
     weight_bytes = 2 if bf16 else 4
+    head_bytes = 4 if recipe.trainer.fp32_lm_head else weight_bytes
     dp = par.dp_size(recipe.cluster.trainer_gpus)
     expert_dp = max(1, recipe.cluster.trainer_gpus // (par.pp * par.ep * par.expert_tp_size))
     plan = MemoryPlan(f"trainer ({'first' if first else 'last'} pipeline stage)" if par.pp > 1 else "trainer")
-    plan.parts["weights"] = (dense + experts) * weight_bytes + head * (4 if recipe.trainer.fp32_lm_head
-                                                                       else weight_bytes)
-    plan.parts["gradients (fp32)"] = (dense + experts + head) * 4
-    plan.parts["optimizer (distributed)"] = ((dense + head) / dp + experts / expert_dp) * (12 if bf16 else 8)
-    tokens = par.micro_batch_size * (recipe.rollout.max_prompt_tokens + recipe.rollout.max_new_tokens)
+    plan.parts["weights"] = (dense + experts + final_norm) * weight_bytes + head * head_bytes
+    plan.parts["gradients (fp32)"] = (dense + experts + final_norm + head) * 4
+    optimizer_bytes = 12 if bf16 else 8  # two FP32 moments, and an FP32 master copy of 16-bit weights
+    plan.parts["optimizer (distributed)"] = (((dense + final_norm) / dp + experts / expert_dp) * optimizer_bytes
+                                             + head / dp * (8 if head_bytes == 4 else optimizer_bytes))
+    rows, seq = par.micro_batch_size, _sequence_tokens(recipe)
+    tokens = rows * seq
     micro_batches = max(1, recipe.rollout.prompts_per_step * recipe.rollout.generations_per_prompt
                         // (dp * par.micro_batch_size))
     in_flight = min(par.pp, micro_batches) if first else 1  # 1F1B: the first stage holds pp micro-batches
-    per_layer = [_layer_activation_bytes(recipe, tokens, is_moe_layer(m, i), attention, recompute) for i in layers]
+    per_layer = [_layer_activation_bytes(recipe, rows, seq, i, kernels, recompute) for i in layers]
     activations = sum(per_layer) * in_flight
-    if recompute:  # one layer's full working set during its backward
-        activations += max(_layer_activation_bytes(recipe, tokens, is_moe_layer(m, i), attention, False)
-                           for i in layers)
-    plan.parts["activations" + (" (full recompute)" if recompute else "")] = activations
+    if last:  # the final norm's
+        activations += tokens * _norm_bytes(recipe, kernels) / (par.tp if par.sequence_parallel and par.tp > 1 else 1)
+    plan.parts["layer inputs (full recompute)" if recompute else "activations"] = activations
+    if recompute:  # one layer's whole working set while its backward recomputes it
+        plan.parts["recomputed layer"] = max(_layer_activation_bytes(recipe, rows, seq, i, kernels, False)
+                                             for i in layers)
     if last:
         vocab_per_rank = padded_vocab_size(m.vocab_size, par.tp) / par.tp
         plan.parts["fp32 log-prob chunks"] = 3 * min(LOGPROB_CHUNK_TOKENS, tokens) * vocab_per_rank * 4
     plan.parts["runtime reserve"] = RUNTIME_RESERVE_GIB * GIB
     plan.notes.append(f"{counts.total / 1e9:.2f}B parameters, {len(layers)} layers on this stage; micro-batch of "
-                      f"{tokens} tokens, {in_flight} in flight; dp {dp}, expert dp {expert_dp}; attention {attention}")
+                      f"{tokens} tokens, {in_flight} in flight; dp {dp}, expert dp {expert_dp}; {kernels} kernels")
     return plan
 
 

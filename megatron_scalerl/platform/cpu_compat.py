@@ -6,10 +6,12 @@ the way it did in 0.16.1, and has its own test in tests/test_platform_cpu_compat
 them all, once per process; GPU runs never call it (the backend switch in `platform.distributed` decides).
 
 Workarounds, in the order they are installed:
-  1. megatron's CUDA RNG-state tracker (attention dropout and weight init fork it) -> `CPURNGStatesTracker`.
+  1. megatron's CUDA RNG-state tracker (attention dropout and weight init fork it) -> `CPURNGStatesTracker`; the
+     device RNG state activation recomputation (`parallelism.recompute: full`) saves and restores -> the CPU one.
   2. `torch.cuda.current_device()` (memory buffers, MoE router, layer weights) -> "cpu".
   3. hard-coded `device="cuda"` tensors, `.cuda()` and `Tensor.type() == "torch.cuda.FloatTensor"` checks (pipeline
-     schedules, grad clipping, optimizers) -> a TorchFunctionMode that maps cuda to cpu (see Limits).
+     schedules, grad clipping, optimizers, attention masks) -> a TorchFunctionMode that maps cuda to cpu (see
+     Limits), entered again where activation recomputation re-runs a layer inside backward.
   4. `torch.cuda.Stream/current_stream/stream/synchronize/Event` (MoE alltoall dispatcher, DDP, async checkpoint)
      -> no-op stand-ins.
   5. `moe_utils.te_general_gemm` is undefined without Transformer Engine -> None.
@@ -93,14 +95,20 @@ def _make_cpu_rng_tracker_class() -> type:
 
 
 def patch_rng_tracker() -> None:
-    """Every tracker megatron creates from now on (`initialize_rng_tracker`) is the CPU one."""
+    """Every tracker megatron creates from now on (`initialize_rng_tracker`) is the CPU one, and the "CUDA" RNG
+    state that activation checkpointing (`tensor_parallel.checkpoint`) saves before a layer's forward and restores
+    for its recomputation is the CPU generator's, so a recomputed layer draws the same numbers."""
     from megatron.core.tensor_parallel import random as mcore_random
 
     require_megatron_attr(mcore_random, "initialize_rng_tracker")
     require_megatron_attr(mcore_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED")
+    require_megatron_attr(mcore_random, "_get_cuda_rng_state")
+    require_megatron_attr(mcore_random, "_set_cuda_rng_state")
     mcore_random.CudaRNGStatesTracker = _make_cpu_rng_tracker_class()
     mcore_random._CUDA_RNG_STATE_TRACKER = None
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
 
 
 # 2. current device ----------------------------------------------------------------------------------------------
@@ -146,10 +154,24 @@ _cuda_to_cpu_mode: CudaToCpuMode | None = None
 
 
 def patch_cuda_tensors() -> None:
+    """Enter the mode for the main thread, and again inside activation recomputation: torch takes a mode off its
+    stack while the mode handles a call, and backward is such a call, so the layer forward that
+    `tensor_parallel.checkpoint` re-runs in backward (`parallelism.recompute: full`) would see "cuda" again."""
     global _cuda_to_cpu_mode
-    if _cuda_to_cpu_mode is None:
-        _cuda_to_cpu_mode = CudaToCpuMode()
-        _cuda_to_cpu_mode.__enter__()  # process-wide for the main thread; never exited
+    if _cuda_to_cpu_mode is not None:
+        return
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    checkpoint_function = require_megatron_attr(mcore_random, "CheckpointFunction")
+    recompute_and_backward = checkpoint_function.backward
+
+    def backward_on_cpu(ctx, *args):  # noqa: ANN001, ANN202
+        with CudaToCpuMode():
+            return recompute_and_backward(ctx, *args)
+
+    checkpoint_function.backward = staticmethod(backward_on_cpu)
+    _cuda_to_cpu_mode = CudaToCpuMode()
+    _cuda_to_cpu_mode.__enter__()  # process-wide for the main thread; never exited
 
 
 # 4. streams -------------------------------------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Downstream evaluation (AIME): datasets, sampling through OpenAI-compatible endpoints, grading, metrics, scheduled checkpoint evaluations."""

