@@ -23,6 +23,7 @@ import aiohttp
 
 from megatron_scalerl.algo.length_control import InterruptionPolicy
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.rollout.fleet import http_session
 from megatron_scalerl.rollout.prompts import THINK_CLOSE
 
 
@@ -65,8 +66,7 @@ class CompletionClient:
         self.session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> CompletionClient:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self.session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0))
+        self.session = http_session(self.api_key)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

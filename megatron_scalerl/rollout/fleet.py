@@ -35,6 +35,20 @@ import aiohttp
 log = logging.getLogger(__name__)
 
 
+# vLLM's HTTP server (uvicorn) closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE). A client that keeps
+# idle connections longer (aiohttp's default is 15 s) sends its next request on a socket the server has just closed
+# and gets ServerDisconnectedError from a healthy server, e.g. the first request after a weight-sync pause.
+IDLE_CONNECTION_S = 2.0
+
+
+def http_session(api_key: str | None) -> aiohttp.ClientSession:
+    """A client session for vLLM's (or any uvicorn) server: unbounded connections, idle ones dropped after
+    `IDLE_CONNECTION_S` seconds, the bearer token when there is one."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return aiohttp.ClientSession(headers=headers,
+                                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_CONNECTION_S))
+
+
 class FleetError(RuntimeError):
     """Generation failed on every server it was tried on; the message names the sample and the servers."""
 
@@ -128,8 +142,7 @@ class Fleet:
         self._watcher: asyncio.Task | None = None
 
     async def __aenter__(self) -> Fleet:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self._session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0))
+        self._session = http_session(self.api_key)
         self._watcher = asyncio.create_task(self._watch_down_servers())
         return self
 
