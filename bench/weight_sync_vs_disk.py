@@ -40,7 +40,7 @@ from weight_sync import add_model_arguments, bench_recipe  # this folder's link 
 from megatron_scalerl.models.hf_io import save_random_hf_model
 from megatron_scalerl.platform import free_port, run_local_workers
 from megatron_scalerl.recipe import Recipe
-from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig, request_json
+from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig, reload_from_disk, request_json
 from megatron_scalerl.weight_sync.sender import WeightSyncConfig
 
 PROMPT = list(range(3, 40))
@@ -72,13 +72,8 @@ def _disk_round_trip(rank: int, trainer, recipe: Recipe, urls: list[str], direct
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     shutil.copy(Path(hf_dir) / "config.json", directory / "config.json")
 
-    def reload(url: str) -> None:
-        request_json(url, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}},
-                     timeout_s=600)
-        request_json(url, "/reset_prefix_cache", query={"reset_running_requests": True}, timeout_s=60)
-
     with ThreadPoolExecutor(len(urls)) as pool:
-        list(pool.map(reload, urls))
+        list(pool.map(lambda url: reload_from_disk(url, directory, timeout_s=600), urls))
 
 
 def bench_rank(rank: int, recipe: Recipe, urls: list[str], config: WeightSyncConfig, buckets: list[float],

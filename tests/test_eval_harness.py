@@ -43,7 +43,7 @@ def server(model):
     from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig
 
     config = VLLMServerConfig(model=str(model), port=free_port(), dtype="float32", max_model_len=2048,
-                              weight_transfer=False, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+                              env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})  # weight_transfer on: the watcher's reload route
     with VLLMServer(config, model.parent / "vllm.log") as running:
         running.wait_ready(600)
         yield running.url
@@ -95,6 +95,46 @@ def test_a_grader_that_hangs_counts_as_wrong_and_is_reported(server, model, reci
               if "</think>" in s["text"]]  # the grader sees only answers after the thinking
     assert graded and summary["grader_timeouts"] == sum(s["timed_out"] for s in graded) == len(graded)
     assert summary["mean_at_k"] == 0 and summary["grader_timeouts_in"]
+
+
+def _server_greedy(url: str, model: Path, prompt: list[int]) -> list[int]:
+    from megatron_scalerl.rollout.vllm_server import request_json
+
+    answer = request_json(url, "/v1/completions", {"model": str(model), "prompt": prompt, "max_tokens": 6,
+                                                  "temperature": 0.0, "return_token_ids": True}, timeout_s=60)
+    return answer["choices"][0]["token_ids"]
+
+
+def _hf_greedy(model_dir: Path, prompt: list[int]) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_a_checkpoint_loaded_into_the_running_server_replaces_every_weight(server, model, tmp_path):
+    """What the watcher does from its second checkpoint on: the export loaded into the running server in place
+    (vLLM's layered reload, which re-packs the MoE experts; a stale expert or the old prefix cache would show) gives
+    transformers' greedy tokens on the new weights, and the first checkpoint's again once it is loaded back."""
+    from transformers import AutoTokenizer
+
+    from megatron_scalerl.demo.model import build_model
+    from megatron_scalerl.rollout.vllm_server import reload_from_disk
+
+    other = build_model(load_recipe("demo"), tmp_path / "other", seed=4)
+    prompt = AutoTokenizer.from_pretrained(str(model))("What is 3 + 4? Think, then answer.").input_ids
+    before = _server_greedy(server, model, prompt)
+    assert before == _hf_greedy(model, prompt)
+    try:
+        reload_from_disk(server, other, timeout_s=300)
+        after = _server_greedy(server, model, prompt)
+        assert after == _hf_greedy(other, prompt) and after != before
+    finally:
+        reload_from_disk(server, model, timeout_s=300)
+    assert _server_greedy(server, model, prompt) == before
 
 
 def test_unreachable_endpoint_fails_after_retries_with_one_line(three_problems, tmp_path, capsys):
@@ -152,6 +192,7 @@ def test_watcher_evaluates_checkpoints_as_they_appear_once_each(model, recipe_fi
         if watcher.poll() is None:
             watcher.kill()
     assert watcher.returncode == 0, out[-3000:]
+    assert out.count(": a new server") == 1 and out.count(": loaded into the running server") == 1, out[-3000:]
     rows = read_metrics(run_dir, role="eval")
     assert [r["step"] for r in rows] == [2, 4] and [r["gpu_hours"] for r in rows] == [1.0, 2.0]
     assert all(0 <= r["eval/three/mean_at_k"] <= 1 and "eval/three/pass_at_k/2" in r for r in rows)

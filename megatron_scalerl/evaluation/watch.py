@@ -4,7 +4,8 @@ For each checkpoint `RUN/checkpoints/iter_N` with N a multiple of `every` (or th
 size; a checkpoint still being written has no manifest yet and is looked at again later), and not evaluated yet:
 
     1. export it to HF (`models.convert.megatron_to_hf`, at the run's own layout) into RUN/eval/iter_N/hf;
-    2. serve the export (a vLLM server on this machine; float32 on CPUs, the run's precision on GPUs);
+    2. serve the export: the watch's one vLLM server (`CheckpointServer`) starts on the first export and loads each
+       later one in place (float32 on CPUs, the run's precision on GPUs);
     3. evaluate each dataset (`harness.evaluate`: the run's recipe gives the template, sampling and length control)
        into RUN/eval/iter_N/<dataset>/;
     4. append one `eval` row per dataset to RUN/metrics.jsonl at step N: `eval/<dataset>/mean_at_k`,
@@ -78,49 +79,91 @@ def _model_len(recipe: Recipe, tokenizer: Any, datasets: list[str]) -> int:
     return min(recipe.model.max_position_embeddings, longest + recipe.rollout.max_new_tokens)
 
 
-def evaluate_checkpoint(run_dir: Path, recipe: Recipe, iteration: int, request: EvalRequest, datasets: list[str], *,
+class CheckpointServer:
+    """One vLLM server for a whole watch: started on the first export it is given, then each later export is loaded
+    into it in place (`vllm_server.reload_from_disk`: vLLM's layered reload, prefix cache dropped) instead of a new
+    server per checkpoint (minutes each for the 8B and Scout presets on GPUs). Its log: RUN/eval/vllm.log. Served
+    under the run's name; float32 on CPUs, the run's precision on GPUs; `max_model_len` from the datasets."""
+
+    def __init__(self, run_dir: Path, recipe: Recipe, datasets: list[str]):
+        self.run_dir, self.recipe, self.datasets = run_dir, recipe, datasets
+        self.server: Any = None
+        self.tokenizer: Any = None
+
+    @property
+    def name(self) -> str:
+        return self.recipe.name
+
+    def serve(self, export: Path) -> str:
+        """The URL of a server that now serves the weights of `export` (an HF directory of this run)."""
+        from megatron_scalerl.rollout.vllm_server import reload_from_disk
+
+        if self.server is None:
+            self._start(export)
+            how = "a new server"
+        else:
+            reload_from_disk(self.server.url, export, timeout_s=SERVER_READY_TIMEOUT_S)
+            how = "loaded into the running server"
+        print(f"serving {export} at {self.server.url}: {how}", flush=True)
+        return self.server.url
+
+    def _start(self, export: Path) -> None:
+        import torch
+        from transformers import AutoTokenizer
+
+        from megatron_scalerl.launch.roles import serving_dtype
+        from megatron_scalerl.platform.local_workers import free_port
+        from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig
+
+        if (export / "tokenizer_config.json").is_file():
+            self.tokenizer = AutoTokenizer.from_pretrained(str(export))
+        config = VLLMServerConfig(
+            model=str(export), port=free_port(), dtype=serving_dtype(self.recipe, torch.cuda.is_available()),
+            max_model_len=_model_len(self.recipe, self.tokenizer, self.datasets),
+            tensor_parallel_size=self.recipe.parallelism.generator_tp, seed=self.recipe.trainer.seed,
+            extra_args=("--served-model-name", self.name),  # weight_transfer (default): the reload route
+            env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+        self.server = VLLMServer(config, self.run_dir / "eval" / "vllm.log").start()
+        self.server.wait_ready(SERVER_READY_TIMEOUT_S)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+def evaluate_checkpoint(serving: CheckpointServer, iteration: int, request: EvalRequest, *,
                         keep_exports: bool = False) -> list[dict]:
-    """Steps 1-5 for one checkpoint; the summaries of the datasets evaluated now."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from megatron_scalerl.launch.roles import serving_dtype
+    """Steps 1-5 for one checkpoint of `serving`'s run; the summaries of the datasets evaluated now."""
     from megatron_scalerl.models.convert import megatron_to_hf
-    from megatron_scalerl.platform.local_workers import free_port
-    from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig
 
+    run_dir, recipe = serving.run_dir, serving.recipe
     where = eval_dir(run_dir, iteration)
     export = where / "hf"
     if not (export / "config.json").is_file():
         shutil.rmtree(export, ignore_errors=True)
         megatron_to_hf(CheckpointStore(run_dir, keep=1).path(iteration), export, recipe.parallelism)
-    tokenizer = AutoTokenizer.from_pretrained(str(export)) if (export / "tokenizer_config.json").is_file() else None
-    config = VLLMServerConfig(model=str(export), port=free_port(), dtype=serving_dtype(recipe, torch.cuda.is_available()),
-                              max_model_len=_model_len(recipe, tokenizer, datasets),
-                              tensor_parallel_size=recipe.parallelism.generator_tp, seed=recipe.trainer.seed,
-                              weight_transfer=False, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
     metrics = MetricsLog(run_dir, "eval", wandb_mode=recipe.logging.wandb_mode,
                          wandb_project=recipe.logging.wandb_project, run_name=recipe.name)
     summaries = []
     try:
-        with VLLMServer(config, where / "vllm.log") as server:
-            server.wait_ready(SERVER_READY_TIMEOUT_S)
-            for dataset in datasets:
-                label = _dataset_label(dataset)
-                if (where / label / SUMMARY).is_file():
-                    continue
-                summary = evaluate(EvalRequest(**{**request.__dict__, "endpoint": server.url, "model": str(export),
-                                                  "dataset": dataset, "out": where / label,
-                                                  "extra": {"step": iteration}}), recipe, tokenizer)
-                figures = {f"eval/{label}/{k}": v for k, v in summary.items() if isinstance(v, int | float)}
-                figures.update({f"eval/{label}/pass_at_k/{k}": v for k, v in summary["pass_at_k"].items()})
-                hours = gpu_hours_at(run_dir, iteration)
-                metrics.log(iteration, {**figures, **({"gpu_hours": hours} if hours is not None else {})})
-                summaries.append(summary)
-                print(f"iter_{iteration:07d} {label}: mean@{summary['samples_per_problem']} "
-                      f"{summary['mean_at_k']:.3f}, pass@{summary['samples_per_problem']} "
-                      f"{summary['pass_at_k'][str(summary['samples_per_problem'])]:.3f}, cons "
-                      f"{summary['cons_at_k']:.3f}", flush=True)
+        url = serving.serve(export)
+        for dataset in serving.datasets:
+            label = _dataset_label(dataset)
+            if (where / label / SUMMARY).is_file():
+                continue
+            summary = evaluate(EvalRequest(**{**request.__dict__, "endpoint": url, "model": serving.name,
+                                              "dataset": dataset, "out": where / label,
+                                              "extra": {"step": iteration}}), recipe, serving.tokenizer)
+            figures = {f"eval/{label}/{k}": v for k, v in summary.items() if isinstance(v, int | float)}
+            figures.update({f"eval/{label}/pass_at_k/{k}": v for k, v in summary["pass_at_k"].items()})
+            hours = gpu_hours_at(run_dir, iteration)
+            metrics.log(iteration, {**figures, **({"gpu_hours": hours} if hours is not None else {})})
+            summaries.append(summary)
+            print(f"iter_{iteration:07d} {label}: mean@{summary['samples_per_problem']} "
+                  f"{summary['mean_at_k']:.3f}, pass@{summary['samples_per_problem']} "
+                  f"{summary['pass_at_k'][str(summary['samples_per_problem'])]:.3f}, cons "
+                  f"{summary['cons_at_k']:.3f}", flush=True)
     finally:
         metrics.close()
         if not keep_exports:
@@ -139,11 +182,15 @@ def watch(run_dir: Path, request: EvalRequest, datasets: list[str], *, every: in
     recipe = load_recipe(run_dir / "recipe.yaml")
     last = recipe.trainer.max_steps
     evaluated = 0
-    while True:
-        for iteration in pending(run_dir, every, [_dataset_label(d) for d in datasets], last):
-            evaluate_checkpoint(run_dir, recipe, iteration, request, datasets, keep_exports=keep_exports)
-            evaluated += 1
-        done = all((eval_dir(run_dir, last) / _dataset_label(d) / SUMMARY).is_file() for d in datasets)
-        if once or done:
-            return evaluated
-        time.sleep(poll_s)
+    serving = CheckpointServer(run_dir, recipe, datasets)
+    try:
+        while True:
+            for iteration in pending(run_dir, every, [_dataset_label(d) for d in datasets], last):
+                evaluate_checkpoint(serving, iteration, request, keep_exports=keep_exports)
+                evaluated += 1
+            done = all((eval_dir(run_dir, last) / _dataset_label(d) / SUMMARY).is_file() for d in datasets)
+            if once or done:
+                return evaluated
+            time.sleep(poll_s)
+    finally:
+        serving.close()

