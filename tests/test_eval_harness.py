@@ -117,7 +117,8 @@ def _hf_greedy(model_dir: Path, prompt: list[int]) -> list[int]:
 
 def test_a_checkpoint_loaded_into_the_running_server_replaces_every_weight(server, model, tmp_path):
     """What the watcher does from its second checkpoint on: the export loaded into the running server in place
-    (vLLM's layered reload, which re-packs the MoE experts; a stale expert or the old prefix cache would show) gives
+    (vLLM's layered reload plus our re-packing of the CPU MoE experts, which vLLM's reload skips; a stale expert or
+    the old prefix cache would show) gives
     transformers' greedy tokens on the new weights, and the first checkpoint's again once it is loaded back."""
     from transformers import AutoTokenizer
 

@@ -163,7 +163,9 @@ def test_a_killed_server_loses_no_sample_and_gets_weights_before_work(fleet_serv
     async def main():
         async with Fleet([s.url for s in servers], on_server_back=resync, health_interval_s=1.0) as fleet:
             running = [asyncio.create_task(fleet.generate(r)) for r in _requests(16, 120, prefix="kill")]
-            await asyncio.sleep(0.5)
+            while fleet.stats()[victim.url]["outstanding_tokens"] == 0:  # its share handed out
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)  # mid-generation: 120 tokens take it several tenths of a second
             victim.kill()
             samples = await asyncio.gather(*running)
             down = fleet.stats()[victim.url]

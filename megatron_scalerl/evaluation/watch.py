@@ -81,12 +81,23 @@ def _model_len(recipe: Recipe, tokenizer: Any, datasets: list[str]) -> int:
 
 class CheckpointServer:
     """One vLLM server for a whole watch: started on the first export it is given, then each later export is loaded
-    into it in place (`vllm_server.reload_from_disk`: vLLM's layered reload, prefix cache dropped) instead of a new
-    server per checkpoint (minutes each for the 8B and Scout presets on GPUs). Its log: RUN/eval/vllm.log. Served
-    under the run's name; float32 on CPUs, the run's precision on GPUs; `max_model_len` from the datasets."""
+    into it in place (`vllm_server.reload_from_disk`: vLLM's layered reload plus the CPU MoE re-packing, prefix cache
+    dropped) instead of a new server per checkpoint (minutes each for the 8B and Scout presets on GPUs).
+
+    On GPUs the export (Megatron on the same GPUs) needs the memory the server holds: `release` puts the server to
+    sleep (vLLM's sleep mode, level 2: weights and KV cache freed) before an export and `serve` wakes it before the
+    reload. A server that died between checkpoints is started again on the next export. Served under the run's name,
+    behind a key of its own (its dev routes run any worker method); float32 on CPUs, the run's precision on GPUs;
+    `max_model_len` from the datasets; its log: RUN/eval/vllm.log."""
 
     def __init__(self, run_dir: Path, recipe: Recipe, datasets: list[str]):
+        import secrets
+
+        import torch
+
         self.run_dir, self.recipe, self.datasets = run_dir, recipe, datasets
+        self.on_gpus = torch.cuda.is_available()
+        self.api_key = secrets.token_hex(16)
         self.server: Any = None
         self.tokenizer: Any = None
 
@@ -94,21 +105,37 @@ class CheckpointServer:
     def name(self) -> str:
         return self.recipe.name
 
+    def release(self) -> None:
+        """Before an export: free the GPU memory the server holds (nothing to do on CPUs or before the first start)."""
+        from megatron_scalerl.rollout.vllm_server import request_json
+
+        if self.on_gpus and self._running():
+            request_json(self.server.url, "/sleep", query={"level": 2}, timeout_s=SERVER_READY_TIMEOUT_S,
+                         api_key=self.api_key)
+
     def serve(self, export: Path) -> str:
         """The URL of a server that now serves the weights of `export` (an HF directory of this run)."""
-        from megatron_scalerl.rollout.vllm_server import reload_from_disk
+        from megatron_scalerl.rollout.vllm_server import reload_from_disk, request_json
 
+        if self.server is not None and not self._running():
+            log.warning("the evaluation server exited (code %s); starting a new one. %s:\n%s",
+                        self.server.process.returncode, self.server.log_path, self.server.log_tail())
+            self.close()
         if self.server is None:
             self._start(export)
             how = "a new server"
         else:
-            reload_from_disk(self.server.url, export, timeout_s=SERVER_READY_TIMEOUT_S)
+            if self.on_gpus:
+                request_json(self.server.url, "/wake_up", timeout_s=SERVER_READY_TIMEOUT_S, api_key=self.api_key)
+            reload_from_disk(self.server.url, export, timeout_s=SERVER_READY_TIMEOUT_S, api_key=self.api_key)
             how = "loaded into the running server"
         print(f"serving {export} at {self.server.url}: {how}", flush=True)
         return self.server.url
 
+    def _running(self) -> bool:
+        return self.server is not None and self.server.process is not None and self.server.process.poll() is None
+
     def _start(self, export: Path) -> None:
-        import torch
         from transformers import AutoTokenizer
 
         from megatron_scalerl.launch.roles import serving_dtype
@@ -117,11 +144,11 @@ class CheckpointServer:
 
         if (export / "tokenizer_config.json").is_file():
             self.tokenizer = AutoTokenizer.from_pretrained(str(export))
-        config = VLLMServerConfig(
-            model=str(export), port=free_port(), dtype=serving_dtype(self.recipe, torch.cuda.is_available()),
+        config = VLLMServerConfig(  # weight_transfer on (the default): the reload route
+            model=str(export), port=free_port(), dtype=serving_dtype(self.recipe, self.on_gpus), api_key=self.api_key,
             max_model_len=_model_len(self.recipe, self.tokenizer, self.datasets),
             tensor_parallel_size=self.recipe.parallelism.generator_tp, seed=self.recipe.trainer.seed,
-            extra_args=("--served-model-name", self.name),  # weight_transfer (default): the reload route
+            extra_args=("--served-model-name", self.name, *(("--enable-sleep-mode",) if self.on_gpus else ())),
             env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
         self.server = VLLMServer(config, self.run_dir / "eval" / "vllm.log").start()
         self.server.wait_ready(SERVER_READY_TIMEOUT_S)
@@ -142,6 +169,7 @@ def evaluate_checkpoint(serving: CheckpointServer, iteration: int, request: Eval
     export = where / "hf"
     if not (export / "config.json").is_file():
         shutil.rmtree(export, ignore_errors=True)
+        serving.release()
         megatron_to_hf(CheckpointStore(run_dir, keep=1).path(iteration), export, recipe.parallelism)
     metrics = MetricsLog(run_dir, "eval", wandb_mode=recipe.logging.wandb_mode,
                          wandb_project=recipe.logging.wandb_project, run_name=recipe.name)
@@ -153,6 +181,7 @@ def evaluate_checkpoint(serving: CheckpointServer, iteration: int, request: Eval
             if (where / label / SUMMARY).is_file():
                 continue
             summary = evaluate(EvalRequest(**{**request.__dict__, "endpoint": url, "model": serving.name,
+                                              "api_key": serving.api_key,
                                               "dataset": dataset, "out": where / label,
                                               "extra": {"step": iteration}}), recipe, serving.tokenizer)
             figures = {f"eval/{label}/{k}": v for k, v in summary.items() if isinstance(v, int | float)}

@@ -9,7 +9,8 @@ The server is `python -m vllm.entrypoints.openai.api_server` (the `vllm` console
 when `weight_transfer` is on (the default), what weight sync needs: `VLLM_SERVER_DEV_MODE=1` (the RL routes
 `/init_weight_transfer_engine` ... `/finish_weight_update`, `/collective_rpc`, `/reset_prefix_cache`),
 `--weight-transfer-config` with the backend of this machine (`platform.resolve_backend`: nccl with CUDA, which is
-vLLM's own engine; gloo without, ours) and our worker extension (`weight_sync.worker_extension`). On a CPU machine
+vLLM's own engine; gloo without, ours) and our worker extension (`weight_sync.worker_extension`; also behind
+`reload_from_disk`, which loads an HF checkpoint into a running server: the evaluation watcher). On a CPU machine
 the KV cache gets `cpu_kv_cache_gib` GiB (`VLLM_CPU_KVCACHE_SPACE`) and CUDA graphs are off (`--enforce-eager`).
 A Llama-4 checkpoint whose attention chunk the default KV block does not divide gets a block that does
 (`--block-size`; the engine refuses the first request otherwise). Its `attn_temperature_tuning` is passed on (`--override-generation-config`): vLLM otherwise
@@ -179,8 +180,10 @@ def reload_from_disk(url: str, checkpoint: str | Path, *, timeout_s: float, api_
     request_json(url, "/collective_rpc", {"method": "scalerl_reload_weights",
                                           "kwargs": {"weights_path": str(checkpoint)}}, timeout_s=timeout_s,
                  api_key=api_key)
-    request_json(url, "/reset_prefix_cache", query={"reset_running_requests": True}, timeout_s=timeout_s,
-                 api_key=api_key)
+    answer = request_json(url, "/reset_prefix_cache", query={"reset_running_requests": True}, timeout_s=timeout_s,
+                          api_key=api_key)
+    if not (answer or {}).get("success", False):
+        raise ServerError(f"{url}: /reset_prefix_cache after loading {checkpoint} did not succeed ({answer})")
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float, *, what: str, log_path: Path,

