@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml scripts/setup_venv.sh
 	touch $(STAMP)
 
 # Two pytest workers (pytest-xdist), whole files to each, so a module's fixtures (a vLLM server, a trainer) are
-# built once; files in the order tests/conftest.py gives (vLLM files first): about 14 min for the suite on 2 cores.
+# built once; files in the order tests/conftest.py gives (vLLM files first): about 11-12 min for the suite on 2 cores.
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 

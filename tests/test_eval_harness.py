@@ -97,45 +97,24 @@ def test_a_grader_that_hangs_counts_as_wrong_and_is_reported(server, model, reci
     assert summary["mean_at_k"] == 0 and summary["grader_timeouts_in"]
 
 
-def _server_greedy(url: str, model: Path, prompt: list[int]) -> list[int]:
-    from megatron_scalerl.rollout.vllm_server import request_json
-
-    answer = request_json(url, "/v1/completions", {"model": str(model), "prompt": prompt, "max_tokens": 6,
-                                                  "temperature": 0.0, "return_token_ids": True}, timeout_s=60)
-    return answer["choices"][0]["token_ids"]
-
-
-def _hf_greedy(model_dir: Path, prompt: list[int]) -> list[int]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
 def test_a_checkpoint_loaded_into_the_running_server_replaces_every_weight(server, model, tmp_path):
     """What the watcher does from its second checkpoint on: the export loaded into the running server in place
     (vLLM's layered reload plus our re-packing of the CPU MoE experts, which vLLM's reload skips; a stale expert or
-    the old prefix cache would show) gives
-    transformers' greedy tokens on the new weights, and the first checkpoint's again once it is loaded back."""
-    from transformers import AutoTokenizer
-
+    the old prefix cache would show) gives transformers' greedy tokens and log-probs on the new weights, and the
+    first checkpoint's again once it is loaded back."""
     from megatron_scalerl.demo.model import build_model
     from megatron_scalerl.rollout.vllm_server import reload_from_disk
+    from tests.weight_sync_utils import assert_matches, hf_greedy, server_greedy
 
     other = build_model(load_recipe("demo"), tmp_path / "other", seed=4)
-    prompt = AutoTokenizer.from_pretrained(str(model))("What is 3 + 4? Think, then answer.").input_ids
-    before = _server_greedy(server, model, prompt)
-    assert before == _hf_greedy(model, prompt)
+    assert hf_greedy(str(other)) != hf_greedy(str(model))
+    assert_matches(server_greedy(server), hf_greedy(str(model)), "the checkpoint the server started on")
     try:
         reload_from_disk(server, other, timeout_s=300)
-        after = _server_greedy(server, model, prompt)
-        assert after == _hf_greedy(other, prompt) and after != before
+        assert_matches(server_greedy(server), hf_greedy(str(other)), "after loading another checkpoint")
     finally:
         reload_from_disk(server, model, timeout_s=300)
-    assert _server_greedy(server, model, prompt) == before
+    assert_matches(server_greedy(server), hf_greedy(str(model)), "after loading the first one back")
 
 
 def test_unreachable_endpoint_fails_after_retries_with_one_line(three_problems, tmp_path, capsys):

@@ -174,6 +174,7 @@ def evaluate_checkpoint(serving: CheckpointServer, iteration: int, request: Eval
     metrics = MetricsLog(run_dir, "eval", wandb_mode=recipe.logging.wandb_mode,
                          wandb_project=recipe.logging.wandb_project, run_name=recipe.name)
     summaries = []
+    hours = gpu_hours_at(run_dir, iteration)
     try:
         url = serving.serve(export)
         for dataset in serving.datasets:
@@ -186,7 +187,6 @@ def evaluate_checkpoint(serving: CheckpointServer, iteration: int, request: Eval
                                               "extra": {"step": iteration}}), recipe, serving.tokenizer)
             figures = {f"eval/{label}/{k}": v for k, v in summary.items() if isinstance(v, int | float)}
             figures.update({f"eval/{label}/pass_at_k/{k}": v for k, v in summary["pass_at_k"].items()})
-            hours = gpu_hours_at(run_dir, iteration)
             metrics.log(iteration, {**figures, **({"gpu_hours": hours} if hours is not None else {})})
             summaries.append(summary)
             print(f"iter_{iteration:07d} {label}: mean@{summary['samples_per_problem']} "

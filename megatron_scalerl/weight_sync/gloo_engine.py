@@ -77,8 +77,12 @@ def cpu_moe_layers_reloaded(model: torch.nn.Module) -> list[tuple[torch.nn.Modul
     """
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-    return [(module, experts) for module, experts in cpu_moe_layers(model)
-            if not get_layerwise_info(module).can_load() or get_layerwise_info(module).load_numel > 0]
+    reloaded = []
+    for module, experts in cpu_moe_layers(model):
+        info = get_layerwise_info(module)
+        if not info.can_load() or info.load_numel > 0:
+            reloaded.append((module, experts))
+    return reloaded
 
 
 class GlooWeightTransferEngine(NCCLWeightTransferEngine):
