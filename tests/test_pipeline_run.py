@@ -114,6 +114,10 @@ def run(tmp_path_factory):
 def test_a_killed_generator_is_restarted_and_the_run_goes_on(run):
     code, out = run["first"]
     assert "generator 0 exited" in out and "starting it again" in out
+    # the restarted generator (same URL, new receiver) got its weights in one attempt: the trainer formed its
+    # broadcast group anew instead of broadcasting into the dead server's (its steps went on while it was down, and
+    # the orchestrator took the trainer's newer version as current)
+    assert "trying again" not in (run["dir"] / "logs" / "trainer.log").read_text()
     assert code == 1 and "failed" in out  # the second fault ends the first launch
 
 

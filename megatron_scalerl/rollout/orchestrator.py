@@ -333,12 +333,24 @@ class Orchestrator:
             await asyncio.sleep(IDLE_SAMPLE_S)
 
     async def _wait_for_current_weights(self, url: str, timeout_s: float = 600.0) -> None:
-        """A generator that comes back must serve the current policy (the trainer re-syncs it) before it gets work."""
+        """A generator that comes back must serve the current policy (the trainer re-syncs it) before it gets work.
+
+        The trainer sends it its own current step, which may be newer than the last version this process saw (the
+        trainer kept stepping while every generator was down, and `_watch_versions` polls only servers that are up):
+        any trained version at least as new as the one last seen will do, and a newer one becomes the current."""
         deadline = time.monotonic() + timeout_s
-        while (await self.fleet.weight_version(url)) != self.version:
+        while True:
+            version = await self.fleet.weight_version(url)
+            if version is not None and (self.version is None or version >= self.version):
+                break
             if time.monotonic() > deadline:
-                raise FleetError(f"{url} did not get policy version {self.version} within {timeout_s:g} s")
+                raise FleetError(f"{url} did not get policy version {self.version} or newer within {timeout_s:g} s "
+                                 f"(it serves {version if version is not None else 'its start-up weights'})")
             await asyncio.sleep(VERSION_POLL_S)
+        if self.version is None or version > self.version:
+            async with self.changed:
+                self.version = version
+                self.changed.notify_all()
 
     # ---- run ------------------------------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ class GeneratorLink:
         self.config = config
         self.is_rank0 = is_rank0
         self.sender: WeightSender | None = None
+        self.sent_version: int | None = None  # the version the sender's last push delivered to all its servers
 
     @classmethod
     def from_run_dir(cls, run_dir: str | Path, recipe: Recipe, *, is_rank0: bool) -> GeneratorLink | None:
@@ -84,8 +85,11 @@ class GeneratorLink:
         return behind
 
     def _connect(self, live: list[str]) -> str | None:
-        """(Re)form the broadcast group with `live` when it changed; returns an error message or None."""
-        if self.sender is not None and self.sender.urls == live and self.sender.failed is None:
+        """(Re)form the broadcast group with `live` when it changed, or when one of its servers no longer serves the
+        version the group last delivered (it restarted, perhaps between two pushes, and its receiver is new);
+        returns an error message or None."""
+        if (self.sender is not None and self.sender.urls == live and self.sender.failed is None
+                and not self._behind(self.sent_version)):
             return None
         self._close()
         try:
@@ -121,6 +125,7 @@ class GeneratorLink:
             if error is None:
                 try:
                     stats = push_weights(model_chunks, self.model_cfg, self.config, self.sender, version)
+                    self.sent_version = version
                     return {"sync/generators": float(len(live)), "sync/seconds": stats.seconds if stats else 0.0}
                 except WeightSyncError as exc:
                     error = str(exc)
