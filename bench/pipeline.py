@@ -10,7 +10,10 @@ generator) from the same random checkpoint, differing only in `rollout.off_polic
 Random weights answer nothing right, so the zero-variance filter is off (every batch reaches the trainer; this
 measures throughput, not learning). Each run's figures come from its own `metrics.jsonl`, over the batches after
 the first `--warmup` ones (start-up excluded): samples/s = samples in those batches / the seconds between their
-first and last record; generator idle = the mean of the orchestrator's per-batch `rollout/generator_idle_fraction`.
+first and last record; generator idle = the orchestrator's per-batch `rollout/generator_idle_fraction` (the share of
+its idle polls since the previous batch) weighted by each batch's window, the seconds since the previous record,
+i.e. the idle share of those same seconds (an unweighted mean would count a batch written a moment after the last
+as much as one that took many seconds).
 `ratio_samples_per_s` = pipeline / sync. The last line is one JSON object.
 
     OMP_NUM_THREADS=1 python bench/pipeline.py [--steps 14] [--warmup 4] [--k 8]
@@ -42,9 +45,11 @@ def run(root: Path, model: Path, name: str, overrides: list[str]) -> dict:
 def figures(records: list[dict], warmup: int, samples_per_batch: int) -> dict:
     timed = sorted(records, key=lambda r: r["step"])[warmup:]
     seconds = timed[-1]["time"] - timed[0]["time"]
+    windows = [(later["time"] - earlier["time"], later["rollout/generator_idle_fraction"])
+               for earlier, later in zip(timed, timed[1:], strict=False)]
     return {"batches": len(timed) - 1, "seconds": seconds,
             "samples_per_s": (len(timed) - 1) * samples_per_batch / seconds,
-            "generator_idle_fraction": sum(r["rollout/generator_idle_fraction"] for r in timed[1:]) / (len(timed) - 1),
+            "generator_idle_fraction": sum(window * idle for window, idle in windows) / seconds,
             "staleness_max": max(r["staleness/max"] for r in timed)}
 
 

@@ -99,8 +99,8 @@ class ModelConfig(Section):
 
 
 class ParallelismConfig(Section):
-    """Trainer layout (dp = trainer GPUs / (tp * pp) unless given; micro_batch_size is in samples) and the
-    generators' tensor parallelism."""
+    """Trainer layout (dp = trainer GPUs / (tp * pp) unless given; micro_batch_size: the most samples in one
+    micro-batch, see `trainer.microbatches`) and the generators' tensor parallelism."""
 
     tp: Pos = 1
     pp: Pos = 1

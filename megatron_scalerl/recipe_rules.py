@@ -56,11 +56,6 @@ def cross_field_problems(r: Recipe) -> list[tuple[str, str]]:
     expert_tp = p.expert_tp_size
     if m.is_moe and (p.tp * dp) % (p.ep * expert_tp):
         out.append(("parallelism.ep", f"ep*expert_tp={p.ep * expert_tp} does not divide tp*dp={p.tp * dp}"))
-    micro = dp * p.micro_batch_size
-    if r.samples_per_step % micro:
-        out.append(("rollout.prompts_per_step",
-                    f"prompts_per_step x generations_per_prompt = {r.samples_per_step} is not divisible by "
-                    f"dp x micro_batch_size = {dp} x {p.micro_batch_size}"))
     if ro.max_prompt_tokens + ro.max_new_tokens > m.max_position_embeddings:
         out.append(("rollout.max_new_tokens",
                     f"max_prompt_tokens + max_new_tokens = {ro.max_prompt_tokens + ro.max_new_tokens} exceeds "

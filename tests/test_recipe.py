@@ -121,7 +121,6 @@ def test_resolved_recipe_round_trips_without_base(tmp_path):
         (["algorithm.loss=ppo"], "algorithm.loss", "cispo"),
         (["parallelism.tp=3"], "parallelism.tp", "does not divide model.num_attention_heads"),
         (["parallelism.tp=16", "cluster.trainer_nodes=2"], "parallelism.tp", "num_query_groups"),
-        (["rollout.prompts_per_step=47", "rollout.generations_per_prompt=3"], "rollout.prompts_per_step", "divisible"),
         (["algorithm.length_control.think_budget_max=13000"], "algorithm.length_control.think_budget_max", "exceeds"),
         (["algorithm.length_control.think_budget_min=12500"], "algorithm.length_control.think_budget_min", ">"),
         (["parallelism.ep=2"], "parallelism.ep", "needs an MoE model"),

@@ -20,12 +20,13 @@ def test_assignment_balances_tokens_deterministically():
 def test_every_loss_token_appears_once_with_its_target(dp, mbs, pad):
     batch = make_batch()
     seen = {}
-    counts = set()
+    counts, widths = set(), set()
     for rank in range(dp):
         mbs_list = build_microbatches(batch, dp_rank=rank, dp_size=dp, micro_batch_size=mbs, pad_multiple=pad)
         counts.add(len(mbs_list))
         for mb in mbs_list:
-            assert mb.tokens.shape[1] % pad == 0 and mb.tokens.shape[0] == mbs
+            widths.add(mb.tokens.shape[0])
+            assert mb.tokens.shape[1] % pad == 0 and mb.tokens.shape[0] <= mbs
             for row, i in enumerate(mb.sample_index.tolist()):
                 if i < 0:
                     assert not mb.loss_mask[row].any() and mb.group_ids[row] == -1
@@ -41,4 +42,16 @@ def test_every_loss_token_appears_once_with_its_target(dp, mbs, pad):
                 assert mb.advantages[row] == batch.advantages[i] and mb.group_ids[row] == batch.group_ids[i]
                 seen[i] = rank
     assert sorted(seen) == list(range(batch.num_samples))
-    assert len(counts) == 1  # same number of micro-batches on every rank
+    assert len(counts) == 1 and len(widths) == 1  # same number and width of micro-batches on every rank
+
+
+@pytest.mark.parametrize("dp, mbs, count, width", [(1, 64, 1, 4), (2, 64, 1, 2), (1, 3, 2, 2), (1, 1, 4, 1),
+                                                   (2, 1, 2, 1)])
+def test_micro_batches_are_as_few_and_as_narrow_as_the_size_allows(dp, mbs, count, width):
+    """4 samples: a size above what a rank holds gives one micro-batch of just its rows (a filtered step is not padded
+    up to the size); otherwise ceil(samples / size) micro-batches, evenly filled."""
+    batch = make_batch()
+    assert batch.num_samples == 4
+    for rank in range(dp):
+        mbs_list = build_microbatches(batch, dp_rank=rank, dp_size=dp, micro_batch_size=mbs)
+        assert [mb.tokens.shape[0] for mb in mbs_list] == [width] * count

@@ -3,7 +3,10 @@
 Every sample stays whole inside one row of one micro-batch (no cross-sequence attention, and sequence-level losses
 such as GSPO see the whole sample). Samples are dealt to DP ranks longest-first onto the rank with the fewest tokens,
 so ranks carry similar token counts; every rank gets the same number of micro-batches (MoE all-to-alls and pipeline
-schedules need that), padded with empty rows whose loss mask is all zero.
+schedules need that), padded with empty rows whose loss mask is all zero. `micro_batch_size` is the most samples a
+micro-batch holds: a step takes as few micro-batches as it allows, and they are as narrow as that count allows
+(a step of fewer samples than the size, e.g. after the zero-variance filter, is one micro-batch of just those rows,
+not padded up to the size).
 
 Row layout for a sample of L tokens: the model reads tokens[0 : L-1] and predicts tokens[1 : L]; `targets`,
 `loss_mask`, `gen_logprobs` are the next-token quantities aligned with the inputs. Rows are right-padded to the
@@ -54,20 +57,23 @@ def _round_up(n: int, multiple: int) -> int:
 
 def build_microbatches(batch: TrainBatch, *, dp_rank: int, dp_size: int, micro_batch_size: int,
                        pad_multiple: int = 1, pad_token: int = 0) -> list[MicroBatch]:
-    """This DP rank's micro-batches for the step (the same count on every rank)."""
+    """This DP rank's micro-batches for the step: the same count and the same number of rows (<= micro_batch_size)
+    on every rank."""
     per_rank = assign_to_ranks(batch.lengths.tolist(), dp_size)
     mine = per_rank[dp_rank]  # longest first, so consecutive rows (one micro-batch) have similar lengths
-    count = max(1, math.ceil(max(len(r) for r in per_rank) / micro_batch_size))
+    fullest = max(1, max(len(r) for r in per_rank))
+    count = math.ceil(fullest / micro_batch_size)
+    width = math.ceil(fullest / count)  # rows per micro-batch
     offsets = batch.offsets.tolist()
     out = []
     for m in range(count):
-        rows = mine[m * micro_batch_size:(m + 1) * micro_batch_size]
-        rows += [-1] * (micro_batch_size - len(rows))
+        rows = mine[m * width:(m + 1) * width]
+        rows += [-1] * (width - len(rows))
         seq = _round_up(max([offsets[i + 1] - offsets[i] - 1 for i in rows if i >= 0] + [1]), pad_multiple)
-        tokens = torch.full((micro_batch_size, seq), pad_token, dtype=torch.int64)
+        tokens = torch.full((width, seq), pad_token, dtype=torch.int64)
         targets = torch.full_like(tokens, pad_token)
-        loss_mask = torch.zeros((micro_batch_size, seq), dtype=torch.bool)
-        gen_lp = torch.zeros((micro_batch_size, seq), dtype=torch.float32)
+        loss_mask = torch.zeros((width, seq), dtype=torch.bool)
+        gen_lp = torch.zeros((width, seq), dtype=torch.float32)
         for row, i in enumerate(rows):
             if i < 0:
                 continue
@@ -82,7 +88,7 @@ def build_microbatches(batch: TrainBatch, *, dp_rank: int, dp_size: int, micro_b
         safe = index.clamp(min=0)
         out.append(MicroBatch(
             tokens=tokens,
-            position_ids=torch.arange(seq).expand(micro_batch_size, seq).contiguous(),
+            position_ids=torch.arange(seq).expand(width, seq).contiguous(),
             targets=targets,
             loss_mask=loss_mask,
             gen_logprobs=gen_lp,

@@ -112,7 +112,7 @@ class TrainStep:
             forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(microbatches),
             model=self.model, num_microbatches=len(microbatches),
             seq_length=max(mb.tokens.shape[1] for mb in microbatches),
-            micro_batch_size=self.recipe.parallelism.micro_batch_size, forward_only=forward_only)
+            micro_batch_size=microbatches[0].tokens.shape[0], forward_only=forward_only)
 
     def _microbatches(self, batch: TrainBatch) -> list[MicroBatch]:
         pad = self.tp_size if self.sequence_parallel else 1
