@@ -31,6 +31,11 @@ class MetricsLog:
             wandb_dir.mkdir(parents=True, exist_ok=True)
             self._wandb = wandb.init(project=wandb_project, name=f"{run_name or Path(run_dir).name}-{role}",
                                      dir=str(wandb_dir), mode=wandb_mode, config=config, reinit="create_new")
+            # Every figure is plotted against our `step`, not wandb's own counter: a role's records may come out of
+            # step order (the orchestrator logs a validation at policy version v after batches up to v + k), and
+            # wandb drops a row whose own step goes backwards.
+            self._wandb.define_metric("step", hidden=True)
+            self._wandb.define_metric("*", step_metric="step")
 
     def log(self, step: int, figures: dict[str, Any]) -> dict[str, Any]:
         record = {"step": int(step), "time": time.time(), "role": self.role,
@@ -42,7 +47,7 @@ class MetricsLog:
         finally:
             os.close(fd)
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=int(step))
+            self._wandb.log({k: v for k, v in record.items() if isinstance(v, int | float)})
         return record
 
     def close(self) -> None:

@@ -2,6 +2,8 @@
 
 import json
 import os
+import struct
+import time
 from multiprocessing import Process
 
 from megatron_scalerl.metrics import MetricsLog, read_metrics
@@ -36,9 +38,44 @@ def test_non_finite_values_stay_valid_json(tmp_path):
 def test_wandb_offline_mirror(tmp_path, monkeypatch):
     for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
-    log = MetricsLog(tmp_path, "trainer", wandb_mode="offline", wandb_project="t", config={"k": 1})
-    log.log(1, {"train/loss": 0.5})
+    log = MetricsLog(tmp_path, "orchestrator", wandb_mode="offline", wandb_project="t", config={"k": 1})
+    log.log(8, {"rollout/reward_mean": 0.5})
+    log.log(0, {"val/pass_rate": 0.25})  # a validation of policy version 0, logged after batch 8
+    log.log(9, {"rollout/reward_mean": 0.75})
     log.close()
     runs = list((tmp_path / "logs" / "wandb").glob("offline-run-*"))
-    assert runs and any(f.suffix == ".wandb" for f in runs[0].iterdir())
+    [data] = [f for f in runs[0].iterdir() if f.suffix == ".wandb"]
     assert os.path.getsize(tmp_path / "metrics.jsonl") > 0
+    deadline = time.monotonic() + 30  # wandb's service may still be writing the file when finish() returns
+    while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(data)):
+        assert time.monotonic() < deadline, f"{data} never got its exit record"
+        time.sleep(0.2)
+    rows = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for record in _wandb_records(data) if record.WhichOneof("record_type") == "history"]
+    assert [(row["step"], row.get("val/pass_rate"), row.get("rollout/reward_mean")) for row in rows] == [
+        (8, None, 0.5), (0, 0.25, None), (9, None, 0.75)]  # nothing dropped, each at its own step
+
+
+def _wandb_records(path):
+    """The records of an offline run's .wandb file: wandb's LevelDB-style log (a 7-byte ":W&B" header, then 32 KiB
+    blocks of chunks, each behind a 7-byte header: CRC, length, type FULL=1 / FIRST=2 / MIDDLE=3 / LAST=4), each
+    record a protobuf `Record` (wandb 0.31 no longer ships a Python reader)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
