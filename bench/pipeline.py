@@ -25,6 +25,7 @@ import argparse
 import json
 import sys
 import tempfile
+from itertools import pairwise
 from pathlib import Path
 
 from megatron_scalerl.launch.local import start_run
@@ -46,7 +47,7 @@ def figures(records: list[dict], warmup: int, samples_per_batch: int) -> dict:
     timed = sorted(records, key=lambda r: r["step"])[warmup:]
     seconds = timed[-1]["time"] - timed[0]["time"]
     windows = [(later["time"] - earlier["time"], later["rollout/generator_idle_fraction"])
-               for earlier, later in zip(timed, timed[1:], strict=False)]
+               for earlier, later in pairwise(timed)]
     return {"batches": len(timed) - 1, "seconds": seconds,
             "samples_per_s": (len(timed) - 1) * samples_per_batch / seconds,
             "generator_idle_fraction": sum(window * idle for window, idle in windows) / seconds,

@@ -9,7 +9,7 @@ from matplotlib.figure import Figure
 
 from megatron_scalerl.forecast.compare import Comparison, log_f
 from megatron_scalerl.forecast.data import Curve
-from megatron_scalerl.forecast.predict import A_MARGIN, Forecast
+from megatron_scalerl.forecast.predict import A_MARGIN, Forecast, format_gpu_hours
 
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 
@@ -39,7 +39,7 @@ def _draw_run(ax, forecast: Forecast, colour: str, right: float, label: str) -> 
                label="held-out evaluations" if label == "data" and later.any() else None)
     grid = _compute_grid(forecast, right)
     ax.plot(grid, fit.predict(grid), color=colour, lw=2,
-            label=f"sigmoid: A={fit.A:.3f}, B={fit.B:.2f}, C_mid={fit.C_mid:,.0f}" if label == "data" else
+            label=f"sigmoid: A={fit.A:.3f}, B={fit.B:.2f}, C_mid={format_gpu_hours(fit.C_mid)}" if label == "data" else
             f"{label}: A={fit.A:.3f}, B={fit.B:.2f}")
     if forecast.boot is not None:
         draws = forecast.boot.rewards(grid)
@@ -76,9 +76,9 @@ def forecast_png(forecast: Forecast, show_budgets: bool = True) -> bytes:
     grid = _compute_grid(forecast, right)
     ax.plot(grid, forecast.power.predict(grid), color="0.25", ls="--", lw=1.3,
             label=f"power law: A={forecast.power.A:.3f}, B={forecast.power.B:.2f}")
-    ax.axvline(options.min_compute, color="0.35", lw=1, ls="-.", label=f"fit cutoff {options.min_compute:,.0f}")
+    ax.axvline(options.min_compute, color="0.35", lw=1, ls="-.", label=f"fit cutoff {format_gpu_hours(options.min_compute)}")
     if options.fit_until is not None:
-        ax.axvline(options.fit_until, color="#ff7f0e", lw=1, ls="-.", label=f"fit until {options.fit_until:,.0f}")
+        ax.axvline(options.fit_until, color="#ff7f0e", lw=1, ls="-.", label=f"fit until {format_gpu_hours(options.fit_until)}")
     if show_budgets:
         _draw_budgets(ax, forecast)
     top = max(fit.A + A_MARGIN, forecast.power.A if forecast.power.A < 1.0 else 0.0, forecast.curve.reward.max())
@@ -116,7 +116,7 @@ def compare_png(comparison: Comparison) -> bytes:
     for pair in comparison.pairs:
         for c in pair["crossovers"]:
             ax.axvline(c, color="0.3", ls=":", lw=1)
-            ax.annotate(f" {' x '.join(pair['runs'])} cross at {c:,.0f}", (c, ax.get_ylim()[1]), rotation=90,
+            ax.annotate(f" {' x '.join(pair['runs'])} cross at {format_gpu_hours(c)}", (c, ax.get_ylim()[1]), rotation=90,
                         fontsize=7, va="top", ha="right", bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
     ax.set_xlabel("training compute (GPU-hours, log scale)")
     ax.set_ylabel(comparison.forecasts[0].curve.metric)

@@ -10,6 +10,7 @@ import base64
 import html
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,23 +108,17 @@ def dumps(data: dict) -> str:
 # ---------------------------------------------------------------- the three reports
 
 
-class _GpuHoursFormat:
-    """GPU-hours for reading: whole hours with thousands separators from 100 GPU-h up, three significant digits below
-    (a CPU run's C_mid of 0.0288 GPU-h must not read 0)."""
-
-    @staticmethod
-    def format(value: float) -> str:
-        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+def _gpu_hours_cell(value: float) -> str:
+    """GPU-hours in a table: whole hours from 100 up (16,000), else `format_gpu_hours`'s three significant digits (a
+    CPU run's 0.0288 must not read 0)."""
+    return f"{value:,.0f}" if abs(value) >= 100 else format_gpu_hours(value)
 
 
-GPU_H = _GpuHoursFormat()
-
-
-def _interval(pair, fmt: str | _GpuHoursFormat = "{:.4g}") -> str:
+def _interval(pair, fmt: Callable[[float], str] = "{:.4g}".format) -> str:
     """'[lo, hi]'; a missing or infinite end (a target never reached) reads 'never'; no interval reads '-'."""
     if pair is None:
         return "-"
-    return "[" + ", ".join("never" if v is None or not math.isfinite(v) else fmt.format(v) for v in pair) + "]"
+    return "[" + ", ".join("never" if v is None or not math.isfinite(v) else fmt(v) for v in pair) + "]"
 
 
 def _fit_section(doc: Document, forecast: Forecast) -> None:
@@ -138,7 +133,7 @@ def _fit_section(doc: Document, forecast: Forecast) -> None:
         ["A (ceiling)", f"{fit.A:.4f}", _interval(forecast.param_interval("A")),
          f"paper margin +-{A_MARGIN}: [{fit.A - A_MARGIN:.3f}, {fit.A + A_MARGIN:.3f}]"],
         ["B (exponent)", f"{fit.B:.3f}", _interval(forecast.param_interval("B")), ""],
-        ["C_mid (GPU-h)", GPU_H.format(fit.C_mid), _interval(forecast.param_interval("C_mid"), GPU_H), "half of the gain"],
+        ["C_mid (GPU-h)", _gpu_hours_cell(fit.C_mid), _interval(forecast.param_interval("C_mid"), _gpu_hours_cell), "half of the gain"],
         ["R0", f"{fit.R0:.4f}", _interval(forecast.param_interval("R0")), r0_note]])
     if forecast.boot is not None:
         noise = forecast.boot.noise.summary()
@@ -160,16 +155,16 @@ def forecast_document(forecast: Forecast, png: bytes) -> Document:
     _fit_section(doc, forecast)
     doc.heading("Predictions")
     doc.table(["GPU-hours", "reward", f"{forecast.options.level:.0%} interval"],
-              [[GPU_H.format(p["gpu_hours"]), f"{p['reward']:.4f}", _interval(_pair(p))] for p in forecast.predictions()])
+              [[_gpu_hours_cell(p["gpu_hours"]), f"{p['reward']:.4f}", _interval(_pair(p))] for p in forecast.predictions()])
     targets = forecast.targets()
     if targets:
         doc.table(["target reward", "GPU-hours needed", "interval"],
-                  [[f"{t['reward']:.3f}", GPU_H.format(t["gpu_hours"]) if t["reachable"] else "never (above A)",
-                    _interval(_pair(t), GPU_H)] for t in targets])
+                  [[f"{t['reward']:.3f}", _gpu_hours_cell(t["gpu_hours"]) if t["reachable"] else "never (above A)",
+                    _interval(_pair(t), _gpu_hours_cell)] for t in targets])
     now = forecast.current()
     doc.heading("Where the run is now")
     gain = now["fraction_of_gain"]
-    doc.items([f"at {GPU_H.format(now['gpu_hours'])} GPU-h: observed {now['observed']:.4f}, fitted {now['fitted']:.4f}",
+    doc.items([f"at {_gpu_hours_cell(now['gpu_hours'])} GPU-h: observed {now['observed']:.4f}, fitted {now['fitted']:.4f}",
                f"marginal gain: {now['marginal_gain_per_1k_gpu_hours']:.5f} per 1k GPU-h "
                f"{_interval(now['marginal_gain_interval'])}",
                f"fraction of the asymptote reached (R / A): {now['fraction_of_asymptote']:.1%}",
@@ -193,17 +188,17 @@ def compare_document(comparison: Comparison, curves_png: bytes, linearised_png: 
     doc.heading("Fits")
     doc.table(["run", "A", f"A {level:.0%}", "B", f"B {level:.0%}", "C_mid (GPU-h)", f"C_mid {level:.0%}", "R0"],
               [[f.curve.name, f"{f.fit.A:.4f}", _interval(f.param_interval("A")), f"{f.fit.B:.3f}",
-                _interval(f.param_interval("B")), GPU_H.format(f.fit.C_mid), _interval(f.param_interval("C_mid"), GPU_H),
+                _interval(f.param_interval("B")), _gpu_hours_cell(f.fit.C_mid), _interval(f.param_interval("C_mid"), _gpu_hours_cell),
                 f"{f.fit.R0:.3f}"] for f in comparison.forecasts])
     doc.heading("Who is ahead")
     doc.table(["GPU-hours", "leader", "clear lead"] + comparison.names,
-              [[GPU_H.format(row["gpu_hours"]), row["leader"], "yes" if row["clear"] else "within intervals"]
+              [[_gpu_hours_cell(row["gpu_hours"]), row["leader"], "yes" if row["clear"] else "within intervals"]
                + [f"{row['rewards'][n]['reward']:.4f}" for n in comparison.names] for row in comparison.budgets])
     doc.heading("Pairs")
     lines = []
     for pair in comparison.pairs:
         a, b = pair["runs"]
-        cross = ", ".join(GPU_H.format(c) for c in pair["crossovers"])
+        cross = ", ".join(_gpu_hours_cell(c) for c in pair["crossovers"])
         line = (f"{a} vs {b}: A differs by {pair['A_difference']:+.4f}; "
                 + (f"the curves cross at {cross} GPU-h" if cross else "the curves do not cross"))
         if pair["shared_A"]:
@@ -231,7 +226,7 @@ def backtest_document(backtest: Backtest, png: bytes) -> Document:
     doc.heading("Held-out evaluations")
     data = backtest.to_dict()["points"]
     doc.table(["GPU-hours", "observed", "predicted", "error", f"{forecast.options.level:.0%} prediction interval"],
-              [[GPU_H.format(p["gpu_hours"]), f"{p['observed']:.4f}", f"{p['predicted']:.4f}", f"{p['error']:+.4f}",
+              [[_gpu_hours_cell(p["gpu_hours"]), f"{p['observed']:.4f}", f"{p['predicted']:.4f}", f"{p['error']:+.4f}",
                 _interval(_pair(p))] for p in data])
     return doc
 

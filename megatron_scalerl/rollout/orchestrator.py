@@ -293,9 +293,7 @@ class Orchestrator:
                         if v is not None]
             latest = max(versions, default=None)
             if latest is not None and latest != self.version:
-                async with self.changed:
-                    self.version = latest
-                    self.changed.notify_all()
+                await self._set_version(latest)
                 if self._validation_due(latest):
                     self.validations[latest] = self._spawn(self._validate(latest))
             await asyncio.sleep(VERSION_POLL_S)
@@ -348,9 +346,13 @@ class Orchestrator:
                                  f"(it serves {version if version is not None else 'its start-up weights'})")
             await asyncio.sleep(VERSION_POLL_S)
         if self.version is None or version > self.version:
-            async with self.changed:
-                self.version = version
-                self.changed.notify_all()
+            await self._set_version(version)
+
+    async def _set_version(self, version: int) -> None:
+        """The generators' policy version is now `version`: wake admission control and the final validation."""
+        async with self.changed:
+            self.version = version
+            self.changed.notify_all()
 
     # ---- run ------------------------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ counted in optimizer steps.
 
 Rank 0 talks to the servers and tells the other ranks what to do (`from_rank0`), so every rank takes the same path
 through the collective export:
-- `push`: the servers that answer /health get the weights in flight (`WeightSender`: pause(keep) -> update ->
+- `push`: the servers that answer (/weight_info) get the weights in flight (`WeightSender`: pause(keep) -> update ->
   resume). When the set of live servers changed, the broadcast group is formed again. A sync that fails (a server
   died during it) is retried once without the servers that stopped answering; a second failure raises.
 - `catch_up`: a live server whose weight version is not the trainer's (it restarted and serves its start-up
@@ -72,24 +72,21 @@ class GeneratorLink:
         except ServerError:
             return False, None
 
-    def _live(self) -> list[str]:
-        return [url for url in self.urls if self._ask(url, "/health")[0]]
-
-    def _behind(self, version: int) -> list[str]:
-        """Live servers whose weight version is not `version`."""
-        behind = []
+    def _served(self) -> dict[str, str | None]:
+        """The weight version each server that answers serves (its /weight_info; vLLM's "default" at start-up), by
+        URL: one call per server tells both whether it is live and what it serves."""
+        served = {}
         for url in self.urls:
             answered, info = self._ask(url, "/weight_info")
-            if answered and (info or {}).get("weight_version") != str(version):
-                behind.append(url)
-        return behind
+            if answered:
+                served[url] = (info or {}).get("weight_version")
+        return served
 
-    def _connect(self, live: list[str]) -> str | None:
-        """(Re)form the broadcast group with `live` when it changed, or when one of its servers no longer serves the
-        version the group last delivered (it restarted, perhaps between two pushes, and its receiver is new);
-        returns an error message or None."""
-        if (self.sender is not None and self.sender.urls == live and self.sender.failed is None
-                and not self._behind(self.sent_version)):
+    def _connect(self, live: list[str], restarted: bool) -> str | None:
+        """(Re)form the broadcast group with `live` when it changed, or when one of its servers `restarted` (it no
+        longer serves the version the group last delivered, perhaps after a restart between two pushes: its receiver
+        is new); returns an error message or None."""
+        if self.sender is not None and self.sender.urls == live and self.sender.failed is None and not restarted:
             return None
         self._close()
         try:
@@ -108,8 +105,10 @@ class GeneratorLink:
 
     def _prepare(self) -> tuple[list[str], str | None]:
         """Rank 0: the live servers, and the error of (re)forming the group with them (None: ready to send)."""
-        live = self._live()
-        return live, self._connect(live) if live else None
+        served = self._served()
+        restarted = any(version != str(self.sent_version) for version in served.values())
+        live = list(served)
+        return live, self._connect(live, restarted) if live else None
 
     def push(self, model_chunks: list, version: int) -> dict[str, float]:
         """Send the weights, tagged `version`, to every live server; returns the sync's metrics."""
@@ -120,7 +119,7 @@ class GeneratorLink:
                             version, error)
             live, error = from_rank0(self._prepare() if self.is_rank0 else None)
             if not live:
-                log.warning("no generator answers /health: version %d is sent when one is back", version)
+                log.warning("no generator answers: version %d is sent when one is back", version)
                 return {"sync/generators": 0.0}
             if error is None:
                 try:
@@ -135,7 +134,8 @@ class GeneratorLink:
 
     def catch_up(self, model_chunks: list, version: int) -> bool:
         """Push `version` again if a live server does not serve it; returns whether a push happened."""
-        behind = from_rank0(self._behind(version) if self.is_rank0 else None)
+        behind = from_rank0([url for url, served in self._served().items() if served != str(version)]
+                            if self.is_rank0 else None)
         if not behind:
             return False
         log.info("generators %s are not at version %d: sending it", behind, version)
