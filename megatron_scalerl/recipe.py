@@ -182,7 +182,8 @@ class RolloutConfig(Section):
 class TrainerConfig(Section):
     lr: PosFloat
     warmup_steps: NonNeg
-    lr_schedule: Literal["constant"]  # constant after linear warm-up (the paper's schedule)
+    lr_schedule: Literal["constant", "cosine"]  # after linear warm-up: constant (the paper's) or cosine to min_lr
+    min_lr: Annotated[float, Field(ge=0)]  # where `cosine` ends, at max_steps
     adam_beta1: Annotated[float, Field(ge=0, lt=1)]
     adam_beta2: Annotated[float, Field(ge=0, lt=1)]
     adam_eps: PosFloat
@@ -196,6 +197,12 @@ class TrainerConfig(Section):
     max_consecutive_nonfinite: Pos  # abort after this many skipped non-finite steps in a row
     seed: int
     init_from: str | None = None  # HF or Megatron checkpoint directory the weights start from (None: random, `seed`)
+
+    @model_validator(mode="after")
+    def _lr_range(self) -> TrainerConfig:
+        if self.lr_schedule == "cosine" and self.min_lr > self.lr:
+            raise ValueError(f"min_lr {self.min_lr} is above lr {self.lr}: a cosine schedule decays from lr to min_lr")
+        return self
 
 
 class DataSource(Section):

@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_demo)
 
 
-def _models(recipe, model_root: Path) -> Path:
+def warm_started_model(recipe, model_root: Path) -> Path:
     """The warm-started checkpoint, built (random model, then the supervised stage) unless already there."""
     from megatron_scalerl.demo.model import build_model
     from megatron_scalerl.demo.sft import warm_start
@@ -77,7 +77,7 @@ def _demo(args: argparse.Namespace) -> int:
         raise UserError(f"{run_dir} exists: remove it for a new demo, or continue it with "
                         f"`scalerl train --run-dir {run_dir} --resume`")
     base = load_recipe("demo")
-    warm = _models(base, run_dir.with_name(run_dir.name + "_model"))
+    warm = warm_started_model(base, run_dir.with_name(run_dir.name + "_model"))
     overrides = [f"trainer.init_from={warm.resolve()}"]
     if args.steps:
         overrides.append(f"trainer.max_steps={args.steps}")

@@ -145,7 +145,8 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
             waiting = time.monotonic()
             batch = _next_batch(stream, trainer.step.state.step, timeout_s=batch_timeout_s,
                                 vocab_size=recipe.model.vocab_size, link=link, model=trainer.model, stop=stop)
-            waited_s += time.monotonic() - waiting
+            batch_wait_s = time.monotonic() - waiting
+            waited_s += batch_wait_s
             if batch is None:
                 log.info("stop requested: checkpointing step %d", trainer.step.state.step)
                 break
@@ -155,7 +156,8 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
                 last.update(link.push(trainer.model, step))
             hours = wall_hours()
             last.update({"wall_hours": hours, "gpus": total_gpus, "gpu_hours": hours * total_gpus,
-                         "trainer/idle_fraction": waited_s / max(time.monotonic() - start, 1e-9)})
+                         "trainer/idle_fraction": waited_s / max(time.monotonic() - start, 1e-9),  # since start
+                         "trainer/batch_wait_s": batch_wait_s})  # seconds this step waited for its batch
             if is_log_rank and step % recipe.logging.log_interval == 0:
                 metrics.log(step, last)
             if step % recipe.trainer.checkpoint_interval == 0:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron_scalerl.algo import LossNormalizers, loss_params, merge_metrics, policy_loss
 from megatron_scalerl.platform.distributed import all_gathered, current_device
 from megatron_scalerl.platform.megatron_optimizer import optimizer_parts
-from megatron_scalerl.recipe import Recipe
+from megatron_scalerl.recipe import Recipe, TrainerConfig
 from megatron_scalerl.rollout.stream import TrainBatch
 from megatron_scalerl.trainer.logprobs import token_logprobs
 from megatron_scalerl.trainer.microbatches import MicroBatch, build_microbatches
@@ -37,12 +37,17 @@ class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
 
-def lr_at(updates: int, *, lr: float, warmup_steps: int) -> float:
-    """Learning rate for the update after `updates` successful ones: linear warm-up over `warmup_steps` updates
-    (skipped non-finite steps do not count), then constant."""
-    if warmup_steps <= 0:
-        return lr
-    return lr * min(1.0, (updates + 1) / warmup_steps)
+def lr_at(updates: int, trainer: TrainerConfig) -> float:
+    """Learning rate for the update after `updates` successful ones (skipped non-finite steps do not count): linear
+    warm-up over `trainer.warmup_steps` updates, then constant (`lr_schedule: constant`, the paper's) or a cosine
+    from `trainer.lr` down to `trainer.min_lr` at update `trainer.max_steps` (`lr_schedule: cosine`)."""
+    if updates + 1 < trainer.warmup_steps:
+        return trainer.lr * (updates + 1) / trainer.warmup_steps
+    if trainer.lr_schedule == "constant":
+        return trainer.lr
+    peak = max(trainer.warmup_steps, 1)  # the update count at which the rate peaks (the last warm-up update's)
+    progress = min(max(updates + 1 - peak, 0) / max(trainer.max_steps - peak, 1), 1.0)
+    return trainer.min_lr + (trainer.lr - trainer.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @dataclass
@@ -157,7 +162,7 @@ class TrainStep:
         normalizers = LossNormalizers.from_sample_tokens(batch.loss_tokens_per_sample(), batch.group_ids)
         microbatches = self._microbatches(batch)
         scale = float(len(microbatches) * self.dp_size)
-        lr = lr_at(self.state.updates, lr=self.recipe.trainer.lr, warmup_steps=self.recipe.trainer.warmup_steps)
+        lr = lr_at(self.state.updates, self.recipe.trainer)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         for chunk in self.model:
