@@ -15,16 +15,20 @@ Two workloads (`--workload`):
 - `random`: the random-weight model with the filter off: every batch reaches the trainer whole and every sample
   runs to its length cap. The trainer's heaviest case.
 
-Each run's figures come from its own `metrics.jsonl`, over the batches after the first `--warmup` ones (start-up
-excluded): samples/s = generated samples in those batches / the seconds between their first and last record;
-generator idle = the orchestrator's per-batch `rollout/generator_idle_fraction` (the share of its idle polls since
-the previous batch) weighted by each batch's window (the seconds since the previous record), i.e. the idle share of
-those same seconds; trainer idle = the seconds the trainer waited for those batches (`trainer/batch_wait_s`) over
-the seconds between its first and last step of them. At steady state one side waits for the other: the generator
-when the trainer is the slower side (admission control holds it k steps ahead), the trainer when the generator is.
+Each run's figures come from its own `metrics.jsonl`, over the batches after the first `--warmup` ones (the start-up,
+and the first k batches in which a PipelineRL generator runs ahead of the trainer until admission control holds it)
+and before the last one (no new work is admitted once the last batch's groups are out): samples/s = the samples of
+the batches the trainer trained in that window / the seconds between its first and last step of them (the system's
+throughput: what is generated faster than it is trained only piles up in the stream); generated samples/s the same
+at the orchestrator; generator idle = the orchestrator's per-batch `rollout/generator_idle_fraction` (the share of
+its idle polls since the previous batch) weighted by each batch's window (the seconds since the previous record),
+i.e. the idle share of those same seconds; trainer idle = the seconds the trainer waited for those batches
+(`trainer/batch_wait_s`) over its seconds between them. At steady state one side waits for the other: the
+generator when the trainer is the slower side (admission control holds it k steps ahead), the trainer when the
+generator is.
 `ratio_samples_per_s` = pipeline / sync. The last line is one JSON object.
 
-    OMP_NUM_THREADS=1 python bench/pipeline.py [--workload demo|random] [--steps 14] [--warmup 4] [--k 8]
+    OMP_NUM_THREADS=1 python bench/pipeline.py [--workload demo|random] [--steps 30] [--warmup 12] [--k 8]
 """
 
 from __future__ import annotations
@@ -55,15 +59,16 @@ def run(root: Path, model: Path, name: str, overrides: list[str]) -> Path:
 
 def figures(run_dir: Path, warmup: int, samples_per_batch: int) -> dict:
     batches = sorted((r for r in read_metrics(run_dir, "orchestrator") if "rollout/groups" in r),
-                     key=lambda r: r["step"])[warmup:]
+                     key=lambda r: r["step"])[warmup:-1]
+    first, last = batches[0]["step"], batches[-1]["step"]
     seconds = batches[-1]["time"] - batches[0]["time"]
     windows = [(later["time"] - earlier["time"], later["rollout/generator_idle_fraction"])
                for earlier, later in pairwise(batches)]
-    steps = sorted((r for r in read_metrics(run_dir, "trainer") if r["step"] >= batches[0]["step"]),
-                   key=lambda r: r["step"])
+    steps = sorted((r for r in read_metrics(run_dir, "trainer") if first <= r["step"] <= last), key=lambda r: r["step"])
     trainer_seconds = steps[-1]["time"] - steps[0]["time"]
-    return {"batches": len(batches) - 1, "seconds": seconds,
-            "samples_per_s": (len(batches) - 1) * samples_per_batch / seconds,
+    return {"batches": len(batches) - 1, "seconds": trainer_seconds,
+            "samples_per_s": (len(steps) - 1) * samples_per_batch / trainer_seconds,
+            "generated_samples_per_s": (len(batches) - 1) * samples_per_batch / seconds,
             "generator_idle_fraction": sum(window * idle for window, idle in windows) / seconds,
             "trainer_idle_fraction": sum(r["trainer/batch_wait_s"] for r in steps[1:]) / trainer_seconds,
             "trained_samples_per_batch": sum(r["rollout/loss_samples"] for r in batches[1:]) / (len(batches) - 1),
@@ -75,8 +80,9 @@ def main() -> None:
     parser.add_argument("--workload", choices=sorted(WORKLOAD_OVERRIDES), default="demo")
     parser.add_argument("--model-dir", type=Path, default=Path("runs/demo_model"),
                         help="where the demo workload's warm-started model is reused from or built (as `make demo`)")
-    parser.add_argument("--steps", type=int, default=14)
-    parser.add_argument("--warmup", type=int, default=4, help="first batches left out of the figures")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=12, help="first batches left out of the figures (the start-up "
+                        "and, in PipelineRL-k, the first k batches in which the generator runs ahead of the trainer)")
     parser.add_argument("--k", type=int, default=8)
     args = parser.parse_args()
     from megatron_scalerl.demo.model import build_model

@@ -1,8 +1,10 @@
 """The SLURM launcher's parts that need no cluster: the allocation's roles and checks, preflight's parsers and node
 check on recorded output, GPU-hours from sacct, and the supervisor's handling of generators that keep dying."""
 
+import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.launch.gpu_hours import ComputeMeter, parse_sacct, record_job
 from megatron_scalerl.launch.preflight import node_problems, parse_nccl_tests
 from megatron_scalerl.launch.slurm import Allocation, Group, Node, _per_node_count, job_roles
-from megatron_scalerl.launch.supervise import Role, _supervise
+from megatron_scalerl.launch.supervise import LAUNCH_ENV, Role, _supervise, kill_stragglers
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run_dir import read_generators
 
@@ -140,3 +142,29 @@ def test_supervisor_fails_the_run_when_no_generator_is_left(tmp_path, capsys):
         trainer.stop(timeout_s=5)
         orchestrator.stop(timeout_s=5)
     assert "no generator left" in capsys.readouterr().err
+
+
+def test_what_a_stopped_role_left_in_another_session_is_killed(tmp_path):
+    """A role's child in a session of its own (as torchrun starts workers, and what a SIGKILLed worker had started)
+    outlives the role's process-group kill; the launch id in its environment finds it."""
+    launch_id = f"test-{os.getpid()}-{time.monotonic_ns()}"
+    code = ("import subprocess, sys; child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], "
+            "start_new_session=True); print(child.pid, flush=True)")
+    role = _role(tmp_path, "trainer", code)
+    role.env[LAUNCH_ENV] = launch_id
+    role.start().process.wait(timeout=60)
+    child = int(role.log.read_text().split()[0])
+    role.stop(timeout_s=5)
+    assert _running(child)  # the group kill did not reach it
+    assert [line.split()[0] for line in kill_stragglers(launch_id)] == [str(child)]
+    deadline = time.monotonic() + 30
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(child) and kill_stragglers(launch_id) == []
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

@@ -12,6 +12,11 @@ A stop signal (`stop_signals`: Ctrl-C, SIGTERM, SLURM's time-limit warning) stop
 orchestrator (its state on disk is that of its last batch), the trainer (it checkpoints its current step), the
 generators; the exit code is then 128 + the signal's number. Every role runs in a session of its own, so a terminal's
 Ctrl-C reaches only the supervisor, which stops them in that order.
+
+Every role's processes carry this launch's id in their environment (`LAUNCH_ENV`); once the roles are stopped, any
+process of this machine still carrying it is killed. Process groups alone miss some: torchrun starts each worker in a
+session of its own and, when a worker was SIGKILLed, signals only the live ones, so what the dead worker had started
+(megatron-core's checkpoint-writer Manager) would live on, re-parented to init.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +38,7 @@ POLL_S = 1.0
 STOP_TIMEOUT_S = 120.0  # seconds a role gets to stop cleanly (the trainer's last checkpoint) before SIGKILL
 QUICK_EXIT_S = 60.0  # a generator that exits this soon after its start counts as a quick exit
 QUICK_EXITS = 3  # quick exits in a row after which a generator is given up
+LAUNCH_ENV = "SCALERL_LAUNCH_ID"  # in every role's environment: what a launch started, its children included
 
 
 @dataclass
@@ -122,6 +129,9 @@ def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role
     """Start and watch the roles (generator i serves `urls[i]`) until the run ends or a stop signal comes; the exit
     code (0, 1, or 128 + the stop signal's number). `label` names the run in progress lines."""
     previous = {sig: signal.signal(sig, _raise_stop) for sig in stop_signals}
+    launch_id = uuid.uuid4().hex
+    for role in (*generators, trainer, orchestrator):
+        role.env[LAUNCH_ENV] = launch_id
     try:
         for role in generators:
             role.start()
@@ -139,8 +149,29 @@ def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role
             signal.signal(sig, signal.SIG_IGN)
         for role in (orchestrator, trainer, *generators):
             role.stop()
+        for straggler in kill_stragglers(launch_id):
+            print(f"{label}: killed {straggler}, left behind by a stopped role", flush=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def kill_stragglers(launch_id: str) -> list[str]:
+    """SIGKILL every process of this machine whose environment carries `LAUNCH_ENV=launch_id` (all of this user's
+    that /proc lets us read); one "pid (command line)" for each."""
+    marker = f"{LAUNCH_ENV}={launch_id}".encode()
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            os.kill(int(entry.name), signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):  # gone meanwhile, or not ours
+            continue
+        killed.append(f"{entry.name} ({command[:120]})")
+    return killed
 
 
 def _supervise(trainer: Role, orchestrator: Role, generators: list[Role]) -> int:
