@@ -28,7 +28,7 @@ generator when the trainer is the slower side (admission control holds it k step
 generator is.
 `ratio_samples_per_s` = pipeline / sync. The last line is one JSON object.
 
-    OMP_NUM_THREADS=1 python bench/pipeline.py [--workload demo|random] [--steps 30] [--warmup 12] [--k 8]
+    OMP_NUM_THREADS=1 python bench/pipeline.py [--workload demo|random] [--steps 40] [--warmup 16] [--k 8]
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def main() -> None:
     parser.add_argument("--workload", choices=sorted(WORKLOAD_OVERRIDES), default="demo")
     parser.add_argument("--model-dir", type=Path, default=Path("runs/demo_model"),
                         help="where the demo workload's warm-started model is reused from or built (as `make demo`)")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=12, help="first batches left out of the figures (the start-up "
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=16, help="first batches left out of the figures (the start-up "
                         "and, in PipelineRL-k, the first k batches in which the generator runs ahead of the trainer)")
     parser.add_argument("--k", type=int, default=8)
     args = parser.parse_args()

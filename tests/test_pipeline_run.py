@@ -53,6 +53,24 @@ def _pids(pattern: str) -> list[int]:
     return [int(p) for p in out.split()]
 
 
+def _leftovers() -> list[str]:
+    """Processes of this test file's launches still alive (their environment carries a launch id and this file)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0") if entry.name.isdigit() else []
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if any(v.startswith(b"SCALERL_LAUNCH_ID=") for v in env) and any(
+                v.startswith(b"PYTEST_CURRENT_TEST=tests/test_pipeline_run.py") for v in env):
+            found.append(f"{entry.name}: {(entry / 'cmdline').read_bytes().replace(bytes(1), b' ')[:200]!r}")
+    return found
+
+
+def _nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])  # field 19 of proc(5)
+
+
 def _launch(args: list[str], faults: list[tuple[str, object, object]]) -> tuple[int, str]:
     """`scalerl train ARGS`; for each (what, ready, fault) in turn, once `ready()`: `fault()`. Returns the launch's
     exit code and output (it ends on its own, or because of a fault)."""
@@ -81,6 +99,7 @@ def run(tmp_path_factory):
     def kill_generator():
         port = json.loads((run_dir / "generators.json").read_text())["urls"][0].rsplit(":", 1)[1]
         [server] = _pids(f"vllm.entrypoints.openai.api_server.*--port {port}")
+        launches["generator_nice"] = _nice(server)
         os.killpg(server, signal.SIGKILL)  # the server's whole group: API server, engine core, worker
 
     def kill(pattern: str):
@@ -106,8 +125,10 @@ def run(tmp_path_factory):
         ("two batches", batches_beyond(1), lambda: (kill_generator(), killed_at.append(stream.next_index()))),
         ("two batches after the generator kill", lambda: stream.next_index() >= killed_at[0] + 2,
          kill_orchestrator_and_trainer)])
+    launches["left_by_first"] = _leftovers()
     # 2: to the end
     launches["second"] = _launch(resume, [])
+    launches["left_by_second"] = _leftovers()
     return launches
 
 
@@ -119,6 +140,12 @@ def test_a_killed_generator_is_restarted_and_the_run_goes_on(run):
     # the orchestrator took the trainer's newer version as current)
     assert "trying again" not in (run["dir"] / "logs" / "trainer.log").read_text()
     assert code == 1 and "failed" in out  # the second fault ends the first launch
+    assert run["generator_nice"] == 10  # on CPU the generators yield the shared cores to the trainer
+
+
+def test_nothing_of_a_launch_outlives_it(run):
+    """Not even what the SIGKILLed trainer worker had started in its own session (megatron's checkpoint Manager)."""
+    assert run["left_by_first"] == [] and run["left_by_second"] == []
 
 
 def test_resume_finishes_the_run_without_repeating_or_losing_work(run):
