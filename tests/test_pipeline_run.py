@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from megatron_scalerl.launch.supervise import LAUNCH_ENV, processes_with_environment
 from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.rollout.stream import RolloutStream
@@ -53,18 +54,9 @@ def _pids(pattern: str) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def _leftovers() -> list[str]:
+def _leftovers() -> list[tuple[int, str]]:
     """Processes of this test file's launches still alive (their environment carries a launch id and this file)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0") if entry.name.isdigit() else []
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if any(v.startswith(b"SCALERL_LAUNCH_ID=") for v in env) and any(
-                v.startswith(b"PYTEST_CURRENT_TEST=tests/test_pipeline_run.py") for v in env):
-            found.append(f"{entry.name}: {(entry / 'cmdline').read_bytes().replace(bytes(1), b' ')[:200]!r}")
-    return found
+    return processes_with_environment(f"{LAUNCH_ENV}=", "PYTEST_CURRENT_TEST=tests/test_pipeline_run.py")
 
 
 def _nice(pid: int) -> int:

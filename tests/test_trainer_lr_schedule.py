@@ -1,8 +1,10 @@
-"""The learning-rate schedule (`trainer.lr_at`) against its formulas: linear warm-up, then constant (the paper's) or a
-cosine from lr to min_lr at max_steps."""
+"""The learning-rate schedule (`trainer.lr_at`) against its formulas (linear warm-up, then constant, the paper's, or a
+cosine from lr to min_lr at max_steps) and against megatron-core's own `OptimizerParamScheduler` as an independent
+implementation of the same schedules."""
 
 import itertools
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -41,3 +43,17 @@ def test_no_warm_up_starts_at_the_peak():
 def test_a_cosine_that_would_rise_is_refused():
     with pytest.raises(UserError, match="min_lr"):
         _trainer("cosine", min_lr=1e-3)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_every_update_matches_megatron_cores_scheduler(schedule):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    t = _trainer(schedule)
+    megatron = OptimizerParamScheduler(SimpleNamespace(param_groups=[{}]), init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
+                                       lr_warmup_steps=t.warmup_steps, lr_decay_steps=t.max_steps,
+                                       lr_decay_style=schedule, start_wd=0.0, end_wd=0.0, wd_incr_steps=t.max_steps,
+                                       wd_incr_style="constant")
+    for updates in range(t.max_steps + 10):
+        megatron.num_steps = updates + 1  # megatron counts the update being made
+        assert lr_at(updates, t) == pytest.approx(megatron.get_lr({}), rel=1e-12), updates

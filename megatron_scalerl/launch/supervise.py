@@ -155,22 +155,33 @@ def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role
             signal.signal(sig, handler)
 
 
-def kill_stragglers(launch_id: str) -> list[str]:
-    """SIGKILL every process of this machine whose environment carries `LAUNCH_ENV=launch_id` (all of this user's
-    that /proc lets us read); one "pid (command line)" for each."""
-    marker = f"{LAUNCH_ENV}={launch_id}".encode()
-    killed = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+def processes_with_environment(*entries: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every process of this machine but this one whose environment has, for each of
+    `entries` ("KEY=VALUE", or "KEY=" for any value), a variable starting with it (those /proc lets us read)."""
+    wanted = [entry.encode() for entry in entries]
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         try:
-            if marker not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-            os.kill(int(entry.name), signal.SIGKILL)
+            environment = (proc / "environ").read_bytes().split(b"\0")
+            if all(any(variable.startswith(w) for variable in environment) for w in wanted):
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                found.append((int(proc.name), command))
         except (FileNotFoundError, ProcessLookupError, PermissionError):  # gone meanwhile, or not ours
             continue
-        killed.append(f"{entry.name} ({command[:120]})")
+    return found
+
+
+def kill_stragglers(launch_id: str) -> list[str]:
+    """SIGKILL every process of this machine carrying `LAUNCH_ENV=launch_id`; one "pid (command line)" for each."""
+    killed = []
+    for pid, command in processes_with_environment(f"{LAUNCH_ENV}={launch_id}"):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        killed.append(f"{pid} ({command[:120]})")
     return killed
 
 
