@@ -1,5 +1,6 @@
 """The SLURM launcher's parts that need no cluster: the allocation's roles and checks, preflight's parsers and node
-check on recorded output, GPU-hours from sacct, and the supervisor's handling of generators that keep dying."""
+check on recorded output, GPU-hours from sacct, the launch's wait for its generators (the trainer starting meanwhile)
+and the supervisor's handling of generators that keep dying."""
 
 import os
 import socket
@@ -13,7 +14,8 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.launch.gpu_hours import ComputeMeter, parse_sacct, record_job
 from megatron_scalerl.launch.preflight import node_problems, parse_nccl_tests
 from megatron_scalerl.launch.slurm import Allocation, Group, Node, _per_node_count, job_roles
-from megatron_scalerl.launch.supervise import LAUNCH_ENV, Role, _supervise, kill_stragglers
+from megatron_scalerl.launch.supervise import LAUNCH_ENV, Role, _supervise, _wait_ready, kill_stragglers
+from megatron_scalerl.platform import free_port
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run_dir import read_generators
 
@@ -117,6 +119,39 @@ def test_node_check_names_each_problem(tmp_path):
 
 def _role(tmp_path, name, code):
     return Role(name, [sys.executable, "-c", code], tmp_path / f"{name}.log")
+
+
+HEALTH_AFTER_2_S = """
+import http.server, sys, time
+time.sleep(2)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_launch_waits_for_its_generators_while_the_trainer_starts(tmp_path):
+    port = free_port()
+    generator = Role("generator 0", [sys.executable, "-c", HEALTH_AFTER_2_S, str(port)], tmp_path / "g.log").start()
+    trainer = _role(tmp_path, "trainer", "import time; time.sleep(60)").start()
+    try:
+        _wait_ready([generator], [f"http://127.0.0.1:{port}"], trainer, timeout_s=60)
+        assert generator.process.poll() is None and trainer.process.poll() is None
+        finished = _role(tmp_path, "finished trainer", "pass").start()  # a resumed run with nothing left to train
+        finished.process.wait(timeout=30)
+        _wait_ready([generator], [f"http://127.0.0.1:{port}"], finished, timeout_s=60)
+        failing = _role(tmp_path, "failing trainer", "import sys; print('bad checkpoint'); sys.exit(2)").start()
+        failing.process.wait(timeout=30)
+        with pytest.raises(UserError, match="(?s)failing trainer exited with code 2 while the generators started.*bad "
+                                            "checkpoint"):
+            _wait_ready([generator], [f"http://127.0.0.1:{free_port()}"], failing, timeout_s=60)
+        with pytest.raises(UserError, match=r"generator 0 \(http://127.0.0.1:\d+\) not healthy within 1 s"):
+            _wait_ready([generator], [f"http://127.0.0.1:{free_port()}"], trainer, timeout_s=1)
+    finally:
+        generator.stop(timeout_s=5)
+        trainer.stop(timeout_s=5)
 
 
 def test_supervisor_gives_up_a_generator_that_keeps_dying_and_the_run_goes_on(tmp_path, capsys):

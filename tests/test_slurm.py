@@ -151,7 +151,7 @@ def test_dense_job_runs_to_its_end(cluster, jobs, models, tmp_path):
     job = _sbatch(cluster, jobs, "slurm/scalerl_dense.sbatch", out, ["--nodes=1", "--gpus-per-node=1", ":", "--nodes=1",
                                                               "--gpus-per-node=1"], settings)
     _wait("the job's end", lambda: not _squeue(cluster, job), 600, out, cluster)
-    assert "trainer and orchestrator started" in out.read_text(), out.read_text()[-3000:]
+    assert "generators ready, orchestrator started" in out.read_text(), out.read_text()[-3000:]
     assert sorted(set(_trainer_steps(run_dir))) == [1, 2]
     assert (run_dir / "checkpoints" / "iter_0000002").is_dir()
     assert json.loads((run_dir / "generators.json").read_text())["urls"][0].startswith("http://127.0.0.1:")

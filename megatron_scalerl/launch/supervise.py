@@ -1,7 +1,12 @@
 """Run a run's roles as processes and watch them: the part that `scalerl train` (one machine) and the SLURM job
 (`launch/slurm.py`, each role behind an `srun`) share.
 
-    generators -> wait until healthy -> trainer + orchestrator -> watch -> ordered stop
+    generators + trainer -> wait until the generators are healthy -> orchestrator -> watch -> ordered stop
+
+The trainer starts beside the generators: its start (imports, model build, checkpoint load) overlaps theirs, and it
+sends its weights once a generator answers (`GeneratorLink.first_push`; later ones get them from `catch_up`). The
+orchestrator starts once every generator answers; a generator that exits before then, or a trainer that fails,
+ends the launch with its log's tail.
 
 The run ends when the trainer and the orchestrator have both finished (exit 0); a failed one ends it (exit 1, its
 log's tail printed). A generator that exits is started again (the trainer re-syncs it, the orchestrator's fleet takes
@@ -111,16 +116,26 @@ def _raise_stop(signum: int, _frame: object) -> None:
     raise _Stop(signum)
 
 
-def _wait_ready(generators: list[Role], urls: list[str], timeout_s: float) -> None:
-    from megatron_scalerl.rollout.vllm_server import ServerError, wait_healthy
+def _wait_ready(generators: list[Role], urls: list[str], trainer: Role, timeout_s: float) -> None:
+    """Return once every generator answers /health; UserError naming the role, with its log's tail, when a generator
+    exits first or the trainer (starting meanwhile) fails, or when `timeout_s` seconds pass. (A trainer that exits 0
+    had nothing left to train: the orchestrator still runs.)"""
+    from megatron_scalerl.rollout.vllm_server import is_healthy
 
     deadline = time.monotonic() + timeout_s
-    for role, url in zip(generators, urls, strict=True):
-        try:
-            wait_healthy(url, role.process, max(deadline - time.monotonic(), 0.0), what=f"{role.name} ({url})",
-                         log_path=role.log, log_tail=role.tail)
-        except ServerError as exc:
-            raise UserError(str(exc)) from None
+    waiting = dict(zip(urls, generators, strict=True))
+    while waiting:
+        for role in (trainer, *waiting.values()):
+            code = role.process.poll()
+            if code is not None and (code != 0 or role is not trainer):
+                raise UserError(f"{role.name} exited with code {code} while the generators started; "
+                                f"{role.log}:\n{role.tail()}")
+        waiting = {url: role for url, role in waiting.items() if not is_healthy(url)}
+        if waiting and time.monotonic() > deadline:
+            raise UserError(f"{', '.join(f'{role.name} ({url})' for url, role in waiting.items())} not healthy "
+                            f"within {timeout_s:g} s; {next(iter(waiting.values())).log}:\n"
+                            f"{next(iter(waiting.values())).tail()}")
+        time.sleep(0.5 if waiting else 0)
 
 
 def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role, orchestrator: Role, *,
@@ -135,11 +150,12 @@ def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role
     try:
         for role in generators:
             role.start()
-        print(f"{label}: starting {len(generators)} generator(s); logs in {trainer.log.parent}", flush=True)
-        _wait_ready(generators, urls, ready_timeout_s)
         trainer.start()
+        print(f"{label}: starting {len(generators)} generator(s) and the trainer; logs in {trainer.log.parent}",
+              flush=True)
+        _wait_ready(generators, urls, trainer, ready_timeout_s)
         orchestrator.start()
-        print(f"{label}: trainer and orchestrator started", flush=True)
+        print(f"{label}: generators ready, orchestrator started", flush=True)
         return _supervise(trainer, orchestrator, generators)
     except _Stop as stop:
         print(f"{label}: {stop} received: stopping (the trainer checkpoints first)", flush=True)

@@ -194,6 +194,15 @@ def reload_from_disk(url: str, checkpoint: str | Path, *, timeout_s: float, api_
         raise ServerError(f"{url}: /reset_prefix_cache after loading {checkpoint} did not succeed ({answer})")
 
 
+def is_healthy(url: str, timeout_s: float = 5.0) -> bool:
+    """Whether GET `url`/health answers 200 within `timeout_s` seconds."""
+    try:
+        request_json(url, "/health", method="GET", timeout_s=timeout_s)
+        return True
+    except ServerError:
+        return False
+
+
 def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float, *, what: str, log_path: Path,
                  log_tail: Callable[[], str]) -> None:
     """Return once GET `url`/health answers 200; ServerError naming `what`, with `log_path` and `log_tail()`, if
@@ -203,13 +212,11 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float, *, what:
         code = process.poll()
         if code is not None:
             raise ServerError(f"{what} exited with code {code} while starting; {log_path}:\n{log_tail()}")
-        try:
-            request_json(url, "/health", method="GET", timeout_s=5)
+        if is_healthy(url):
             return
-        except ServerError:
-            if time.monotonic() > deadline:
-                raise ServerError(f"{what} not healthy within {timeout_s:g} s; {log_path}:\n{log_tail()}") from None
-            time.sleep(0.5)
+        if time.monotonic() > deadline:
+            raise ServerError(f"{what} not healthy within {timeout_s:g} s; {log_path}:\n{log_tail()}")
+        time.sleep(0.5)
 
 
 class VLLMServer:

@@ -1,6 +1,7 @@
-"""The trainer's link to the generator fleet: its weights go to every live generator at start and after each step.
+"""The trainer's link to the generator fleet: its weights go to the generators at its start and after each step.
 
     link = GeneratorLink.from_run_dir(run_dir, recipe, is_rank0=rank == 0)    # None when the run has no generators
+    link.first_push(trainer.model, version=state.step, timeout_s=3600)  # collective: once a generator answers
     link.push(trainer.model, version=state.step)      # collective: every trainer rank calls it
     link.catch_up(trainer.model, version=state.step)  # collective: re-sync a generator that restarted
 
@@ -11,18 +12,21 @@ counted in optimizer steps.
 
 Rank 0 talks to the servers and tells the other ranks what to do (`from_rank0`), so every rank takes the same path
 through the collective export:
+- `first_push`: at the trainer's start (the launcher starts it beside the generators), wait until a generator
+  answers, then `push`: no step is trained before the fleet serves the trainer's weights.
 - `push`: the servers that answer (/weight_info) get the weights in flight (`WeightSender`: pause(keep) -> update ->
   resume). When the set of live servers changed, the broadcast group is formed again. A sync that fails (a server
   died during it) is retried once without the servers that stopped answering; a second failure raises.
-- `catch_up`: a live server whose weight version is not the trainer's (it restarted and serves its start-up
-  weights, or it was down during a push) gets a push. The trainer calls it while it waits for its next batch, so a
-  generator that restarted is serving the current policy before the orchestrator gives it work.
+- `catch_up`: a live server whose weight version is not the trainer's (it came up after the first push, it
+  restarted and serves its start-up weights, or it was down during a push) gets a push. The trainer calls it while it
+  waits for its next batch, so a generator is serving the current policy before the orchestrator gives it work.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -109,6 +113,17 @@ class GeneratorLink:
         restarted = any(version != str(self.sent_version) for version in served.values())
         live = list(served)
         return live, self._connect(live, restarted) if live else None
+
+    def first_push(self, model_chunks: list, version: int, *, timeout_s: float, poll_s: float = 0.5) -> None:
+        """Wait until a generator answers, then push `version`; TimeoutError naming the generators after
+        `timeout_s` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while not from_rank0(bool(self._served()) if self.is_rank0 else None):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no generator of {self.urls} answered within {timeout_s:.0f} s: are they "
+                                   "running? (their logs: RUN/logs/vllm_*.log)")
+            time.sleep(poll_s)
+        self.push(model_chunks, version)
 
     def push(self, model_chunks: list, version: int) -> dict[str, float]:
         """Send the weights, tagged `version`, to every live server; returns the sync's metrics."""

@@ -5,12 +5,13 @@
 Reads `RUN/recipe.yaml` (resolved), joins the process group (nccl with CUDA, gloo otherwise; every collective bounded
 by `cluster.collective_timeout_s`), builds the model at the recipe's layout, resumes from the newest valid checkpoint
 in `RUN/checkpoints/` (or initialises from `trainer.init_from`, an HF or Megatron checkpoint, else randomly with
-`trainer.seed`), sends its weights to the run's generators (`RUN/generators.json`, see `generator_sync`; a run
-without that file trains alone), then for each step i reads `RUN/rollouts/batch_i`, trains, sends the new weights
+`trainer.seed`), sends its weights to the run's generators once one answers (`RUN/generators.json`, see
+`generator_sync`; a run without that file trains alone; the launcher starts the trainer beside the generators, so
+their start-ups overlap), then for each step i reads `RUN/rollouts/batch_i`, trains, sends the new weights
 (tagged i + 1: every step under PipelineRL-k, every k-th step under PPO-off-policy-k, whose generators keep one policy
 for k batches), appends a `trainer` record to `RUN/metrics.jsonl` and checkpoints every
-`trainer.checkpoint_interval` steps and at the end. While it waits for a batch it re-syncs any generator that
-restarted. `trainer/idle_fraction` is the share of its wall time spent waiting for batches. SIGTERM: the current
+`trainer.checkpoint_interval` steps and at the end. While it waits for a batch it sends the current weights to
+any generator that does not serve them (one that came up later, or restarted). `trainer/idle_fraction` is the share of its wall time spent waiting for batches. SIGTERM: the current
 step finishes, the trainer checkpoints it and exits 0.
 """
 
@@ -139,8 +140,8 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
 
     end = max_steps if max_steps is not None else recipe.trainer.max_steps
     try:
-        if link is not None:
-            link.push(trainer.model, trainer.step.state.step)
+        if link is not None and trainer.step.state.step < end:
+            link.first_push(trainer.model, trainer.step.state.step, timeout_s=batch_timeout_s)
         while trainer.step.state.step < end:
             waiting = time.monotonic()
             batch = _next_batch(stream, trainer.step.state.step, timeout_s=batch_timeout_s,
