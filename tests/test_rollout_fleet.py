@@ -58,10 +58,11 @@ def _push(checkpoint: str, urls: list[str], version: int) -> None:
 
 
 def _offline(model: str, requests: list[GenerationRequest], out) -> None:
-    """vLLM's offline engine on the same checkpoint and sampling settings (a separate process)."""
+    """vLLM's offline engine on the same checkpoint and sampling settings (a separate process; its engine core and
+    worker inside it, as the servers run theirs inside their engine-core process)."""
     import os
 
-    os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")  # as the servers run
+    os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -70,7 +71,7 @@ def _offline(model: str, requests: list[GenerationRequest], out) -> None:
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, seed=r.seed,
                              logprobs=0, detokenize=False) for r in requests]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests], params)
-    llm.llm_engine.engine_core.shutdown()  # else its engine process outlives this one, which waits for it at exit
+    llm.llm_engine.engine_core.shutdown()
     out.put([(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
                                                                              o.outputs[0].token_ids, strict=True)])
              for o in outputs])

