@@ -140,7 +140,7 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
 
     end = max_steps if max_steps is not None else recipe.trainer.max_steps
     try:
-        if link is not None and trainer.step.state.step < end:
+        if link is not None:  # even with nothing left to train: the orchestrator validates the last weights
             link.first_push(trainer.model, trainer.step.state.step, timeout_s=batch_timeout_s)
         while trainer.step.state.step < end:
             waiting = time.monotonic()
