@@ -11,8 +11,9 @@ their start-ups overlap), then for each step i reads `RUN/rollouts/batch_i`, tra
 (tagged i + 1: every step under PipelineRL-k, every k-th step under PPO-off-policy-k, whose generators keep one policy
 for k batches), appends a `trainer` record to `RUN/metrics.jsonl` and checkpoints every
 `trainer.checkpoint_interval` steps and at the end. While it waits for a batch it sends the current weights to
-any generator that does not serve them (one that came up later, or restarted). `trainer/idle_fraction` is the share of its wall time spent waiting for batches. SIGTERM: the current
-step finishes, the trainer checkpoints it and exits 0.
+any generator that does not serve them (one that came up later, or restarted). `trainer/idle_fraction` is the share
+of its wall time spent waiting for batches. SIGTERM: the current step finishes, the trainer checkpoints it and exits
+0.
 """
 
 from __future__ import annotations
