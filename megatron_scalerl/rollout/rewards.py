@@ -8,8 +8,11 @@ A completion is graded in three steps:
      "package.module:function". They run in worker processes, which import the function by that path.
   3. `reward_of` maps the Grade to the scalar reward (recipe: algorithm.reward_correct / reward_incorrect, +1/-1).
 
-`RewardGrader` owns N worker processes (multiprocessing "spawn": math-verify uses signal.alarm, which works only in a
-process's main thread). Each answer gets `timeout_s` seconds of wall time on a worker; past that the worker is killed
+`RewardGrader` owns N worker processes (math-verify uses signal.alarm, which works only in a process's main thread),
+forked from a multiprocessing forkserver that imported this module and math-verify once (`WORKER_PRELOAD`): starting
+or replacing a worker costs a fork, not a fresh interpreter and ~2 CPU-seconds of imports. (The forkserver is one per
+owning process: where the trainer's local workers started it first, with their own preload, a new worker imports
+math-verify itself before it says it is ready.) Each answer gets `timeout_s` seconds of wall time on a worker; past that the worker is killed
 and replaced, and the answer scores as wrong with `timed_out=True`. An adversarial answer can therefore cost at most
 `timeout_s` seconds of one worker, never stall the run. A verifier that raises scores as wrong with the error text
 kept. Workers exit on their own when the owning process dies (pipe EOF, or a watchdog that sees the parent change).
@@ -61,7 +64,8 @@ def register_verifier(name: str) -> Callable[[Callable[[str, str], bool]], Calla
     """Decorator: register a top-level function `fn(answer_text: str, gold: str) -> bool` under `name`.
 
     The registry stores the function's import path; the worker imports it, so the defining module must be importable
-    in a fresh interpreter (spawn). Functions that cannot be imported by path (nested, lambdas) are refused.
+    in another process (the worker imports it by that path). Functions that cannot be imported by path (nested, lambdas)
+    are refused.
     """
 
     def decorate(fn: Callable[[str, str], bool]) -> Callable[[str, str], bool]:
@@ -118,14 +122,24 @@ def verify_math(answer: str, gold: str) -> bool:
 
 # ---- worker process ----
 
-def _worker_main(conn, parent: int) -> None:
+WORKER_PRELOAD = ["math_verify", "megatron_scalerl.rollout.rewards"]  # imported once, in the forkserver
+
+
+def _worker_context():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(WORKER_PRELOAD)
+    return ctx
+
+
+def _worker_main(conn, lifeline) -> None:
     """Loop of one worker: receive (verifier path, answer, gold), send ("ok", bool) or ("error", text).
-    Exits on pipe EOF or when its parent process goes away (checked every 0.5 s by a watchdog thread, so
-    also while a verifier hangs). `parent`: the owner's pid (spawn starts us as its direct child)."""
+    Exits on pipe EOF, or when the owner goes away, also while a verifier hangs: a watchdog thread waits on
+    `lifeline`, a pipe whose only writing end the owner holds. (The forkserver, our parent, outlives the owner while
+    any of its workers lives, so the parent cannot tell.)"""
 
     def watchdog() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
+        with contextlib.suppress(EOFError, OSError):
+            lifeline.recv()  # nothing is ever sent: returns at EOF, when the owner's end closes
         os._exit(0)
 
     threading.Thread(target=watchdog, daemon=True).start()
@@ -156,9 +170,11 @@ class _Worker:
 
     def __init__(self, ctx):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, os.getpid()), daemon=True, name="reward-worker")
+        lifeline, self._lifeline = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_worker_main, args=(child, lifeline), daemon=True, name="reward-worker")
         self.proc.start()
-        child.close()  # only the worker holds its end: our death reads as EOF there
+        child.close()  # only the worker holds these ends: our death reads as EOF there
+        lifeline.close()
         self.ready, self.failure = False, None
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -181,6 +197,7 @@ class _Worker:
             self.proc.kill()
         self.proc.join(5.0)
         self.conn.close()
+        self._lifeline.close()
 
 
 def _shutdown(workers: list[_Worker], executor: ThreadPoolExecutor, lock: threading.Lock) -> None:
@@ -218,7 +235,7 @@ class RewardGrader:
         self.num_workers = num_workers or max(1, min(8, os.cpu_count() or 1))
         self.timeout_s = float(timeout_s)
         self.startup_timeout_s = float(startup_timeout_s)
-        self._ctx = multiprocessing.get_context("spawn")
+        self._ctx = _worker_context()
         self._lock = threading.Lock()
         self._closed = False
         self._counts = {"graded": 0, "timed_out": 0, "errored": 0}
