@@ -1,6 +1,11 @@
-"""Test-wide environment: offline wandb and HF hub, one thread per process (2-core CI machines)."""
+"""Test-wide environment: offline wandb and HF hub, one thread per process (2-core CI machines), and one forkserver
+per test process preloaded for both of its users."""
 
+import multiprocessing
+import multiprocessing.forkserver
 import os
+
+import pytest
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -12,3 +17,15 @@ def pytest_collection_modifyitems(items):
     `-n 2 --dist loadfile --no-loadscope-reorder` (make test) the longest files start first and the short ones fill
     in at the end, instead of a vLLM file starting last."""
     items.sort(key=lambda item: 0 if item.get_closest_marker("vllm") else 1 if item.get_closest_marker("slow") else 2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_forkserver():
+    """The trainer's local gloo workers (`platform.local_workers`) and the reward graders (`rollout.rewards`) both fork
+    their workers from the process's one forkserver, which imports what its first user asks for. A test process runs
+    both, in any order: start it with both preloads, so neither imports megatron-core or math-verify per worker."""
+    from megatron_scalerl.platform.local_workers import WORKER_IMPORTS
+    from megatron_scalerl.rollout.rewards import WORKER_PRELOAD
+
+    multiprocessing.set_forkserver_preload([WORKER_IMPORTS, *WORKER_PRELOAD])
+    multiprocessing.forkserver.ensure_running()

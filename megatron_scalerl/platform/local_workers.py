@@ -77,12 +77,15 @@ def _worker_main(
             pass
 
 
+WORKER_IMPORTS = "megatron_scalerl.platform.worker_imports"
+
+
 def _start_context(backend: str) -> Any:
     """How workers start: forked from the forkserver preloaded with `worker_imports` for gloo, spawned for nccl."""
     if backend != "gloo":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["megatron_scalerl.platform.worker_imports"])
+    ctx.set_forkserver_preload([WORKER_IMPORTS])  # no effect once this process's forkserver runs (see rollout.rewards)
     return ctx
 
 
