@@ -132,9 +132,9 @@ def _wait_ready(generators: list[Role], urls: list[str], trainer: Role, timeout_
                                 f"{role.log}:\n{role.tail()}")
         waiting = {url: role for url, role in waiting.items() if not is_healthy(url)}
         if waiting and time.monotonic() > deadline:
+            first = next(iter(waiting.values()))
             raise UserError(f"{', '.join(f'{role.name} ({url})' for url, role in waiting.items())} not healthy "
-                            f"within {timeout_s:g} s; {next(iter(waiting.values())).log}:\n"
-                            f"{next(iter(waiting.values())).tail()}")
+                            f"within {timeout_s:g} s; {first.log}:\n{first.tail()}")
         time.sleep(0.5 if waiting else 0)
 
 

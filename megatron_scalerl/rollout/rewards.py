@@ -12,10 +12,11 @@ A completion is graded in three steps:
 forked from a multiprocessing forkserver that imported this module and math-verify once (`WORKER_PRELOAD`): starting
 or replacing a worker costs a fork, not a fresh interpreter and ~2 CPU-seconds of imports. (The forkserver is one per
 owning process: where the trainer's local workers started it first, with their own preload, a new worker imports
-math-verify itself before it says it is ready.) Each answer gets `timeout_s` seconds of wall time on a worker; past that the worker is killed
-and replaced, and the answer scores as wrong with `timed_out=True`. An adversarial answer can therefore cost at most
-`timeout_s` seconds of one worker, never stall the run. A verifier that raises scores as wrong with the error text
-kept. Workers exit on their own when the owning process dies (pipe EOF, or a watchdog that sees the parent change).
+math-verify itself before it says it is ready.) Each answer gets `timeout_s` seconds of wall time on a worker; past
+that the worker is killed and replaced, and the answer scores as wrong with `timed_out=True`. An adversarial answer
+can therefore cost at most `timeout_s` seconds of one worker, never stall the run. A verifier that raises scores as
+wrong with the error text kept. Workers exit on their own when the owning process dies (pipe EOF, or a watchdog on a
+lifeline pipe, also while a verifier hangs).
 """
 
 from __future__ import annotations
