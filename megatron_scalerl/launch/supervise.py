@@ -120,22 +120,21 @@ def _wait_ready(generators: list[Role], urls: list[str], trainer: Role, timeout_
     """Return once every generator answers /health; UserError naming the role, with its log's tail, when a generator
     exits first or the trainer (starting meanwhile) fails, or when `timeout_s` seconds pass. (A trainer that exits 0
     had nothing left to train: the orchestrator still runs.)"""
-    from megatron_scalerl.rollout.vllm_server import is_healthy
+    from megatron_scalerl.rollout.vllm_server import ServerError, wait_healthy
+
+    def trainer_alive() -> None:
+        code = trainer.process.poll()
+        if code not in (None, 0):
+            raise UserError(f"{trainer.name} exited with code {code} while the generators started; "
+                            f"{trainer.log}:\n{trainer.tail()}")
 
     deadline = time.monotonic() + timeout_s
-    waiting = dict(zip(urls, generators, strict=True))
-    while waiting:
-        for role in (trainer, *waiting.values()):
-            code = role.process.poll()
-            if code is not None and (code != 0 or role is not trainer):
-                raise UserError(f"{role.name} exited with code {code} while the generators started; "
-                                f"{role.log}:\n{role.tail()}")
-        waiting = {url: role for url, role in waiting.items() if not is_healthy(url)}
-        if waiting and time.monotonic() > deadline:
-            first = next(iter(waiting.values()))
-            raise UserError(f"{', '.join(f'{role.name} ({url})' for url, role in waiting.items())} not healthy "
-                            f"within {timeout_s:g} s; {first.log}:\n{first.tail()}")
-        time.sleep(0.5 if waiting else 0)
+    for role, url in zip(generators, urls, strict=True):
+        try:
+            wait_healthy(url, role.process, max(deadline - time.monotonic(), 0.0), what=f"{role.name} ({url})",
+                         log_path=role.log, log_tail=role.tail, check=trainer_alive)
+        except ServerError as exc:
+            raise UserError(str(exc)) from None
 
 
 def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role, orchestrator: Role, *,

@@ -168,14 +168,14 @@ class VLLMServerConfig:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
-        if not torch.cuda.is_available():
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cpu_kv_cache_gib))
             tcmalloc = find_tcmalloc()
             if tcmalloc and "libtcmalloc" not in env.get("LD_PRELOAD", ""):
                 env["LD_PRELOAD"] = ":".join(filter(None, [tcmalloc, env.get("LD_PRELOAD")]))
         env = {**env, **self.env}
-        if (not torch.cuda.is_available() and self.tensor_parallel_size == 1
-                and env.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind"):
+        if on_cpu and self.tensor_parallel_size == 1 and env.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker inside the engine-core process
         return env
 
@@ -194,29 +194,25 @@ def reload_from_disk(url: str, checkpoint: str | Path, *, timeout_s: float, api_
         raise ServerError(f"{url}: /reset_prefix_cache after loading {checkpoint} did not succeed ({answer})")
 
 
-def is_healthy(url: str, timeout_s: float = 5.0) -> bool:
-    """Whether GET `url`/health answers 200 within `timeout_s` seconds."""
-    try:
-        request_json(url, "/health", method="GET", timeout_s=timeout_s)
-        return True
-    except ServerError:
-        return False
-
-
 def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float, *, what: str, log_path: Path,
-                 log_tail: Callable[[], str]) -> None:
+                 log_tail: Callable[[], str], check: Callable[[], None] | None = None) -> None:
     """Return once GET `url`/health answers 200; ServerError naming `what`, with `log_path` and `log_tail()`, if
-    `process` (the server, or the command that runs it) exits first or `timeout_s` seconds pass."""
+    `process` (the server, or the command that runs it) exits first or `timeout_s` seconds pass. `check()`, called
+    at every poll, may raise to end the wait early (a process the caller started beside the server failed)."""
     deadline = time.monotonic() + timeout_s
     while True:
         code = process.poll()
         if code is not None:
             raise ServerError(f"{what} exited with code {code} while starting; {log_path}:\n{log_tail()}")
-        if is_healthy(url):
+        if check is not None:
+            check()
+        try:
+            request_json(url, "/health", method="GET", timeout_s=5)
             return
-        if time.monotonic() > deadline:
-            raise ServerError(f"{what} not healthy within {timeout_s:g} s; {log_path}:\n{log_tail()}")
-        time.sleep(0.5)
+        except ServerError:
+            if time.monotonic() > deadline:
+                raise ServerError(f"{what} not healthy within {timeout_s:.0f} s; {log_path}:\n{log_tail()}") from None
+            time.sleep(0.5)
 
 
 class VLLMServer:
