@@ -112,7 +112,7 @@ def bench_rank(rank: int, recipe: Recipe, port: int, buckets: list[float], repea
     trainer = build_trainer(recipe)
     transport = GlooTransport()
     if rank == 0:
-        transport.open("127.0.0.1", port, 2, timeout_s)
+        transport.open("127.0.0.1", transport.listen("127.0.0.1", port), 2, timeout_s)
 
     def send_size(nbytes: int, to_warm: bool = False) -> None:
         transport.group.broadcast(torch.tensor([nbytes, int(to_warm)], dtype=torch.int64), 0).wait()
@@ -195,9 +195,9 @@ def main() -> None:
     try:
         report = run_local_workers(bench_rank, args.tp, bench_recipe(args), port, buckets, args.repeats,
                                    args.timeout, timeout_s=3600)[0]
-    finally:
         end.join(timeout=60)
-        if end.is_alive():
+    finally:
+        if end.is_alive():  # the trainer failed (or the receiver hangs): it would wait for its whole timeout
             end.terminate()
     mib = report["bytes"] / 2**20
     flat, fresh = report["seconds"]["flat"], report["seconds"]["flat, fresh buffer"]

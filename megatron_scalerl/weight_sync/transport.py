@@ -22,9 +22,10 @@ class GlooTransport:
         self.group: torch.distributed.ProcessGroup | None = None
         self._listening: socket.socket | None = None
 
-    def listen(self, address: str) -> int:
-        """Bind the rendezvous port now (no other process can take it before `open`); returns it."""
-        self._listening = socket.create_server((address, 0))
+    def listen(self, address: str, port: int = 0) -> int:
+        """Bind the rendezvous port (`port`, or a free one when 0) now, so that no other process can take it
+        before `open`; returns it."""
+        self._listening = socket.create_server((address, port))
         return self._listening.getsockname()[1]
 
     @staticmethod

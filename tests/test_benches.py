@@ -1,0 +1,88 @@
+"""Every benchmark in bench/ runs to its JSON line at a tiny size, so that none of them rots between the stops that
+measure with them (bench/weight_sync.py once did: its transport's API had changed under it). The figures at these
+sizes mean nothing; what is checked is that each bench completes and reports the fields the README's tables quote,
+with the invariants that hold at any size."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_MODEL = ["--hidden", "256", "--layers", "2", "--vocab", "512"]
+
+
+def run_bench(script: str, *args: str, timeout_s: float = 600) -> dict:
+    """Run bench/`script` with `args`; its last stdout line, parsed as the JSON object every bench ends with."""
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, capture_output=True,
+                            text=True, timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, f"{script} exited {result.returncode}:\n{result.stderr[-4000:]}"
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert isinstance(figures, dict)
+    return figures
+
+
+def positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_forecast_bench():
+    figures = run_bench("forecast.py", "--seeds", "1", "--calibration-runs", "4", "--resamples", "5")
+    assert figures["curves"] == 10  # the paper's Table 1 runs, once each
+    assert positive(figures["lsq_median_fit_ms"]) and positive(figures["speedup"])
+    assert 0 <= figures["lsq_more_accurate_fraction"] <= 1
+
+
+def test_logprobs_bench():
+    figures = run_bench("logprobs.py", "--tokens", "256", "--hidden", "32", "--vocab", "512", "--chunk", "64",
+                        "--repeats", "1")
+    assert positive(figures["time_ratio_chunked_over_naive"])
+    assert figures["memory_ratio_chunked_over_naive"] >= 0
+
+
+def test_losses_bench():
+    figures = run_bench("losses.py", "--prompts", "2", "--per-prompt", "4", "--seq-len", "64", "--repeats", "1")
+    assert figures["results"] and all(positive(r["speedup"]) for r in figures["results"].values())
+
+
+def test_train_step_bench():
+    figures = run_bench("train_step.py", "--models", "tiny_dense", "--samples", "8", "--max-len", "34",
+                        "--warmup", "1", "--steps", "1")
+    layouts = figures["results"]["tiny_dense"]
+    assert layouts and all(positive(layout["tokens_per_s"]) for layout in layouts.values())
+
+
+def test_weight_sync_bench():
+    figures = run_bench("weight_sync.py", *TINY_MODEL, "--buckets", "1", "--repeats", "1")
+    assert figures["tp"] == 2 and positive(figures["wire_mib"])
+    assert positive(figures["ratio_flat_over_sync_1_MiB"]) and positive(figures["ratio_fresh_over_sync_1_MiB"])
+
+
+def test_weight_sync_vs_disk_bench():
+    figures = run_bench("weight_sync_vs_disk.py", *TINY_MODEL, "--buckets", "1", "--repeats", "1")
+    assert set(figures["results"]) == {"live 1 MiB", "disk round trip"}
+    assert all(positive(r["seconds"]) for r in figures["results"].values())
+
+
+def test_generation_bench():
+    figures = run_bench("generation.py", "--prompts", "4", "--prompt-tokens", "8", "--max-tokens", "8",
+                        "--max-num-seqs", "4", "--repeats", "1")
+    assert 0 < figures["fleet_tokens"] == figures["offline_tokens"] <= 4 * 8  # seeded: both sides sample the same
+    assert positive(figures["ratio_tokens_per_s"])
+
+
+def test_pipeline_bench():
+    k = 2
+    figures = run_bench("pipeline.py", "--workload", "random", "--steps", "5", "--warmup", "1", "--k", str(k))
+    assert positive(figures["ratio_samples_per_s"])
+    assert 1 <= figures["pipeline"]["staleness_max"] <= k and figures["sync"]["staleness_max"] == 0
+    for mode in ("pipeline", "sync"):
+        assert 0 <= figures[mode]["generator_idle_fraction"] <= 1 and positive(figures[mode]["samples_per_s"])
