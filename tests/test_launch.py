@@ -4,6 +4,7 @@ import pytest
 
 from megatron_scalerl.cli import main
 from megatron_scalerl.launch.roles import generator_command, prepare_run_dir, serving_dtype, trainer_command
+from megatron_scalerl.launch.supervise import STOP_TIMEOUT_S
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run_dir import read_generators, write_generators
 
@@ -36,7 +37,10 @@ def test_roles_commands(tmp_path):
                                   log=tmp_path / "g.log")
     assert generator[-3:] == ["--", "--load-format", "dummy"]  # the trainer sends the weights
     assert generator[generator.index("--max-model-len") + 1] == str(256 + 512)
-    assert "--nproc-per-node=1" in trainer_command(tmp_path, RECIPE)
+    trainer = trainer_command(tmp_path, RECIPE)
+    assert "--nproc-per-node=1" in trainer
+    # torchrun waits as long as the launcher for its workers' last checkpoint (its default: SIGKILL after 30 s)
+    assert trainer.index(f"--shutdown-timeout={STOP_TIMEOUT_S:.0f}") < trainer.index("-m")
     assert serving_dtype(RECIPE, cuda=False) == "float32" and serving_dtype(RECIPE, cuda=True) == "bfloat16"
     write_generators(tmp_path, ["http://a:1/"], "float32")
     assert read_generators(tmp_path) == (["http://a:1"], "float32")

@@ -10,17 +10,19 @@ from pathlib import Path
 
 import pytest
 
+from megatron_scalerl.launch.roles import trainer_command
 from megatron_scalerl.metrics import read_metrics
+from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.rollout.stream import RolloutStream
 from tests.trainer_utils import rl_batch, tiny_recipe
 
-TORCHRUN = Path(sys.executable).with_name("torchrun")
-
 
 def _trainer_command(run_dir: Path, nproc: int, *extra: str, wait_s: int = 20) -> tuple[list[str], dict]:
-    cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", "-m", "megatron_scalerl.trainer",
-           "--run-dir", str(run_dir), "--batch-timeout-s", str(wait_s), *extra]
-    return cmd, {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    """The launcher's own trainer command line (`launch.roles.trainer_command`) for the recipe in `run_dir`."""
+    cmd = trainer_command(run_dir, load_recipe(run_dir / "recipe.yaml"))
+    assert f"--nproc-per-node={nproc}" in cmd
+    return [*cmd, "--batch-timeout-s", str(wait_s), *extra], {**os.environ, "OMP_NUM_THREADS": "1",
+                                                              "WANDB_MODE": "disabled"}
 
 
 def _run_trainer(run_dir: Path, nproc: int, *extra: str, wait_s: int = 20) -> subprocess.CompletedProcess:
@@ -81,8 +83,23 @@ def test_sigterm_checkpoints_the_current_step_and_exits_cleanly(tmp_path):
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)  # torchrun itself always exits non-zero on a signal; its worker does not
+    assert "SIGTERM: stopping after the current step" in out, out[-3000:]
     assert "stop requested: checkpointing step 2" in out and "[rank0]: Traceback" not in out, out[-3000:]
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("iter_*")) == ["iter_0000002"]
+
+
+def test_a_stop_that_hangs_writes_every_threads_stack():
+    """Where a rank is stuck after SIGTERM shows in its log before the launcher's SIGKILL."""
+    code = ("import threading, time\n"
+            "import megatron_scalerl.trainer.role as role\n"
+            "role.STOP_STACKS_AFTER_S = 0.5\n"
+            "role._stop_requested(threading.Event())\n"
+            "def stuck_in_a_collective():\n"
+            "    time.sleep(5)\n"
+            "stuck_in_a_collective()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Timeout (0:00:00.500000)!" in done.stderr and "in stuck_in_a_collective" in done.stderr, done.stderr
 
 
 def test_trainer_refuses_a_world_size_the_recipe_does_not_describe():

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.launch.supervise import STOP_TIMEOUT_S
 from megatron_scalerl.models.tokenizer import TOKENIZER_FILES, has_tokenizer, special_token_ids
 from megatron_scalerl.recipe import Recipe
 
@@ -67,7 +68,10 @@ def serving_dtype(recipe: Recipe, cuda: bool) -> str:
 def trainer_command(run_dir: Path, recipe: Recipe, *, rendezvous: str | None = None) -> list[str]:
     """torchrun over the trainer's processes: all `cluster.trainer_gpus` of them on this machine, or, given
     `rendezvous` (host:port on the first trainer node), this node's `cluster.gpus_per_node` of `cluster.trainer_nodes`
-    nodes; each node's rank then comes from $PET_NODE_RANK (torchrun's own variable for --node-rank)."""
+    nodes; each node's rank then comes from $PET_NODE_RANK (torchrun's own variable for --node-rank).
+
+    On SIGTERM torchrun gives its workers as long to stop (finish the step, checkpoint) as the launcher gives the
+    trainer (`STOP_TIMEOUT_S`), not its own default of 30 s, after which it would SIGKILL them mid-checkpoint."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     if rendezvous is None:
         where = ["--standalone", f"--nproc-per-node={recipe.cluster.trainer_gpus}"]
@@ -75,7 +79,8 @@ def trainer_command(run_dir: Path, recipe: Recipe, *, rendezvous: str | None = N
         host, port = rendezvous.rsplit(":", 1)
         where = [f"--nnodes={recipe.cluster.trainer_nodes}", f"--nproc-per-node={recipe.cluster.gpus_per_node}",
                  f"--master-addr={host}", f"--master-port={port}"]
-    return [torchrun, *where, "-m", "megatron_scalerl.trainer", "--run-dir", str(run_dir)]
+    return [torchrun, *where, f"--shutdown-timeout={STOP_TIMEOUT_S:.0f}", "-m", "megatron_scalerl.trainer",
+            "--run-dir", str(run_dir)]
 
 
 def generator_command(run_dir: Path, recipe: Recipe, *, port: int, host: str, dtype: str, log: Path) -> list[str]:

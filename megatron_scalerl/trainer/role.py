@@ -13,12 +13,14 @@ for k batches), appends a `trainer` record to `RUN/metrics.jsonl` and checkpoint
 `trainer.checkpoint_interval` steps and at the end. While it waits for a batch it sends the current weights to
 any generator that does not serve them (one that came up later, or restarted). `trainer/idle_fraction` is the share
 of its wall time spent waiting for batches. SIGTERM: the current step finishes, the trainer checkpoints it and exits
-0.
+0; a rank still running `STOP_STACKS_AFTER_S` seconds after the signal writes every thread's stack to its log (where
+a stop hangs, before the launcher's SIGKILL).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import signal
@@ -40,6 +42,7 @@ from megatron_scalerl.trainer.state import load_trainer, save_trainer
 from megatron_scalerl.trainer.step import NonFiniteError
 from megatron_scalerl.weight_sync.protocol import WeightSyncError
 
+STOP_STACKS_AFTER_S = 60.0  # half the launcher's stop timeout (launch.supervise.STOP_TIMEOUT_S)
 log = logging.getLogger("megatron_scalerl.trainer")
 
 # The orchestrator's curriculum (No-Positive-Resampling state, algo.resampling JSON), written atomically by it.
@@ -173,6 +176,15 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
     return last
 
 
+def _stop_requested(stop: threading.Event) -> None:
+    """SIGTERM: the trainer stops at its next batch boundary; stacks of every thread go to stderr if this rank is
+    still running `STOP_STACKS_AFTER_S` seconds later."""
+    if not stop.is_set():
+        log.info("SIGTERM: stopping after the current step (then a checkpoint)")
+        faulthandler.dump_traceback_later(STOP_STACKS_AFTER_S)
+    stop.set()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_scalerl.trainer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(str(exc)) from None
         try:
             stop = threading.Event()  # SIGTERM (Ctrl-C of `scalerl train`, SLURM's time limit): checkpoint, exit 0
-            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            signal.signal(signal.SIGTERM, lambda *_: _stop_requested(stop))
             run_trainer(args.run_dir, recipe, max_steps=args.max_steps, batch_timeout_s=args.batch_timeout_s,
                         is_log_rank=info.rank == 0, stop=stop)
         finally:
