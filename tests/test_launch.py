@@ -46,6 +46,26 @@ def test_roles_commands(tmp_path):
     assert read_generators(tmp_path) == (["http://a:1"], "float32")
 
 
+def test_local_roles_share_the_cores_unless_the_user_set_a_thread_count(tmp_path, monkeypatch):
+    """On CPU, without OMP_NUM_THREADS, torch and vLLM would each start a thread per core on cores they share."""
+    import os
+
+    from megatron_scalerl.launch.local import local_roles
+
+    demo = load_recipe("demo")  # two trainer ranks and one generator
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    generators, urls, trainer, _ = local_roles(tmp_path, demo, resume=False, cuda=False)
+    assert [g.env["OMP_NUM_THREADS"] for g in generators] == ["2"] and trainer.env["OMP_NUM_THREADS"] == "2"
+    assert read_generators(tmp_path) == (urls, "float32")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    _, _, trainer, _ = local_roles(tmp_path, demo, resume=False, cuda=False)
+    assert trainer.env["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice reaches every role as it is
+    generators, _, trainer, _ = local_roles(tmp_path, demo, resume=False, cuda=False)
+    assert "OMP_NUM_THREADS" not in trainer.env and "OMP_NUM_THREADS" not in generators[0].env
+
+
 @pytest.mark.parametrize("argv, message", [
     (["train"], "give --recipe"),
     (["train", "--resume"], "--resume needs --run-dir of an existing run"),

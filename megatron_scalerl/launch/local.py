@@ -17,6 +17,7 @@ the checkpoints, the rollout stream and the orchestrator's state.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
@@ -47,31 +48,48 @@ def start_run(run_dir: Path, recipe: Recipe, tokenizer_dir: Path) -> int:
     return run_local(run_dir, recipe, resume=False)
 
 
-def run_local(run_dir: Path, recipe: Recipe, *, resume: bool, ready_timeout_s: float = 900.0) -> int:
-    """Run every role of `recipe` on this machine until the run ends (see the module docstring); the exit code."""
-    import torch
+def cpu_threads_per_process(recipe: Recipe) -> int:
+    """On CPU: the threads each role process gets when the user set no OMP_NUM_THREADS, the machine's cores shared
+    evenly by the trainer's ranks and the generators (2 cores, 2 ranks, 1 generator: 1 each). Left to themselves,
+    torch and vLLM would each start a thread per core, and their spinning threads take the cores from one another:
+    the demo's generator made 75-80 samples/s so, 121-126 at one thread."""
+    servers = recipe.cluster.generator_gpus // recipe.parallelism.generator_tp
+    return max(1, len(os.sched_getaffinity(0)) // (recipe.cluster.trainer_gpus + servers))
 
+
+def local_roles(run_dir: Path, recipe: Recipe, *, resume: bool, cuda: bool) -> tuple[list[Role], list[str], Role, Role]:
+    """The run's roles on this machine: (generators, their URLs, trainer, orchestrator); writes generators.json."""
     from megatron_scalerl.run_dir import write_generators
 
-    cuda = torch.cuda.is_available()
     logs = run_dir / "logs"
     servers = recipe.cluster.generator_gpus // recipe.parallelism.generator_tp
+    threads = {} if cuda or "OMP_NUM_THREADS" in os.environ else {
+        "OMP_NUM_THREADS": str(cpu_threads_per_process(recipe))}
     urls, generators = [], []
     dtype = serving_dtype(recipe, cuda)
     for i in range(servers):
         port = free_port()
         urls.append(f"http://127.0.0.1:{port}")
-        env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"} if not cuda else {"CUDA_VISIBLE_DEVICES": ",".join(
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **threads} if not cuda else {"CUDA_VISIBLE_DEVICES": ",".join(
             str(recipe.cluster.trainer_gpus + i * recipe.parallelism.generator_tp + j)
             for j in range(recipe.parallelism.generator_tp))}
         command = generator_command(run_dir, recipe, port=port, host="127.0.0.1", dtype=dtype, log=logs / f"vllm_{i}.log")
         generators.append(Role(f"generator {i}", command if cuda else [*CPU_GENERATOR_PRIORITY, *command],
                                logs / f"generator_{i}.log", env))
     write_generators(run_dir, urls, dtype)
-    trainer_env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(recipe.cluster.trainer_gpus)))} if cuda else {}
+    trainer_env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(recipe.cluster.trainer_gpus)))} if cuda else threads
     trainer = Role("trainer", trainer_command(run_dir, recipe), logs / "trainer.log", trainer_env)
     orchestrator = Role("orchestrator", orchestrator_command(run_dir, resume=resume), logs / "orchestrator.log",
                         echo=True)
+    return generators, urls, trainer, orchestrator
+
+
+def run_local(run_dir: Path, recipe: Recipe, *, resume: bool, ready_timeout_s: float = 900.0) -> int:
+    """Run every role of `recipe` on this machine until the run ends (see the module docstring); the exit code."""
+    import torch
+
+    generators, urls, trainer, orchestrator = local_roles(run_dir, recipe, resume=resume,
+                                                          cuda=torch.cuda.is_available())
     return run_roles(f"run {run_dir}", generators, urls, trainer, orchestrator, ready_timeout_s=ready_timeout_s)
 
 
