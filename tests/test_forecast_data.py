@@ -105,6 +105,8 @@ def run_cli(args, capsys):
     ("wall_without_gpus", "wall clock but no GPU count: pass --gpus N"),
     ("bad_json", "m.jsonl:2: not valid JSON"),
     ("too_few", "only 3 of 6 evaluations fall in the fit window (--min-compute 1500 GPU-h); the fit needs at least 5"),
+    ("small_run", "only 0 of 6 evaluations fall in the fit window (--min-compute 1500 GPU-h); the fit needs at least 5; "
+                  "the run's evaluations reach only 0.1 GPU-h: lower --min-compute"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case, expected):
     rows = {
@@ -120,6 +122,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case, expected):
         "wall_without_gpus": [{"wall_time_s": 0, "val/pass_rate": 0.3}],
         "bad_json": [{"gpu_hours": 0, "val/pass_rate": 0.3}, "{not json"],
         "too_few": [{"gpu_hours": c, "val/pass_rate": 0.3 + c / 1e5} for c in (0, 500, 1000, 2000, 3000, 4000)],
+        "small_run": [{"gpu_hours": c / 50, "val/pass_rate": 0.3 + c / 100} for c in range(6)],  # the demo's size
     }[case]
     code, err = run_cli(["forecast", "fit", bad(tmp_path, rows), "--bootstrap", "0"], capsys)
     assert code == 2

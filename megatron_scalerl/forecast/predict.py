@@ -71,9 +71,13 @@ def fit_window(curve: Curve, options: ForecastOptions) -> np.ndarray:
         mask &= curve.compute <= options.fit_until
     if mask.sum() < MIN_POINTS:
         until = f" and --fit-until {options.fit_until:g}" if options.fit_until is not None else ""
+        run_max = float(curve.compute.max()) if curve.compute.size else 0.0
+        hint = (f"; the run's evaluations reach only {run_max:.3g} GPU-h: lower --min-compute (the paper's 1500 "
+                "GPU-h skips a run's noisy start; 0 fits a small run whole)"
+                if curve.compute.size >= MIN_POINTS and run_max < options.min_compute else "")
         raise UserError(f"{curve.source}: only {int(mask.sum())} of {curve.compute.size} evaluations fall in the fit "
                         f"window (--min-compute {options.min_compute:g}{until} GPU-h); the fit needs at least "
-                        f"{MIN_POINTS}")
+                        f"{MIN_POINTS}{hint}")
     return mask
 
 
