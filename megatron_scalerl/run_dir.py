@@ -2,6 +2,9 @@
 
     RUN/generators.json   {"urls": [...], "dtype": "float32"}: the run's generator servers and their serving dtype,
                           written by the launcher, read by the trainer (weight sync) and the orchestrator (fleet).
+    RUN/stop_requested    the launcher's request that the trainer stop: it checkpoints at its next batch boundary
+                          and exits 0, with no signal sent into torchrun or a collective (SIGTERM does the same for
+                          anyone else); the launcher removes it before it starts a trainer.
 
 Every role takes the servers' API key from `$SCALERL_API_KEY` (never from a file or a command line).
 """
@@ -15,6 +18,7 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text
 
 GENERATORS_FILE = "generators.json"
+STOP_FILE = "stop_requested"
 API_KEY_ENV = "SCALERL_API_KEY"
 SERVING_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -41,3 +45,17 @@ def read_generators(run_dir: str | Path) -> tuple[list[str], str] | None:
     if not urls or dtype not in SERVING_DTYPES:
         raise UserError(f"{path}: needs at least one URL and a dtype in {SERVING_DTYPES} (got {urls!r}, {dtype!r})")
     return urls, dtype
+
+
+def request_stop(run_dir: str | Path) -> bool:
+    """Ask the run's trainer to stop (see STOP_FILE); True: asked (a `Role.terminate`)."""
+    (Path(run_dir) / STOP_FILE).touch()
+    return True
+
+
+def clear_stop_request(run_dir: str | Path) -> None:
+    (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
+
+
+def stop_requested(run_dir: str | Path) -> bool:
+    return (Path(run_dir) / STOP_FILE).exists()

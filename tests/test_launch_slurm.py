@@ -17,7 +17,7 @@ from megatron_scalerl.launch.slurm import Allocation, Group, Node, _per_node_cou
 from megatron_scalerl.launch.supervise import LAUNCH_ENV, Role, _supervise, _wait_ready, kill_stragglers
 from megatron_scalerl.platform import free_port
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.run_dir import read_generators
+from megatron_scalerl.run_dir import STOP_FILE, read_generators, stop_requested
 
 NCCL_TESTS = Path(__file__).parent / "data" / "nccl_tests"
 DEMO = load_recipe("demo")  # two trainer nodes x 1, one generator node
@@ -98,7 +98,11 @@ def test_job_roles_place_generators_and_trainer_on_their_groups(tmp_path):
     assert "--nnodes=2" in trainer.command and "--master-addr=10.0.0.0" in trainer.command
     assert f"--master-port={alloc.base_port}" in trainer.command
     assert orchestrator.command[-1] == "--resume" and "srun" not in orchestrator.command
-    assert generator.terminate is not None and trainer.terminate is not None  # SIGTERM through SLURM, not srun
+    assert generator.terminate is not None  # SIGTERM through SLURM, not srun
+    (tmp_path / STOP_FILE).touch()  # a stop request left by an earlier launch is gone before the trainer starts
+    _, _, trainer, _ = job_roles(tmp_path, DEMO, alloc, resume=True, cuda=False)
+    assert not stop_requested(tmp_path)
+    assert trainer.terminate() and stop_requested(tmp_path)  # the trainer is asked through the run directory
 
 
 def test_node_check_names_each_problem(tmp_path):

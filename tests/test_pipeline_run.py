@@ -4,8 +4,8 @@ One run of the tiny Llama-4 MoE (random weights, so every reward is -1: the zero
 batches through) lives through the faults users meet: its generator is SIGKILLed mid-run (the launcher restarts it,
 the trainer re-syncs it, the run goes on), then its orchestrator and its trainer are SIGKILLed, and
 `scalerl train --resume` finishes it. Nothing may be lost or trained twice: every trainer step up to the last
-checkpoint once, every prompt in one batch only, every token within the staleness bound. (A clean stop, SIGTERM,
-checkpoints the trainer's current step: tests/test_trainer_role.py.)
+checkpoint once, every prompt in one batch only, every token within the staleness bound. (A clean stop, SIGTERM or
+RUN/stop_requested, checkpoints the trainer's current step: tests/test_trainer_role.py.)
 """
 
 import json

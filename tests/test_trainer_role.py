@@ -14,6 +14,7 @@ from megatron_scalerl.launch.roles import trainer_command
 from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.rollout.stream import RolloutStream
+from megatron_scalerl.run_dir import request_stop
 from tests.trainer_utils import rl_batch, tiny_recipe
 
 
@@ -72,8 +73,10 @@ def test_trainer_role_waits_for_batches_then_names_the_missing_producer(tmp_path
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_the_current_step_and_exits_cleanly(tmp_path):
-    """What `scalerl train` does on Ctrl-C and SLURM on a time limit: SIGTERM to torchrun, which passes it on."""
+@pytest.mark.parametrize("how", ["sigterm", "stop_file"])
+def test_a_stop_checkpoints_the_current_step_and_exits_cleanly(tmp_path, how):
+    """SIGTERM to torchrun, which passes it on (what a user's kill or scancel does), or RUN/stop_requested (what the
+    launchers do on Ctrl-C and on SLURM's time limit: no signal reaches torchrun, which then exits 0 too)."""
     _prepare(tmp_path, 2, interval=100)
     cmd, env = _trainer_command(tmp_path, 1, "--max-steps", "5", wait_s=300)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -81,9 +84,15 @@ def test_sigterm_checkpoints_the_current_step_and_exits_cleanly(tmp_path):
     while [r["step"] for r in read_metrics(tmp_path, role="trainer")] != [1, 2]:  # now waiting for batch 2
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)  # torchrun itself always exits non-zero on a signal; its worker does not
-    assert "SIGTERM: stopping after the current step" in out, out[-3000:]
+    if how == "sigterm":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        request_stop(tmp_path)
+    out, _ = proc.communicate(timeout=120)
+    if how == "sigterm":  # torchrun itself always exits non-zero on a signal; its worker does not
+        assert "SIGTERM: stopping after the current step" in out, out[-3000:]
+    else:
+        assert proc.returncode == 0, out[-3000:]
     assert "stop requested: checkpointing step 2" in out and "[rank0]: Traceback" not in out, out[-3000:]
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("iter_*")) == ["iter_0000002"]
 
@@ -93,7 +102,7 @@ def test_a_stop_that_hangs_writes_every_threads_stack():
     code = ("import threading, time\n"
             "import megatron_scalerl.trainer.role as role\n"
             "role.STOP_STACKS_AFTER_S = 0.5\n"
-            "role._stop_requested(threading.Event())\n"
+            "role._on_sigterm(threading.Event())\n"
             "def stuck_in_a_collective():\n"
             "    time.sleep(5)\n"
             "stuck_in_a_collective()\n")

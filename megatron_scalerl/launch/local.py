@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from functools import partial
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
@@ -59,7 +60,7 @@ def cpu_threads_per_process(recipe: Recipe) -> int:
 
 def local_roles(run_dir: Path, recipe: Recipe, *, resume: bool, cuda: bool) -> tuple[list[Role], list[str], Role, Role]:
     """The run's roles on this machine: (generators, their URLs, trainer, orchestrator); writes generators.json."""
-    from megatron_scalerl.run_dir import write_generators
+    from megatron_scalerl.run_dir import clear_stop_request, request_stop, write_generators
 
     logs = run_dir / "logs"
     servers = recipe.cluster.generator_gpus // recipe.parallelism.generator_tp
@@ -78,7 +79,9 @@ def local_roles(run_dir: Path, recipe: Recipe, *, resume: bool, cuda: bool) -> t
                                logs / f"generator_{i}.log", env))
     write_generators(run_dir, urls, dtype)
     trainer_env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(recipe.cluster.trainer_gpus)))} if cuda else threads
-    trainer = Role("trainer", trainer_command(run_dir, recipe), logs / "trainer.log", trainer_env)
+    clear_stop_request(run_dir)
+    trainer = Role("trainer", trainer_command(run_dir, recipe), logs / "trainer.log", trainer_env,
+                   terminate=partial(request_stop, run_dir))
     orchestrator = Role("orchestrator", orchestrator_command(run_dir, resume=resume), logs / "orchestrator.log",
                         echo=True)
     return generators, urls, trainer, orchestrator

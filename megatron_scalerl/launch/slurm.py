@@ -37,6 +37,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
@@ -186,7 +187,7 @@ def _share(total: int | None, parts: int) -> int | None:
 def job_roles(run_dir: Path, recipe: Recipe, alloc: Allocation, *, resume: bool, cuda: bool
               ) -> tuple[list[Role], list[str], Role, Role]:
     """The run's roles on the allocation: (generators, their URLs, trainer, orchestrator)."""
-    from megatron_scalerl.run_dir import write_generators
+    from megatron_scalerl.run_dir import clear_stop_request, request_stop, write_generators
 
     logs, tp = run_dir / "logs", recipe.parallelism.generator_tp
     per_node = recipe.cluster.gpus_per_node // tp
@@ -208,9 +209,9 @@ def job_roles(run_dir: Path, recipe: Recipe, alloc: Allocation, *, resume: bool,
                 gpus_per_task=recipe.cluster.gpus_per_node if alloc.trainer.gpus_per_node else None,
                 cpus_per_task=alloc.trainer.cpus_per_node)
     per_node_rank = ["bash", "-c", 'PET_NODE_RANK=$SLURM_NODEID exec "$@"', "trainer"]
+    clear_stop_request(run_dir)
     trainer = Role("trainer", step + ["--label"] + per_node_rank + trainer_command(
-        run_dir, recipe, rendezvous=alloc.rendezvous()), logs / "trainer.log",
-        terminate=step_terminator(alloc, "trainer"))
+        run_dir, recipe, rendezvous=alloc.rendezvous()), logs / "trainer.log", terminate=partial(request_stop, run_dir))
     orchestrator = Role("orchestrator", orchestrator_command(run_dir, resume=resume), logs / "orchestrator.log",
                         echo=True)
     return generators, urls, trainer, orchestrator

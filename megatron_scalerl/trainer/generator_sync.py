@@ -1,7 +1,8 @@
 """The trainer's link to the generator fleet: its weights go to the generators at its start and after each step.
 
     link = GeneratorLink.from_run_dir(run_dir, recipe, is_rank0=rank == 0)    # None when the run has no generators
-    link.first_push(trainer.model, version=state.step, timeout_s=3600)  # collective: once a generator answers
+    link.first_push(trainer.model, version=state.step, timeout_s=3600,  # collective: once a generator answers
+                    stopping=lambda: False)                             # (or not at all once stopping() on rank 0)
     link.push(trainer.model, version=state.step)      # collective: every trainer rank calls it
     link.catch_up(trainer.model, version=state.step)  # collective: re-sync a generator that restarted
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -114,11 +116,17 @@ class GeneratorLink:
         live = list(served)
         return live, self._connect(live, restarted) if live else None
 
-    def first_push(self, model_chunks: list, version: int, *, timeout_s: float, poll_s: float = 0.5) -> None:
-        """Wait until a generator answers, then push `version`; TimeoutError naming the generators after
-        `timeout_s` seconds."""
+    def first_push(self, model_chunks: list, version: int, *, timeout_s: float, stopping: Callable[[], bool],
+                   poll_s: float = 0.5) -> None:
+        """Wait until a generator answers, then push `version`; return without a push once `stopping()` (asked on
+        rank 0); TimeoutError naming the generators after `timeout_s` seconds."""
         deadline = time.monotonic() + timeout_s
-        while not from_rank0(bool(self._served()) if self.is_rank0 else None):
+        while True:
+            answered, stop = from_rank0((bool(self._served()), stopping()) if self.is_rank0 else None)
+            if stop:
+                return
+            if answered:
+                break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no generator of {self.urls} answered within {timeout_s:.0f} s: are they "
                                    "running? (their logs: RUN/logs/vllm_*.log)")

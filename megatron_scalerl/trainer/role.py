@@ -12,8 +12,8 @@ their start-ups overlap), then for each step i reads `RUN/rollouts/batch_i`, tra
 for k batches), appends a `trainer` record to `RUN/metrics.jsonl` and checkpoints every
 `trainer.checkpoint_interval` steps and at the end. While it waits for a batch it sends the current weights to
 any generator that does not serve them (one that came up later, or restarted). `trainer/idle_fraction` is the share
-of its wall time spent waiting for batches. SIGTERM: the current step finishes, the trainer checkpoints it and exits
-0; a rank still running `STOP_STACKS_AFTER_S` seconds after the signal writes every thread's stack to its log (where
+of its wall time spent waiting for batches. SIGTERM, or the launcher's `RUN/stop_requested` (see `run_dir`): the
+current step finishes, the trainer checkpoints it and exits 0; a rank still running `STOP_STACKS_AFTER_S` seconds after the signal writes every thread's stack to its log (where
 a stop hangs, before the launcher's SIGKILL).
 """
 
@@ -26,6 +26,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from megatron_scalerl.metrics import MetricsLog, read_metrics
 from megatron_scalerl.platform.distributed import from_rank0
 from megatron_scalerl.recipe import Recipe, load_recipe
 from megatron_scalerl.rollout.stream import RolloutStream, TrainBatch
+from megatron_scalerl.run_dir import stop_requested
 from megatron_scalerl.trainer.generator_sync import GeneratorLink
 from megatron_scalerl.trainer.setup import build_trainer
 from megatron_scalerl.trainer.state import load_trainer, save_trainer
@@ -85,15 +87,15 @@ def push_due(recipe: Recipe, step: int) -> bool:
 
 
 def _next_batch(stream: RolloutStream, index: int, *, timeout_s: float, vocab_size: int, link: GeneratorLink | None,
-                model: list, stop: threading.Event, poll_s: float = 0.5) -> TrainBatch | None:
-    """Batch `index` once the orchestrator wrote it, or None once a stop is requested (`stop`, set by SIGTERM);
-    TimeoutError after `timeout_s` seconds. Meanwhile a generator that restarted gets the current weights. Collective:
-    rank 0 decides for every rank."""
+                model: list, stopping: Callable[[], bool], poll_s: float = 0.5) -> TrainBatch | None:
+    """Batch `index` once the orchestrator wrote it, or None once `stopping()` (asked on rank 0: SIGTERM or the
+    launcher's RUN/stop_requested); TimeoutError after `timeout_s` seconds. Meanwhile a generator that restarted gets
+    the current weights. Collective: rank 0 decides for every rank."""
     deadline = time.monotonic() + timeout_s
     is_rank0 = dist.get_rank() == 0
     while True:
-        ready, stopping = from_rank0((stream.path(index).exists(), stop.is_set()) if is_rank0 else None)
-        if stopping:
+        ready, stop = from_rank0((stream.path(index).exists(), stopping()) if is_rank0 else None)
+        if stop:
             return None
         if ready:
             return stream.get(index, timeout_s=timeout_s, vocab_size=vocab_size)[0]
@@ -106,9 +108,13 @@ def _next_batch(stream: RolloutStream, index: int, *, timeout_s: float, vocab_si
 
 def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, batch_timeout_s: float = 3600.0,
                 is_log_rank: bool = True, stop: threading.Event | None = None) -> dict:
-    """Train until `max_steps` (default: trainer.max_steps) optimizer steps, or until `stop` is set (then at the
-    next batch boundary); checkpoints the last step either way. Returns the last step's metrics."""
+    """Train until `max_steps` (default: trainer.max_steps) optimizer steps, or until `stop` is set or the launcher
+    writes RUN/stop_requested (then at the next batch boundary); checkpoints the last step either way. Returns the
+    last step's metrics."""
     stop = stop or threading.Event()
+
+    def stopping() -> bool:
+        return stop.is_set() or stop_requested(run_dir)
     require_trainer_world(recipe, dist.get_world_size())
     trainer = build_trainer(recipe)
     store = CheckpointStore(run_dir, keep=recipe.trainer.keep_checkpoints)
@@ -145,15 +151,17 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
     end = max_steps if max_steps is not None else recipe.trainer.max_steps
     try:
         if link is not None:  # even with nothing left to train: the orchestrator validates the last weights
-            link.first_push(trainer.model, trainer.step.state.step, timeout_s=batch_timeout_s)
+            link.first_push(trainer.model, trainer.step.state.step, timeout_s=batch_timeout_s, stopping=stopping)
         while trainer.step.state.step < end:
             waiting = time.monotonic()
             batch = _next_batch(stream, trainer.step.state.step, timeout_s=batch_timeout_s,
-                                vocab_size=recipe.model.vocab_size, link=link, model=trainer.model, stop=stop)
+                                vocab_size=recipe.model.vocab_size, link=link, model=trainer.model,
+                                stopping=stopping)
             batch_wait_s = time.monotonic() - waiting
             waited_s += batch_wait_s
             if batch is None:
                 log.info("stop requested: checkpointing step %d", trainer.step.state.step)
+                faulthandler.dump_traceback_later(STOP_STACKS_AFTER_S)  # a checkpoint that hangs shows where
                 break
             last = trainer.step.run(batch)
             step = trainer.step.state.step
@@ -176,7 +184,7 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
     return last
 
 
-def _stop_requested(stop: threading.Event) -> None:
+def _on_sigterm(stop: threading.Event) -> None:
     """SIGTERM: the trainer stops at its next batch boundary; stacks of every thread go to stderr if this rank is
     still running `STOP_STACKS_AFTER_S` seconds later."""
     if not stop.is_set():
@@ -207,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(str(exc)) from None
         try:
             stop = threading.Event()  # SIGTERM (Ctrl-C of `scalerl train`, SLURM's time limit): checkpoint, exit 0
-            signal.signal(signal.SIGTERM, lambda *_: _stop_requested(stop))
+            signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(stop))
             run_trainer(args.run_dir, recipe, max_steps=args.max_steps, batch_timeout_s=args.batch_timeout_s,
                         is_log_rank=info.rank == 0, stop=stop)
         finally:
