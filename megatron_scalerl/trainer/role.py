@@ -13,8 +13,8 @@ for k batches), appends a `trainer` record to `RUN/metrics.jsonl` and checkpoint
 `trainer.checkpoint_interval` steps and at the end. While it waits for a batch it sends the current weights to
 any generator that does not serve them (one that came up later, or restarted). `trainer/idle_fraction` is the share
 of its wall time spent waiting for batches. SIGTERM, or the launcher's `RUN/stop_requested` (see `run_dir`): the
-current step finishes, the trainer checkpoints it and exits 0; a rank still running `STOP_STACKS_AFTER_S` seconds after the signal writes every thread's stack to its log (where
-a stop hangs, before the launcher's SIGKILL).
+current step finishes, the trainer checkpoints it and exits 0; a rank still running `STOP_STACKS_AFTER_S` seconds
+after the stop writes every thread's stack to its log (where a stop hangs, before the launcher's SIGKILL).
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
 
     def stopping() -> bool:
         return stop.is_set() or stop_requested(run_dir)
+
     require_trainer_world(recipe, dist.get_world_size())
     trainer = build_trainer(recipe)
     store = CheckpointStore(run_dir, keep=recipe.trainer.keep_checkpoints)
