@@ -49,13 +49,12 @@ def start_run(run_dir: Path, recipe: Recipe, tokenizer_dir: Path) -> int:
     return run_local(run_dir, recipe, resume=False)
 
 
-def cpu_threads_per_process(recipe: Recipe) -> int:
-    """On CPU: the threads each role process gets when the user set no OMP_NUM_THREADS, the machine's cores shared
-    evenly by the trainer's ranks and the generators (2 cores, 2 ranks, 1 generator: 1 each). Left to themselves,
+def cpu_threads_per_process(processes: int) -> int:
+    """On CPU: the threads each of the run's `processes` (trainer ranks and generators) gets when the user set no
+    OMP_NUM_THREADS, the machine's cores shared evenly (2 cores, 2 ranks, 1 generator: 1 each). Left to themselves,
     torch and vLLM would each start a thread per core, and their spinning threads take the cores from one another:
     the demo's generator made 75-80 samples/s so, 121-126 at one thread."""
-    servers = recipe.cluster.generator_gpus // recipe.parallelism.generator_tp
-    return max(1, len(os.sched_getaffinity(0)) // (recipe.cluster.trainer_gpus + servers))
+    return max(1, len(os.sched_getaffinity(0)) // processes)
 
 
 def local_roles(run_dir: Path, recipe: Recipe, *, resume: bool, cuda: bool) -> tuple[list[Role], list[str], Role, Role]:
@@ -65,7 +64,7 @@ def local_roles(run_dir: Path, recipe: Recipe, *, resume: bool, cuda: bool) -> t
     logs = run_dir / "logs"
     servers = recipe.cluster.generator_gpus // recipe.parallelism.generator_tp
     threads = {} if cuda or "OMP_NUM_THREADS" in os.environ else {
-        "OMP_NUM_THREADS": str(cpu_threads_per_process(recipe))}
+        "OMP_NUM_THREADS": str(cpu_threads_per_process(recipe.cluster.trainer_gpus + servers))}
     urls, generators = [], []
     dtype = serving_dtype(recipe, cuda)
     for i in range(servers):

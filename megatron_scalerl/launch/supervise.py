@@ -15,8 +15,9 @@ it back); one that keeps dying within `QUICK_EXIT_S` seconds of its start (its n
 
 A stop signal (`stop_signals`: Ctrl-C, SIGTERM, SLURM's time-limit warning) stops the roles in order: the
 orchestrator (its state on disk is that of its last batch), the trainer (it checkpoints its current step; the
-launchers ask it through `RUN/stop_requested`, see `run_dir`), the generators; the exit code is then 128 + the signal's number. Every role runs in a session of its own, so a terminal's
-Ctrl-C reaches only the supervisor, which stops them in that order.
+launchers ask it through `RUN/stop_requested`, see `run_dir`), the generators; the exit code is then 128 + the
+signal's number. Every role runs in a session of its own, so a terminal's Ctrl-C reaches only the supervisor, which
+stops them in that order.
 
 Every role's processes carry this launch's id in their environment (`LAUNCH_ENV`); once the roles are stopped, any
 process of this machine still carrying it is killed. Process groups alone miss some: torchrun starts each worker in a

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.launch.supervise import STOP_TIMEOUT_S
 from megatron_scalerl.metrics import MetricsLog, read_metrics
 from megatron_scalerl.platform.distributed import from_rank0
 from megatron_scalerl.recipe import Recipe, load_recipe
@@ -44,7 +45,7 @@ from megatron_scalerl.trainer.state import load_trainer, save_trainer
 from megatron_scalerl.trainer.step import NonFiniteError
 from megatron_scalerl.weight_sync.protocol import WeightSyncError
 
-STOP_STACKS_AFTER_S = 60.0  # half the launcher's stop timeout (launch.supervise.STOP_TIMEOUT_S)
+STOP_STACKS_AFTER_S = STOP_TIMEOUT_S / 2  # stacks while the launcher still waits for the stop
 log = logging.getLogger("megatron_scalerl.trainer")
 
 # The orchestrator's curriculum (No-Positive-Resampling state, algo.resampling JSON), written atomically by it.
