@@ -189,7 +189,7 @@ class TrainerConfig(Section):
     adam_eps: PosFloat
     weight_decay: Annotated[float, Field(ge=0)]
     grad_clip: Annotated[float, Field(ge=0)]  # max global grad norm; 0 disables
-    precision: Literal["bf16", "fp32"]
+    precision: Literal["auto", "bf16", "fp32"]  # auto: bf16 where it is native (GPUs, AVX512-BF16/AMX CPUs), else fp32
     fp32_lm_head: bool
     max_steps: Pos
     checkpoint_interval: Pos  # steps

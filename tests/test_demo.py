@@ -58,3 +58,40 @@ def test_validation_curve_is_plotted_from_the_runs_metrics(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     png = plot_validation(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_init_only_builds_a_tiny_hf_checkpoint_with_its_tokenizer(tmp_path, capsys):
+    """`scalerl demo --init-only DIR` (the README's SLURM walk): a model any run can start from (`--model hf:DIR`)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from megatron_scalerl.cli import main
+
+    assert main(["demo", "--init-only", str(tmp_path / "moe")]) == 0
+    assert f"--model hf:{tmp_path / 'moe'}" in capsys.readouterr().out
+    assert main(["demo", "--init-only", str(tmp_path / "dense"), "--model", "tiny_dense", "--seed", "3"]) == 0
+    assert AutoConfig.from_pretrained(tmp_path / "moe").model_type == "llama4_text"
+    assert AutoConfig.from_pretrained(tmp_path / "dense").model_type == "llama"
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "dense")) <= RECIPE.model.vocab_size
+    from_dir = load_recipe("demo", model_preset=f"hf:{tmp_path / 'moe'}")
+    assert from_dir.model == RECIPE.model and from_dir.trainer.init_from == str((tmp_path / "moe").resolve())
+    assert main(["demo", "--init-only", str(tmp_path / "moe")]) == 2  # never over an existing model
+    assert "is not empty" in capsys.readouterr().err
+    assert main(["demo", "--seed", "3"]) == 2
+
+
+def test_a_cached_demo_model_is_reused_only_when_built_from_the_same_settings(tmp_path):
+    from megatron_scalerl.demo.run import BUILD_RECORD, build_settings, cached_model_verdict
+
+    settings = build_settings(RECIPE, warm_start_target=0.2)
+    assert cached_model_verdict(tmp_path, settings) == (False, None)  # nothing there: build
+    (tmp_path / "warm_start").mkdir()
+    (tmp_path / "warm_start" / "config.json").write_text("{}")
+    reuse, why = cached_model_verdict(tmp_path, settings)
+    assert not reuse and "holds no record of the settings" in why
+    old = build_settings(load_recipe("demo", ["model.rope_scaling.high_freq_factor=1.0"]), warm_start_target=0.2)
+    (tmp_path / BUILD_RECORD).write_text(json.dumps(old))
+    reuse, why = cached_model_verdict(tmp_path, settings)
+    assert not reuse and "other settings (model.rope_scaling.high_freq_factor)" in why
+    (tmp_path / BUILD_RECORD).write_text(json.dumps(settings))
+    assert cached_model_verdict(tmp_path, settings) == (True, f"reusing the warm-started model in "
+                                                              f"{tmp_path / 'warm_start'} (built from the same settings)")

@@ -5,6 +5,7 @@ import pytest
 from megatron_scalerl.cli import main
 from megatron_scalerl.launch.roles import generator_command, prepare_run_dir, serving_dtype, trainer_command
 from megatron_scalerl.launch.supervise import STOP_TIMEOUT_S
+from megatron_scalerl.platform.precision import with_resolved_precision
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run_dir import read_generators, write_generators
 
@@ -24,8 +25,10 @@ def tokenizer_dir(tmp_path_factory):
 def test_run_dir_holds_the_recipe_and_a_servable_model_dir(tmp_path, tokenizer_dir):
     from transformers import AutoConfig, AutoTokenizer
 
-    prepare_run_dir(tmp_path, RECIPE, tokenizer_dir)
-    assert load_recipe(tmp_path / "recipe.yaml") == RECIPE
+    written = prepare_run_dir(tmp_path, RECIPE, tokenizer_dir, cuda=False)
+    assert RECIPE.trainer.precision == "auto"  # the presets' default, resolved for this machine in the run's record
+    assert written == load_recipe(tmp_path / "recipe.yaml")
+    assert written == with_resolved_precision(RECIPE, cuda=False)[0] and written.trainer.precision in ("bf16", "fp32")
     config = AutoConfig.from_pretrained(tmp_path / "model")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
     assert config.eos_token_id == tokenizer.eos_token_id and config.vocab_size == RECIPE.model.vocab_size
@@ -88,5 +91,5 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, tokenizer_dir
 
     small = load_recipe("scalerl", model_preset="tiny_moe", overrides=["model.vocab_size=128"])
     with pytest.raises(UserError, match=r"tokenizer .*: 2\d\d ids, more than model.vocab_size 128"):
-        prepare_run_dir(tmp_path / "run", small, tokenizer_dir)
+        prepare_run_dir(tmp_path / "run", small, tokenizer_dir, cuda=False)
     assert not (tmp_path / "run").exists()

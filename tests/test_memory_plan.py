@@ -22,14 +22,14 @@ from megatron_scalerl.models.memory_plan import (
 )
 from megatron_scalerl.platform import run_local_workers
 from megatron_scalerl.recipe import load_recipe
-from tests.trainer_utils import rl_batch, run_scenarios, tiny_recipe
+from tests.trainer_utils import BF16, rl_batch, run_scenarios, tiny_recipe
 
 SEQ, ROWS = 320, 2  # one micro-batch: ROWS rows of SEQ tokens (max_prompt_tokens + max_new_tokens = SEQ)
 PLAN_SETTINGS = ("cluster.trainer_nodes=1", "rollout.max_prompt_tokens=16", f"rollout.max_new_tokens={SEQ - 16}")
 
 
 def _recipe(model, layout, recompute="none"):
-    return tiny_recipe(model, **layout, mbs=ROWS, extra=(*PLAN_SETTINGS, f"parallelism.recompute={recompute}"))
+    return tiny_recipe(model, **layout, mbs=ROWS, extra=(*PLAN_SETTINGS, *BF16, f"parallelism.recompute={recompute}"))
 
 
 def _nbytes(tensors) -> int:

@@ -1,7 +1,7 @@
 """The fixes to megatron-core's distributed optimizer (platform/megatron_optimizer.py), one test each.
 
 Each shows that megatron-core 0.16.1 still needs the fix (the unfixed optimizer is wrong) and that the fixed one is
-right, on the recipe's own precision: a bf16 tiny Llama-4 MoE with the FP32 LM head (two grad buffers, two
+right, in the GPU recipe's precision on any CPU: a bf16 tiny Llama-4 MoE with the FP32 LM head (two grad buffers, two
 optimizers chained for dense and expert weights). Everything runs in one spawned worker for the module.
 """
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_scalerl.platform import run_local_workers
-from tests.trainer_utils import rl_batch, tiny_recipe
+from tests.trainer_utils import BF16, rl_batch, tiny_recipe
 
 
 def _lookup_mismatches(optimizer) -> list[str]:
@@ -58,14 +58,14 @@ def _checks(rank, run_dir):
     from megatron_scalerl.trainer.state import load_trainer, save_trainer
     from megatron_scalerl.trainer.step import TrainStep
 
-    recipe = tiny_recipe("tiny_moe")
+    recipe = tiny_recipe("tiny_moe", extra=BF16)
 
     def build():
         initialize_model_parallel(seed=recipe.trainer.seed)
         chunks = build_model_chunks(recipe)
         return chunks, get_megatron_optimizer(optimizer_config(recipe), chunks)
 
-    out = {"precision": recipe.trainer.precision, "head_dtype": None}
+    out = {"precision": recipe.trainer.precision, "head_dtype": None}  # bf16, asked for on any CPU
     chunks, optimizer = build()
     out["head_dtype"] = head_weight(chunks[0]).dtype
     out["unfixed_mismatches"] = len(_lookup_mismatches(optimizer))
@@ -118,7 +118,7 @@ def checks(tmp_path_factory):
     return run_local_workers(_checks, 1, tmp_path_factory.mktemp("run"), timeout_s=300)[0]
 
 
-def test_runs_in_the_recipes_own_precision(checks):
+def test_runs_in_bf16_beside_the_fp32_head(checks):
     assert checks["precision"] == "bf16" and checks["head_dtype"] == torch.float32
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -43,12 +44,13 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from megatron_scalerl.demo.model import build_model
-    from megatron_scalerl.recipe import load_recipe
-
+    """The tiny models, built as the README's SLURM walk builds them: `scalerl demo --init-only DIR`."""
     root = tmp_path_factory.mktemp("models")
-    return {name: build_model(load_recipe("demo", model_preset=None if name == "tiny_moe" else name),
-                              root / name, seed=3) for name in ("tiny_moe", "tiny_dense")}
+    for name in ("tiny_moe", "tiny_dense"):
+        done = subprocess.run([sys.executable, "-m", "megatron_scalerl.cli", "demo", "--init-only", str(root / name),
+                               "--model", name, "--seed", "3"], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    return {name: root / name for name in ("tiny_moe", "tiny_dense")}
 
 
 @pytest.fixture

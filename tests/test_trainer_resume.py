@@ -1,4 +1,4 @@
-"""Checkpoints of real tiny models in the recipe's own precision (bf16, FP32 LM head), dense and MoE: exact resume,
+"""Checkpoints of real tiny models in the GPU recipe's precision (bf16 body, FP32 LM head, on any CPU), dense and MoE: exact resume,
 resharded resume, corrupt-checkpoint fallback, and `scalerl verify logits` on trainer checkpoints.
 
 The single-rank scenarios share one spawned worker (`single_rank`); the resharded resumes spawn their layouts.
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_scalerl.platform import run_local_workers
-from tests.trainer_utils import rl_batch, run_scenarios, tiny_hf_checkpoint, tiny_recipe
+from tests.trainer_utils import BF16, rl_batch, run_scenarios, tiny_hf_checkpoint, tiny_recipe
 
 STEPS = 4  # batches 0..3; checkpoints after 0, 1 and 2 optimizer steps
 
@@ -28,7 +28,7 @@ def _train_and_save(rank, run_dir, hf, layout):
     from megatron_scalerl.trainer.setup import build_trainer
     from megatron_scalerl.trainer.state import save_trainer
 
-    trainer = build_trainer(tiny_recipe(hf=hf, **layout))
+    trainer = build_trainer(tiny_recipe(hf=hf, **layout, extra=BF16))
     recipe = trainer.step.recipe
     store = CheckpointStore(run_dir, keep=5)
 
@@ -53,7 +53,7 @@ def _resume(rank, run_dir, hf, layout):
     from megatron_scalerl.trainer.setup import build_trainer
     from megatron_scalerl.trainer.state import load_trainer
 
-    trainer = build_trainer(tiny_recipe(hf=hf, **layout))
+    trainer = build_trainer(tiny_recipe(hf=hf, **layout, extra=BF16))
     iteration, path = CheckpointStore(run_dir, keep=5).latest_valid(set_aside=True)
     trainer.step.state, rl_state = load_trainer(path, trainer.model, trainer.optimizer)
     weights = _weights(trainer, trainer.step.recipe.model)
@@ -103,7 +103,7 @@ def single_rank(tmp_path_factory, hf_dirs):
 def test_resume_gives_exactly_the_uninterrupted_losses(single_rank, model):
     _, results = single_rank
     run, resumed = results[model], results[f"{model}_resumed"]
-    assert run["precision"] == "bf16"  # the recipe's own: bf16 weights, FP32 LM head
+    assert run["precision"] == "bf16"  # the GPU recipe's: bf16 weights, FP32 LM head
     assert (resumed["iteration"], resumed["hours"], resumed["version"]) == (2, 0.5, STEPS)
     assert resumed["losses"] == run["losses"][2:]
     assert all(torch.equal(resumed["weights"][n], t) for n, t in run["weights"].items())

@@ -46,6 +46,7 @@ def test_trainer_role_trains_checkpoints_and_resumes(tmp_path):
     (tmp_path / "curriculum.json").write_text('{"retired": [7]}')
     first = _run_trainer(tmp_path, 1, "--max-steps", "3")
     assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stderr.count("precision: auto -> ") == 1  # the recipe's `auto`, resolved and said once
     records = read_metrics(tmp_path, role="trainer")
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["gpu_hours"] > 0 and r["gpus"] == 2 for r in records)
@@ -68,6 +69,7 @@ def test_trainer_role_waits_for_batches_then_names_the_missing_producer(tmp_path
     _prepare(tmp_path, 1, dp=2)
     proc = _run_trainer(tmp_path, 2, "--max-steps", "2", wait_s=5)
     assert proc.returncode != 0
+    assert proc.stderr.count("precision: ") == 1  # once per run, not once per rank
     assert "trainer ERROR no TrainBatch 1 in" in proc.stderr and "orchestrator" in proc.stderr
     assert [r["step"] for r in read_metrics(tmp_path, role="trainer")] == [1]
 

@@ -1,7 +1,8 @@
 """The train step on real tiny Megatron models: layout invariance, split invariance, learning, non-finite steps.
 
 Layout and split invariance are checked to 1e-4 in fp32 (bf16 rounds differently when the sums are split
-differently); learning, non-finite steps and the head's precision run the recipe's own bf16 + FP32 head. The
+differently); learning and non-finite steps run the recipe's own precision (`auto`), the head's precision the GPU
+recipe's bf16 body beside the FP32 head. The
 single-rank scenarios share one spawned worker (`single_rank`).
 """
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from megatron_scalerl.platform import run_local_workers
-from tests.trainer_utils import FP32, rl_batch, run_scenarios, tiny_hf_checkpoint, tiny_recipe
+from tests.trainer_utils import BF16, FP32, rl_batch, run_scenarios, tiny_hf_checkpoint, tiny_recipe
 
 
 def _steps(rank, recipe_kwargs, seeds):
@@ -167,7 +168,7 @@ def test_moe_layouts_match_one_process(moe_reference, moe_hf_dir, layout):
 def _bf16_step(rank, fp32_lm_head, hf):
     from megatron_scalerl.trainer.setup import build_trainer, head_weight
 
-    trainer = build_trainer(tiny_recipe(hf=hf, extra=[f"trainer.fp32_lm_head={str(fp32_lm_head).lower()}"]))
+    trainer = build_trainer(tiny_recipe(hf=hf, extra=[*BF16, f"trainer.fp32_lm_head={str(fp32_lm_head).lower()}"]))
     metrics = trainer.step.run(rl_batch(0))
     return metrics["train/loss"], metrics["train/grad_norm"], head_weight(trainer.model[0]).dtype, \
         trainer.step.logits_dtype

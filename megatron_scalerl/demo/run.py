@@ -1,6 +1,7 @@
 """`scalerl demo` (what `make demo` runs): the whole product on this machine, small and real.
 
     scalerl demo [--run-dir runs/demo] [--steps N]
+    scalerl demo --init-only DIR [--model tiny_moe|tiny_dense] [--seed S]   # step 1 alone: a tiny HF checkpoint
 
 1. builds the tiny Llama-4 MoE and its tokenizer (`demo.model`; random weights, nothing downloaded),
 2. warm-starts it with a short supervised stage until it sometimes answers right (`demo.sft`),
@@ -9,7 +10,13 @@
    orchestrator; everything it writes is in the run directory,
 4. ends with the forecast report of its own validation curve in `RUN/forecast/` and the curve itself as
    `RUN/val_pass_rate.png`.
-The models of steps 1-2 live beside the run (`RUN_model/`), so a second demo reuses them.
+The models of steps 1-2 live beside the run (`RUN_model/`), so a second demo reuses them while they were built
+from the same settings (`RUN_model/build.json`: the model, the data, the seed, the warm start's); otherwise they are
+built again, and the demo says which setting changed.
+
+`--init-only DIR` builds step 1's model alone (random weights; `--model tiny_dense` for the dense Llama-3 one) and
+its tokenizer as an HF checkpoint in DIR: a model to start any run from (`--model hf:DIR`, `trainer.init_from`), as
+the SLURM walk in the README does.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import shutil
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.fileio import atomic_write_json
 from megatron_scalerl.recipe import load_recipe
 
 WARM_START_TARGET = 0.2  # sampled held-out pass rate at which the supervised stage stops
@@ -29,21 +37,64 @@ WARM_START_TARGET = 0.2  # sampled held-out pass rate at which the supervised st
 UNCLOSED_FRACTION = 0.5
 
 
+TINY_MODELS = ("tiny_moe", "tiny_dense")  # model presets `--init-only` builds; the demo recipe's own is tiny_moe
+BUILD_RECORD = "build.json"
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("demo", help="the one-command CPU demo: build, warm-start and RL-train a tiny MoE")
     parser.add_argument("--run-dir", type=Path, default=Path("runs/demo"))
     parser.add_argument("--steps", type=int, help="RL steps (default: the demo recipe's trainer.max_steps)")
+    parser.add_argument("--init-only", type=Path, metavar="DIR",
+                        help="only build the tiny model (random weights) and its tokenizer into DIR, then exit")
+    parser.add_argument("--model", choices=TINY_MODELS, default="tiny_moe", help="with --init-only: which tiny model")
+    parser.add_argument("--seed", type=int, help="with --init-only: weight seed (default: the recipe's trainer.seed)")
     parser.set_defaults(func=_demo)
 
 
+def build_settings(recipe, **stage) -> dict:
+    """What a demo model is built from: the recipe's model and training data, the seed and the warm start's own
+    settings (`stage`). A cached model built from other settings is not reused."""
+    return {"model": recipe.model.model_dump(mode="json"),
+            "data": [source.model_dump(mode="json") for source in recipe.data.train], "seed": recipe.trainer.seed, "interruption_phrase": recipe.algorithm.length_control.interruption_phrase,
+            **stage}
+
+
+def _changed(recorded: dict, wanted: dict) -> list[str]:
+    """Dotted names of the settings that differ (`model.rope_scaling.high_freq_factor`)."""
+    from megatron_scalerl.recipe import flatten
+
+    a, b = flatten(recorded), flatten(wanted)
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def cached_model_verdict(model_root: Path, settings: dict) -> tuple[bool, str | None]:
+    """(reuse, what to tell the user) for the demo models in `model_root` given the settings wanted now."""
+    warm, record = model_root / "warm_start", model_root / BUILD_RECORD
+    if not (warm / "config.json").is_file():
+        return False, None
+    if not record.is_file():
+        return False, (f"rebuilding {model_root}: it holds no record of the settings it was built with "
+                       f"({BUILD_RECORD}; built by an older version)")
+    changed = _changed(json.loads(record.read_text()), settings)
+    if changed:
+        return False, (f"rebuilding {model_root}: it was built with other settings ({', '.join(changed[:5])}"
+                       f"{' ...' if len(changed) > 5 else ''})")
+    return True, f"reusing the warm-started model in {warm} (built from the same settings)"
+
+
 def warm_started_model(recipe, model_root: Path) -> Path:
-    """The warm-started checkpoint, built (random model, then the supervised stage) unless already there."""
+    """The warm-started checkpoint, built (random model, then the supervised stage) unless already there from the
+    same settings (`build_settings`)."""
     from megatron_scalerl.demo.model import build_model
     from megatron_scalerl.demo.sft import warm_start
 
     warm = model_root / "warm_start"
-    if (warm / "config.json").is_file():
-        print(f"demo: reusing the warm-started model in {warm}", flush=True)
+    settings = build_settings(recipe, warm_start_target=WARM_START_TARGET, unclosed_fraction=UNCLOSED_FRACTION)
+    reuse, why = cached_model_verdict(model_root, settings)
+    if why:
+        print(f"demo: {why}", flush=True)
+    if reuse:
         return warm
     random_dir = model_root / "random"
     shutil.rmtree(model_root, ignore_errors=True)
@@ -55,6 +106,7 @@ def warm_started_model(recipe, model_root: Path) -> Path:
     result = warm_start(recipe, random_dir, tmp, target=WARM_START_TARGET, unclosed_fraction=UNCLOSED_FRACTION)
     tmp.rename(warm)
     (model_root / "warm_start.json").write_text(json.dumps(result.__dict__, indent=1) + "\n")
+    atomic_write_json(model_root / BUILD_RECORD, settings)  # last: a build cut short is never taken for a finished one
     return warm
 
 
@@ -68,10 +120,28 @@ def plot_validation(run_dir: Path) -> Path:
     return path
 
 
+def init_only(out_dir: Path, model_preset: str, seed: int | None) -> int:
+    """`--init-only`: the tiny model of `model_preset` with random weights and the demo's tokenizer in `out_dir`."""
+    from megatron_scalerl.demo.model import build_model
+
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise UserError(f"{out_dir} is not empty: --init-only writes a new model directory")
+    recipe = load_recipe("demo", model_preset=None if model_preset == "tiny_moe" else model_preset)
+    build_model(recipe, out_dir, seed=recipe.trainer.seed if seed is None else seed)
+    print(f"demo: {model_preset} (random weights) and its tokenizer in {out_dir}; start a run from it with "
+          f"--model hf:{out_dir}", flush=True)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from megatron_scalerl.cli import main as scalerl
     from megatron_scalerl.launch.local import start_run
 
+    if args.init_only is not None:
+        return init_only(args.init_only, args.model, args.seed)
+    if args.model != "tiny_moe" or args.seed is not None:
+        raise UserError("--model and --seed go with --init-only (the demo itself trains tiny_moe with its recipe's "
+                        "seed)")
     run_dir: Path = args.run_dir
     if run_dir.exists() and any(run_dir.iterdir()):
         raise UserError(f"{run_dir} exists: remove it for a new demo, or continue it with "

@@ -26,6 +26,7 @@ from megatron_scalerl.launch.roles import (
     generator_command,
     orchestrator_command,
     prepare_run_dir,
+    say_rope_note,
     serving_dtype,
     tokenizer_source,
     trainer_command,
@@ -43,9 +44,11 @@ CPU_GENERATOR_PRIORITY = ["nice", "-n", "10"]
 def start_run(run_dir: Path, recipe: Recipe, tokenizer_dir: Path) -> int:
     """A new run of `recipe` in `run_dir` (absent or empty) with the tokenizer in `tokenizer_dir`: prepare the run
     directory, then `run_local`; the exit code."""
+    import torch
+
     if run_dir.exists() and any(run_dir.iterdir()):
         raise UserError(f"{run_dir} is not empty: continue it with --resume, or choose another --run-dir")
-    prepare_run_dir(run_dir, recipe, tokenizer_dir)
+    recipe = prepare_run_dir(run_dir, recipe, tokenizer_dir, cuda=torch.cuda.is_available())
     return run_local(run_dir, recipe, resume=False)
 
 
@@ -61,6 +64,7 @@ def local_roles(run_dir: Path, recipe: Recipe, *, resume: bool, cuda: bool) -> t
     """The run's roles on this machine: (generators, their URLs, trainer, orchestrator); writes generators.json."""
     from megatron_scalerl.run_dir import clear_stop_request, request_stop, write_generators
 
+    say_rope_note(recipe)
     logs = run_dir / "logs"
     servers = recipe.cluster.generator_gpus // recipe.parallelism.generator_tp
     threads = {} if cuda or "OMP_NUM_THREADS" in os.environ else {

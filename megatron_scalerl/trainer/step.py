@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron_scalerl.algo import LossNormalizers, loss_params, merge_metrics, policy_loss
 from megatron_scalerl.platform.distributed import all_gathered, current_device
 from megatron_scalerl.platform.megatron_optimizer import optimizer_parts
+from megatron_scalerl.platform.precision import trainer_dtype
 from megatron_scalerl.recipe import Recipe, TrainerConfig
 from megatron_scalerl.rollout.stream import TrainBatch
 from megatron_scalerl.trainer.logprobs import token_logprobs
@@ -83,8 +84,7 @@ class TrainStep:
         self.sequence_parallel = recipe.parallelism.sequence_parallel and self.tp_size > 1
         self.loss_params = loss_params(recipe.algorithm)
         # FP32 head: FP32 logits; without it the head computes in the model's precision (the ablation)
-        self.logits_dtype = torch.float32 if recipe.trainer.fp32_lm_head or recipe.trainer.precision == "fp32" \
-            else torch.bfloat16
+        self.logits_dtype = torch.float32 if recipe.trainer.fp32_lm_head else trainer_dtype(recipe)
         self.state = StepState()
 
     # -- loss ----------------------------------------------------------------------------------------------------
