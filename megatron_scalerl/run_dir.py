@@ -1,4 +1,4 @@
-"""Files of the run directory that several roles share (see DESIGN.md's run directory contract).
+"""Files of the run directory that several roles share (the full contract: docs/design.md, "The run directory").
 
     RUN/generators.json   {"urls": [...], "dtype": "float32"}: the run's generator servers and their serving dtype,
                           written by the launcher, read by the trainer (weight sync) and the orchestrator (fleet).

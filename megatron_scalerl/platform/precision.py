@@ -81,7 +81,7 @@ def resolve_precision(requested: str, *, cuda: bool) -> Precision:
     emulated = requested == "bf16" and not native
     note = ": bf16 is emulated here, ~40x slower matmuls than fp32 (trainer.precision=auto picks fp32)" if emulated \
         else ""
-    return Precision(requested, f"{requested} as the recipe says ({where}){note}", emulated_bf16=emulated)
+    return Precision(requested, f"{requested} ({where}){note}", emulated_bf16=emulated)
 
 
 def with_resolved_precision(recipe: Recipe, *, cuda: bool) -> tuple[Recipe, Precision]:
