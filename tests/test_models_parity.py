@@ -76,7 +76,7 @@ def _export_check(model_cfg: ModelConfig, layout: ParallelismConfig, hf_dir: str
         differing, names = [], {False: [], True: []}
         for to_first_rank in (False, True):  # gathered on every rank, and onto each group's first rank only
             for name, tensor in export_hf_state(model, model_cfg, to_first_rank=to_first_rank):
-                if not torch.equal(tensor, hf_state[name]):  # also False when the shapes differ
+                if not torch.equal(tensor.cpu(), hf_state[name]):  # also False when the shapes differ
                     differing.append(f"{name} (to_first_rank={to_first_rank})")
                 names[to_first_rank].append(name)
         if names[True] and names[True] != names[False]:  # a rank that gets any of its stage gets all of it

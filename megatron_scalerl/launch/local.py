@@ -60,6 +60,17 @@ def cpu_threads_per_process(processes: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // processes)
 
 
+def cuda_devices(indices: range) -> str:
+    """CUDA_VISIBLE_DEVICES for a role on the run's GPUs at `indices` (0-based among the GPUs this process may use:
+    an inherited CUDA_VISIBLE_DEVICES, e.g. SLURM's or the user's, is honoured, never widened)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else None
+    if ids is not None and indices[-1] >= len(ids):
+        raise UserError(f"the recipe needs {indices[-1] + 1} GPUs (cluster section) but CUDA_VISIBLE_DEVICES="
+                        f"{visible} gives this launch {len(ids)}")
+    return ",".join(ids[i] if ids is not None else str(i) for i in indices)
+
+
 def local_roles(run_dir: Path, recipe: Recipe, *, resume: bool, cuda: bool) -> tuple[list[Role], list[str], Role, Role]:
     """The run's roles on this machine: (generators, their URLs, trainer, orchestrator); writes generators.json."""
     from megatron_scalerl.run_dir import clear_stop_request, request_stop, write_generators
@@ -74,14 +85,14 @@ def local_roles(run_dir: Path, recipe: Recipe, *, resume: bool, cuda: bool) -> t
     for i in range(servers):
         port = free_port()
         urls.append(f"http://127.0.0.1:{port}")
-        env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **threads} if not cuda else {"CUDA_VISIBLE_DEVICES": ",".join(
-            str(recipe.cluster.trainer_gpus + i * recipe.parallelism.generator_tp + j)
-            for j in range(recipe.parallelism.generator_tp))}
+        first = recipe.cluster.trainer_gpus + i * recipe.parallelism.generator_tp
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **threads} if not cuda else {
+            "CUDA_VISIBLE_DEVICES": cuda_devices(range(first, first + recipe.parallelism.generator_tp))}
         command = generator_command(run_dir, recipe, port=port, host="127.0.0.1", dtype=dtype, log=logs / f"vllm_{i}.log")
         generators.append(Role(f"generator {i}", command if cuda else [*CPU_GENERATOR_PRIORITY, *command],
                                logs / f"generator_{i}.log", env))
     write_generators(run_dir, urls, dtype)
-    trainer_env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(recipe.cluster.trainer_gpus)))} if cuda else threads
+    trainer_env = {"CUDA_VISIBLE_DEVICES": cuda_devices(range(recipe.cluster.trainer_gpus))} if cuda else threads
     clear_stop_request(run_dir)
     trainer = Role("trainer", trainer_command(run_dir, recipe), logs / "trainer.log", trainer_env,
                    terminate=partial(request_stop, run_dir))

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from megatron_scalerl.platform.cpu_compat import require_megatron_attr
 
 
@@ -99,6 +101,11 @@ def materialise_optimizer_state(model_chunks: list, optimizer: Any) -> None:
         for param_state in part.optimizer.state.values():
             if "step" in param_state:
                 param_state["step"].zero_()
+        for group in part.optimizer.param_groups:  # Transformer Engine's FusedAdam counts steps per group
+            if isinstance(group.get("step"), torch.Tensor):
+                group["step"].zero_()
+            elif "step" in group:
+                group["step"] = 0
 
 
 def prepare_optimizer(model_chunks: list, optimizer: Any) -> None:

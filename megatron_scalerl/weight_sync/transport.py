@@ -69,6 +69,9 @@ class NcclTransport:
     def __init__(self, bucket_bytes: int) -> None:
         self.bucket_bytes = bucket_bytes
         self.comm: Any = None
+        # The sender calls `open` and `broadcast` from its pool threads, whose current device is cuda:0 until set:
+        # this rank's device, as the constructing (main) thread has it.
+        self.device = torch.cuda.current_device()
 
     def worker_init_info(self, address: str, port: int, rank_offset: int, world_size: int, config: Any) -> dict:
         from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
@@ -91,11 +94,16 @@ class NcclTransport:
     def open(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
+        torch.cuda.set_device(self.device)
         self.comm = trainer_init({"master_address": address, "master_port": port, "world_size": world_size})
 
     def broadcast(self, bucket: Bucket, timeout_s: float) -> None:
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
+        torch.cuda.set_device(self.device)
+        # The bucket was exported (TP gathers, casts) by kernels queued from the main thread; vLLM's producer packs
+        # on streams of its own that do not wait for them.
+        torch.cuda.current_stream().synchronize()
         packed_nccl_broadcast_producer(iterator=iter(bucket.tensors()), group=self.comm, src=0,
                                        post_iter_func=lambda item: item[1], buffer_size_bytes=self.bucket_bytes,
                                        num_buffers=2)
