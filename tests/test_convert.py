@@ -141,16 +141,16 @@ def _train_from_converted(rank, recipe_yaml: str, run_dir: str, hf_dir: str) -> 
 @pytest.mark.slow
 def test_trainer_starts_from_a_converted_checkpoint_and_its_checkpoints_export(dense, tmp_path):
     """`trainer.init_from` takes the converted checkpoint (written at TP2, read at TP1); the run's own checkpoint
-    exports to HF with the trainer's dtypes (bf16 body, FP32 head), the tokenizer of the run's source, and exactly
+    exports to HF with the trainer's dtypes (bf16 body, FP32 head, asked for on any CPU), the tokenizer of the run's source, and exactly
     the trained weights."""
     from megatron_scalerl.fileio import dump_yaml
     from megatron_scalerl.platform import run_local_workers
-    from tests.trainer_utils import tiny_recipe
+    from tests.trainer_utils import BF16, tiny_recipe
 
     meg = hf_to_megatron(dense, tmp_path / "meg", ParallelismConfig(tp=2))
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    recipe = tiny_recipe(hf=str(meg), extra=[f"model.vocab_size={VOCAB}"])
+    recipe = tiny_recipe(hf=str(meg), extra=[*BF16, f"model.vocab_size={VOCAB}"])  # the GPU recipe's dtypes
     (run_dir / "recipe.yaml").write_text(dump_yaml(recipe.model_dump(mode="json")))
     (result,) = run_local_workers(_train_from_converted, 1, str(run_dir / "recipe.yaml"), str(run_dir), str(dense),
                                   timeout_s=600)
