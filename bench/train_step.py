@@ -18,7 +18,8 @@ single-process layout of the same model, run in the same invocation; ratios are 
   ("trainer": model, gradient buffers, optimizer state and the step together).
 - Precision: fp32 by default. On CPU, bf16 adds about 200 MiB of RSS on the first step (partly oneDNN's per-shape
   kernel cache) and more as new shapes appear (MoE experts see new token counts every step), which swamps the
-  differences between layouts. `--precision bf16` measures the recipe's own setting anyway.
+  differences between layouts. `--precision bf16` measures the GPU recipe's setting anyway (bench/precision.py
+  compares the two).
 - A layout that fails (e.g. a model that does not build) is reported as failed with the first line of its error.
 
     OMP_NUM_THREADS=1 python bench/train_step.py [--models tiny_dense,tiny_moe] [--samples 16 --max-len 128]
@@ -200,7 +201,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (>= 1)")
     p.add_argument("--steps", type=int, default=5, help="measured steps; the median is reported")
     p.add_argument("--precision", default="fp32", choices=("bf16", "fp32"),
-                   help="trainer precision (default fp32, see the module docstring; the recipe's is bf16)")
+                   help="trainer precision (default fp32, see the module docstring; the GPU recipe's is bf16)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per layout")
     args = p.parse_args()
     models = [m.strip() for m in args.models.split(",") if m.strip()]

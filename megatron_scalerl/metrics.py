@@ -48,6 +48,9 @@ class MetricsLog:
             os.close(fd)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, int | float)})
+            for key, value in figures.items():  # a text figure (e.g. forecast/status): the run's summary holds it
+                if isinstance(value, str):
+                    self._wandb.summary[key] = value
         return record
 
     def close(self) -> None:

@@ -252,6 +252,17 @@ class LoggingConfig(Section):
     log_interval: Pos  # steps
 
 
+class ForecastConfig(Section):
+    """The run's live forecast (forecast/live.py): its curve refitted after each validation, in metrics.jsonl and
+    RUN/forecast/. Compute in GPU-hours (the orchestrator's `gpu_hours`)."""
+
+    live: bool
+    min_compute: Annotated[float, Field(ge=0)]  # GPU-h: earlier evaluations are left out of the fit (the noisy start)
+    budgets: Annotated[list[PosFloat], Field(min_length=1)]  # GPU-h: the reward predicted at each
+    target: Fraction | None  # reward whose GPU-hours to reach are predicted (None: none)
+    resamples: NonNeg  # bootstrap replicates behind the intervals (0: no intervals)
+
+
 class ClusterConfig(Section):
     backend: Literal["auto", "nccl", "gloo"]  # auto: nccl when CUDA is available, else gloo
     gpus_per_node: Pos  # devices per node (processes per node on CPU)
@@ -286,6 +297,7 @@ class Recipe(Section):
     eval: EvalConfig
     logging: LoggingConfig
     cluster: ClusterConfig
+    forecast: ForecastConfig | None = None  # None: no live forecast (run directories from before it existed)
 
     @property
     def samples_per_step(self) -> int:

@@ -9,7 +9,8 @@ transformers computes with them.
 The launcher states it once (`note_once`, which also sets SCALERL_ROPE_NOTE_SAID=1 for the roles it starts); a
 process that has that variable drops that one message (`quiet_if_said`: a filter on transformers' rope logger,
 nothing else). Our processes call it when the package is imported; vLLM's through the `vllm.general_plugins` entry
-point in pyproject.toml. Outside a launch (e.g. `scalerl verify`) transformers' warning is left as it is.
+point in pyproject.toml (a `VLLM_PLUGINS` list that leaves it out skips it: vLLM's processes then repeat the
+warning). Outside a launch (e.g. `scalerl verify`) transformers' warning is left as it is.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ class _DropRopeNote(logging.Filter):
 
 
 def degenerate(rope_scaling) -> bool:
-    """Whether a llama3 `rope_scaling` (recipe `RopeScaling` or None) has high_freq_factor <= low_freq_factor."""
-    return rope_scaling is not None and rope_scaling.high_freq_factor <= rope_scaling.low_freq_factor
+    """Whether a llama3 `rope_scaling` (recipe `RopeScaling` or None) is Scout's kind: high_freq_factor equal to
+    low_freq_factor (high < low is a misconfiguration: transformers' warning about it is left alone)."""
+    return rope_scaling is not None and rope_scaling.high_freq_factor == rope_scaling.low_freq_factor
 
 
 def note_once(rope_scaling, env: dict[str, str] | None = None) -> str | None:
@@ -40,15 +42,16 @@ def note_once(rope_scaling, env: dict[str, str] | None = None) -> str | None:
     if not degenerate(rope_scaling) or env.get(SAID_ENV) == "1":
         return None
     env[SAID_ENV] = "1"
-    quiet_if_said()
-    return (f"note: the model's rope_scaling has high_freq_factor {rope_scaling.high_freq_factor} <= "
+    quiet_if_said(env)
+    return (f"note: the model's rope_scaling has high_freq_factor {rope_scaling.high_freq_factor} = "
             f"low_freq_factor {rope_scaling.low_freq_factor} (as Llama-4 Scout's): valid, no frequency band is "
             "smoothed; transformers' warning about it is shown here once instead of by every process")
 
 
-def quiet_if_said() -> None:
-    """In a process of a run whose launcher gave the note: drop transformers' warning about it (idempotent)."""
-    if os.environ.get(SAID_ENV) != "1":
+def quiet_if_said(env: dict[str, str] | None = None) -> None:
+    """In a process of a run whose launcher gave the note (`env`, default this process's environment, says so):
+    drop transformers' warning about it in this process (idempotent)."""
+    if (os.environ if env is None else env).get(SAID_ENV) != "1":
         return
     logger = logging.getLogger(TRANSFORMERS_LOGGER)
     if not any(isinstance(f, _DropRopeNote) for f in logger.filters):

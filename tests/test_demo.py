@@ -75,8 +75,11 @@ def test_init_only_builds_a_tiny_hf_checkpoint_with_its_tokenizer(tmp_path, caps
     from_dir = load_recipe("demo", model_preset=f"hf:{tmp_path / 'moe'}")
     assert from_dir.model == RECIPE.model and from_dir.trainer.init_from == str((tmp_path / "moe").resolve())
     assert main(["demo", "--init-only", str(tmp_path / "moe")]) == 2  # never over an existing model
-    assert "is not empty" in capsys.readouterr().err
+    assert "is not an empty directory" in capsys.readouterr().err
     assert main(["demo", "--seed", "3"]) == 2
+    (tmp_path / "file").write_text("x")
+    assert main(["demo", "--init-only", str(tmp_path / "file")]) == 2  # a file is no model directory
+    assert main(["demo", "--init-only", str(tmp_path / "new"), "--steps", "3"]) == 2
 
 
 def test_a_cached_demo_model_is_reused_only_when_built_from_the_same_settings(tmp_path):
@@ -92,6 +95,9 @@ def test_a_cached_demo_model_is_reused_only_when_built_from_the_same_settings(tm
     (tmp_path / BUILD_RECORD).write_text(json.dumps(old))
     reuse, why = cached_model_verdict(tmp_path, settings)
     assert not reuse and "other settings (model.rope_scaling.high_freq_factor)" in why
+    (tmp_path / BUILD_RECORD).write_text(json.dumps(settings)[:20])  # cut short
+    reuse, why = cached_model_verdict(tmp_path, settings)
+    assert not reuse and "build.json is unreadable" in why
     (tmp_path / BUILD_RECORD).write_text(json.dumps(settings))
     assert cached_model_verdict(tmp_path, settings) == (True, f"reusing the warm-started model in "
                                                               f"{tmp_path / 'warm_start'} (built from the same settings)")

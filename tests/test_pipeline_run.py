@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from megatron_scalerl.forecast.live import STATUS_CODES
 from megatron_scalerl.launch.supervise import LAUNCH_ENV, processes_with_environment
 from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
@@ -31,8 +32,8 @@ STEPS = 6
 OVERRIDES = [f"trainer.max_steps={STEPS}", "trainer.checkpoint_interval=2", "algorithm.zero_variance_filter=false",
              "logging.wandb_mode=disabled", "algorithm.length_control.think_budget_min=24",
              "algorithm.length_control.think_budget_max=32", "algorithm.length_control.answer_budget=16",
-             "rollout.max_new_tokens=96", "rollout.k=2", "data.validation_holdout=8", "data.validation_interval=3",
-             "data.validation_generations=2"]
+             "rollout.max_new_tokens=96", "rollout.k=2", "data.validation_holdout=8", "data.validation_interval=1",
+             "data.validation_generations=2", "forecast.min_compute=0", "forecast.resamples=20"]
 
 
 def _train(*args: str) -> subprocess.Popen:
@@ -169,5 +170,10 @@ def test_resume_finishes_the_run_without_repeating_or_losing_work(run):
     validated = sorted(r["step"] for r in batches if "val/pass_rate" in r)
     assert validated[0] == 0 and validated[-1] == STEPS and len(validated) >= 3, validated
     assert all(r["gpu_hours"] > 0 for r in batches)
+    # the live forecast, through both launches: a row after the validations, at their steps (this short run has too
+    # few validations for a fit: tests/test_forecast_live.py fits the same process's way on a longer curve)
+    forecasts = [r for r in batches if "forecast/status" in r]
+    assert forecasts and all(r["forecast/status"] in STATUS_CODES for r in forecasts)
+    assert {r["step"] for r in forecasts} <= set(validated) and validated[-1] in {r["step"] for r in forecasts}
     state = json.loads((run_dir / "curriculum.json").read_text())
     assert state["batch"] == STEPS - 1

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from megatron_scalerl.platform import precision
 from megatron_scalerl.platform.precision import (
     cpu_flags,
     resolve_precision,
@@ -37,6 +38,32 @@ def test_cpu_flags_read_x86_and_arm_cpuinfo(tmp_path):
     arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n")
     assert {"avx2", "avx512_bf16"} <= cpu_flags(x86) and "bf16" in cpu_flags(arm)
     assert cpu_flags(tmp_path / "absent") == set()
+
+
+@pytest.mark.parametrize("cpuinfo, onednn, native, says", [
+    ("flags\t: fpu avx2 avx512f avx512_bf16\n", True, True, "with avx512_bf16: native bf16"),
+    ("flags\t: fpu avx2 amx_bf16 amx_tile\n", True, True, "with amx_bf16: native bf16"),
+    ("Features\t: fp asimd bf16\n", True, True, "with bf16: native bf16"),
+    ("flags\t: fpu avx2 avx512f\n", True, False, "without avx512_bf16 or amx_bf16 or bf16: bf16 would be emulated"),
+    ("flags\t: fpu avx512_bf16\n", False, False, "but oneDNN's bf16 is off"),
+    (None, True, False, "flags unreadable: bf16 taken as emulated"),
+])
+def test_the_cpu_decision_table(tmp_path, monkeypatch, cpuinfo, onednn, native, says):
+    """Each row: the CPU's flags (or no readable /proc/cpuinfo) and oneDNN's own check -> native or not."""
+    path = tmp_path / "cpuinfo"
+    if cpuinfo is not None:
+        path.write_text(cpuinfo)
+    monkeypatch.setattr(precision, "CPUINFO", path)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
+    precision.cpu_bf16_support.cache_clear()
+    try:
+        assert precision.cpu_bf16_support()[0] == native
+        assert says in precision.cpu_bf16_support()[1]
+        assert resolve_precision("auto", cuda=False).value == ("bf16" if native else "fp32")
+        assert resolve_precision("bf16", cuda=False).emulated_bf16 == (not native)
+        assert resolve_precision("fp32", cuda=False).value == "fp32"
+    finally:
+        precision.cpu_bf16_support.cache_clear()
 
 
 def test_auto_is_bf16_on_gpus_and_explicit_values_are_honoured():

@@ -62,5 +62,5 @@ def test_the_launcher_says_it_once_and_only_for_degenerate_scaling():
     assert note_once(load_recipe("demo").model.rope_scaling, env) is None and env == {}  # the demo's is regular
     scout = load_recipe("scalerl", model_preset="llama4_scout_17b_16e").model.rope_scaling
     first = note_once(scout, env)
-    assert first.startswith("note: the model's rope_scaling has high_freq_factor 1.0 <= low_freq_factor 1.0")
+    assert first.startswith("note: the model's rope_scaling has high_freq_factor 1.0 = low_freq_factor 1.0")
     assert env == {SAID_ENV: "1"} and note_once(scout, env) is None

@@ -56,8 +56,8 @@ def build_settings(recipe, **stage) -> dict:
     """What a demo model is built from: the recipe's model and training data, the seed and the warm start's own
     settings (`stage`). A cached model built from other settings is not reused."""
     return {"model": recipe.model.model_dump(mode="json"),
-            "data": [source.model_dump(mode="json") for source in recipe.data.train], "seed": recipe.trainer.seed, "interruption_phrase": recipe.algorithm.length_control.interruption_phrase,
-            **stage}
+            "data": [source.model_dump(mode="json") for source in recipe.data.train], "seed": recipe.trainer.seed,
+            "interruption_phrase": recipe.algorithm.length_control.interruption_phrase, **stage}
 
 
 def _changed(recorded: dict, wanted: dict) -> list[str]:
@@ -76,7 +76,10 @@ def cached_model_verdict(model_root: Path, settings: dict) -> tuple[bool, str | 
     if not record.is_file():
         return False, (f"rebuilding {model_root}: it holds no record of the settings it was built with "
                        f"({BUILD_RECORD}; built by an older version)")
-    changed = _changed(json.loads(record.read_text()), settings)
+    try:
+        changed = _changed(json.loads(record.read_text()), settings)
+    except (OSError, ValueError) as exc:
+        return False, f"rebuilding {model_root}: its {BUILD_RECORD} is unreadable ({type(exc).__name__}: {exc})"
     if changed:
         return False, (f"rebuilding {model_root}: it was built with other settings ({', '.join(changed[:5])}"
                        f"{' ...' if len(changed) > 5 else ''})")
@@ -124,8 +127,8 @@ def init_only(out_dir: Path, model_preset: str, seed: int | None) -> int:
     """`--init-only`: the tiny model of `model_preset` with random weights and the demo's tokenizer in `out_dir`."""
     from megatron_scalerl.demo.model import build_model
 
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise UserError(f"{out_dir} is not empty: --init-only writes a new model directory")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise UserError(f"{out_dir} is not an empty directory: --init-only writes a new model directory")
     recipe = load_recipe("demo", model_preset=None if model_preset == "tiny_moe" else model_preset)
     build_model(recipe, out_dir, seed=recipe.trainer.seed if seed is None else seed)
     print(f"demo: {model_preset} (random weights) and its tokenizer in {out_dir}; start a run from it with "
@@ -138,6 +141,8 @@ def _demo(args: argparse.Namespace) -> int:
     from megatron_scalerl.launch.local import start_run
 
     if args.init_only is not None:
+        if args.steps is not None:
+            raise UserError("--steps is the demo's RL steps: --init-only trains nothing")
         return init_only(args.init_only, args.model, args.seed)
     if args.model != "tiny_moe" or args.seed is not None:
         raise UserError("--model and --seed go with --init-only (the demo itself trains tiny_moe with its recipe's "

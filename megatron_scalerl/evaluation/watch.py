@@ -32,6 +32,7 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.evaluation.harness import SUMMARY, EvalRequest, evaluate
 from megatron_scalerl.metrics import MetricsLog, read_metrics
 from megatron_scalerl.recipe import Recipe, load_recipe
+from megatron_scalerl.rope_note import note_once
 
 log = logging.getLogger("megatron_scalerl.eval")
 
@@ -209,6 +210,9 @@ def watch(run_dir: Path, request: EvalRequest, datasets: list[str], *, every: in
     if every < 1:
         raise UserError(f"--every must be at least 1 (got {every})")
     recipe = load_recipe(run_dir / "recipe.yaml")
+    note = note_once(recipe.model.rope_scaling)  # this job's processes (its vLLM server too) then stay quiet on it
+    if note:
+        print(note, flush=True)
     last = recipe.trainer.max_steps
     evaluated = 0
     serving = CheckpointServer(run_dir, recipe, datasets)

@@ -26,6 +26,7 @@ from megatron_scalerl.launch.roles import (
     generator_command,
     orchestrator_command,
     prepare_run_dir,
+    say_precision,
     say_rope_note,
     serving_dtype,
     tokenizer_source,
@@ -33,6 +34,7 @@ from megatron_scalerl.launch.roles import (
 )
 from megatron_scalerl.launch.supervise import Role, run_roles
 from megatron_scalerl.platform.local_workers import free_port
+from megatron_scalerl.platform.precision import resolve_precision
 from megatron_scalerl.recipe import Recipe, load_recipe
 
 # On CPU every role shares the machine's cores. The trainer's ranks run in lock-step (one that loses its core stalls
@@ -76,6 +78,8 @@ def local_roles(run_dir: Path, recipe: Recipe, *, resume: bool, cuda: bool) -> t
     from megatron_scalerl.run_dir import clear_stop_request, request_stop, write_generators
 
     say_rope_note(recipe)
+    if resume:
+        say_precision(resolve_precision(recipe.trainer.precision, cuda=cuda))
     logs = run_dir / "logs"
     servers = recipe.cluster.generator_gpus // recipe.parallelism.generator_tp
     threads = {} if cuda or "OMP_NUM_THREADS" in os.environ else {
@@ -88,7 +92,8 @@ def local_roles(run_dir: Path, recipe: Recipe, *, resume: bool, cuda: bool) -> t
         first = recipe.cluster.trainer_gpus + i * recipe.parallelism.generator_tp
         env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **threads} if not cuda else {
             "CUDA_VISIBLE_DEVICES": cuda_devices(range(first, first + recipe.parallelism.generator_tp))}
-        command = generator_command(run_dir, recipe, port=port, host="127.0.0.1", dtype=dtype, log=logs / f"vllm_{i}.log")
+        command = generator_command(run_dir, recipe, port=port, host="127.0.0.1", dtype=dtype,
+                                    log=logs / f"vllm_{i}.log")
         generators.append(Role(f"generator {i}", command if cuda else [*CPU_GENERATOR_PRIORITY, *command],
                                logs / f"generator_{i}.log", env))
     write_generators(run_dir, urls, dtype)

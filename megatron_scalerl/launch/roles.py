@@ -22,7 +22,7 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text
 from megatron_scalerl.launch.supervise import STOP_TIMEOUT_S
 from megatron_scalerl.models.tokenizer import TOKENIZER_FILES, has_tokenizer, special_token_ids
-from megatron_scalerl.platform.precision import resolve_precision, with_resolved_precision
+from megatron_scalerl.platform.precision import Precision, resolve_precision, with_resolved_precision
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.rope_note import note_once
 
@@ -47,14 +47,14 @@ def prepare_run_dir(run_dir: Path, recipe: Recipe, tokenizer_dir: Path, *, cuda:
 
     from megatron_scalerl.models.hf_config import hf_config_dict
 
-    say_rope_note(recipe)
+    say_rope_note(recipe)  # before AutoTokenizer, which may read a config.json of the model
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if len(tokenizer) > recipe.model.vocab_size:
         raise UserError(f"tokenizer {tokenizer_dir}: {len(tokenizer)} ids, more than model.vocab_size "
                         f"{recipe.model.vocab_size}")
     run_dir.mkdir(parents=True, exist_ok=True)
     recipe, precision = with_resolved_precision(recipe, cuda=cuda)
-    print(f"{'warning: ' if precision.emulated_bf16 else ''}trainer precision: {precision.reason}", flush=True)
+    say_precision(precision)
     atomic_write_text(run_dir / "recipe.yaml", recipe.to_yaml())
     model_dir = run_dir / MODEL_DIR
     model_dir.mkdir(exist_ok=True)
@@ -66,9 +66,16 @@ def prepare_run_dir(run_dir: Path, recipe: Recipe, tokenizer_dir: Path, *, cuda:
     return recipe
 
 
+def say_precision(precision: Precision) -> None:
+    """The launch's line on the trainer's precision (a warning where bf16 would be emulated): at a new run's
+    preparation, and when a run is resumed (its recipe.yaml may say bf16 for a machine that emulates it)."""
+    print(f"{'warning: ' if precision.emulated_bf16 else ''}trainer precision: {precision.reason}", flush=True)
+
+
 def say_rope_note(recipe: Recipe) -> None:
     """Once per launch, before any role reads the model's config: the note on a Scout-style rope_scaling
-    (`rope_note`), which the roles then leave unsaid."""
+    (`rope_note`), which the roles then leave unsaid. Both `prepare_run_dir` (a new run) and the launchers' role
+    builders (a resumed run too) call it; the second call of a launch says nothing."""
     note = note_once(recipe.model.rope_scaling)
     if note:
         print(note, flush=True)

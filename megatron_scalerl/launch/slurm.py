@@ -45,12 +45,14 @@ from megatron_scalerl.launch.roles import (
     generator_command,
     orchestrator_command,
     prepare_run_dir,
+    say_precision,
     say_rope_note,
     serving_dtype,
     tokenizer_source,
     trainer_command,
 )
 from megatron_scalerl.launch.supervise import Role, run_roles
+from megatron_scalerl.platform.precision import resolve_precision
 from megatron_scalerl.recipe import Recipe, load_recipe
 
 SCONTROL_TIMEOUT_S = 60.0
@@ -191,6 +193,8 @@ def job_roles(run_dir: Path, recipe: Recipe, alloc: Allocation, *, resume: bool,
     from megatron_scalerl.run_dir import clear_stop_request, request_stop, write_generators
 
     say_rope_note(recipe)
+    if resume:
+        say_precision(resolve_precision(recipe.trainer.precision, cuda=cuda))
     logs, tp = run_dir / "logs", recipe.parallelism.generator_tp
     per_node = recipe.cluster.gpus_per_node // tp
     servers = recipe.cluster.generator_gpus // tp

@@ -27,6 +27,7 @@ from typing import Literal
 
 from megatron_scalerl.models.arch import is_moe_layer, is_rope_layer
 from megatron_scalerl.models.mapping import padded_vocab_size
+from megatron_scalerl.platform.precision import resolve_precision
 from megatron_scalerl.recipe import Recipe
 
 GIB = 2**30
@@ -90,16 +91,18 @@ def param_counts(recipe: Recipe, tp: int = 1) -> ParamCounts:
 def _norm_bytes(recipe: Recipe, kernels: str) -> float:
     """Bytes an RMSNorm keeps per token: its input and 1/rms (Transformer Engine), or, computed in FP32 by torch
     ops, the FP32 input and normalised copy and 1/rms."""
-    h, b = recipe.model.hidden_size, _body_bytes(recipe)
+    h, b = recipe.model.hidden_size, _body_bytes(recipe, kernels)
     return 8 * h + 4 if kernels == "torch" else b * h + 4
 
 
-def _body_bytes(recipe: Recipe) -> int:
-    """Bytes of a body weight or activation: 2 in bf16, 4 in fp32. The plan is for GPUs, where `auto` is bf16."""
-    return 4 if recipe.trainer.precision == "fp32" else 2
+def _body_bytes(recipe: Recipe, kernels: str = "transformer_engine") -> int:
+    """Bytes of a body weight or activation: 2 in bf16, 4 in fp32; `auto` as it resolves on GPUs (Transformer Engine
+    kernels) or, for the torch kernels' profile, on this CPU."""
+    cuda = kernels == "transformer_engine"
+    return 2 if resolve_precision(recipe.trainer.precision, cuda=cuda).value == "bf16" else 4
 
 
-def _layer_body_bytes(recipe: Recipe, rows: int, seq: int, layer: int, kernels: str, recompute: bool) -> float:
+def _layer_activation_bytes(recipe: Recipe, rows: int, seq: int, layer: int, kernels: str, recompute: bool) -> float:
     """Bytes autograd keeps for layer `layer` of one micro-batch of rows x seq tokens, per TP rank.
 
     kernels "transformer_engine" (GPUs): fused norms, flash attention (no scores kept, K and V at their query
@@ -107,7 +110,7 @@ def _layer_body_bytes(recipe: Recipe, rows: int, seq: int, layer: int, kernels: 
     attention (K and V expanded to every head, FP32 scores and the probabilities kept: rows x heads x seq x window),
     eager SwiGLU (its input, both halves and its output). With full recomputation: the layer's input only."""
     m, par = recipe.model, recipe.parallelism
-    b, tp, h, hd = _body_bytes(recipe), par.tp, m.hidden_size, m.head_dim
+    b, tp, h, hd = _body_bytes(recipe, kernels), par.tp, m.hidden_size, m.head_dim
     heads, groups = m.num_attention_heads, m.num_query_groups
     sequence_split = tp if par.sequence_parallel and tp > 1 else 1
     tokens = rows * seq
@@ -152,7 +155,7 @@ def _stage_plan(recipe: Recipe, first: bool, last: bool, recompute: bool | None,
     experts = sum(counts.experts_per_layer[i] for i in layers) / (par.ep * par.expert_tp_size)
     head = counts.output / par.tp if last else 0.0
     final_norm = counts.final_norm if last else 0.0
-    weight_bytes = _body_bytes(recipe)
+    weight_bytes = _body_bytes(recipe, kernels)
     bf16 = weight_bytes == 2
     head_bytes = 4 if recipe.trainer.fp32_lm_head else weight_bytes
     dp = par.dp_size(recipe.cluster.trainer_gpus)
@@ -168,13 +171,13 @@ def _stage_plan(recipe: Recipe, first: bool, last: bool, recompute: bool | None,
     micro_batches = max(1, recipe.rollout.prompts_per_step * recipe.rollout.generations_per_prompt
                         // (dp * par.micro_batch_size))
     in_flight = min(par.pp, micro_batches) if first else 1  # 1F1B: the first stage holds pp micro-batches
-    per_layer = [_layer_body_bytes(recipe, rows, seq, i, kernels, recompute) for i in layers]
+    per_layer = [_layer_activation_bytes(recipe, rows, seq, i, kernels, recompute) for i in layers]
     activations = sum(per_layer) * in_flight
     if last:  # the final norm's
         activations += tokens * _norm_bytes(recipe, kernels) / (par.tp if par.sequence_parallel and par.tp > 1 else 1)
     plan.parts["layer inputs (full recompute)" if recompute else "activations"] = activations
     if recompute:  # one layer's whole working set while its backward recomputes it
-        plan.parts["recomputed layer"] = max(_layer_body_bytes(recipe, rows, seq, i, kernels, False)
+        plan.parts["recomputed layer"] = max(_layer_activation_bytes(recipe, rows, seq, i, kernels, False)
                                              for i in layers)
     if last:
         vocab_per_rank = padded_vocab_size(m.vocab_size, par.tp) / par.tp

@@ -24,8 +24,11 @@ written before each batch (the previous one kept as `curriculum.prev.json`), so 
 that matches the stream's last batch: no batch is written twice and no admitted prompt is forgotten.
 
 Validation: at policy version 0, at the first version seen past each multiple of `data.validation_interval`, and
-at the last step, every held-out prompt gets `data.validation_generations` samples; their mean correctness is `val/pass_rate` (mean@k, the forecaster's
-input). Metrics (`metrics.jsonl`, role orchestrator) per batch at step b + 1, the trainer step that trains it.
+at the last step, every held-out prompt gets `data.validation_generations` samples; their mean correctness is
+`val/pass_rate` (mean@k, the forecaster's input). After each validation the run's curve is refitted in a process of
+its own (`live_forecast`, the recipe's `forecast` section): its `forecast/*` figures are logged at the validation's
+step, the progress line shows the status and A, and `RUN/forecast/` holds the latest report. Metrics
+(`metrics.jsonl`, role orchestrator) per batch at step b + 1, the trainer step that trains it.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from megatron_scalerl.recipe import Recipe, load_recipe
 from megatron_scalerl.rollout.fleet import Fleet, FleetError, GenerationRequest
 from megatron_scalerl.rollout.generation import generate_sample, length_control_policy
 from megatron_scalerl.rollout.groups import RolloutGroup, build_train_batch
+from megatron_scalerl.rollout.live_forecast import LiveForecaster
 from megatron_scalerl.rollout.prompts import (
     THINK_CLOSE,
     Problem,
@@ -67,6 +71,7 @@ log = logging.getLogger("megatron_scalerl.orchestrator")
 
 STATE_FILE, PREVIOUS_STATE_FILE = "curriculum.json", "curriculum.prev.json"
 VERSION_POLL_S = 0.5
+FORECAST_DRAIN_S = 120.0  # at the end: how long the last live forecast may take to land
 IDLE_SAMPLE_S = 0.2
 
 
@@ -108,6 +113,7 @@ class Orchestrator:
         self.version: int | None = None
         self.changed = asyncio.Condition()
         self.compute = ComputeMeter(run_dir, recipe.cluster.total_gpus)
+        self.live = LiveForecaster(run_dir, recipe.forecast)
         self.window = {"idle": 0, "polls": 0}  # generator idle polls since the last batch
         self.generated = {"tokens": 0, "samples": 0}  # completion tokens and samples of finished groups
         if resume:
@@ -280,8 +286,8 @@ class Orchestrator:
         print(f"batch {self.written}/{self.max_batches} | reward {figures['rollout/reward_mean']:+.3f} | "
               f"pass {figures['rollout/pass_rate']:.3f} | filtered {figures['rollout/filtered_groups']:.0f} | "
               f"staleness {figures['staleness/max']:.0f} | generator idle "
-              f"{100 * figures['rollout/generator_idle_fraction']:.0f}% | {figures['rollout/tokens_per_s']:.0f} tok/s",
-              flush=True)
+              f"{100 * figures['rollout/generator_idle_fraction']:.0f}% | {figures['rollout/tokens_per_s']:.0f} tok/s"
+              + (f" | {self.live.words}" if self.live.words else ""), flush=True)
 
     # ---- policy version, validation, idle time ----------------------------------------------------------------
 
@@ -319,6 +325,7 @@ class Orchestrator:
                    **self.compute.figures()}
         self.metrics.log(version, figures)
         self.validated.add(version)
+        self.live.validated(version)
         print(f"validation at step {version}: pass rate {figures['val/pass_rate']:.3f} "
               f"({len(correct)} samples)", flush=True)
 
@@ -358,7 +365,8 @@ class Orchestrator:
 
     async def run(self) -> None:
         async with self.fleet:
-            loops = [self._spawn(coro) for coro in (self._watch_versions(), self._admit(), self._count_idle())]
+            loops = [self._spawn(coro) for coro in (self._watch_versions(), self._admit(), self._count_idle(),
+                                                    self._log_forecasts())]
             try:
                 writer = self._spawn(self._write_batches())
                 failed = asyncio.create_task(self.failed.wait())
@@ -367,6 +375,7 @@ class Orchestrator:
                 if self.failure is not None:
                     raise self.failure
                 await self._final_validation()
+                await self.live.drain(FORECAST_DRAIN_S)
             finally:
                 for task in [*loops, *self.tasks]:
                     task.cancel()
@@ -387,7 +396,14 @@ class Orchestrator:
             raise self.failure
         self._save_state(new_batch=False)
 
+    async def _log_forecasts(self) -> None:
+        """The live forecast's figures, logged at the policy version of the validation they follow (with the run's
+        compute now, as every orchestrator row)."""
+        async for version, figures in self.live.results():
+            self.metrics.log(version, {**figures, **self.compute.figures()})
+
     def close(self) -> None:
+        self.live.close()
         self.grader.close()
         self.metrics.close()
 

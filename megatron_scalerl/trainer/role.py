@@ -3,15 +3,15 @@
     torchrun --nproc-per-node N -m megatron_scalerl.trainer --run-dir RUN [--max-steps S]
 
 Reads `RUN/recipe.yaml` (resolved by the launcher), states its precision once in the log (`trainer.precision: auto`,
-as `--recipe` may give it, is resolved here for this machine: `platform.precision`), joins the process group (nccl with CUDA, gloo otherwise; every collective bounded
-by `cluster.collective_timeout_s`), builds the model at the recipe's layout, resumes from the newest valid checkpoint
-in `RUN/checkpoints/` (or initialises from `trainer.init_from`, an HF or Megatron checkpoint, else randomly with
-`trainer.seed`), sends its weights to the run's generators once one answers (`RUN/generators.json`, see
-`generator_sync`; a run without that file trains alone; the launcher starts the trainer beside the generators, so
-their start-ups overlap), then for each step i reads `RUN/rollouts/batch_i`, trains, sends the new weights
-(tagged i + 1: every step under PipelineRL-k, every k-th step under PPO-off-policy-k, whose generators keep one policy
-for k batches), appends a `trainer` record to `RUN/metrics.jsonl` and checkpoints every
-`trainer.checkpoint_interval` steps and at the end. While it waits for a batch it sends the current weights to
+as `--recipe` may give it, is resolved by rank 0 for all: `platform.precision`), joins the process group (nccl with
+CUDA, gloo otherwise; every collective bounded by `cluster.collective_timeout_s`), builds the model at the recipe's
+layout, resumes from the newest valid checkpoint in `RUN/checkpoints/` (or initialises from `trainer.init_from`, an
+HF or Megatron checkpoint, else randomly with `trainer.seed`), sends its weights to the run's generators once one
+answers (`RUN/generators.json`, see `generator_sync`; a run without that file trains alone; the launcher starts the
+trainer beside the generators, so their start-ups overlap), then for each step i reads `RUN/rollouts/batch_i`,
+trains, sends the new weights (tagged i + 1: every step under PipelineRL-k, every k-th step under PPO-off-policy-k,
+whose generators keep one policy for k batches), appends a `trainer` record to `RUN/metrics.jsonl` and checkpoints
+every `trainer.checkpoint_interval` steps and at the end. While it waits for a batch it sends the current weights to
 any generator that does not serve them (one that came up later, or restarted). `trainer/idle_fraction` is the share
 of its wall time spent waiting for batches. SIGTERM, or the launcher's `RUN/stop_requested` (see `run_dir`): the
 current step finishes, the trainer checkpoints it and exits 0; a rank still running `STOP_STACKS_AFTER_S` seconds
@@ -38,7 +38,7 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.launch.supervise import STOP_TIMEOUT_S
 from megatron_scalerl.metrics import MetricsLog, read_metrics
 from megatron_scalerl.platform.distributed import from_rank0
-from megatron_scalerl.platform.precision import with_resolved_precision
+from megatron_scalerl.platform.precision import resolve_precision, with_precision
 from megatron_scalerl.recipe import Recipe, load_recipe
 from megatron_scalerl.rollout.stream import RolloutStream, TrainBatch
 from megatron_scalerl.run_dir import stop_requested
@@ -219,10 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as exc:  # rendezvous failed or timed out: the message names the address and rank
             raise UserError(str(exc)) from None
         try:
-            recipe, precision = with_resolved_precision(recipe, cuda=torch.cuda.is_available())
-            if info.rank == 0:  # said once per run start; bf16 where it would be emulated is worth a warning
-                log.log(logging.WARNING if precision.emulated_bf16 else logging.INFO, "precision: %s",
-                        precision.reason)
+            # rank 0's resolution for every rank: ranks on unlike machines must still build the same dtypes
+            precision = from_rank0(resolve_precision(recipe.trainer.precision, cuda=torch.cuda.is_available()))
+            recipe = with_precision(recipe, precision)
+            if info.rank == 0:  # said once per start (the launcher warns on the console where bf16 is emulated)
+                log.info("precision: %s", precision.reason)
             stop = threading.Event()  # SIGTERM (Ctrl-C of `scalerl train`, SLURM's time limit): checkpoint, exit 0
             signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(stop))
             run_trainer(args.run_dir, recipe, max_steps=args.max_steps, batch_timeout_s=args.batch_timeout_s,

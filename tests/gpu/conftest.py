@@ -114,6 +114,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     for line in summary.lines():
         terminalreporter.write_line(line)
     terminalreporter.write_line(summary.node_line())
+    ran = sum(r["status"] in ("passed", "failed") for r in summary.records.values())
+    terminalreporter.write_line(f"{ran} of {len(summary.records)} GPU checks ran"
+                                + ("" if ran else ": none, so nothing about the GPU paths is known from this run"),
+                                red=not ran, bold=not ran)
     path = os.environ.get(JSON_ENV)
     if path:
         terminalreporter.write_line(f"summary: {path}")

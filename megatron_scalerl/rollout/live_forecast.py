@@ -1,0 +1,112 @@
+"""The orchestrator's live forecast: after each validation the run's curve is refitted in a process of its own, so
+the fit (a bootstrap of a few hundred refits, seconds of CPU) never holds up generation, grading or the trainer.
+
+    live = LiveForecaster(run_dir, recipe.forecast)  # recipe.forecast None or live: false -> `enabled` is False
+    live.validated(version)          # the validation row of policy version `version` is in metrics.jsonl
+    await live.results()             # yields (version, LiveForecast figures, progress words) as fits finish
+    live.close()
+
+The fitting process only reads `RUN/metrics.jsonl` (the orchestrator's `val/pass_rate` against its `gpu_hours`) and
+writes `RUN/forecast/` (forecast.json, report.md, report.html, forecast.png, each file replaced atomically); the
+orchestrator writes the figures to metrics.jsonl. One fit runs at a time: validations that land meanwhile are
+covered by the next fit, which reads the whole curve as it then is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import time
+from concurrent.futures import Future, ProcessPoolExecutor
+from pathlib import Path
+
+from megatron_scalerl.errors import UserError
+from megatron_scalerl.recipe import ForecastConfig
+
+log = logging.getLogger("megatron_scalerl.rollout.orchestrator")
+FORECAST_DIR = "forecast"
+
+
+def fit_run(run_dir: str, config: dict) -> tuple[dict, str, str, float]:
+    """In the fitting process: (figures, progress words, status reason, CPU seconds) of the run's curve now; the
+    report into RUN/forecast/."""
+    from megatron_scalerl.forecast import plots, report
+    from megatron_scalerl.forecast.data import load_curve
+    from megatron_scalerl.forecast.live import LiveForecast, live_forecast
+    from megatron_scalerl.forecast.predict import ForecastOptions
+
+    started = time.process_time()
+    forecast_config = ForecastConfig.model_validate(config)
+    options = ForecastOptions(min_compute=forecast_config.min_compute, budgets=tuple(forecast_config.budgets),
+                              resamples=forecast_config.resamples)
+    try:
+        curve = load_curve(run_dir)
+    except UserError as exc:  # e.g. a validation logged twice across a resume: said, and the run goes on
+        live = LiveForecast("too-early", f"the run's curve cannot be fitted: {exc}", None, forecast_config.target)
+        return live.figures(), live.progress(), live.reason, time.process_time() - started
+    live = live_forecast(curve, options, target=forecast_config.target)
+    if live.forecast is not None:
+        document = report.forecast_document(live.forecast, plots.forecast_png(live.forecast))
+        data = {**live.forecast.to_dict(), "status": live.status, "status_reason": live.reason}
+        report.write_report(Path(run_dir) / FORECAST_DIR, document, "forecast.json", data)
+    return live.figures(), live.progress(), live.reason, time.process_time() - started
+
+
+class LiveForecaster:
+    def __init__(self, run_dir: Path, config: ForecastConfig | None):
+        self.run_dir, self.config = run_dir, config
+        self.enabled = config is not None and config.live
+        self.pool: ProcessPoolExecutor | None = None
+        self.running: tuple[int, Future] | None = None  # (latest version the fit covers, its future)
+        self.pending: int | None = None  # a newer validation that the running fit does not cover
+        self.words = ""  # the progress line's: the latest status and A with its interval
+        self.wakeup = asyncio.Event()
+
+    def validated(self, version: int) -> None:
+        if not self.enabled:
+            return
+        if self.running is None:
+            self._submit(version)
+        else:
+            self.pending = max(version, self.pending if self.pending is not None else version)
+
+    def _submit(self, version: int) -> None:
+        if self.pool is None:  # spawn: a clean interpreter, not a fork of the event loop's process
+            self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        self.running = (version, self.pool.submit(fit_run, str(self.run_dir), self.config.model_dump(mode="json")))
+        self.wakeup.set()
+
+    async def results(self):
+        """Async generator: (version, figures) of each finished fit, forever (cancel it to stop). A failed fit is
+        logged and skipped: the run goes on without that forecast."""
+        while True:
+            await self.wakeup.wait()
+            self.wakeup.clear()
+            while self.running is not None:
+                version, future = self.running
+                try:
+                    figures, self.words, reason, cpu_s = await asyncio.wrap_future(future)
+                except Exception as exc:  # noqa: BLE001 - a forecast must never end the run
+                    log.warning("live forecast after validation %d failed: %s: %s", version, type(exc).__name__, exc)
+                    figures = None
+                self.running = None
+                if self.pending is not None:
+                    self._submit(self.pending)
+                    self.pending = None
+                    self.wakeup.clear()
+                if figures is not None:
+                    log.info("forecast after validation %d: %s (%s; %.1f CPU s)", version, figures["forecast/status"],
+                             reason, cpu_s)
+                    yield version, {**figures, "forecast/fit_cpu_s": cpu_s}
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) until no fit is running or pending."""
+        deadline = time.monotonic() + timeout_s
+        while (self.running is not None or self.pending is not None) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
