@@ -170,8 +170,9 @@ def test_resume_finishes_the_run_without_repeating_or_losing_work(run):
     validated = sorted(r["step"] for r in batches if "val/pass_rate" in r)
     assert validated[0] == 0 and validated[-1] == STEPS and len(validated) >= 3, validated
     assert all(r["gpu_hours"] > 0 for r in batches)
-    # the live forecast, through both launches: a row after the validations, at their steps (this short run has too
-    # few validations for a fit: tests/test_forecast_live.py fits the same process's way on a longer curve)
+    # the live forecast, through both launches: a row after the validations, at their steps (a fit once 5 or more
+    # validations are in; whether this short run gets there depends on its timing: tests/test_forecast_live.py
+    # fits through the same process on a longer curve)
     forecasts = [r for r in batches if "forecast/status" in r]
     assert forecasts and all(r["forecast/status"] in STATUS_CODES for r in forecasts)
     assert {r["step"] for r in forecasts} <= set(validated) and validated[-1] in {r["step"] for r in forecasts}

@@ -161,6 +161,10 @@ def _demo(args: argparse.Namespace) -> int:
     if code != 0:
         return code
     print(f"demo: validation curve {plot_validation(run_dir)}", flush=True)
-    holdout, samples = recipe.data.validation_holdout, recipe.data.validation_generations
-    return scalerl(["forecast", "fit", str(run_dir), "--min-compute", "0", "--budgets", "1,2,5",
+    # The end-of-run report, printed and (as the live forecast's last one) in RUN/forecast/, on the recipe's
+    # forecast settings and the validation's own noise (held-out prompts x samples)
+    holdout, samples, forecast = recipe.data.validation_holdout, recipe.data.validation_generations, recipe.forecast
+    return scalerl(["forecast", "fit", str(run_dir), "--min-compute", f"{forecast.min_compute:g}",
+                    "--budgets", ",".join(f"{b:g}" for b in forecast.budgets),
+                    *(["--target", f"{forecast.target:g}"] if forecast.target is not None else []),
                     "--eval-draws", f"{holdout}x{samples}", "--out", str(run_dir / "forecast")])

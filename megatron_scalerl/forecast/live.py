@@ -8,9 +8,10 @@ Compute is the curve's GPU-hours (in a run: the orchestrator's `gpu_hours`, the 
 from the fit of the evaluations at or past `options.min_compute`, by the first rule that applies:
 
 - `too-early`: fewer than MIN_POINTS evaluations in the fit window (or the fit fails);
-- `diverging`: the latest evaluation lies below the best one so far by more than DIVERGE_DROP and by more than
-  DIVERGE_RMSES x the fit's rmse (a drop that the run's own scatter does not explain), or the fit finds no gain over
-  R0 while the latest evaluation is below R0;
+- `diverging`: the mean of the latest DIVERGE_SPAN evaluations lies below the best mean of any DIVERGE_SPAN
+  consecutive ones by more than DIVERGE_DROP and by more than DIVERGE_RMSES x the fit's rmse (a drop that the run's
+  own scatter does not explain: means of several evaluations, so that one noisy high or low point decides nothing),
+  or the fit finds no gain over R0 while the latest evaluation is below R0;
 - `plateaued`: the fitted curve at the latest evaluation has reached PLATEAU_FRACTION of its gain A - R0. An A
   interval whose upper end sits on A's search bound (1.0) is then no reason to wait (the bound is the fit's, not the
   data's; `forecast/A_hi_at_bound` says so), provided the fitted evaluations span at least PLATEAU_SPAN x in compute,
@@ -21,7 +22,7 @@ from the fit of the evaluations at or past `options.min_compute`, by the first r
   with its upper end on the search bound.
 
 Keys (prefix `forecast/`, or `forecast/<curve>/` for a further curve): A, A_lo, A_hi, A_hi_at_bound (1/0), B, C_mid,
-reward_at/<budget> (the predicted reward at each budget, e.g. `reward_at/16k`), gpu_hours_to_target (absent when the
+reward_at/<budget> (the predicted reward at each budget in GPU-hours, e.g. `reward_at/16000`), gpu_hours_to_target (absent when the
 fitted curve never reaches the target), target_reachable (1/0), points (evaluations fitted), status (the string),
 status_code (STATUS_CODES: a number wandb can chart).
 """
@@ -48,7 +49,8 @@ from megatron_scalerl.forecast.predict import (
 
 STATUS_CODES = {"too-early": 0, "on-track": 1, "plateaued": 2, "diverging": 3}
 PLATEAU_FRACTION = 0.9  # of the fitted gain A - R0 reached at the latest evaluation
-DIVERGE_DROP = 0.05  # reward below the best evaluation so far
+DIVERGE_SPAN = 3  # evaluations averaged on each side of the comparison
+DIVERGE_DROP = 0.05  # reward: the latest mean below the best mean so far
 DIVERGE_RMSES = 3.0  # ... and below it by this many fit rmse
 A_SEARCH_BOUND = 1.0  # A is a pass rate: the fit searches A <= 1
 AT_BOUND = 1e-3  # an interval end this close to the bound is the bound's
@@ -83,7 +85,7 @@ class LiveForecast:
             out.update({f"{prefix}A_lo": self.a_interval[0], f"{prefix}A_hi": self.a_interval[1],
                         f"{prefix}A_hi_at_bound": float(self.a_hi_at_bound)})
         for row in self.forecast.predictions():
-            out[f"{prefix}reward_at/{format_gpu_hours(row['gpu_hours'])}"] = row["reward"]
+            out[f"{prefix}reward_at/{row['gpu_hours']:g}"] = row["reward"]
         if self.target is not None:
             needed = fit.compute_for(self.target)
             out[f"{prefix}target_reachable"] = float(np.isfinite(needed))
@@ -111,17 +113,23 @@ def live_forecast(curve: Curve, options: ForecastOptions, target: float | None =
                                          f" GPU-h; the fit needs {MIN_POINTS}", None, target)
     if target is not None:
         options = dataclasses.replace(options, targets=(target,))
-    forecast = make_forecast(curve, options)
+    try:
+        forecast = make_forecast(curve, options)
+    except (UserError, ValueError, RuntimeError, FloatingPointError) as exc:  # e.g. R0 = 1: nothing to fit
+        return LiveForecast("too-early", f"no fit: {exc}", None, target)
     return LiveForecast(*_status(forecast), forecast, target)
 
 
 def _status(forecast: Forecast) -> tuple[str, str]:
     fit, curve = forecast.fit, forecast.curve
-    latest, best = float(curve.reward[-1]), float(curve.reward.max())
-    drop = best - latest
-    if drop > DIVERGE_DROP and drop > DIVERGE_RMSES * fit.rmse:
-        return "diverging", (f"the latest evaluation ({latest:.3f}) is {drop:.3f} below the best so far ({best:.3f}), "
-                             f"more than {DIVERGE_RMSES:g}x the fit's rmse ({fit.rmse:.3f})")
+    latest = float(curve.reward[-1])
+    if curve.reward.size >= 2 * DIVERGE_SPAN:
+        means = np.convolve(curve.reward, np.ones(DIVERGE_SPAN) / DIVERGE_SPAN, mode="valid")
+        drop = float(means.max() - means[-1])
+        if drop > DIVERGE_DROP and drop > DIVERGE_RMSES * fit.rmse:
+            return "diverging", (f"the latest {DIVERGE_SPAN} evaluations average {means[-1]:.3f}, {drop:.3f} below "
+                                 f"the best {DIVERGE_SPAN} in a row ({means.max():.3f}), more than "
+                                 f"{DIVERGE_RMSES:g}x the fit's rmse ({fit.rmse:.3f})")
     if fit.A - fit.R0 <= NO_GAIN and latest < fit.R0:
         return "diverging", f"no gain over R0 = {fit.R0:.3f} and the latest evaluation ({latest:.3f}) is below it"
     now = forecast.fitted_until

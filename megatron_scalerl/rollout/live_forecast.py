@@ -18,8 +18,10 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import sys
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
@@ -30,9 +32,21 @@ FORECAST_DIR = "forecast"
 # The fitting process yields the CPU to every role of the run: where they share cores (a CPU run) the fit takes
 # what they leave (bench/live_forecast.py: at niceness 0 the demo trained 8% fewer samples/s with fits every 3 s).
 FIT_NICENESS = 19
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
-def fit_run(run_dir: str, config: dict) -> tuple[dict, str, str, float]:
+def _init_fit_process() -> None:
+    """The fitting process: the lowest CPU priority, and (Linux) killed with the orchestrator, which may leave with
+    `os._exit` on SIGTERM while a fit runs."""
+    os.nice(FIT_NICENESS)
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def fit_run(run_dir: str, config: dict, eval_draws: int | None) -> tuple[dict, str, str, float]:
     """In the fitting process: (figures, progress words, status reason, CPU seconds) of the run's curve now; the
     report into RUN/forecast/."""
     from megatron_scalerl.forecast import plots, report
@@ -43,7 +57,7 @@ def fit_run(run_dir: str, config: dict) -> tuple[dict, str, str, float]:
     started = time.process_time()
     forecast_config = ForecastConfig.model_validate(config)
     options = ForecastOptions(min_compute=forecast_config.min_compute, budgets=tuple(forecast_config.budgets),
-                              resamples=forecast_config.resamples)
+                              resamples=forecast_config.resamples, eval_draws=eval_draws)
     try:
         curve = load_curve(run_dir)
     except UserError as exc:  # e.g. a validation logged twice across a resume: said, and the run goes on
@@ -58,8 +72,9 @@ def fit_run(run_dir: str, config: dict) -> tuple[dict, str, str, float]:
 
 
 class LiveForecaster:
-    def __init__(self, run_dir: Path, config: ForecastConfig | None):
-        self.run_dir, self.config = run_dir, config
+    def __init__(self, run_dir: Path, config: ForecastConfig | None, eval_draws: int | None = None):
+        """`eval_draws`: completions scored per validation (held-out prompts x samples), the evaluation noise."""
+        self.run_dir, self.config, self.eval_draws = run_dir, config, eval_draws
         self.enabled = config is not None and config.live
         self.pool: ProcessPoolExecutor | None = None
         self.running: tuple[int, Future] | None = None  # (latest version the fit covers, its future)
@@ -78,9 +93,21 @@ class LiveForecaster:
     def _submit(self, version: int) -> None:
         if self.pool is None:  # spawn: a clean interpreter, not a fork of the event loop's process
             self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=os.nice, initargs=(FIT_NICENESS,))
-        self.running = (version, self.pool.submit(fit_run, str(self.run_dir), self.config.model_dump(mode="json")))
+                                            initializer=_init_fit_process)
+        try:
+            future = self.pool.submit(fit_run, str(self.run_dir), self.config.model_dump(mode="json"),
+                                      self.eval_draws)
+        except (BrokenProcessPool, RuntimeError) as exc:  # the process died: the next fit starts a new one
+            log.warning("live forecast for validation %d not started: %s", version, exc)
+            self._discard_pool()
+            return
+        self.running = (version, future)
         self.wakeup.set()
+
+    def _discard_pool(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
 
     async def results(self):
         """Async generator: (version, figures) of each finished fit, forever (cancel it to stop). A failed fit is
@@ -95,6 +122,8 @@ class LiveForecaster:
                 except Exception as exc:  # noqa: BLE001 - a forecast must never end the run
                     log.warning("live forecast after validation %d failed: %s: %s", version, type(exc).__name__, exc)
                     figures = None
+                    if isinstance(exc, BrokenProcessPool):
+                        self._discard_pool()
                 self.running = None
                 if self.pending is not None:
                     self._submit(self.pending)
@@ -112,6 +141,8 @@ class LiveForecaster:
             await asyncio.sleep(0.2)
 
     def close(self) -> None:
+        """Stop the fitting process (a fit still running is abandoned: its report files are each whole)."""
         if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            self.pool = None
+            for process in list(getattr(self.pool, "_processes", {}).values()):
+                process.kill()
+        self._discard_pool()

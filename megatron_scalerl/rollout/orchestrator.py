@@ -113,7 +113,9 @@ class Orchestrator:
         self.version: int | None = None
         self.changed = asyncio.Condition()
         self.compute = ComputeMeter(run_dir, recipe.cluster.total_gpus)
-        self.live = LiveForecaster(run_dir, recipe.forecast)
+        self.live = LiveForecaster(run_dir, recipe.forecast,
+                                   eval_draws=recipe.data.validation_holdout * recipe.data.validation_generations)
+        self.validation_compute: dict[int, dict] = {}  # policy version -> the run's compute at its validation
         self.window = {"idle": 0, "polls": 0}  # generator idle polls since the last batch
         self.generated = {"tokens": 0, "samples": 0}  # completion tokens and samples of finished groups
         if resume:
@@ -325,6 +327,7 @@ class Orchestrator:
                    **self.compute.figures()}
         self.metrics.log(version, figures)
         self.validated.add(version)
+        self.validation_compute[version] = self.compute.figures()
         self.live.validated(version)
         print(f"validation at step {version}: pass rate {figures['val/pass_rate']:.3f} "
               f"({len(correct)} samples)", flush=True)
@@ -397,10 +400,10 @@ class Orchestrator:
         self._save_state(new_batch=False)
 
     async def _log_forecasts(self) -> None:
-        """The live forecast's figures, logged at the policy version of the validation they follow (with the run's
-        compute now, as every orchestrator row)."""
+        """The live forecast's figures, logged at the policy version of the validation they follow, with the run's
+        compute at that validation (the forecast is of the curve up to there)."""
         async for version, figures in self.live.results():
-            self.metrics.log(version, {**figures, **self.compute.figures()})
+            self.metrics.log(version, {**figures, **self.validation_compute.get(version, self.compute.figures())})
 
     def close(self) -> None:
         self.live.close()
@@ -411,7 +414,8 @@ class Orchestrator:
 def _stop_now(state_path: Path):
     """SIGTERM / Ctrl-C: the state on disk is always that of the last batch written (it is saved before each batch),
     so the orchestrator leaves at once; in-flight samples are dropped (their prompts are in the saved state's
-    `pending`, admitted again on resume) and the grader's workers exit when their pipe closes."""
+    `pending`, admitted again on resume), the grader's workers exit when their pipe closes and the live forecast's
+    fitting process is killed by the kernel as its parent leaves (`live_forecast`, PR_SET_PDEATHSIG)."""
 
     def handler(*_: object) -> None:
         log.info("stopped; the state of the last batch written is in %s", state_path)
