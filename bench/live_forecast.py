@@ -8,7 +8,8 @@ the batches after `--warmup`: generated samples/s at the orchestrator and traine
 on / off), and, from the live run's `forecast/fit_cpu_s` rows, each fit's CPU seconds (spent in the fitting process,
 not in the orchestrator's) against the seconds between two validations. The last line is one JSON object.
 
-    OMP_NUM_THREADS=1 python bench/live_forecast.py [--steps 60] [--warmup 16] [--validation-interval 4]
+    OMP_NUM_THREADS=1 python bench/live_forecast.py [--workload demo|random] [--steps 60] [--warmup 16]
+        [--validation-interval 4]
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from pipeline import figures, run  # this folder's pipeline benchmark: the same runs, the same figures
+from pipeline import WORKLOAD_OVERRIDES, figures, run  # this folder's pipeline benchmark: the same runs and figures
 
 from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
@@ -38,21 +39,27 @@ def fit_costs(run_dir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=sorted(WORKLOAD_OVERRIDES), default="demo",
+                        help="demo: the warm-started model (as `make demo`); random: random weights, no warm start")
     parser.add_argument("--model-dir", type=Path, default=Path("runs/demo_model"),
                         help="where the demo's warm-started model is reused from or built (as `make demo`)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=16, help="first batches left out of the throughput figures")
     parser.add_argument("--validation-interval", type=int, default=4, help="steps between validations")
     args = parser.parse_args()
+    from megatron_scalerl.demo.model import build_model
     from megatron_scalerl.demo.run import warm_started_model
 
     recipe = load_recipe("demo")
     samples = recipe.rollout.prompts_per_step * recipe.rollout.generations_per_prompt
-    model = warm_started_model(recipe, args.model_dir).resolve()
     common = [f"trainer.max_steps={args.steps}", f"data.validation_interval={args.validation_interval}",
-              "data.validation_holdout=32", "data.validation_generations=2"]
+              "data.validation_holdout=32", "data.validation_generations=2", *WORKLOAD_OVERRIDES[args.workload]]
     with tempfile.TemporaryDirectory(prefix="bench_live_forecast_") as tmp:
         root = Path(tmp)
+        if args.workload == "demo":
+            model = warm_started_model(recipe, args.model_dir).resolve()
+        else:
+            model = build_model(recipe, root / "model", seed=recipe.trainer.seed)
         # run() turns validation off by an interval past the run; the interval here comes after it and wins.
         # The baseline runs first (page cache and vLLM's start-up then favour the live run, not the baseline).
         off = run(root, model, "off", [*common, "forecast.live=false"])

@@ -92,7 +92,8 @@ def test_generation_bench():
 
 
 def test_live_forecast_bench():
-    figures = run_bench("live_forecast.py", "--steps", "12", "--warmup", "2", "--validation-interval", "2")
+    figures = run_bench("live_forecast.py", "--workload", "random", "--steps", "12", "--warmup", "2",
+                        "--validation-interval", "2")
     assert positive(figures["generated_samples_per_s_on_over_off"]) and positive(figures["samples_per_s_on_over_off"])
     assert figures["fits"]["fits"] >= 1 and positive(figures["fits"]["fit_cpu_s_mean"])  # 7 validations: fits
 
