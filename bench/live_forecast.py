@@ -20,7 +20,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from pipeline import WORKLOAD_OVERRIDES, figures, run  # this folder's pipeline benchmark: the same runs and figures
+from pipeline import WORKLOAD_OVERRIDES, figures, run, workload_model  # this folder's pipeline bench: same runs
 
 from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
@@ -47,19 +47,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=16, help="first batches left out of the throughput figures")
     parser.add_argument("--validation-interval", type=int, default=4, help="steps between validations")
     args = parser.parse_args()
-    from megatron_scalerl.demo.model import build_model
-    from megatron_scalerl.demo.run import warm_started_model
-
     recipe = load_recipe("demo")
     samples = recipe.rollout.prompts_per_step * recipe.rollout.generations_per_prompt
     common = [f"trainer.max_steps={args.steps}", f"data.validation_interval={args.validation_interval}",
               "data.validation_holdout=32", "data.validation_generations=2", *WORKLOAD_OVERRIDES[args.workload]]
     with tempfile.TemporaryDirectory(prefix="bench_live_forecast_") as tmp:
         root = Path(tmp)
-        if args.workload == "demo":
-            model = warm_started_model(recipe, args.model_dir).resolve()
-        else:
-            model = build_model(recipe, root / "model", seed=recipe.trainer.seed)
+        model = workload_model(args.workload, recipe, args.model_dir, root)
         # run() turns validation off by an interval past the run; the interval here comes after it and wins.
         # The baseline runs first (page cache and vLLM's start-up then favour the live run, not the baseline).
         off = run(root, model, "off", [*common, "forecast.live=false"])

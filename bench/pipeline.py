@@ -75,6 +75,17 @@ def figures(run_dir: Path, warmup: int, samples_per_batch: int) -> dict:
             "staleness_max": max(r["staleness/max"] for r in batches)}
 
 
+def workload_model(workload: str, recipe, model_dir: Path, root: Path) -> Path:
+    """The checkpoint a workload starts from: the demo's warm-started model (reused from, or built into, `model_dir`)
+    or, for `random`, the random-weight model built into `root`."""
+    from megatron_scalerl.demo.model import build_model
+    from megatron_scalerl.demo.run import warm_started_model
+
+    if workload == "demo":
+        return warm_started_model(recipe, model_dir).resolve()
+    return build_model(recipe, root / "model", seed=recipe.trainer.seed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOAD_OVERRIDES), default="demo")
@@ -85,17 +96,11 @@ def main() -> None:
                         "and, in PipelineRL-k, the first k batches in which the generator runs ahead of the trainer)")
     parser.add_argument("--k", type=int, default=8)
     args = parser.parse_args()
-    from megatron_scalerl.demo.model import build_model
-    from megatron_scalerl.demo.run import warm_started_model
-
     recipe = load_recipe("demo")
     samples = recipe.rollout.prompts_per_step * recipe.rollout.generations_per_prompt
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as tmp:
         root = Path(tmp)
-        if args.workload == "demo":
-            model = warm_started_model(recipe, args.model_dir).resolve()
-        else:
-            model = build_model(recipe, root / "model", seed=recipe.trainer.seed)
+        model = workload_model(args.workload, recipe, args.model_dir, root)
         common = [f"trainer.max_steps={args.steps}", *WORKLOAD_OVERRIDES[args.workload]]
         pipeline = run(root, model, "pipeline", [*common, "rollout.off_policy=pipeline", f"rollout.k={args.k}"])
         sync = run(root, model, "sync", [*common, "rollout.off_policy=ppo", "rollout.k=1"])

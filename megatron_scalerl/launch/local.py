@@ -26,15 +26,13 @@ from megatron_scalerl.launch.roles import (
     generator_command,
     orchestrator_command,
     prepare_run_dir,
-    say_precision,
-    say_rope_note,
+    say_launch_notes,
     serving_dtype,
     tokenizer_source,
     trainer_command,
 )
 from megatron_scalerl.launch.supervise import Role, run_roles
 from megatron_scalerl.platform.local_workers import free_port
-from megatron_scalerl.platform.precision import resolve_precision
 from megatron_scalerl.recipe import Recipe, load_recipe
 
 # On CPU every role shares the machine's cores. The trainer's ranks run in lock-step (one that loses its core stalls
@@ -77,9 +75,7 @@ def local_roles(run_dir: Path, recipe: Recipe, *, resume: bool, cuda: bool) -> t
     """The run's roles on this machine: (generators, their URLs, trainer, orchestrator); writes generators.json."""
     from megatron_scalerl.run_dir import clear_stop_request, request_stop, write_generators
 
-    say_rope_note(recipe)
-    if resume:
-        say_precision(resolve_precision(recipe.trainer.precision, cuda=cuda))
+    say_launch_notes(recipe, cuda=cuda, resume=resume)
     logs = run_dir / "logs"
     servers = recipe.cluster.generator_gpus // recipe.parallelism.generator_tp
     threads = {} if cuda or "OMP_NUM_THREADS" in os.environ else {

@@ -72,6 +72,14 @@ def say_precision(precision: Precision) -> None:
     print(f"{'warning: ' if precision.emulated_bf16 else ''}trainer precision: {precision.reason}", flush=True)
 
 
+def say_launch_notes(recipe: Recipe, *, cuda: bool, resume: bool) -> None:
+    """What both launchers' role builders say before the roles start: the RoPE note (a resumed run has not had it
+    yet) and, for a resumed run, the precision line (a new run's came from `prepare_run_dir`)."""
+    say_rope_note(recipe)
+    if resume:
+        say_precision(resolve_precision(recipe.trainer.precision, cuda=cuda))
+
+
 def say_rope_note(recipe: Recipe) -> None:
     """Once per launch, before any role reads the model's config: the note on a Scout-style rope_scaling
     (`rope_note`), which the roles then leave unsaid. Both `prepare_run_dir` (a new run) and the launchers' role

@@ -45,14 +45,12 @@ from megatron_scalerl.launch.roles import (
     generator_command,
     orchestrator_command,
     prepare_run_dir,
-    say_precision,
-    say_rope_note,
+    say_launch_notes,
     serving_dtype,
     tokenizer_source,
     trainer_command,
 )
 from megatron_scalerl.launch.supervise import Role, run_roles
-from megatron_scalerl.platform.precision import resolve_precision
 from megatron_scalerl.recipe import Recipe, load_recipe
 
 SCONTROL_TIMEOUT_S = 60.0
@@ -192,9 +190,7 @@ def job_roles(run_dir: Path, recipe: Recipe, alloc: Allocation, *, resume: bool,
     """The run's roles on the allocation: (generators, their URLs, trainer, orchestrator)."""
     from megatron_scalerl.run_dir import clear_stop_request, request_stop, write_generators
 
-    say_rope_note(recipe)
-    if resume:
-        say_precision(resolve_precision(recipe.trainer.precision, cuda=cuda))
+    say_launch_notes(recipe, cuda=cuda, resume=resume)
     logs, tp = run_dir / "logs", recipe.parallelism.generator_tp
     per_node = recipe.cluster.gpus_per_node // tp
     servers = recipe.cluster.generator_gpus // tp
