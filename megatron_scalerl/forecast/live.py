@@ -70,8 +70,7 @@ class LiveForecast:
 
     @property
     def a_hi_at_bound(self) -> bool:
-        interval = self.a_interval
-        return interval is not None and interval[1] >= A_SEARCH_BOUND - AT_BOUND
+        return _reaches_bound(self.a_interval)
 
     def figures(self, prefix: str = "forecast/") -> dict[str, float | str]:
         out: dict[str, float | str] = {f"{prefix}status": self.status,
@@ -101,6 +100,11 @@ class LiveForecast:
         if interval is not None:
             band = f" [{interval[0]:.3f}, " + ("bound]" if self.a_hi_at_bound else f"{interval[1]:.3f}]")
         return f"forecast {self.status} A {self.forecast.fit.A:.3f}{band}"
+
+
+def _reaches_bound(interval: tuple[float, float] | None) -> bool:
+    """Whether A's interval ends on the fit's search bound (the bound's end, not the data's)."""
+    return interval is not None and interval[1] >= A_SEARCH_BOUND - AT_BOUND
 
 
 def live_forecast(curve: Curve, options: ForecastOptions, target: float | None = None) -> LiveForecast:
@@ -137,7 +141,7 @@ def _status(forecast: Forecast) -> tuple[str, str]:
     gain = fit.A - fit.R0
     fraction = (fitted_now - fit.R0) / gain if gain > NO_GAIN else 0.0
     interval = forecast.param_interval("A")
-    at_bound = interval is not None and interval[1] >= A_SEARCH_BOUND - AT_BOUND
+    at_bound = _reaches_bound(interval)
     span = now / float(curve.compute[forecast.in_fit][0])
     if gain > NO_GAIN and fraction >= PLATEAU_FRACTION and at_bound and span < PLATEAU_SPAN:
         return "too-early", (f"the fit puts the latest evaluation at {fraction:.0%} of its gain, but A's interval "

@@ -46,7 +46,7 @@ def _init_fit_process() -> None:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def fit_run(run_dir: str, config: dict, eval_draws: int | None) -> tuple[dict, str, str, float]:
+def fit_run(run_dir: str, forecast_config: ForecastConfig, eval_draws: int | None) -> tuple[dict, str, str, float]:
     """In the fitting process: (figures, progress words, status reason, CPU seconds) of the run's curve now; the
     report into RUN/forecast/."""
     from megatron_scalerl.forecast import plots, report
@@ -55,7 +55,6 @@ def fit_run(run_dir: str, config: dict, eval_draws: int | None) -> tuple[dict, s
     from megatron_scalerl.forecast.predict import ForecastOptions
 
     started = time.process_time()
-    forecast_config = ForecastConfig.model_validate(config)
     options = ForecastOptions(min_compute=forecast_config.min_compute, budgets=tuple(forecast_config.budgets),
                               resamples=forecast_config.resamples, eval_draws=eval_draws)
     try:
@@ -95,8 +94,7 @@ class LiveForecaster:
             self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
                                             initializer=_init_fit_process)
         try:
-            future = self.pool.submit(fit_run, str(self.run_dir), self.config.model_dump(mode="json"),
-                                      self.eval_draws)
+            future = self.pool.submit(fit_run, str(self.run_dir), self.config, self.eval_draws)
         except (BrokenProcessPool, RuntimeError) as exc:  # the process died: the next fit starts a new one
             log.warning("live forecast for validation %d not started: %s", version, exc)
             self._discard_pool()
