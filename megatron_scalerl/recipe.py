@@ -192,6 +192,7 @@ class TrainerConfig(Section):
     precision: Literal["auto", "bf16", "fp32"]  # auto: bf16 where it is native (GPUs, AVX512-BF16/AMX CPUs), else fp32
     fp32_lm_head: bool
     max_steps: Pos
+    max_gpu_hours: PosFloat | None = None  # the run also ends once the orchestrator's gpu_hours reach this
     checkpoint_interval: Pos  # steps
     keep_checkpoints: Pos
     max_consecutive_nonfinite: Pos  # abort after this many skipped non-finite steps in a row
@@ -261,6 +262,9 @@ class ForecastConfig(Section):
     budgets: Annotated[list[PosFloat], Field(min_length=1)]  # GPU-h: the reward predicted at each
     target: Fraction | None  # reward whose GPU-hours to reach are predicted (None: none)
     resamples: NonNeg  # bootstrap replicates behind the intervals (0: no intervals)
+    # the run ends itself once its latest evaluations average this fraction of a narrowly known ceiling A
+    # (forecast/live.py `ceiling_reached`); None: never
+    stop_at_fraction: Annotated[float, Field(gt=0, le=1)] | None = None
 
 
 class ClusterConfig(Section):

@@ -5,6 +5,9 @@
     RUN/stop_requested    the launcher's request that the trainer stop: it checkpoints at its next batch boundary
                           and exits 0, with no signal sent into torchrun or a collective (SIGTERM does the same for
                           anyone else); the launcher removes it before it starts a trainer.
+    RUN/finished.json     {"reason", "step", "gpu_hours"}: written by the orchestrator when the run has ended on its
+                          own (`max_steps`, `max_gpu_hours` or `stop_at_fraction`), never on a stop from outside;
+                          what tells a sweep (or a script) that the run is done. Removed when the run is resumed.
 
 Every role takes the servers' API key from `$SCALERL_API_KEY` (never from a file or a command line).
 """
@@ -19,6 +22,8 @@ from megatron_scalerl.fileio import atomic_write_text
 
 GENERATORS_FILE = "generators.json"
 STOP_FILE = "stop_requested"
+FINISHED_FILE = "finished.json"
+FINISH_REASONS = ("max_steps", "max_gpu_hours", "stop_at_fraction")
 API_KEY_ENV = "SCALERL_API_KEY"
 SERVING_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -59,3 +64,30 @@ def clear_stop_request(run_dir: str | Path) -> None:
 
 def stop_requested(run_dir: str | Path) -> bool:
     return (Path(run_dir) / STOP_FILE).exists()
+
+
+def write_finished(run_dir: str | Path, reason: str, step: int, gpu_hours: float) -> Path:
+    """Record that the run ended on its own after `step` batches at `gpu_hours` (the orchestrator's clock), for
+    `reason` (one of FINISH_REASONS)."""
+    if reason not in FINISH_REASONS:
+        raise ValueError(f"finish reason {reason!r} is not one of {FINISH_REASONS}")
+    path = Path(run_dir) / FINISHED_FILE
+    atomic_write_text(path, json.dumps({"reason": reason, "step": int(step), "gpu_hours": float(gpu_hours)},
+                                       indent=1) + "\n")
+    return path
+
+
+def read_finished(run_dir: str | Path) -> dict | None:
+    """`RUN/finished.json` ({"reason", "step", "gpu_hours"}), or None while the run has not ended on its own."""
+    path = Path(run_dir) / FINISHED_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        return {"reason": str(record["reason"]), "step": int(record["step"]), "gpu_hours": float(record["gpu_hours"])}
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{path}: expected {{\"reason\", \"step\", \"gpu_hours\"}}: {type(exc).__name__}: {exc}") from None
+
+
+def clear_finished(run_dir: str | Path) -> None:
+    (Path(run_dir) / FINISHED_FILE).unlink(missing_ok=True)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_scalerl.forecast.data import Curve
-from megatron_scalerl.forecast.live import STATUS_CODES, live_forecast
+from megatron_scalerl.forecast.live import STATUS_CODES, ceiling_reached, live_forecast
 from megatron_scalerl.forecast.predict import ForecastOptions
 from megatron_scalerl.forecast.synthetic import paper_run, simulate_run
 from megatron_scalerl.recipe import load_recipe
@@ -66,15 +66,59 @@ def test_figures_hold_every_key_under_the_prefix():
     assert early == {"forecast/status": "too-early", "forecast/status_code": 0.0}
 
 
+def test_stop_at_fraction_needs_a_narrowly_known_ceiling_and_the_reward_there():
+    curve = simulate_run(RUN, seed=2, budget=16000, num_evals=80).curve  # 96% of its gain: plateaued
+    live = live_forecast(curve, OPTIONS)
+    low, high = live.a_interval
+    assert live.status == "plateaued" and high - low < 0.1 and not live.a_hi_at_bound
+    recent = float(np.mean(curve.reward[-3:]))
+    reason = ceiling_reached(live, 0.95 * recent / live.forecast.fit.A)
+    assert reason is not None and "of the ceiling A = " in reason and "stop_at_fraction" in reason
+    assert ceiling_reached(live, 1.02 * recent / live.forecast.fit.A) is None  # not there yet
+    early = live_forecast(simulate_run(RUN, seed=2, budget=2400, num_evals=12).curve, OPTIONS)
+    assert early.status != "plateaued" and ceiling_reached(early, 0.01) is None  # A not known: never stops
+    compute = np.geomspace(0.02, 0.16, 16)  # the demo-like flat run whose A interval reaches the bound
+    reward = 0.27 + 0.29 / (1 + (0.045 / compute) ** 2) + np.random.default_rng(0).normal(0, 0.03, 16)
+    bounded = live_forecast(Curve.from_arrays(compute, reward), ForecastOptions(min_compute=0, budgets=(1.0,)))
+    assert bounded.a_hi_at_bound and ceiling_reached(bounded, 0.5) is None  # A known only from below
+
+
+def _metrics_file(run_dir, eval_every: int = 0) -> None:
+    """RUN/metrics.jsonl of a synthetic run: its validations, and (every `eval_every`-th) an eval watcher's row."""
+    curve = simulate_run(RUN, seed=3, budget=16000, num_evals=60).curve
+    rows = [{"step": i, "role": "orchestrator", "val/pass_rate": float(r), "gpu_hours": float(c)}
+            for i, (c, r) in enumerate(zip(curve.compute, curve.reward, strict=True))]
+    if eval_every:
+        aime = simulate_run(RUN, seed=4, budget=16000, num_evals=60, prompts=30, samples_per_prompt=32).curve
+        rows += [{"step": i, "role": "eval", "eval/aime24/mean_at_k": float(aime.reward[i]),
+                  "eval/aime24/pass_at_k/32": 0.9, "gpu_hours": float(aime.compute[i])}
+                 for i in range(0, 60, eval_every)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_further_curve_is_fitted_under_its_own_keys_and_report(tmp_path):
+    """An eval watcher's curve beside the validation: `forecast/eval/aime24/...` and RUN/forecast/eval/aime24/; the
+    stop rule reads the primary curve only."""
+    from megatron_scalerl.rollout.live_forecast import fit_run, further_curves
+
+    _metrics_file(tmp_path, eval_every=3)
+    assert further_curves(tmp_path) == {"eval/aime24": "eval/aime24/mean_at_k"}
+    config = load_recipe("scalerl", ["forecast.resamples=50", "forecast.stop_at_fraction=0.5"]).forecast
+    result = fit_run(str(tmp_path), config, None)
+    assert result.figures["forecast/status"] == "plateaued" and result.figures["forecast/eval/aime24/points"] >= 5
+    assert result.figures["forecast/eval/aime24/status"] in STATUS_CODES
+    assert abs(result.figures["forecast/eval/aime24/A"] - RUN.A) < 0.05
+    assert (tmp_path / "forecast" / "eval" / "aime24" / "forecast.json").is_file()
+    assert result.stop_reason is not None and "0.5" in result.stop_reason
+    assert fit_run(str(tmp_path), load_recipe("scalerl", ["forecast.resamples=50"]).forecast, None).stop_reason is None
+
+
 def test_the_fit_runs_beside_the_event_loop_and_writes_its_report_atomically(tmp_path):
     """The orchestrator's LiveForecaster on a run directory's metrics: the loop that drives generation keeps its
     pace (a 10 ms ticker) while the fitting process works for seconds, and RUN/forecast/ holds a complete report."""
     from megatron_scalerl.rollout.live_forecast import LiveForecaster
 
-    curve = simulate_run(RUN, seed=3, budget=16000, num_evals=60).curve
-    rows = [{"step": i, "role": "orchestrator", "val/pass_rate": float(r), "gpu_hours": float(c)}
-            for i, (c, r) in enumerate(zip(curve.compute, curve.reward, strict=True))]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _metrics_file(tmp_path)
     config = load_recipe("scalerl", ["forecast.resamples=400"]).forecast
 
     async def scenario():
@@ -94,7 +138,7 @@ def test_the_fit_runs_beside_the_event_loop_and_writes_its_report_atomically(tmp
 
     (first, second), gaps = asyncio.run(scenario())
     assert [first[0], second[0]] == [58, 59]
-    assert second[1]["forecast/status"] == "plateaued" and second[1]["forecast/fit_cpu_s"] > 0.1
+    assert second[1].figures["forecast/status"] == "plateaued" and second[1].cpu_s > 0.1
     assert max(gaps) < 0.25, max(gaps)  # the loop never waited on a fit
     report = tmp_path / "forecast"
     assert json.loads((report / "forecast.json").read_text())["status"] == "plateaued"

@@ -10,6 +10,7 @@ RUN/stop_requested, checkpoints the trainer's current step: tests/test_trainer_r
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,11 +20,13 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from megatron_scalerl.fileio import atomic_write_text, dump_yaml, load_yaml
 from megatron_scalerl.forecast.live import STATUS_CODES
 from megatron_scalerl.launch.supervise import LAUNCH_ENV, processes_with_environment
 from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.rollout.stream import RolloutStream
+from megatron_scalerl.run_dir import read_finished
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -122,6 +125,16 @@ def run(tmp_path_factory):
     # 2: to the end
     launches["second"] = _launch(resume, [])
     launches["left_by_second"] = _leftovers()
+    launches["finished_second"] = read_finished(run_dir)
+    # 3: a copy of the finished run, extended (max_steps raised) under a compute budget it has already spent: one
+    # more batch, then it ends itself
+    extended = launches["extended"] = root / "extended"
+    shutil.copytree(run_dir, extended)
+    recipe = load_yaml(extended / "recipe.yaml")
+    recipe["trainer"].update(max_steps=STEPS + 4, max_gpu_hours=launches["finished_second"]["gpu_hours"])
+    atomic_write_text(extended / "recipe.yaml", dump_yaml(recipe))
+    launches["third"] = _launch(["--run-dir", str(extended), "--resume"], [])
+    launches["left_by_third"] = _leftovers()
     return launches
 
 
@@ -138,7 +151,7 @@ def test_a_killed_generator_is_restarted_and_the_run_goes_on(run):
 
 def test_nothing_of_a_launch_outlives_it(run):
     """Not even what the SIGKILLed trainer worker had started in its own session (megatron's checkpoint Manager)."""
-    assert run["left_by_first"] == [] and run["left_by_second"] == []
+    assert run["left_by_first"] == [] and run["left_by_second"] == [] and run["left_by_third"] == []
 
 
 def test_resume_finishes_the_run_without_repeating_or_losing_work(run):
@@ -178,3 +191,21 @@ def test_resume_finishes_the_run_without_repeating_or_losing_work(run):
     assert {r["step"] for r in forecasts} <= set(validated) and validated[-1] in {r["step"] for r in forecasts}
     state = json.loads((run_dir / "curriculum.json").read_text())
     assert state["batch"] == STEPS - 1
+
+
+def test_a_run_records_its_end_and_ends_itself_at_its_compute_budget(run):
+    """RUN/finished.json after the run's own end; a resumed run drops it and ends on its new terms: here the compute
+    budget (trainer.max_gpu_hours), reached at its first batch: no further batch, the reason in the log and the
+    metrics, the trainer stopped through RUN/stop_requested (it checkpoints), exit 0."""
+    assert run["finished_second"]["reason"] == "max_steps" and run["finished_second"]["step"] == STEPS
+    code, out = run["third"]
+    extended = run["extended"]
+    assert code == 0, out[-3000:]
+    finished = read_finished(extended)
+    assert finished["reason"] == "max_gpu_hours" and finished["step"] == STEPS + 1, finished
+    assert finished["gpu_hours"] >= run["finished_second"]["gpu_hours"]
+    assert "run ended (max_gpu_hours)" in out
+    [stop] = [r for r in read_metrics(extended, role="orchestrator") if "run/stop_reason" in r]
+    assert stop["run/stopped_early"] == 1.0 and stop["run/stop_reason"].startswith("max_gpu_hours: the run's compute")
+    assert RolloutStream(extended).next_index() == STEPS + 1
+    assert "stop requested: checkpointing step" in (extended / "logs" / "trainer.log").read_text()

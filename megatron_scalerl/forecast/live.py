@@ -21,6 +21,10 @@ from the fit of the evaluations at or past `options.min_compute`, by the first r
 - `on-track`: otherwise: the curve has bent and A is known to within WIDE_A_INTERVAL, or bounded below by the data
   with its upper end on the search bound.
 
+Stopping at a fraction of the ceiling (`forecast.stop_at_fraction`, `ceiling_reached`): the run may end itself once
+its status is `on-track` or `plateaued`, A's interval is narrow (at most WIDE_A_INTERVAL wide, both ends set by the
+data, not by A's search bound) and the mean of its latest DIVERGE_SPAN evaluations has reached that fraction of A.
+
 Keys (prefix `forecast/`, or `forecast/<curve>/` for a further curve): A, A_lo, A_hi, A_hi_at_bound (1/0), B, C_mid,
 reward_at/<budget> (the predicted reward at each budget in GPU-hours, e.g. `reward_at/16000`), gpu_hours_to_target (absent when the
 fitted curve never reaches the target), target_reachable (1/0), points (evaluations fitted), status (the string),
@@ -100,6 +104,22 @@ class LiveForecast:
         if interval is not None:
             band = f" [{interval[0]:.3f}, " + ("bound]" if self.a_hi_at_bound else f"{interval[1]:.3f}]")
         return f"forecast {self.status} A {self.forecast.fit.A:.3f}{band}"
+
+
+def ceiling_reached(live: LiveForecast, fraction: float) -> str | None:
+    """Why the run may stop now, at `fraction` of a narrowly known ceiling (module docstring), or None."""
+    interval = live.a_interval
+    if live.forecast is None or live.status not in ("on-track", "plateaued") or interval is None:
+        return None
+    if live.a_hi_at_bound or interval[1] - interval[0] > WIDE_A_INTERVAL:
+        return None
+    A = live.forecast.fit.A
+    recent = float(np.mean(live.forecast.curve.reward[-DIVERGE_SPAN:]))
+    if recent < fraction * A:
+        return None
+    return (f"the latest {min(DIVERGE_SPAN, live.forecast.curve.reward.size)} evaluations average {recent:.3f}, "
+            f"{recent / A:.0%} of the ceiling A = {A:.3f} [{interval[0]:.3f}, {interval[1]:.3f}] "
+            f"(forecast.stop_at_fraction {fraction:g})")
 
 
 def _reaches_bound(interval: tuple[float, float] | None) -> bool:

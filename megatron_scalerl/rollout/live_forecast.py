@@ -3,7 +3,7 @@ the fit (a bootstrap of a few hundred refits, seconds of CPU) never holds up gen
 
     live = LiveForecaster(run_dir, recipe.forecast)  # recipe.forecast None or live: false -> `enabled` is False
     live.validated(version)          # the validation row of policy version `version` is in metrics.jsonl
-    await live.results()             # yields (version, LiveForecast figures, progress words) as fits finish
+    async for version, result in live.results():  # FitResult of each fit as it finishes
     live.close()
 
 The fitting process (at the lowest CPU priority) only reads `RUN/metrics.jsonl` (the orchestrator's `val/pass_rate` against its `gpu_hours`) and
@@ -18,13 +18,16 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import re
 import sys
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.forecast.data import DEFAULT_METRIC
 from megatron_scalerl.recipe import ForecastConfig
 
 log = logging.getLogger("megatron_scalerl.rollout.orchestrator")
@@ -46,28 +49,67 @@ def _init_fit_process() -> None:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def fit_run(run_dir: str, forecast_config: ForecastConfig, eval_draws: int | None) -> tuple[dict, str, str, float]:
-    """In the fitting process: (figures, progress words, status reason, CPU seconds) of the run's curve now; the
-    report into RUN/forecast/."""
+# Further curves the live forecast fits beside the primary `val/pass_rate`, found in metrics.jsonl by their names:
+# a domain's validation (`val/<domain>/pass_rate`) and a downstream evaluation (the eval watcher's
+# `eval/<dataset>/mean_at_k`). Curve name: the metric without its last part (`eval/aime24`); keys
+# `forecast/<curve>/...`, report in `RUN/forecast/<curve>/`.
+FURTHER_CURVE = re.compile(r"^((?:val|eval)/[^/]+)/(?:pass_rate|mean_at_k)$")
+
+
+def further_curves(run_dir: str | Path) -> dict[str, str]:
+    """{curve name: metric} of the further curves in `RUN/metrics.jsonl` (see FURTHER_CURVE)."""
+    from megatron_scalerl.metrics import read_metrics
+
+    names = {key for row in read_metrics(run_dir) for key in row}
+    return {match.group(1): key for key in sorted(names) if (match := FURTHER_CURVE.match(key))}
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What one fit in the fitting process hands back to the orchestrator."""
+
+    figures: dict  # forecast/... (and forecast/<curve>/...) figures for metrics.jsonl
+    words: str  # the progress line's: the primary curve's status and A with its interval
+    reason: str  # why the primary curve has its status
+    stop_reason: str | None  # set when forecast.stop_at_fraction asks the run to end now
+    cpu_s: float  # CPU seconds the fit took
+
+
+def fit_run(run_dir: str, forecast_config: ForecastConfig, eval_draws: int | None) -> FitResult:
+    """In the fitting process: the live forecast of the run's primary curve (`eval_draws`: its evaluation noise) and
+    of its further curves (noise estimated), their reports into RUN/forecast/[<curve>/]."""
+    from megatron_scalerl.forecast.live import ceiling_reached
+
+    started = time.process_time()
+    primary = _fit_curve(run_dir, DEFAULT_METRIC, forecast_config, eval_draws, Path(run_dir) / FORECAST_DIR)
+    figures = primary.figures()
+    for name, metric in further_curves(run_dir).items():
+        live = _fit_curve(run_dir, metric, forecast_config, None, Path(run_dir) / FORECAST_DIR / name)
+        figures.update(live.figures(prefix=f"forecast/{name}/"))
+    fraction = forecast_config.stop_at_fraction
+    stop = ceiling_reached(primary, fraction) if fraction is not None else None
+    return FitResult(figures, primary.progress(), primary.reason, stop, time.process_time() - started)
+
+
+def _fit_curve(run_dir: str, metric: str, config: ForecastConfig, eval_draws: int | None, out_dir: Path):
+    """The LiveForecast of one curve of the run, its report written into `out_dir` when there is a fit."""
     from megatron_scalerl.forecast import plots, report
     from megatron_scalerl.forecast.data import load_curve
     from megatron_scalerl.forecast.live import LiveForecast, live_forecast
     from megatron_scalerl.forecast.predict import ForecastOptions
 
-    started = time.process_time()
-    options = ForecastOptions(min_compute=forecast_config.min_compute, budgets=tuple(forecast_config.budgets),
-                              resamples=forecast_config.resamples, eval_draws=eval_draws)
+    options = ForecastOptions(min_compute=config.min_compute, budgets=tuple(config.budgets),
+                              resamples=config.resamples, eval_draws=eval_draws)
     try:
-        curve = load_curve(run_dir)
+        curve = load_curve(run_dir, metric=metric)
     except UserError as exc:  # e.g. a validation logged twice across a resume: said, and the run goes on
-        live = LiveForecast("too-early", f"the run's curve cannot be fitted: {exc}", None, forecast_config.target)
-        return live.figures(), live.progress(), live.reason, time.process_time() - started
-    live = live_forecast(curve, options, target=forecast_config.target)
+        return LiveForecast("too-early", f"the run's curve cannot be fitted: {exc}", None, config.target)
+    live = live_forecast(curve, options, target=config.target)
     if live.forecast is not None:
         document = report.forecast_document(live.forecast, plots.forecast_png(live.forecast))
         data = {**live.forecast.to_dict(), "status": live.status, "status_reason": live.reason}
-        report.write_report(Path(run_dir) / FORECAST_DIR, document, "forecast.json", data)
-    return live.figures(), live.progress(), live.reason, time.process_time() - started
+        report.write_report(out_dir, document, "forecast.json", data)
+    return live
 
 
 class LiveForecaster:
@@ -108,7 +150,7 @@ class LiveForecaster:
             self.pool = None
 
     async def results(self):
-        """Async generator: (version, figures) of each finished fit, forever (cancel it to stop). A failed fit is
+        """Async generator: (version, FitResult) of each finished fit, forever (cancel it to stop). A failed fit is
         logged and skipped: the run goes on without that forecast."""
         while True:
             await self.wakeup.wait()
@@ -116,10 +158,10 @@ class LiveForecaster:
             while self.running is not None:
                 version, future = self.running
                 try:
-                    figures, self.words, reason, cpu_s = await asyncio.wrap_future(future)
+                    result = await asyncio.wrap_future(future)
                 except Exception as exc:  # noqa: BLE001 - a forecast must never end the run
                     log.warning("live forecast after validation %d failed: %s: %s", version, type(exc).__name__, exc)
-                    figures = None
+                    result = None
                     if isinstance(exc, BrokenProcessPool):
                         self._discard_pool()
                 self.running = None
@@ -127,10 +169,11 @@ class LiveForecaster:
                     self._submit(self.pending)
                     self.pending = None
                     self.wakeup.clear()
-                if figures is not None:
-                    log.info("forecast after validation %d: %s (%s; %.1f CPU s)", version, figures["forecast/status"],
-                             reason, cpu_s)
-                    yield version, {**figures, "forecast/fit_cpu_s": cpu_s}
+                if result is not None:
+                    self.words = result.words
+                    log.info("forecast after validation %d: %s (%s; %.1f CPU s)", version,
+                             result.figures["forecast/status"], result.reason, result.cpu_s)
+                    yield version, result
 
     async def drain(self, timeout_s: float) -> None:
         """Wait (at most `timeout_s`) until no fit is running or pending."""

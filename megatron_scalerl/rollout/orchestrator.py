@@ -29,6 +29,12 @@ at the last step, every held-out prompt gets `data.validation_generations` sampl
 its own (`live_forecast`, the recipe's `forecast` section): its `forecast/*` figures are logged at the validation's
 step, the progress line shows the status and A, and `RUN/forecast/` holds the latest report. Metrics
 (`metrics.jsonl`, role orchestrator) per batch at step b + 1, the trainer step that trains it.
+
+The end: after `trainer.max_steps` batches and the validation of the last step; or earlier, once the run's compute
+reaches `trainer.max_gpu_hours` (checked after each batch) or the live forecast finds the ceiling reached
+(`forecast.stop_at_fraction`): then no further batch is written, the reason goes to the log and to metrics.jsonl
+(`run/stopped_early`, `run/stop_reason`), and the trainer is asked to stop (`RUN/stop_requested`: it checkpoints its
+current step and exits 0). Either way `RUN/finished.json` records the reason, the batches written and the compute.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ from megatron_scalerl.rollout.prompts import (
 )
 from megatron_scalerl.rollout.rewards import RewardGrader
 from megatron_scalerl.rollout.stream import RolloutStream
+from megatron_scalerl.run_dir import clear_finished, request_stop, write_finished
 
 log = logging.getLogger("megatron_scalerl.orchestrator")
 
@@ -110,6 +117,8 @@ class Orchestrator:
         self.tasks: set[asyncio.Task] = set()
         self.failure: BaseException | None = None  # the first task that raised: it ends the run
         self.failed = asyncio.Event()
+        self.ended_early: tuple[str, str] | None = None  # (finish reason, why) of a run that ends itself early
+        self.end_now = asyncio.Event()
         self.version: int | None = None
         self.changed = asyncio.Condition()
         self.compute = ComputeMeter(run_dir, recipe.cluster.total_gpus)
@@ -120,6 +129,7 @@ class Orchestrator:
         self.generated = {"tokens": 0, "samples": 0}  # completion tokens and samples of finished groups
         if resume:
             self._restore()
+            clear_finished(run_dir)  # continued: it ends again on its own terms (e.g. a raised max_steps)
         elif self.stream.next_index() > 0 or (run_dir / STATE_FILE).exists():
             raise UserError(f"{run_dir} already has rollouts or {STATE_FILE}: pass --resume to continue that run")
 
@@ -290,6 +300,10 @@ class Orchestrator:
               f"staleness {figures['staleness/max']:.0f} | generator idle "
               f"{100 * figures['rollout/generator_idle_fraction']:.0f}% | {figures['rollout/tokens_per_s']:.0f} tok/s"
               + (f" | {self.live.words}" if self.live.words else ""), flush=True)
+        budget = self.recipe.trainer.max_gpu_hours
+        if budget is not None and figures["gpu_hours"] >= budget and self.written < self.max_batches:
+            self._end_early("max_gpu_hours", f"the run's compute reached {figures['gpu_hours']:.4g} GPU-h "
+                                             f"(trainer.max_gpu_hours {budget:g})")
 
     # ---- policy version, validation, idle time ----------------------------------------------------------------
 
@@ -372,13 +386,16 @@ class Orchestrator:
                                                     self._log_forecasts())]
             try:
                 writer = self._spawn(self._write_batches())
-                failed = asyncio.create_task(self.failed.wait())
-                await asyncio.wait([writer, failed], return_when=asyncio.FIRST_COMPLETED)
-                failed.cancel()
+                failed, end_now = asyncio.create_task(self.failed.wait()), asyncio.create_task(self.end_now.wait())
+                await asyncio.wait([writer, failed, end_now], return_when=asyncio.FIRST_COMPLETED)
+                for waiting in (failed, end_now, writer):
+                    waiting.cancel()  # the writer too, after an early end (between two batches: it writes each
                 if self.failure is not None:
                     raise self.failure
-                await self._final_validation()
-                await self.live.drain(FORECAST_DRAIN_S)
+                if self.ended_early is None:
+                    await self._final_validation()
+                    await self.live.drain(FORECAST_DRAIN_S)
+                self._finish()
             finally:
                 for task in [*loops, *self.tasks]:
                     task.cancel()
@@ -399,11 +416,34 @@ class Orchestrator:
             raise self.failure
         self._save_state(new_batch=False)
 
+    def _finish(self) -> None:
+        """The run has ended on its own: `RUN/finished.json`, and after an early end the reason in the log and the
+        metrics and the trainer asked to stop (it checkpoints its current step and exits 0)."""
+        reason, words = self.ended_early or ("max_steps", f"all {self.max_batches} batches written and validated")
+        compute = self.compute.figures()
+        if self.ended_early is not None:
+            self.metrics.log(self.written, {"run/stopped_early": 1.0, "run/stop_reason": f"{reason}: {words}",
+                                            **compute})
+            request_stop(self.run_dir)
+        log.info("the run has ended (%s): %s", reason, words)
+        print(f"run ended ({reason}): {words}", flush=True)
+        write_finished(self.run_dir, reason, self.written, compute["gpu_hours"])
+
     async def _log_forecasts(self) -> None:
         """The live forecast's figures, logged at the policy version of the validation they follow, with the run's
         compute at that validation (the forecast is of the curve up to there)."""
-        async for version, figures in self.live.results():
-            self.metrics.log(version, {**figures, **self.validation_compute.get(version, self.compute.figures())})
+        async for version, result in self.live.results():
+            self.metrics.log(version, {**result.figures, "forecast/fit_cpu_s": result.cpu_s,
+                                       **self.validation_compute.get(version, self.compute.figures())})
+            if result.stop_reason is not None:
+                self._end_early("stop_at_fraction", result.stop_reason)
+
+    def _end_early(self, reason: str, words: str) -> None:
+        """End the run before `max_batches` (`reason`: a run_dir.FINISH_REASONS; `words`: why, for the log and
+        metrics): `run` stops writing batches and asks the trainer to stop (it checkpoints its current step)."""
+        if self.ended_early is None:
+            self.ended_early = (reason, words)
+            self.end_now.set()
 
     def close(self) -> None:
         self.live.close()
