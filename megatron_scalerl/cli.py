@@ -1,7 +1,7 @@
 """The `scalerl` command. Each part of the stack registers its own subcommands here.
 
-A part provides `register(subparsers)` which adds its parser(s) and sets `func(args) -> int` on them; heavy imports
-happen inside `func`, so `scalerl --help` stays fast. Bad input raises `UserError`: printed as one line, exit 2.
+A part provides `register(subparsers)` which adds its parser(s) and sets `func(args) -> int` on them (a command with
+sub-commands: `command_line.command_group`); heavy imports happen inside `func`, so `scalerl --help` stays fast. Bad input raises `UserError`: printed as one line, exit 2.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import importlib
 import signal
 import sys
 
+from megatron_scalerl.command_line import Parser
 from megatron_scalerl.errors import UserError
 
 # Modules that contribute subcommands, in the order `scalerl --help` lists them.
@@ -26,23 +27,9 @@ COMMAND_MODULES = [
 ]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's usage errors: one line, exit 2
-        raise UserError(f"{self.prog}: {message}")
-
-
-def command_group(sub: argparse._SubParsersAction, name: str, help: str, metavar: str) -> argparse._SubParsersAction:
-    """`scalerl NAME ...`: a command whose own sub-commands (one required, shown as `metavar`) are added to the
-    returned object; its parsers report usage errors as `UserError` too."""
-    group = sub.add_parser(name, help=help)
-    commands = group.add_subparsers(dest=f"{name}_command", metavar=metavar, parser_class=type(group))
-    commands.required = True
-    return commands
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="scalerl", description="ScaleRL post-training at cluster scale.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    parser = Parser(prog="scalerl", description="ScaleRL post-training at cluster scale.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)

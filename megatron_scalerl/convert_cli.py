@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from megatron_scalerl.cli import command_group
+from megatron_scalerl.command_line import command_group
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.verify.cli import add_layout_arguments, layout_from_arguments, logits_check
 

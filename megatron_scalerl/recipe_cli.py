@@ -6,7 +6,7 @@ import argparse
 import json
 
 from megatron_scalerl import recipe as rc
-from megatron_scalerl.cli import command_group
+from megatron_scalerl.command_line import command_group
 
 
 def _add_source(p: argparse.ArgumentParser, name: str = "recipe") -> None:

@@ -23,6 +23,7 @@ from megatron_scalerl.fileio import atomic_write_text
 GENERATORS_FILE = "generators.json"
 STOP_FILE = "stop_requested"
 FINISHED_FILE = "finished.json"
+STOP_TIMEOUT_S = 120.0  # seconds a role gets to stop cleanly (the trainer's last checkpoint) before SIGKILL
 FINISH_REASONS = ("max_steps", "max_gpu_hours", "stop_at_fraction")
 API_KEY_ENV = "SCALERL_API_KEY"
 SERVING_DTYPES = ("float32", "bfloat16", "float16")

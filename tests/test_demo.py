@@ -3,6 +3,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from megatron_scalerl.recipe import load_recipe
@@ -58,6 +59,24 @@ def test_validation_curve_is_plotted_from_the_runs_metrics(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     png = plot_validation(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_end_of_run_forecast_uses_the_recipes_settings(tmp_path, capsys):
+    """`print_forecast` (the demo's last step) on a demo-sized curve: the report printed and in RUN/forecast/, with
+    the demo recipe's budgets and target."""
+    from megatron_scalerl.demo.run import print_forecast
+
+    compute = np.linspace(0.01, 0.16, 16)  # GPU-h, as the demo's 16 validations
+    reward = 0.27 + 0.29 / (1 + (0.045 / compute) ** 2) + np.random.default_rng(0).normal(0, 0.02, 16)
+    rows = [{"step": 10 * i, "role": "orchestrator", "gpu_hours": c, "val/pass_rate": r}
+            for i, (c, r) in enumerate(zip(compute, reward, strict=True))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print_forecast(tmp_path, RECIPE)
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "forecast" / "forecast.json").read_text())
+    assert [p["gpu_hours"] for p in report["predictions"]] == RECIPE.forecast.budgets
+    assert [t["reward"] for t in report["targets"]] == [RECIPE.forecast.target]
+    assert "wrote " in out and (tmp_path / "forecast" / "report.md").is_file()
 
 
 def test_init_only_builds_a_tiny_hf_checkpoint_with_its_tokenizer(tmp_path, capsys):

@@ -137,7 +137,6 @@ def init_only(out_dir: Path, model_preset: str, seed: int | None) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from megatron_scalerl.cli import main as scalerl
     from megatron_scalerl.launch.local import start_run
 
     if args.init_only is not None:
@@ -161,10 +160,23 @@ def _demo(args: argparse.Namespace) -> int:
     if code != 0:
         return code
     print(f"demo: validation curve {plot_validation(run_dir)}", flush=True)
-    # The end-of-run report, printed and (as the live forecast's last one) in RUN/forecast/, on the recipe's
-    # forecast settings and the validation's own noise (held-out prompts x samples)
-    holdout, samples, forecast = recipe.data.validation_holdout, recipe.data.validation_generations, recipe.forecast
-    return scalerl(["forecast", "fit", str(run_dir), "--min-compute", f"{forecast.min_compute:g}",
-                    "--budgets", ",".join(f"{b:g}" for b in forecast.budgets),
-                    *(["--target", f"{forecast.target:g}"] if forecast.target is not None else []),
-                    "--eval-draws", f"{holdout}x{samples}", "--out", str(run_dir / "forecast")])
+    print_forecast(run_dir, recipe)
+    return 0
+
+
+def print_forecast(run_dir: Path, recipe) -> None:
+    """The end-of-run report (`scalerl forecast fit`'s), printed and, as the live forecast's last one, in
+    RUN/forecast/: on the recipe's forecast settings and the validation's own noise (held-out prompts x samples)."""
+    from megatron_scalerl.forecast import plots, report
+    from megatron_scalerl.forecast.data import load_curve
+    from megatron_scalerl.forecast.predict import ForecastOptions, make_forecast
+
+    settings = recipe.forecast
+    forecast = make_forecast(load_curve(run_dir), ForecastOptions(
+        min_compute=settings.min_compute, budgets=tuple(settings.budgets), resamples=settings.resamples,
+        targets=(settings.target,) if settings.target is not None else (),
+        eval_draws=recipe.data.validation_holdout * recipe.data.validation_generations))
+    document = report.forecast_document(forecast, plots.forecast_png(forecast))
+    print(document.to_markdown(images=False), end="")
+    written = report.write_report(run_dir / "forecast", document, "forecast.json", forecast.to_dict())
+    print("wrote " + ", ".join(str(p) for p in written), flush=True)

@@ -108,7 +108,7 @@ class CheckpointServer:
 
     def release(self) -> None:
         """Before an export: free the GPU memory the server holds (nothing to do on CPUs or before the first start)."""
-        from megatron_scalerl.rollout.vllm_server import request_json
+        from megatron_scalerl.http_json import request_json
 
         if self.on_gpus and self._running():
             request_json(self.server.url, "/sleep", query={"level": 2}, timeout_s=SERVER_READY_TIMEOUT_S,
@@ -116,7 +116,8 @@ class CheckpointServer:
 
     def serve(self, export: Path) -> str:
         """The URL of a server that now serves the weights of `export` (an HF directory of this run)."""
-        from megatron_scalerl.rollout.vllm_server import reload_from_disk, request_json
+        from megatron_scalerl.http_json import request_json
+        from megatron_scalerl.rollout.vllm_server import reload_from_disk
 
         if self.server is not None and not self._running():
             log.warning("the evaluation server exited (code %s); starting a new one. %s:\n%s",

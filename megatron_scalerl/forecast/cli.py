@@ -14,7 +14,7 @@ import argparse
 import math
 import sys
 
-from megatron_scalerl.cli import command_group
+from megatron_scalerl.command_line import command_group
 from megatron_scalerl.errors import UserError
 
 DEFAULT_BUDGETS = "16k,50k,100k"

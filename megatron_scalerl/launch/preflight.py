@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.launch.allocation import GENERATOR_GROUP, TRAINER_GROUP, srun
 
 if TYPE_CHECKING:
-    from megatron_scalerl.launch.slurm import Allocation
+    from megatron_scalerl.launch.allocation import Allocation
     from megatron_scalerl.recipe import Recipe
 
 STEP_TIMEOUT_S = 600.0
@@ -134,7 +135,6 @@ def run_preflight(run_dir: Path, recipe: Recipe, alloc: Allocation, env: dict[st
                   ) -> float | None:
     """Both checks over the allocation (`cuda`: the nodes run on GPUs); raises UserError naming the node and the
     problem. Returns the measured bus bandwidth (GB/s; None with a single trainer process)."""
-    from megatron_scalerl.launch.slurm import GENERATOR_GROUP, TRAINER_GROUP, srun
     from megatron_scalerl.models.memory_plan import generator_plan, trainer_plan
 
     model = run_dir / "model" if (run_dir / "model").is_dir() else Path(recipe.trainer.init_from or run_dir / "model")

@@ -20,11 +20,11 @@ from pathlib import Path
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text
-from megatron_scalerl.launch.supervise import STOP_TIMEOUT_S
 from megatron_scalerl.models.tokenizer import TOKENIZER_FILES, has_tokenizer, special_token_ids
 from megatron_scalerl.platform.precision import Precision, resolve_precision, with_resolved_precision
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.rope_note import note_once
+from megatron_scalerl.run_dir import STOP_TIMEOUT_S
 
 MODEL_DIR = "model"
 

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.run_dir import STOP_TIMEOUT_S
 
 POLL_S = 1.0
-STOP_TIMEOUT_S = 120.0  # seconds a role gets to stop cleanly (the trainer's last checkpoint) before SIGKILL
 QUICK_EXIT_S = 60.0  # a generator that exits this soon after its start counts as a quick exit
 QUICK_EXITS = 3  # quick exits in a row after which a generator is given up
 LAUNCH_ENV = "SCALERL_LAUNCH_ID"  # in every role's environment: what a launch started, its children included
@@ -121,7 +121,8 @@ def _wait_ready(generators: list[Role], urls: list[str], trainer: Role, timeout_
     """Return once every generator answers /health; UserError naming the role, with its log's tail, when a generator
     exits first or the trainer (starting meanwhile) fails, or when `timeout_s` seconds pass. (A trainer that exits 0
     had nothing left to train: the orchestrator still runs.)"""
-    from megatron_scalerl.rollout.vllm_server import ServerError, wait_healthy
+    from megatron_scalerl.http_json import ServerError
+    from megatron_scalerl.rollout.vllm_server import wait_healthy
 
     def trainer_alive() -> None:
         code = trainer.process.poll()

@@ -55,7 +55,7 @@ from megatron_scalerl.algo.length_control import length_penalty
 from megatron_scalerl.algo.resampling import NoPositiveResampling
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text
-from megatron_scalerl.launch.gpu_hours import ComputeMeter
+from megatron_scalerl.gpu_hours import ComputeMeter
 from megatron_scalerl.metrics import MetricsLog
 from megatron_scalerl.recipe import Recipe, load_recipe
 from megatron_scalerl.rollout.fleet import Fleet, FleetError, GenerationRequest

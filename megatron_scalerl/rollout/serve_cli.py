@@ -56,7 +56,7 @@ def _interrupt(*_: object) -> None:
 
 def _watch(server, interval_s: float) -> None:
     """Until interrupted: every `interval_s` seconds, the process must be alive and /health answer (seconds)."""
-    from megatron_scalerl.rollout.vllm_server import ServerError, request_json
+    from megatron_scalerl.http_json import ServerError, request_json
 
     failures = 0
     while True:
@@ -77,7 +77,7 @@ def _watch(server, interval_s: float) -> None:
 def _fp32_lm_head(url: str, api_key: str | None, retry_s: float = 120.0) -> None:
     """Make the served LM head FP32; a trainer may already be sending weights to the new server (its layered reload
     holds the head empty meanwhile), so a refusal for that reason is retried for up to `retry_s` seconds."""
-    from megatron_scalerl.rollout.vllm_server import ServerError, request_json
+    from megatron_scalerl.http_json import ServerError, request_json
     from megatron_scalerl.weight_sync.protocol import WEIGHT_UPDATE_IN_PROGRESS
 
     deadline = time.monotonic() + retry_s
@@ -92,8 +92,9 @@ def _fp32_lm_head(url: str, api_key: str | None, retry_s: float = 120.0) -> None
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from megatron_scalerl.http_json import ServerError
     from megatron_scalerl.models.tokenizer import has_tokenizer
-    from megatron_scalerl.rollout.vllm_server import ServerError, VLLMServer, VLLMServerConfig
+    from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig
 
     model = Path(args.model)
     if not (model / "config.json").is_file():

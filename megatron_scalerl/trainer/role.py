@@ -35,13 +35,12 @@ import torch.distributed as dist
 
 from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.launch.supervise import STOP_TIMEOUT_S
 from megatron_scalerl.metrics import MetricsLog, read_metrics
 from megatron_scalerl.platform.distributed import from_rank0
 from megatron_scalerl.platform.precision import resolve_precision, with_precision
 from megatron_scalerl.recipe import Recipe, load_recipe
 from megatron_scalerl.rollout.stream import RolloutStream, TrainBatch
-from megatron_scalerl.run_dir import stop_requested
+from megatron_scalerl.run_dir import STOP_TIMEOUT_S, stop_requested
 from megatron_scalerl.trainer.generator_sync import GeneratorLink
 from megatron_scalerl.trainer.setup import build_trainer
 from megatron_scalerl.trainer.state import load_trainer, save_trainer

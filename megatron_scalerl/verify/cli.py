@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_scalerl.cli import command_group
+from megatron_scalerl.command_line import command_group
 from megatron_scalerl.errors import UserError
 
 

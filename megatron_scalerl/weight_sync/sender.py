@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
+from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.platform.distributed import from_rank0, resolve_backend
 from megatron_scalerl.recipe import ModelConfig
-from megatron_scalerl.rollout.vllm_server import ServerError, request_json
 from megatron_scalerl.weight_sync.export import export_buckets
 from megatron_scalerl.weight_sync.protocol import MIB, Bucket, WeightSyncError, checksum, rank_offsets
 from megatron_scalerl.weight_sync.transport import make_transport

@@ -130,8 +130,9 @@ def push_check(root: Path, layout: dict, *, gpu: int | None, serving: str) -> di
     `tiny_recipe` keywords), read the server back, reload the trainer's tensors from disk, read it again."""
     import torch
 
+    from megatron_scalerl.http_json import request_json
     from megatron_scalerl.platform import run_local_workers
-    from megatron_scalerl.rollout.vllm_server import reload_from_disk, request_json
+    from megatron_scalerl.rollout.vllm_server import reload_from_disk
     from megatron_scalerl.weight_sync.sender import WeightSyncConfig
     from tests.trainer_utils import tiny_hf_checkpoint, tiny_recipe
     from tests.weight_sync_utils import server_greedy, weight_version

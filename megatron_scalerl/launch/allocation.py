@@ -1,0 +1,144 @@
+"""A SLURM allocation as the launch sees it: the het-job's two groups (trainer nodes, generator nodes), their
+addresses and the ports a job uses, and `srun` prefixes for the steps on them (`launch/slurm.py` starts the run's
+roles with them, `launch/preflight.py` its checks)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatron_scalerl.errors import UserError
+
+if TYPE_CHECKING:
+    from megatron_scalerl.recipe import Recipe
+
+SCONTROL_TIMEOUT_S = 60.0
+TRAINER_GROUP, GENERATOR_GROUP = 0, 1
+
+
+def scontrol(*args: str) -> str:
+    try:
+        done = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UserError(f"scontrol {' '.join(args)}: {exc}") from None
+    if done.returncode != 0:
+        raise UserError(f"scontrol {' '.join(args)} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def _per_node_count(value: str | None) -> int | None:
+    """The count in SLURM's per-node figures: "8", "gpu:8", "h100:8", "64(x4)" -> 8, 8, 8, 64."""
+    if not value:
+        return None
+    match = re.search(r"(\d+)(?:\(x\d+\))?$", value.split(",")[0])
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    addr: str  # where other nodes reach it (NodeAddr; the name itself on most clusters)
+
+
+@dataclass(frozen=True)
+class Group:
+    """One het-job component: its nodes, and the GPUs (None: no GRES) and CPUs it holds on each."""
+
+    nodes: list[Node]
+    gpus_per_node: int | None
+    cpus_per_node: int | None
+
+
+@dataclass(frozen=True)
+class Allocation:
+    job_id: int
+    restarts: int  # SLURM_RESTART_COUNT: how often this job was requeued
+    trainer: Group
+    generator: Group
+    component_ids: tuple[str, ...] = ()  # the het components' own job ids (their steps are listed under them)
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Allocation:
+        env = dict(os.environ if env is None else env)
+        if "SLURM_JOB_ID" not in env:
+            raise UserError("not inside a SLURM job: submit slurm/scalerl_moe.sbatch (or scalerl_dense.sbatch) with "
+                            "sbatch")
+        if env.get("SLURM_HET_SIZE") != "2":
+            raise UserError(f"job {env['SLURM_JOB_ID']} is not a two-component het-job (SLURM_HET_SIZE="
+                            f"{env.get('SLURM_HET_SIZE')}): group 0 must be the trainer nodes, group 1 the "
+                            "generator nodes, as in slurm/scalerl_moe.sbatch")
+        names = [scontrol("show", "hostnames", env[f"SLURM_JOB_NODELIST_HET_GROUP_{g}"]).split() for g in (0, 1)]
+        addrs = _node_addresses([n for group in names for n in group])
+        groups = [Group([Node(n, addrs[n]) for n in names[g]],
+                        _per_node_count(env.get(f"SLURM_GPUS_PER_NODE_HET_GROUP_{g}")),
+                        _per_node_count(env.get(f"SLURM_JOB_CPUS_PER_NODE_HET_GROUP_{g}"))) for g in (0, 1)]
+        components = tuple(env.get(f"SLURM_JOB_ID_HET_GROUP_{g}", env["SLURM_JOB_ID"]) for g in (0, 1))
+        return cls(int(env["SLURM_JOB_ID"]), int(env.get("SLURM_RESTART_COUNT", "0")), *groups, components)
+
+    def check(self, recipe: Recipe) -> None:
+        """Refuse an allocation smaller than the recipe's cluster section, naming both."""
+        cluster, problems = recipe.cluster, []
+        for what, group, nodes in (("trainer", self.trainer, cluster.trainer_nodes),
+                                   ("generator", self.generator, cluster.generator_nodes)):
+            if len(group.nodes) < nodes:
+                problems.append(f"{what} group has {len(group.nodes)} node(s), the recipe needs cluster.{what}_nodes"
+                                f"={nodes}")
+            if group.gpus_per_node is not None and group.gpus_per_node < cluster.gpus_per_node:
+                problems.append(f"{what} group holds {group.gpus_per_node} GPU(s) per node, the recipe needs "
+                                f"cluster.gpus_per_node={cluster.gpus_per_node}")
+        if problems:
+            raise UserError(f"job {self.job_id}: the allocation does not fit the recipe: {'; '.join(problems)} "
+                            "(set the sbatch file's --nodes/--gpus-per-node per het group, or the recipe's cluster "
+                            "section)")
+
+    @property
+    def base_port(self) -> int:
+        return 20000 + 100 * (self.job_id % 400)
+
+    def rendezvous(self) -> str:
+        return f"{self.trainer.nodes[0].addr}:{self.base_port}"
+
+    def generator_ports(self, servers: int) -> list[int]:
+        if servers > 98:
+            raise UserError(f"{servers} generator servers: at most 98 per job (raise parallelism.generator_tp)")
+        return [self.base_port + 2 + i for i in range(servers)]
+
+
+def _node_addresses(names: list[str]) -> dict[str, str]:
+    addrs = {}
+    for line in scontrol("-o", "show", "node", ",".join(names)).splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        if "NodeName" in fields:
+            addrs[fields["NodeName"]] = fields.get("NodeAddr") or fields["NodeName"]
+    return {n: addrs.get(n, n) for n in names}
+
+
+def srun(group: int, *, nodes: int, ntasks_per_node: int = 1, nodelist: str | None = None,
+         gpus_per_task: int | None = None, cpus_per_task: int | None = None, name: str) -> list[str]:
+    """An `srun` prefix for one step in het group `group` (exclusive of the other steps' GPUs and CPUs)."""
+    return ["srun", f"--het-group={group}", f"--nodes={nodes}", f"--ntasks-per-node={ntasks_per_node}", "--exact",
+            "--kill-on-bad-exit=1", f"--job-name={name}", *([f"--nodelist={nodelist}"] if nodelist else []),
+            *([f"--gpus-per-task={gpus_per_task}"] if gpus_per_task else []),
+            *([f"--cpus-per-task={cpus_per_task}"] if cpus_per_task else [])]
+
+
+def step_terminator(alloc: Allocation, step_name: str) -> Callable[[], bool]:
+    """A Role.terminate that sends SIGTERM to the tasks of this job's step named `step_name` (`scancel --signal`),
+    so they stop cleanly (a SIGTERM to srun would kill them at once); False when no such step is running."""
+
+    def terminate() -> bool:
+        try:
+            listed = subprocess.run(["squeue", "-h", "-s", "-o", "%i|%j", "-j", ",".join(alloc.component_ids)],
+                                    capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S).stdout
+            steps = [line.split("|")[0] for line in listed.splitlines() if line.split("|")[-1] == step_name]
+            for step in steps:
+                subprocess.run(["scancel", "--signal=TERM", step], capture_output=True, timeout=SCONTROL_TIMEOUT_S)
+            return bool(steps)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+
+    return terminate
