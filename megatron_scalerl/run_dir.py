@@ -23,6 +23,9 @@ from megatron_scalerl.fileio import atomic_write_text
 GENERATORS_FILE = "generators.json"
 STOP_FILE = "stop_requested"
 FINISHED_FILE = "finished.json"
+# The orchestrator's state (prompt sampler, No-Positive-Resampling history, pending prompts), written atomically
+# before each batch, the previous one kept beside it; each trainer checkpoint snapshots it.
+CURRICULUM_FILE, PREVIOUS_CURRICULUM_FILE = "curriculum.json", "curriculum.prev.json"
 STOP_TIMEOUT_S = 120.0  # seconds a role gets to stop cleanly (the trainer's last checkpoint) before SIGKILL
 FINISH_REASONS = ("max_steps", "max_gpu_hours", "stop_at_fraction")
 API_KEY_ENV = "SCALERL_API_KEY"

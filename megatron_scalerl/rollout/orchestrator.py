@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from megatron_scalerl.algo.length_control import length_penalty
+from megatron_scalerl.algo.off_policy import staleness_bound
 from megatron_scalerl.algo.resampling import NoPositiveResampling
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text
@@ -70,21 +71,22 @@ from megatron_scalerl.rollout.prompts import (
     render_prompt,
     split_validation,
 )
-from megatron_scalerl.rollout.rewards import RewardGrader
+from megatron_scalerl.rollout.rewards import RewardGrader, reward_of
 from megatron_scalerl.rollout.stream import RolloutStream
-from megatron_scalerl.run_dir import clear_finished, request_stop, write_finished
+from megatron_scalerl.run_dir import (
+    CURRICULUM_FILE,
+    PREVIOUS_CURRICULUM_FILE,
+    clear_finished,
+    request_stop,
+    write_finished,
+)
 
 log = logging.getLogger("megatron_scalerl.orchestrator")
 
-STATE_FILE, PREVIOUS_STATE_FILE = "curriculum.json", "curriculum.prev.json"
+STATE_FILE, PREVIOUS_STATE_FILE = CURRICULUM_FILE, PREVIOUS_CURRICULUM_FILE
 VERSION_POLL_S = 0.5
 FORECAST_DRAIN_S = 120.0  # at the end: how long the last live forecast may take to land
 IDLE_SAMPLE_S = 0.2
-
-
-def staleness_bound(recipe: Recipe) -> int:
-    """The most optimizer steps a trained token may be behind the step that trains it."""
-    return recipe.rollout.k if recipe.rollout.off_policy == "pipeline" else recipe.rollout.k - 1
 
 
 class Orchestrator:
@@ -92,7 +94,7 @@ class Orchestrator:
                  resume: bool = False, max_batches: int | None = None, grader_workers: int | None = None):
         self.run_dir, self.recipe, self.tokenizer = run_dir, recipe, tokenizer
         self.batch_size = recipe.rollout.prompts_per_step
-        self.bound = staleness_bound(recipe)
+        self.bound = staleness_bound(recipe.rollout.off_policy, recipe.rollout.k)
         self.max_batches = max_batches if max_batches is not None else recipe.trainer.max_steps
         self.stream = RolloutStream(run_dir)
         self.resampling = NoPositiveResampling.from_config(recipe.algorithm.no_positive_resampling)
@@ -195,7 +197,7 @@ class Orchestrator:
         grades = await asyncio.gather(*(self.grader.grade(self._text(s.completion_ids), problem.answer)
                                         for s in results))
         correct = [g.correct for g in grades]
-        rewards = [algorithm.reward_correct if c else algorithm.reward_incorrect for c in correct]
+        rewards = [reward_of(g, algorithm.reward_correct, algorithm.reward_incorrect) for g in grades]
         if algorithm.length_control.mode == "length_penalty":
             config = algorithm.length_control
             penalty = length_penalty(torch.tensor([len(s.completion_ids) for s in results]), torch.tensor(correct),

@@ -190,12 +190,24 @@ class RolloutStream:
     def get(self, index: int, *, timeout_s: float, vocab_size: int | None = None,
             poll_s: float = 0.05) -> tuple[TrainBatch, dict]:
         """Wait up to `timeout_s` for batch `index`, read and validate it."""
-        path = self.path(index)
         deadline = time.monotonic() + timeout_s
-        while not path.exists():
+        while not self.ready(index):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no TrainBatch {index} in {self.dir} after {timeout_s:.0f} s: "
-                                   f"is the orchestrator (the stream's producer) running?")
+                raise self.missing(index, timeout_s)
             time.sleep(poll_s)
+        return self.read(index, vocab_size)
+
+    def ready(self, index: int) -> bool:
+        """Whether batch `index` is in the stream (it appears whole: written atomically)."""
+        return self.path(index).exists()
+
+    def read(self, index: int, vocab_size: int | None = None) -> tuple[TrainBatch, dict]:
+        """Batch `index` (it must be `ready`), validated, and its metadata."""
+        path = self.path(index)
         batch, meta = decode(path)
         return batch.validate(str(path), vocab_size), meta
+
+    def missing(self, index: int, waited_s: float) -> TimeoutError:
+        """The error of a consumer that waited `waited_s` seconds for batch `index` in vain."""
+        return TimeoutError(f"no TrainBatch {index} in {self.dir} after {waited_s:.0f} s: is the orchestrator (the "
+                            "stream's producer) running?")

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_scalerl.algo.off_policy import last_push_step
 from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.platform.distributed import from_rank0
 from megatron_scalerl.recipe import Recipe
@@ -52,6 +53,7 @@ class GeneratorLink:
     def __init__(self, urls: list[str], recipe: Recipe, config: WeightSyncConfig, *, is_rank0: bool):
         self.urls = urls
         self.model_cfg = recipe.model
+        self.off_policy = (recipe.rollout.off_policy, recipe.rollout.k)
         self.config = config
         self.is_rank0 = is_rank0
         self.sender: WeightSender | None = None
@@ -156,8 +158,13 @@ class GeneratorLink:
         raise WeightSyncError(f"weight sync of version {version} failed twice: {error}")
 
     def catch_up(self, model_chunks: list, version: int) -> bool:
-        """Push `version` again if a live server does not serve it; returns whether a push happened."""
-        behind = from_rank0([url for url, served in self._served().items() if served != str(version)]
+        """Push `version` if a live server is not current: it serves its start-up weights, a version newer than the
+        trainer's (the trainer resumed from an older checkpoint), or one older than the schedule's last push
+        (`algo.off_policy.last_push_step`: under PPO-off-policy-k a server keeps the policy of the last k-th step
+        while the trainer steps on). Returns whether a push happened."""
+        oldest = last_push_step(*self.off_policy, version)
+        behind = from_rank0([url for url, served in self._served().items()
+                             if not (served is not None and served.isdigit() and oldest <= int(served) <= version)]
                             if self.is_rank0 else None)
         if not behind:
             return False

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_scalerl.algo.off_policy import pushes_weights_after
 from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.metrics import MetricsLog, read_metrics
@@ -40,7 +41,7 @@ from megatron_scalerl.platform.distributed import from_rank0
 from megatron_scalerl.platform.precision import resolve_precision, with_precision
 from megatron_scalerl.recipe import Recipe, load_recipe
 from megatron_scalerl.rollout.stream import RolloutStream, TrainBatch
-from megatron_scalerl.run_dir import STOP_TIMEOUT_S, stop_requested
+from megatron_scalerl.run_dir import CURRICULUM_FILE, STOP_TIMEOUT_S, stop_requested
 from megatron_scalerl.trainer.generator_sync import GeneratorLink
 from megatron_scalerl.trainer.setup import build_trainer
 from megatron_scalerl.trainer.state import load_trainer, save_trainer
@@ -50,9 +51,6 @@ from megatron_scalerl.weight_sync.protocol import WeightSyncError
 STOP_STACKS_AFTER_S = STOP_TIMEOUT_S / 2  # stacks while the launcher still waits for the stop
 log = logging.getLogger("megatron_scalerl.trainer")
 
-# The orchestrator's curriculum (No-Positive-Resampling state, algo.resampling JSON), written atomically by it.
-# Each checkpoint snapshots it, so resuming from step s restores the curriculum as it was at step s.
-CURRICULUM_FILE = "curriculum.json"
 
 
 def _compute_hours_so_far(run_dir: Path, rl_state: dict) -> float:
@@ -65,7 +63,7 @@ def _compute_hours_so_far(run_dir: Path, rl_state: dict) -> float:
 
 def _rl_extras(run_dir: Path, wall_hours: float) -> dict:
     extras = {"wall_hours": wall_hours}
-    curriculum = run_dir / CURRICULUM_FILE
+    curriculum = run_dir / CURRICULUM_FILE  # snapshotted by each checkpoint
     if curriculum.is_file():
         extras["curriculum"] = json.loads(curriculum.read_text())
     return extras
@@ -83,12 +81,6 @@ def require_trainer_world(recipe: Recipe, world_size: int) -> None:
                         f"(torchrun --nproc-per-node) or change the recipe's cluster / parallelism sections")
 
 
-def push_due(recipe: Recipe, step: int) -> bool:
-    """Whether the weights after `step` optimizer steps go to the generators: PipelineRL-k updates them after every
-    step; PPO-off-policy-k keeps one policy for k batches, so only every k-th step's weights are sent."""
-    return recipe.rollout.off_policy == "pipeline" or step % recipe.rollout.k == 0
-
-
 def _next_batch(stream: RolloutStream, index: int, *, timeout_s: float, vocab_size: int, link: GeneratorLink | None,
                 model: list, stopping: Callable[[], bool], poll_s: float = 0.5) -> TrainBatch | None:
     """Batch `index` once the orchestrator wrote it, or None once `stopping()` (asked on rank 0: SIGTERM or the
@@ -97,14 +89,13 @@ def _next_batch(stream: RolloutStream, index: int, *, timeout_s: float, vocab_si
     deadline = time.monotonic() + timeout_s
     is_rank0 = dist.get_rank() == 0
     while True:
-        ready, stop = from_rank0((stream.path(index).exists(), stopping()) if is_rank0 else None)
+        ready, stop = from_rank0((stream.ready(index), stopping()) if is_rank0 else None)
         if stop:
             return None
         if ready:
-            return stream.get(index, timeout_s=timeout_s, vocab_size=vocab_size)[0]
+            return stream.read(index, vocab_size)[0]
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no TrainBatch {index} in {stream.dir} after {timeout_s:.0f} s: is the orchestrator "
-                               "(the stream's producer) running?")
+            raise stream.missing(index, timeout_s)
         if link is None or not link.catch_up(model, index):
             time.sleep(poll_s)
 
@@ -169,7 +160,7 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
                 break
             last = trainer.step.run(batch)
             step = trainer.step.state.step
-            if link is not None and push_due(recipe, step):
+            if link is not None and pushes_weights_after(recipe.rollout.off_policy, recipe.rollout.k, step):
                 last.update(link.push(trainer.model, step))
             hours = wall_hours()
             last.update({"wall_hours": hours, "gpus": total_gpus, "gpu_hours": hours * total_gpus,

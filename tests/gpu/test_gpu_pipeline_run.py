@@ -29,11 +29,11 @@ def run_args(run_dir, model, gpus_per_side: int) -> list[str]:
 
 
 def test_pipeline_rl_k_run(tmp_path, gpu_figures):
+    from megatron_scalerl.algo.off_policy import staleness_bound
     from megatron_scalerl.demo.model import build_model
     from megatron_scalerl.launch.supervise import LAUNCH_ENV, processes_with_environment
     from megatron_scalerl.metrics import read_metrics
     from megatron_scalerl.recipe import load_recipe
-    from megatron_scalerl.rollout.orchestrator import staleness_bound
     from tests.gpu.summary import node_facts
     from tests.test_pipeline_run import STEPS, _launch
 
@@ -44,7 +44,7 @@ def test_pipeline_rl_k_run(tmp_path, gpu_figures):
     code, out = _launch(run_args(run_dir, model, per_side), [])
     wall = time.monotonic() - start
     recipe = load_recipe(run_dir / "recipe.yaml")
-    bound = staleness_bound(recipe)
+    bound = staleness_bound(recipe.rollout.off_policy, recipe.rollout.k)
     trainer = read_metrics(run_dir, role="trainer")
     batches = read_metrics(run_dir, role="orchestrator")
     steps = [r["step"] for r in trainer]

@@ -1,0 +1,37 @@
+"""The two off-policy modes as one definition (paper section 2.1): how stale a trained token may be, and after which
+optimizer steps the generators get new weights. The orchestrator's admission control and the trainer's weight push
+both read it, so the two halves of a mode cannot disagree.
+
+- PipelineRL-k (`pipeline`): the trainer sends its weights after every step; generation never waits, and a token may
+  be up to k steps behind the step that trains it.
+- PPO-off-policy-k (`ppo`): the trainer sends its weights after every k-th step; one frozen policy generates a block of
+  k batches, so a token is at most k - 1 steps behind.
+"""
+
+from __future__ import annotations
+
+MODES = ("pipeline", "ppo")
+
+
+def _check(mode: str, k: int) -> None:
+    if mode not in MODES or k < 1:
+        raise ValueError(f"off-policy mode {mode!r} with k={k}: expected one of {MODES} and k >= 1")
+
+
+def staleness_bound(mode: str, k: int) -> int:
+    """The most optimizer steps a trained token may be behind the step that trains it."""
+    _check(mode, k)
+    return k if mode == "pipeline" else k - 1
+
+
+def pushes_weights_after(mode: str, k: int, step: int) -> bool:
+    """Whether the trainer's weights after `step` optimizer steps go to the generators."""
+    _check(mode, k)
+    return mode == "pipeline" or step % k == 0
+
+
+def last_push_step(mode: str, k: int, step: int) -> int:
+    """The latest step <= `step` whose weights the schedule sends (0 counts: the trainer's first push). A generator
+    serving any version from it to `step` is current (after a restart it gets `step`'s weights themselves)."""
+    _check(mode, k)
+    return step if mode == "pipeline" else step - step % k
