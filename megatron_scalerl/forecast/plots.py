@@ -7,6 +7,7 @@ import io
 import numpy as np
 from matplotlib.figure import Figure
 
+from megatron_scalerl.forecast.ablation import Ablation
 from megatron_scalerl.forecast.compare import Comparison, log_f
 from megatron_scalerl.forecast.data import Curve
 from megatron_scalerl.forecast.predict import A_MARGIN, Forecast, format_gpu_hours
@@ -25,27 +26,38 @@ def _compute_grid(forecast: Forecast, right: float) -> np.ndarray:
     return np.geomspace(left, right, 300)
 
 
-def _draw_run(ax, forecast: Forecast, colour: str, right: float, label: str) -> None:
-    """Evaluations (fitted filled, excluded grey, held-out hollow), the sigmoid and its interval band."""
-    curve, fit = forecast.curve, forecast.fit
+def _draw_points(ax, forecast: Forecast, colour: str, legend: bool) -> None:
+    """A run's evaluations: fitted filled, excluded (before the cutoff) grey, held-out hollow; `legend` labels them."""
+    curve = forecast.curve
     shown = curve.compute > 0
     early = shown & ~forecast.in_fit & (curve.compute < curve.compute[forecast.in_fit][0])
     later = shown & ~forecast.in_fit & ~early
-    ax.scatter(curve.compute[early], curve.reward[early], s=12, color="0.6", label="excluded (before cutoff)"
-               if label == "data" else None)
+    ax.scatter(curve.compute[early], curve.reward[early], s=12, color="0.6",
+               label="excluded (before cutoff)" if legend else None)
     ax.scatter(curve.compute[forecast.in_fit], curve.reward[forecast.in_fit], s=14, color=colour,
-               label="fitted evaluations" if label == "data" else None)
+               label="fitted evaluations" if legend else None)
     ax.scatter(curve.compute[later], curve.reward[later], s=18, facecolors="none", edgecolors=colour,
-               label="held-out evaluations" if label == "data" and later.any() else None)
+               label="held-out evaluations" if legend and later.any() else None)
+
+
+def _draw_band(ax, grid: np.ndarray, draws: np.ndarray, level: float, colour: str, label: str | None) -> None:
+    """The `level` interval of reward draws (shape (k, len(grid))) as a shaded band."""
+    tail = (1 - level) / 2
+    ax.fill_between(grid, np.quantile(draws, tail, axis=0), np.quantile(draws, 1 - tail, axis=0), color=colour,
+                    alpha=0.18, lw=0, label=label)
+
+
+def _draw_run(ax, forecast: Forecast, colour: str, right: float, label: str) -> None:
+    """Evaluations (fitted filled, excluded grey, held-out hollow), the sigmoid and its interval band."""
+    fit = forecast.fit
+    _draw_points(ax, forecast, colour, label == "data")
     grid = _compute_grid(forecast, right)
     ax.plot(grid, fit.predict(grid), color=colour, lw=2,
             label=f"sigmoid: A={fit.A:.3f}, B={fit.B:.2f}, C_mid={format_gpu_hours(fit.C_mid)}" if label == "data" else
             f"{label}: A={fit.A:.3f}, B={fit.B:.2f}")
     if forecast.boot is not None:
-        draws = forecast.boot.rewards(grid)
-        tail = (1 - forecast.options.level) / 2
-        ax.fill_between(grid, np.quantile(draws, tail, axis=0), np.quantile(draws, 1 - tail, axis=0), color=colour,
-                        alpha=0.18, lw=0, label=f"{forecast.options.level:.0%} interval" if label == "data" else None)
+        _draw_band(ax, grid, forecast.boot.rewards(grid), forecast.options.level, colour,
+                   f"{forecast.options.level:.0%} interval" if label == "data" else None)
 
 
 def curve_png(curve: Curve) -> bytes:
@@ -143,4 +155,36 @@ def linearised_png(comparison: Comparison) -> bytes:
     ax.set_ylabel("log F(R)")
     ax.grid(True, alpha=0.25)
     ax.legend(loc="upper left", fontsize=8)
+    return _png(fig)
+
+
+def ablation_png(ablation: Ablation) -> bytes:
+    """The base and every variant on one log-compute axis: each seed's evaluations, the recipe's mean fitted curve
+    and the band of its pass rate; dotted lines at the base's 50% and 90% of gain."""
+    recipes = (ablation.base, *ablation.variants)
+    forecasts = [f for r in recipes for f in r.forecasts]
+    right = max(max(ablation.options.budgets), *(f.curve.compute[-1] for f in forecasts)) * 1.15
+    grid = np.geomspace(min(f.curve.compute[f.curve.compute > 0].min() for f in forecasts), right, 300)
+    fig = Figure(figsize=(8.5, 5.2))
+    ax = fig.add_subplot()
+    ax.set_xscale("log")
+    for i, recipe in enumerate(recipes):
+        colour = COLOURS[i % len(COLOURS)]
+        for forecast in recipe.forecasts:
+            _draw_points(ax, forecast, colour, legend=False)
+        fit = recipe.fitted
+        seeds = f", {len(recipe.forecasts)} seeds" if len(recipe.forecasts) > 1 else ""
+        verdict = "base" if i == 0 else ablation.contrasts[i - 1].verdict
+        ax.plot(grid, recipe.predict(grid), color=colour, lw=2,
+                label=f"{recipe.name} ({verdict}{seeds}): A={fit['A']:.3f}, C_mid={format_gpu_hours(fit['C_mid'])}")
+        _draw_band(ax, grid, recipe.rewards(grid), recipe.level, colour, None)
+    base = ablation.base.fitted
+    for q in (0.5, 0.9):
+        ax.axhline(base["R0"] + q * (base["A"] - base["R0"]), color="0.4", ls=":", lw=1)
+    ax.set_xlim(grid[0] * 0.9, right)
+    ax.set_xlabel("training compute (GPU-hours, log scale)")
+    ax.set_ylabel(ablation.metric)
+    ax.set_title(f"ablation: fits and {ablation.base.level:.0%} bands; dotted: 50% and 90% of the base's gain")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(loc="lower right", fontsize=7.5)
     return _png(fig)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_scalerl.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text, json_safe
+from megatron_scalerl.forecast import plots
+from megatron_scalerl.forecast.ablation import Ablation
 from megatron_scalerl.forecast.backtest import Backtest
 from megatron_scalerl.forecast.compare import Comparison
 from megatron_scalerl.forecast.predict import A_MARGIN, Forecast, format_gpu_hours
@@ -105,7 +107,7 @@ def dumps(data: dict) -> str:
     return json.dumps(json_safe(data))
 
 
-# ---------------------------------------------------------------- the three reports
+# ---------------------------------------------------------------- the four reports
 
 
 def _gpu_hours_cell(value: float) -> str:
@@ -229,6 +231,81 @@ def backtest_document(backtest: Backtest, png: bytes) -> Document:
               [[_gpu_hours_cell(p["gpu_hours"]), f"{p['observed']:.4f}", f"{p['predicted']:.4f}", f"{p['error']:+.4f}",
                 _interval(_pair(p))] for p in data])
     return doc
+
+
+def ablation_document(ablation: Ablation, png: bytes) -> Document:
+    """The ablation report: verdicts, the figure, each recipe's fit, the differences to the base, the rule."""
+    data = ablation.to_dict()
+    base, variants, level = data["base"], data["variants"], f"{data['level']:.0%}"
+    doc = Document(f"Ablation: {', '.join(v['name'] for v in variants)} vs {base['name']}")
+    doc.paragraph(f"Verdicts against the base {base['name']}: "
+                  + "; ".join(f"{v['name']}: {v['verdict']}" for v in variants) + ".")
+    doc.items([f"{v['name']}: {v['verdict']}: {v['verdict_reason']}" for v in variants])
+    doc.image("ablation.png", png)
+    doc.heading("Fits")
+    doc.paragraph(f"{data['curve']} against GPU-hours; a recipe with several seeds is the mean of their fitted curves "
+                  f"(A, R0: the seeds' means; C_mid: where the mean curve reaches half its gain; B: ln 81 / ln(C_90 / "
+                  f"C_10)). Intervals: {level}, {data['options']['resamples']} bootstrap refits per run.")
+    doc.table(["recipe", "runs", "A", f"A {level}", "B", f"B {level}", "C_mid (GPU-h)", f"C_mid {level}", "R0"],
+              [[r["name"], str(len(r["runs"])), f"{r['A']:.4f}", _interval((r["A_lo"], r["A_hi"])), f"{r['B']:.3f}",
+                _interval((r["B_lo"], r["B_hi"])), _gpu_hours_cell(r["C_mid"]),
+                _interval((r["C_mid_lo"], r["C_mid_hi"]), _gpu_hours_cell), f"{r['R0']:.3f}"]
+               for r in (base, *variants)])
+    doc.heading("Differences to the base")
+    rows, header = [], ["variant", "dA", f"dA {level}"]
+    for pct in (50, 90):
+        header += [f"GPU-h to {pct}% of base gain", f"{level}", "x base", f"{level}"]
+    for v in variants:
+        row = [v["name"], f"{v['dA']:+.4f}", _interval((v["dA_lo"], v["dA_hi"]), "{:+.4f}".format)]
+        for pct in (50, 90):
+            key = f"compute_to_{pct}pct_base_gain"
+            ratio = f"compute_ratio_{pct}pct_base_gain"
+            row += [_compute_cell(v[key]), _interval((v[f"{key}_lo"], v[f"{key}_hi"]), _gpu_hours_cell),
+                    _ratio_cell(v[ratio]), _interval((v[f"{ratio}_lo"], v[f"{ratio}_hi"]), "{:.2f}".format)]
+        rows.append(row)
+    doc.table(header + ["verdict"], [row + [v["verdict"]] for row, v in zip(rows, variants, strict=True)])
+    doc.paragraph(f"The base needs {_compute_cell(base['compute_to_50pct_base_gain'])} GPU-h to reach 50% of its gain "
+                  f"and {_compute_cell(base['compute_to_90pct_base_gain'])} GPU-h to reach 90%. "
+                  + "; ".join(f"{v['name']} crosses the base at {', '.join(map(_gpu_hours_cell, v['crossovers']))} "
+                              "GPU-h" if v["crossovers"] else f"{v['name']} does not cross the base before the "
+                              "largest budget" for v in variants) + ".")
+    doc.heading("Verdict rule")
+    doc.paragraph(data["rule"])
+    doc.paragraph(f"The bootstrap models the noise inside each run (its drift and evaluation noise); the paper's "
+                  f"+-{A_MARGIN} on A, measured across identical runs, is the floor for a ceiling shift.")
+    doc.heading("Budgets and targets")
+    recipes = (base, *variants)
+    doc.table(["GPU-hours"] + [r["name"] for r in recipes],
+              [[_gpu_hours_cell(p["gpu_hours"])] + [f"{r['predictions'][i]['reward']:.4f} "
+                                                   f"{_interval(_pair(r['predictions'][i]))}" for r in recipes]
+               for i, p in enumerate(base["predictions"])])
+    if base["targets"]:
+        doc.table(["target reward"] + [f"{r['name']}: GPU-h needed" for r in recipes],
+                  [[f"{t['reward']:.3f}"] + [f"{_compute_cell(r['targets'][i]['gpu_hours'])} "
+                                             f"{_interval(_pair(r['targets'][i]), _gpu_hours_cell)}" for r in recipes]
+                   for i, t in enumerate(base["targets"])])
+    doc.heading("Runs")
+    doc.items([f"{r['name']}: {', '.join(r['runs'])}" for r in recipes])
+    warnings = [w for r in recipes for w in r["warnings"]]
+    if warnings:
+        doc.heading("Warnings")
+        doc.items(warnings)
+    return doc
+
+
+def write_ablation(out_dir: str | Path, ablation: Ablation) -> list[Path]:
+    """Write ablation.json, report.md, report.html and ablation.png into `out_dir` (atomically); returns the paths."""
+    return write_report(out_dir, ablation_document(ablation, plots.ablation_png(ablation)), "ablation.json",
+                        ablation.to_dict())
+
+
+def _compute_cell(value: float) -> str:
+    """GPU-hours that may be inf (never reached)."""
+    return _gpu_hours_cell(value) if math.isfinite(value) else "never"
+
+
+def _ratio_cell(value: float) -> str:
+    return f"{value:.2f}" if math.isfinite(value) else "never" if value > 0 else "-"
 
 
 def _pair(row: dict):
