@@ -36,6 +36,7 @@ import torch.distributed as dist
 from megatron_scalerl.algo.off_policy import pushes_weights_after
 from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.gpu_hours import ComputeMeter
 from megatron_scalerl.metrics import MetricsLog, read_metrics
 from megatron_scalerl.platform.distributed import from_rank0
 from megatron_scalerl.platform.precision import resolve_precision, with_precision
@@ -122,21 +123,18 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
     link = GeneratorLink.from_run_dir(run_dir, recipe, is_rank0=dist.get_rank() == 0)
     metrics = MetricsLog(run_dir, "trainer", wandb_mode=recipe.logging.wandb_mode if is_log_rank else "disabled",
                          wandb_project=recipe.logging.wandb_project, run_name=recipe.name, config=recipe.to_dict())
-    compute_hours_before = _compute_hours_so_far(run_dir, rl_state)
-    start = time.monotonic()
+    # the run's one compute clock, the orchestrator's too: sacct over the run's SLURM jobs where there is accounting,
+    # else wall time (over restarts) x the recipe's GPUs
+    compute = ComputeMeter(run_dir, recipe.cluster.total_gpus, _compute_hours_so_far(run_dir, rl_state))
     waited_s = 0.0
-    total_gpus = recipe.cluster.total_gpus
     last: dict = {}
-
-    def wall_hours() -> float:
-        return compute_hours_before + (time.monotonic() - start) / 3600.0
 
     saved_step = latest[0] if latest is not None else None
 
     def checkpoint() -> None:
         nonlocal saved_step
         path = save_trainer(store, trainer.model, trainer.optimizer, trainer.step.state, recipe.model,
-                            _rl_extras(run_dir, wall_hours()))
+                            _rl_extras(run_dir, compute.wall_hours()))
         saved_step = trainer.step.state.step
         if is_log_rank:
             log.info("checkpoint %s (step %d)", path, saved_step)
@@ -162,12 +160,12 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
             step = trainer.step.state.step
             if link is not None and pushes_weights_after(recipe.rollout.off_policy, recipe.rollout.k, step):
                 last.update(link.push(trainer.model, step))
-            hours = wall_hours()
-            last.update({"wall_hours": hours, "gpus": total_gpus, "gpu_hours": hours * total_gpus,
-                         "trainer/idle_fraction": waited_s / max(time.monotonic() - start, 1e-9),  # since start
-                         "trainer/batch_wait_s": batch_wait_s})  # seconds this step waited for its batch
-            if is_log_rank and step % recipe.logging.log_interval == 0:
-                metrics.log(step, last)
+            last.update({"trainer/idle_fraction": waited_s / max(time.monotonic() - compute.started, 1e-9),
+                         "trainer/batch_wait_s": batch_wait_s})  # since start; seconds this step waited for its batch
+            if is_log_rank:  # rank 0 alone asks sacct
+                last.update(compute.figures())
+                if step % recipe.logging.log_interval == 0:
+                    metrics.log(step, last)
             if step % recipe.trainer.checkpoint_interval == 0:
                 checkpoint()
         if saved_step != trainer.step.state.step:
