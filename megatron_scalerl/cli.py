@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "megatron_scalerl.rollout.serve_cli",
     "megatron_scalerl.launch.local",
     "megatron_scalerl.demo.run",
+    "megatron_scalerl.sweep.cli",
     "megatron_scalerl.evaluation.cli",
 ]
 

@@ -1,0 +1,159 @@
+"""A sweep's runs as SLURM jobs: one job per run, with the repository's own sbatch files.
+
+Each run is submitted from the checkout that holds `slurm/` (as the README's walk does), with the job's sizes taken
+from the run's recipe (its cluster section: trainer nodes : generator nodes, `gpus_per_node` GPUs each; partition
+and account when it names them) and its settings exported:
+
+    sbatch --parsable --job-name=sweep-<id>-<variant>-seedI --output=SWEEP/VARIANT/seedI.slurm-%j.out \
+        --nodes=T --gpus-per-node=G : --nodes=N --gpus-per-node=G \
+        --export=ALL,SCALERL_RUN_DIR=<run>,SCALERL_RECIPE=SWEEP/VARIANT/seedI.recipe.yaml,SCALERL_MODEL=,... \
+        slurm/scalerl_moe.sbatch            # scalerl_dense.sbatch for a dense model
+
+A job finds a started run's recipe.yaml and continues it; the time-limit requeue is the sbatch files' own. The sweep
+keeps at most `--max-concurrent` of its jobs queued or running and polls `squeue` every `--poll` seconds for them by
+name (so an interrupted sweep finds its jobs again, and never submits a run twice); a job gone from the queue (twice
+in a row: a requeued job may briefly be missing) has ended, and its run is done or failed. Ctrl-C or SIGTERM stops
+the watching only: the jobs go on, and `scalerl sweep` again follows them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megatron_scalerl.errors import UserError
+from megatron_scalerl.sweep.runs import Sweep, SweepRun
+
+CHECKOUT = Path(__file__).resolve().parents[2]  # the repository: slurm/*.sbatch and the venv the jobs run
+SLURM_TIMEOUT_S = 60.0  # each sbatch / squeue call
+GONE_POLLS = 2  # polls a job must be missing from squeue before it counts as ended
+
+
+def job_name(sweep_dir: Path, key: str) -> str:
+    """The SLURM job name of run `key`: unique to the sweep directory (a hash of its absolute path)."""
+    tag = hashlib.sha256(str(sweep_dir.resolve()).encode()).hexdigest()[:8]
+    return f"sweep-{tag}-{key.replace('/', '-')}"
+
+
+def _slurm(*command: str) -> str:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S, cwd=CHECKOUT)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UserError(f"{command[0]}: {exc}") from None
+    if done.returncode != 0:
+        raise UserError(f"{' '.join(command[:2])} ... failed (exit {done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def queued(names: list[str]) -> dict[str, tuple[int, str]]:
+    """{job name: (job id, "running" or "queued")} of the jobs with these names still in the queue (pending,
+    running, requeued, ...); a het-job is running when any of its components is."""
+    if not names:
+        return {}
+    out = _slurm("squeue", "-h", "-o", "%i|%j|%T", f"--name={','.join(names)}")
+    jobs: dict[str, tuple[int, str]] = {}
+    for line in out.splitlines():
+        job, name, state = (part.strip() for part in line.split("|", 2))
+        running = state == "RUNNING" or jobs.get(name, (0, ""))[1] == "running"
+        jobs[name] = (int(job.split("+")[0].split("_")[0]), "running" if running else "queued")
+    return jobs
+
+
+def sbatch_command(sweep: Sweep, run: SweepRun) -> list[str]:
+    """The `sbatch` command line of run `run` (see the module docstring)."""
+    recipe, cluster = run.recipe, run.recipe.cluster
+    script = CHECKOUT / "slurm" / ("scalerl_moe.sbatch" if recipe.model.is_moe else "scalerl_dense.sbatch")
+    if not script.is_file():
+        raise UserError(f"{script}: not found; --slurm submits the repository's sbatch files: run the sweep from the "
+                        "checkout's venv")
+    settings = {"SCALERL_RUN_DIR": str(run.run_dir.resolve()), "SCALERL_RECIPE": str(run.recipe_file.resolve()),
+                "SCALERL_MODEL": "", "SCALERL_SET": "", "SCALERL_TOKENIZER": sweep.manifest.get("tokenizer") or "",
+                "SCALERL_PYTHON": sys.executable}
+    for name, value in settings.items():
+        if "," in value:
+            raise UserError(f"{name}={value}: sbatch --export cannot carry a comma; choose paths without one")
+    where = [*([f"--partition={cluster.partition}"] if cluster.partition else []),
+             *([f"--account={cluster.account}"] if cluster.account else [])]
+    sizes = [*where, f"--nodes={cluster.trainer_nodes}", f"--gpus-per-node={cluster.gpus_per_node}", ":",
+             *where, f"--nodes={cluster.generator_nodes}", f"--gpus-per-node={cluster.gpus_per_node}"]
+    output = run.run_dir.with_name(f"{run.run_dir.name}.slurm-%j.out").resolve()
+    return ["sbatch", "--parsable", f"--job-name={job_name(sweep.dir, run.key)}", f"--output={output}", *sizes,
+            "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in settings.items())]), str(script)]
+
+
+def run_slurm(sweep: Sweep, keys: list[str], max_concurrent: int | None, poll_s: float) -> int:
+    """Submit and follow the sweep's runs `keys` (in order; done ones skipped); 0 when every one is done, 1 when
+    some failed, 128 + a stop signal when the watching was stopped (the jobs go on)."""
+    names = {key: job_name(sweep.dir, key) for key in keys}
+    todo = [key for key in keys if not sweep.done(key)]
+    active: dict[str, int] = {}  # run key -> polls it was missing from the queue
+    failed: list[str] = []
+    stop: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: stop.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while (todo or active) and not stop:
+            jobs = queued([names[k] for k in [*active, *todo]])
+            for key in list(active):
+                active[key] = 0 if names[key] in jobs else active[key] + 1
+                if names[key] in jobs and sweep.manifest["runs"][key]["state"] != jobs[names[key]][1]:
+                    sweep.update(key, state=jobs[names[key]][1])
+                if active[key] >= GONE_POLLS:
+                    del active[key]
+                    if not _ended(sweep, key):
+                        failed.append(key)
+            while todo and (max_concurrent is None or len(active) < max_concurrent):
+                key = todo.pop(0)
+                active[key] = 0
+                if names[key] in jobs:  # submitted by an earlier sweep process
+                    job, state = jobs[names[key]]
+                    sweep.update(key, state=state, slurm_job=job)
+                    print(f"sweep: {key}: following job {job} ({state})", flush=True)
+                else:
+                    _submit(sweep, sweep.runs[key])
+            _sleep(poll_s if active else 0, stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if stop:
+        print(f"sweep: stopped watching ({signal.Signals(stop[0]).name}); {len(active)} job(s) go on: run the same "
+              "`scalerl sweep` again to follow them", flush=True)
+        return 128 + stop[0]
+    if failed:
+        print(f"sweep: {len(failed)} run(s) ended without finishing: " + "; ".join(
+            f"{k} (job {sweep.manifest['runs'][k]['slurm_job']})" for k in failed)
+            + "; run the same `scalerl sweep` again to resume them", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _sleep(seconds: float, stop: list[int]) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not stop:
+        time.sleep(min(1.0, deadline - time.monotonic()))
+
+
+def _submit(sweep: Sweep, run: SweepRun) -> None:
+    resume = sweep.prepare(run.key)
+    run.run_dir.parent.mkdir(parents=True, exist_ok=True)
+    job = int(_slurm(*sbatch_command(sweep, run)).strip().split(";")[0])
+    sweep.update(run.key, state="queued", slurm_job=job, exit_code=None)
+    print(f"sweep: {run.key}: {'resubmitted' if resume else 'submitted'} as job {job} (output "
+          f"{run.run_dir.with_name(f'{run.run_dir.name}.slurm-{job}.out')})", flush=True)
+
+
+def _ended(sweep: Sweep, key: str) -> bool:
+    """Record the end of run `key`'s job; True when the run is done."""
+    job = sweep.manifest["runs"][key]["slurm_job"]
+    if sweep.done(key):
+        print(f"sweep: {key}: done (job {job}: {sweep.manifest['runs'][key]['finished']})", flush=True)
+        return True
+    sweep.update(key, state="failed")
+    output = sweep.runs[key].run_dir.with_name(f"{sweep.runs[key].run_dir.name}.slurm-{job}.out")
+    tail = "\n".join(output.read_text(errors="replace").splitlines()[-15:]) if output.is_file() else "(no output)"
+    print(f"sweep: {key}: job {job} ended without finishing the run; {output}:\n{tail}", file=sys.stderr, flush=True)
+    return False

@@ -1,0 +1,366 @@
+"""`scalerl sweep` (megatron_scalerl/sweep/): the plan (variants laid onto a base, grids, seeds), the manifest and its
+merges, when a run is done and how a finished one is extended, bad input, the report of runs made any other way; then
+two real sweeps of the tiny dense model: one on this machine, interrupted, resumed and extended, and one through
+SLURM on the local cluster of tests/test_slurm.py.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from megatron_scalerl.cli import main
+from megatron_scalerl.errors import RecipeError, UserError
+from megatron_scalerl.metrics import read_metrics
+from megatron_scalerl.recipe import apply_overrides, diff, flatten, load_recipe, preset_names, resolve_dict
+from megatron_scalerl.run_dir import read_finished, write_finished
+from megatron_scalerl.sweep.manifest import load_manifest, merge, ordered_runs, save_manifest
+from megatron_scalerl.sweep.plan import BaseSpec, Variant, grid_variants, preset_variant, run_recipe
+from megatron_scalerl.sweep.runs import Sweep, SweepRun
+from tests import test_slurm
+
+SCALERL = Path(sys.executable).with_name("scalerl")
+LOO = [name for name in preset_names() if name.startswith("loo_")]
+# The tiny models are untrained (pass rate ~0): every group trains (no zero-variance filter), small batches, a
+# validation and a checkpoint at every step; one trainer rank and one generator (2 processes on 2 cores); PipelineRL-1,
+# so that the orchestrator is never far ahead and a stop lands with steps still to train.
+SETS = ["cluster.trainer_nodes=1", "parallelism.ep=1", "rollout.prompts_per_step=4", "rollout.generations_per_prompt=4",
+        "rollout.k=1", "algorithm.zero_variance_filter=false", "data.validation_holdout=8", "data.validation_interval=1",
+        "data.validation_generations=2", "trainer.checkpoint_interval=1", "logging.wandb_mode=disabled",
+        "forecast.live=false", "forecast.resamples=20"]
+cluster = test_slurm.cluster  # the local SLURM cluster fixture (module scope: started for this file's SLURM test)
+
+
+def _spec(**fields) -> BaseSpec:
+    return BaseSpec("demo", init_from="/models/shared", **fields)
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+
+
+@pytest.mark.parametrize("name", LOO)
+def test_a_loo_preset_on_demo_changes_only_what_it_names(name):
+    """Every loo_* is written against scalerl (the 8B recipe); laid onto demo, it changes exactly the fields where
+    it differs from scalerl, wherever demo does not already agree."""
+    theirs, own = flatten(resolve_dict("scalerl")), flatten(resolve_dict(name))
+    named = {k: v for k, v in own.items() if k != "name" and theirs.get(k) != v}
+    demo = flatten(resolve_dict("demo"))
+    laid = flatten(apply_overrides(resolve_dict("demo"), list(preset_variant(name).overrides)))
+    assert {k: v for k, v in laid.items() if demo.get(k) != v} == {k: v for k, v in named.items() if demo.get(k) != v}
+    assert named  # each preset names something
+    spec = _spec()
+    base = run_recipe(spec, Variant("base", "base"), 0, "b")
+    try:
+        recipe = run_recipe(spec, preset_variant(name), 0, "v")
+    except RecipeError as exc:  # a field demo's sizes reject: said, naming the variant and the field
+        assert name == "loo_length_penalty" and "variant loo_length_penalty on base demo" in str(exc), exc
+        assert "algorithm.length_control.penalty_max_len" in str(exc)
+        return
+    expected = {(k, a, b) for k, a, b in diff(load_recipe("scalerl"), load_recipe(name)) if demo.get(k) != b}
+    assert set(diff(base, recipe)) == expected
+    assert recipe.model == base.model and recipe.trainer.init_from == "/models/shared"
+
+
+def test_grid_gives_one_variant_per_point_and_checks_its_keys():
+    base = resolve_dict("demo")
+    grid = grid_variants(["trainer.lr=1e-6,5e-7", "rollout.k=2,4"], base)
+    assert [v.name for v in grid] == ["lr-1e-6_k-2", "lr-1e-6_k-4", "lr-5e-7_k-2", "lr-5e-7_k-4"]
+    recipe = run_recipe(_spec(), grid[1], 0, "x")
+    assert (recipe.trainer.lr, recipe.rollout.k) == (1e-6, 4)
+    with pytest.raises(UserError, match=r"--grid lr: not a field of the base recipe \(did you mean trainer.lr\?\)"):
+        grid_variants(["lr=1e-6"], base)
+    with pytest.raises(UserError, match="a key given twice"):
+        grid_variants(["rollout.k=2", "rollout.k=4"], base)
+
+
+def test_seeds_steps_and_budget_reach_each_runs_recipe():
+    spec = _spec(steps=7, budget=2.5)
+    runs = [run_recipe(spec, preset_variant("loo_dapo_loss"), i, f"r{i}") for i in range(2)]
+    base_seed = load_recipe("demo").trainer.seed
+    assert [r.trainer.seed for r in runs] == [base_seed, base_seed + 1]
+    assert all(r.trainer.max_steps == 7 and r.trainer.max_gpu_hours == 2.5 and r.algorithm.loss == "dapo"
+               for r in runs)
+    assert run_recipe(_spec(), Variant("base", "base"), 0, "b").trainer.max_steps == load_recipe("demo").trainer.max_steps
+
+
+def test_the_manifest_merges_extensions_and_refuses_what_would_change_the_sweep(tmp_path):
+    dapo = preset_variant("loo_dapo_loss")
+    first = merge(tmp_path, None, base="demo", model=None, sets=["rollout.k=2"], tokenizer=None, steps=10, budget=None,
+                  seeds=1, variants=[dapo])
+    assert ordered_runs(first) == ["base/seed0", "loo_dapo_loss/seed0"]
+    first["runs"]["base/seed0"]["state"] = "done"
+    save_manifest(tmp_path, first)
+    old = load_manifest(tmp_path)
+    grown = merge(tmp_path, old, base=None, model=None, sets=[], tokenizer=None, steps=20, budget=None, seeds=2,
+                  variants=[preset_variant("loo_ppo_off_policy")])
+    assert ordered_runs(grown) == ["base/seed0", "loo_dapo_loss/seed0", "loo_ppo_off_policy/seed0", "base/seed1",
+                                   "loo_dapo_loss/seed1", "loo_ppo_off_policy/seed1"]  # seed 0 of every variant first
+    assert grown["runs"]["base/seed0"]["state"] == "done" and grown["steps"] == 20 and grown["set"] == ["rollout.k=2"]
+    assert merge(tmp_path, old, base="demo", model=None, sets=[], tokenizer=None, steps=None, budget=None,
+                 seeds=None, variants=[dapo]) == old  # the same sweep again: nothing changes
+    for kwargs, message in [
+        ({"base": "scalerl"}, r"sweep.json: field 'base' is \"demo\", and --base \"scalerl\" differs"),
+        ({"sets": ["rollout.k=4"]}, r"field 'set' is \[\"rollout.k=2\"\], and --set \[\"rollout.k=4\"\] differs"),
+        ({"steps": 5}, "field 'steps' is 10; --steps 5 would shrink it"),
+        ({"slurm": True}, "field 'slurm' is false: this sweep runs its runs on this machine"),
+        ({"variants": [replace(dapo, overrides=("algorithm.loss=\"gspo\"",))]},
+         "field 'variants.loo_dapo_loss.overrides' is"),
+    ]:
+        request = {"base": None, "model": None, "sets": [], "tokenizer": None, "steps": None, "budget": None,
+                   "seeds": None, "variants": [], **kwargs}
+        with pytest.raises(UserError, match=message):
+            merge(tmp_path, old, **request)
+
+
+def _started_run(sweep_dir: Path, key: str, steps: int, finished: int | None) -> SweepRun:
+    """A run directory as a launch leaves it (recipe.yaml, generators.json) that ended at `finished` steps."""
+    recipe = run_recipe(_spec(steps=steps), Variant("base", "base"), 0, "x")
+    run = SweepRun(key, sweep_dir / key, recipe)
+    run.run_dir.mkdir(parents=True)
+    (run.run_dir / "recipe.yaml").write_text(recipe.to_yaml())
+    (run.run_dir / "generators.json").write_text("{}")
+    if finished is not None:
+        write_finished(run.run_dir, "max_steps", finished, 0.5)
+    return run
+
+
+def test_a_finished_run_is_done_until_the_sweep_asks_for_more_then_its_recipe_is_extended(tmp_path):
+    manifest = merge(tmp_path, None, base="demo", model=None, sets=[], tokenizer=None, steps=3, budget=None, seeds=1,
+                     variants=[preset_variant("loo_dapo_loss")])
+    runs = {"base/seed0": _started_run(tmp_path, "base/seed0", 3, finished=3),
+            "loo_dapo_loss/seed0": _started_run(tmp_path, "loo_dapo_loss/seed0", 3, finished=None)}
+    sweep = Sweep(tmp_path, manifest, runs)
+    assert sweep.done("base/seed0") and not sweep.done("loo_dapo_loss/seed0")
+    assert load_manifest(tmp_path)["runs"]["base/seed0"]["finished"] == {"reason": "max_steps", "step": 3,
+                                                                          "gpu_hours": 0.5}
+    manifest["steps"] = 5  # extended
+    assert not sweep.done("base/seed0")
+    assert sweep.prepare("base/seed0") is True  # continues with --resume ...
+    assert load_recipe(tmp_path / "base/seed0/recipe.yaml").trainer.max_steps == 5  # ... to the new end
+    write_finished(tmp_path / "base/seed0", "max_gpu_hours", 4, 0.5)  # a run that ended at its compute budget
+    manifest["budget"] = 0.5
+    assert sweep.done("base/seed0")
+    manifest["budget"] = 0.75  # a larger budget: not done any more
+    assert not sweep.done("base/seed0")
+    # a first start cut short while `scalerl train` prepared the directory (no role ran): started anew
+    (tmp_path / "loo_dapo_loss/seed0/generators.json").unlink()
+    assert sweep.prepare("loo_dapo_loss/seed0") is False and not (tmp_path / "loo_dapo_loss/seed0").exists()
+    assert load_recipe(tmp_path / "loo_dapo_loss/seed0.recipe.yaml").trainer.max_steps == 3
+
+
+def test_a_slurm_run_is_submitted_with_the_sbatch_file_of_its_model_and_sizes_from_its_recipe(tmp_path):
+    from megatron_scalerl.sweep.slurm import CHECKOUT, job_name, sbatch_command
+
+    manifest = merge(tmp_path, None, base="demo", model=None, sets=[], tokenizer=None, steps=None, budget=None,
+                     seeds=1, variants=[], slurm=True)
+    recipes = {"base/seed0": load_recipe("demo", ["cluster.partition=gpu"]),
+               "base/seed1": load_recipe("demo", model_preset="tiny_dense")}
+    sweep = Sweep(tmp_path, manifest, {k: SweepRun(k, tmp_path / k, r) for k, r in recipes.items()})
+    moe, dense = (sbatch_command(sweep, sweep.runs[k]) for k in recipes)
+    assert moe[-1] == str(CHECKOUT / "slurm" / "scalerl_moe.sbatch")
+    assert dense[-1] == str(CHECKOUT / "slurm" / "scalerl_dense.sbatch")
+    assert moe[moe.index(":") - 3:moe.index(":") + 4] == ["--partition=gpu", "--nodes=2", "--gpus-per-node=1", ":",
+                                                          "--partition=gpu", "--nodes=1", "--gpus-per-node=1"]
+    assert f"--job-name={job_name(tmp_path, 'base/seed0')}" in moe and job_name(tmp_path, "base/seed0") != \
+        job_name(tmp_path / "other", "base/seed0")
+    exports = dict(item.split("=", 1) for item in moe[-2].removeprefix("--export=").split(",")[1:])
+    assert exports["SCALERL_RUN_DIR"] == str(tmp_path / "base/seed0")
+    assert exports["SCALERL_RECIPE"] == str(tmp_path / "base/seed0.recipe.yaml")
+    assert exports["SCALERL_MODEL"] == exports["SCALERL_SET"] == ""  # the sbatch files' own defaults do not apply
+
+
+def test_parallel_runs_must_fit_the_cores_or_the_gpus(monkeypatch):
+    from megatron_scalerl.sweep.local import check_room
+
+    runs = [SweepRun("base/seed0", Path("r"), load_recipe("demo"))]  # 2 trainer ranks + 1 generator
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    check_room(runs, 1, cuda=False)  # one run at a time: as `scalerl train` would
+    with pytest.raises(UserError, match=r"--parallel 2: 2 runs x 3 processes .* need 6 CPU cores .* gives 4"):
+        check_room(runs, 2, cuda=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5")
+    check_room(runs, 2, cuda=True)
+    with pytest.raises(UserError, match="need 9 visible GPUs"):
+        check_room(runs, 3, cuda=True)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sweep"], "give --sweep-dir DIR"),
+    (["sweep", "--sweep-dir", "{tmp}/s"], "holds no sweep yet (sweep.json): give --base"),
+    (["sweep", "--sweep-dir", "{tmp}/s", "--base", "demo", "--variants", "no_such"], "unknown preset 'no_such'"),
+    (["sweep", "--sweep-dir", "{tmp}/s", "--base", "demo", "--grid", "trainer.nope=1"],
+     "--grid trainer.nope: not a field of the base recipe"),
+    (["sweep", "--sweep-dir", "{tmp}/s", "--base", "demo", "--set", "trainer.init_from=/m"],
+     "a sweep compares variants with its base: give --variants or --grid"),
+    (["sweep", "--sweep-dir", "{tmp}/s", "--base", "scalerl", "--variants", "loo_dapo_loss"],
+     "a sweep needs trainer.init_from (--set trainer.init_from=DIR) or --model hf:DIR"),
+    (["sweep", "--sweep-dir", "{tmp}/s", "--base", "demo", "--variants", "loo_dapo_loss", "--slurm",
+      "--parallel", "2"], "--parallel is for local runs"),
+    (["sweep", "--sweep-dir", "{tmp}/s", "--base", "demo", "--variants", "loo_dapo_loss", "--steps", "0"],
+     "--steps must be >= 1"),
+    (["sweep", "--sweep-dir", "{tmp}/old", "--base", "scalerl"], "field 'base' is \"demo\", and --base \"scalerl\""),
+    (["sweep", "report"], "give a sweep directory, or --runs"),
+    (["sweep", "report", "{tmp}"], "no sweep.json (not a sweep directory)"),
+])
+def test_bad_input_is_refused_in_one_line(tmp_path, capsys, argv, message):
+    save_manifest(tmp_path / "old", merge(tmp_path / "old", None, base="demo", model=None, sets=[], tokenizer=None,
+                                          steps=None, budget=None, seeds=1, variants=[]))
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_report_of_runs_made_any_other_way_is_one_json_object(tmp_path, capsys):
+    """`scalerl sweep report --runs BASE RUN ...` on run directories holding metrics.jsonl (synthetic curves of the
+    paper's 8B run); a run too short to fit is left out and said, not fatal."""
+    from megatron_scalerl.forecast.synthetic import PaperRun, simulate_run
+
+    base = PaperRun("base", C_mid=2542, B=1.92, A=0.610, budget=16000)
+    for name, run, seed, evaluations in (("a", base, 1, 41), ("b", replace(base, A=0.66), 2, 41), ("c", base, 3, 3)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(simulate_run(run, seed, num_evals=evaluations).curve.to_jsonl())
+    runs = [str(tmp_path / n) for n in "abc"]
+    assert main(["sweep", "report", "--runs", *runs, "--json", "--out", str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    data = json.loads(out)  # exactly one object: anything else on stdout would break this
+    assert [(v["name"], v["verdict"]) for v in data["variants"]] == [("b", "ceiling")]
+    assert data["base"]["name"] == "a" and [e["variant"] for e in data["left_out"]] == ["c"]
+    assert "c: left out" in err and "the fit needs at least 5" in err
+    assert main(["sweep", "report", "--runs", runs[0], runs[2]]) == 2  # nothing left to compare: said in one line
+    assert "no ablation report: no run of any variant can be fitted" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ablation.json", "ablation.png", "report.html",
+                                                                     "report.md"]
+
+
+# ------------------------------------------------------------------------------------------------ real sweeps
+
+
+@pytest.fixture(scope="module")
+def dense_model(tmp_path_factory):
+    """The tiny dense model (random weights) and its tokenizer, as the README's SLURM walk builds it."""
+    out = tmp_path_factory.mktemp("models") / "tiny_dense"
+    done = subprocess.run([str(SCALERL), "demo", "--init-only", str(out), "--model", "tiny_dense", "--seed", "3"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+class _Sweep:
+    """`scalerl sweep ARGS` as a process of its own, its output in a file."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
+        self.log = log
+        with open(log, "w") as out:
+            self.process = subprocess.Popen([str(SCALERL), "sweep", *args], stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                                         "WANDB_MODE": "disabled", **(env or {})})
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_for(self, ready, what: str, timeout_s: float = 400) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            assert self.process.poll() is None, f"the sweep exited {self.process.returncode}:\n{self.text()[-4000:]}"
+            assert time.monotonic() < deadline, f"not {what} after {timeout_s} s:\n{self.text()[-4000:]}"
+            time.sleep(0.5)
+
+    def end(self, timeout_s: float = 600) -> int:
+        try:
+            return self.process.wait(timeout=timeout_s)
+        finally:
+            if self.process.poll() is None:
+                self.process.terminate()  # the sweep stops its runs in order
+                self.process.wait(timeout=500)
+
+
+def _trainer_steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir, role="trainer")]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(1200)
+def test_a_local_sweep_is_interrupted_resumed_and_extended(tmp_path, dense_model):
+    sweep_dir = tmp_path / "sweep"
+    base, dapo = sweep_dir / "base" / "seed0", sweep_dir / "loo_dapo_loss" / "seed0"
+    fresh = ["--sweep-dir", str(sweep_dir), "--base", "demo", "--model", f"hf:{dense_model}",
+             "--variants", "loo_dapo_loss", "--steps", "4", *[a for s in SETS for a in ("--set", s)]]
+    # 1: the base runs to its end; the variant is interrupted (Ctrl-C) once it has a checkpoint
+    first = _Sweep(fresh, tmp_path / "first.log")
+    first.wait_for(lambda: (dapo / "checkpoints" / "iter_0000001" / "manifest.json").is_file(), "a variant checkpoint")
+    first.process.send_signal(signal.SIGINT)
+    assert first.end() == 130, first.text()[-3000:]
+    assert "stopping 1 run(s)" in first.text()
+    runs = load_manifest(sweep_dir)["runs"]
+    assert (runs["base/seed0"]["state"], runs["loo_dapo_loss/seed0"]["state"]) == ("done", "stopped")
+    assert read_finished(base)["step"] == 4 and read_finished(dapo) is None
+    assert load_recipe(dapo / "recipe.yaml").algorithm.loss == "dapo" and load_recipe(base / "recipe.yaml").model.arch \
+        == "llama3"
+    untouched = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (base / "finished.json", base / "metrics.jsonl")}
+    # 2: the same command without its arguments resumes: the finished base is not run again, the variant continues
+    second = _Sweep(["--sweep-dir", str(sweep_dir)], tmp_path / "second.log")
+    assert second.end() == 0, second.text()[-3000:]
+    assert "2 runs, 1 done, 1 to continue, 0 to start" in second.text()
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in untouched} == untouched
+    assert "resumed from iter_" in (dapo / "logs" / "trainer.log").read_text()
+    resumed = _trainer_steps(dapo)
+    assert read_finished(dapo)["step"] == 4 and sorted(set(resumed)) == [1, 2, 3, 4] and resumed.count(1) == 1
+    # 3: extended to 5 steps: both runs continue from their last checkpoint, and the report is made
+    third = _Sweep(["--sweep-dir", str(sweep_dir), "--steps", "5"], tmp_path / "third.log")
+    assert third.end() == 0, third.text()[-3000:]
+    assert "2 runs, 0 done, 2 to continue, 0 to start" in third.text()
+    for run in (base, dapo):
+        assert read_finished(run)["step"] == 5 and load_recipe(run / "recipe.yaml").trainer.max_steps == 5
+        assert "resumed from iter_0000004" in (run / "logs" / "trainer.log").read_text()
+    assert _trainer_steps(base) == [1, 2, 3, 4, 5]  # never a step twice
+    assert "# Ablation: loo_dapo_loss vs base" in third.text()
+    report = json.loads((sweep_dir / "report" / "ablation.json").read_text())
+    assert [v["name"] for v in report["variants"]] == ["loo_dapo_loss"] and report["left_out"] == []
+    assert len(report["base"]["runs"]) == 1
+
+
+needs_slurm = test_slurm.pytestmark
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(1200)
+@needs_slurm
+def test_a_two_variant_sweep_runs_as_slurm_jobs_and_finds_them_again(cluster, dense_model, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    args = ["--sweep-dir", str(sweep_dir), "--base", "demo", "--model", f"hf:{dense_model}", "--variants",
+            "loo_dapo_loss", "--steps", "2", "--slurm", "--max-concurrent", "1", "--poll", "2",
+            *[a for s in SETS for a in ("--set", s)]]
+    env = {**cluster, "SCALERL_PREFLIGHT": "0"}
+    try:
+        # the sweep is stopped once it has submitted its first job: the job goes on
+        first = _Sweep(args, tmp_path / "first.log", env)
+        first.wait_for(lambda: "submitted as job" in first.text(), "a job submitted")
+        first.process.send_signal(signal.SIGINT)
+        assert first.end() == 130 and "1 job(s) go on" in first.text(), first.text()[-3000:]
+        job = load_manifest(sweep_dir)["runs"]["base/seed0"]["slurm_job"]
+        # run again, it follows that job instead of submitting the run twice, then submits the variant once the base's
+        # job has ended (--max-concurrent 1)
+        second = _Sweep(["--sweep-dir", str(sweep_dir)], tmp_path / "second.log", env)
+        assert second.end(900) == 0, second.text()[-3000:]
+        text = second.text()
+        assert f"base/seed0: following job {job}" in text and text.count("submitted as job") == 1
+        assert text.index("base/seed0: done") < text.index("loo_dapo_loss/seed0: submitted as job")
+        runs = load_manifest(sweep_dir)["runs"]
+        assert {k: r["state"] for k, r in runs.items()} == {"base/seed0": "done", "loo_dapo_loss/seed0": "done"}
+        for key, run in runs.items():
+            assert read_finished(sweep_dir / key)["step"] == 2
+            assert (sweep_dir / key).with_name(f"seed0.slurm-{run['slurm_job']}.out").is_file()
+        assert load_recipe(sweep_dir / "loo_dapo_loss/seed0/recipe.yaml").algorithm.loss == "dapo"
+        assert "no ablation report" in text  # 3 evaluations: too few to fit, said
+    finally:
+        manifest = load_manifest(sweep_dir) if (sweep_dir / "sweep.json").is_file() else {"runs": {}}
+        for run in manifest["runs"].values():
+            if run["slurm_job"]:
+                subprocess.run(["scancel", str(run["slurm_job"])], env=cluster, capture_output=True, timeout=60)
