@@ -88,4 +88,8 @@ def cross_field_problems(r: Recipe) -> list[tuple[str, str]]:
                                            f"{a.clip_low} (use loss dapo for clip-higher)"))
     if a.eps_max <= 1 and a.loss in ("cispo", "tis_reinforce"):
         out.append(("algorithm.eps_max", f"{a.eps_max} must be > 1 (it caps the importance ratio)"))
+    f = r.forecast
+    if f.stop_at_fraction is not None and not (f.live and f.resamples > 0 and r.data.validation_holdout > 0):
+        out.append(("forecast.stop_at_fraction", "needs the live forecast with an interval on A: forecast.live true, "
+                                                 "forecast.resamples > 0 and data.validation_holdout > 0"))
     return out

@@ -2,9 +2,10 @@
 
     RUN/generators.json   {"urls": [...], "dtype": "float32"}: the run's generator servers and their serving dtype,
                           written by the launcher, read by the trainer (weight sync) and the orchestrator (fleet).
-    RUN/stop_requested    the launcher's request that the trainer stop: it checkpoints at its next batch boundary
-                          and exits 0, with no signal sent into torchrun or a collective (SIGTERM does the same for
-                          anyone else); the launcher removes it before it starts a trainer.
+    RUN/stop_requested    the request that the trainer stop, from the launcher (on a stop) or the orchestrator (the
+                          run ended early): it checkpoints at its next batch boundary and exits 0, with no signal
+                          sent into torchrun or a collective (SIGTERM does the same for anyone else); the launcher
+                          removes it before it starts a trainer.
     RUN/finished.json     {"reason", "step", "gpu_hours"}: written by the orchestrator when the run has ended on its
                           own (`max_steps`, `max_gpu_hours` or `stop_at_fraction`), never on a stop from outside;
                           what tells a sweep (or a script) that the run is done. Removed when the run is resumed.
@@ -88,7 +89,11 @@ def read_finished(run_dir: str | Path) -> dict | None:
         return None
     try:
         record = json.loads(path.read_text())
-        return {"reason": str(record["reason"]), "step": int(record["step"]), "gpu_hours": float(record["gpu_hours"])}
+        finished = {"reason": str(record["reason"]), "step": int(record["step"]),
+                    "gpu_hours": float(record["gpu_hours"])}
+        if finished["reason"] not in FINISH_REASONS:
+            raise ValueError(f"reason {finished['reason']!r} is not one of {FINISH_REASONS}")
+        return finished
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise UserError(f"{path}: expected {{\"reason\", \"step\", \"gpu_hours\"}}: {type(exc).__name__}: {exc}") from None
 

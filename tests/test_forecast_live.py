@@ -154,6 +154,27 @@ async def _collect(results, count: int) -> list:
     return out
 
 
+def test_stop_at_fraction_is_refused_where_it_could_never_fire():
+    from megatron_scalerl.errors import RecipeError
+
+    assert load_recipe("demo", ["forecast.stop_at_fraction=0.95"]).forecast.stop_at_fraction == 0.95
+    for off in ("forecast.live=false", "forecast.resamples=0", "data.validation_holdout=0"):
+        with pytest.raises(RecipeError, match="forecast.stop_at_fraction: needs the live forecast"):
+            load_recipe("demo", ["forecast.stop_at_fraction=0.95", off])
+
+
+def test_a_finished_record_names_a_known_reason(tmp_path):
+    from megatron_scalerl.errors import UserError
+    from megatron_scalerl.run_dir import read_finished, write_finished
+
+    assert read_finished(tmp_path) is None
+    write_finished(tmp_path, "max_gpu_hours", 7, 0.25)
+    assert read_finished(tmp_path) == {"reason": "max_gpu_hours", "step": 7, "gpu_hours": 0.25}
+    (tmp_path / "finished.json").write_text(json.dumps({"reason": "bored", "step": 1, "gpu_hours": 0.1}))
+    with pytest.raises(UserError, match="finished.json.*'bored' is not one of"):
+        read_finished(tmp_path)
+
+
 @pytest.mark.parametrize("preset", ["scalerl", "demo"])
 def test_presets_carry_a_forecast_section(preset):
     forecast = load_recipe(preset).forecast

@@ -169,13 +169,10 @@ def print_forecast(run_dir: Path, recipe) -> None:
     RUN/forecast/: on the recipe's forecast settings and the validation's own noise (held-out prompts x samples)."""
     from megatron_scalerl.forecast import plots, report
     from megatron_scalerl.forecast.data import load_curve
-    from megatron_scalerl.forecast.predict import ForecastOptions, make_forecast
+    from megatron_scalerl.forecast.live import recipe_options
+    from megatron_scalerl.forecast.predict import make_forecast
 
-    settings = recipe.forecast
-    forecast = make_forecast(load_curve(run_dir), ForecastOptions(
-        min_compute=settings.min_compute, budgets=tuple(settings.budgets), resamples=settings.resamples,
-        targets=(settings.target,) if settings.target is not None else (),
-        eval_draws=recipe.data.validation_holdout * recipe.data.validation_generations))
+    forecast = make_forecast(load_curve(run_dir), recipe_options(recipe))
     document = report.forecast_document(forecast, plots.forecast_png(forecast))
     print(document.to_markdown(images=False), end="")
     written = report.write_report(run_dir / "forecast", document, "forecast.json", forecast.to_dict())

@@ -50,6 +50,7 @@ from megatron_scalerl.forecast.predict import (
     format_gpu_hours,
     make_forecast,
 )
+from megatron_scalerl.recipe import ForecastConfig, Recipe
 
 STATUS_CODES = {"too-early": 0, "on-track": 1, "plateaued": 2, "diverging": 3}
 PLATEAU_FRACTION = 0.9  # of the fitted gain A - R0 reached at the latest evaluation
@@ -104,6 +105,24 @@ class LiveForecast:
         if interval is not None:
             band = f" [{interval[0]:.3f}, " + ("bound]" if self.a_hi_at_bound else f"{interval[1]:.3f}]")
         return f"forecast {self.status} A {self.forecast.fit.A:.3f}{band}"
+
+
+def run_options(config: ForecastConfig, eval_draws: int | None) -> ForecastOptions:
+    """The forecast options of a run from its recipe's `forecast` section (`config`) and its validation's evaluation
+    noise (`eval_draws`: held-out prompts x samples per prompt; None: estimated from the data), its target included."""
+    return ForecastOptions(min_compute=config.min_compute, budgets=tuple(config.budgets), resamples=config.resamples,
+                           targets=(config.target,) if config.target is not None else (), eval_draws=eval_draws)
+
+
+def recipe_options(recipe: Recipe) -> ForecastOptions:
+    """`run_options` of a run's recipe: its forecast section and its validation's draws."""
+    return run_options(recipe.forecast, validation_draws(recipe))
+
+
+def validation_draws(recipe: Recipe) -> int | None:
+    """Completions scored per validation (held-out prompts x samples per prompt), None without a validation."""
+    draws = recipe.data.validation_holdout * recipe.data.validation_generations
+    return draws or None
 
 
 def ceiling_reached(live: LiveForecast, fraction: float) -> str | None:

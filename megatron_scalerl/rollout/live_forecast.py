@@ -50,8 +50,8 @@ def _init_fit_process() -> None:
 
 
 # Further curves the live forecast fits beside the primary `val/pass_rate`, found in metrics.jsonl by their names:
-# a domain's validation (`val/<domain>/pass_rate`) and a downstream evaluation (the eval watcher's
-# `eval/<dataset>/mean_at_k`). Curve name: the metric without its last part (`eval/aime24`); keys
+# a downstream evaluation (the eval watcher's `eval/<dataset>/mean_at_k`) and a domain's validation
+# (`val/<domain>/pass_rate`, for recipes that validate per domain; the orchestrator logs none yet). Curve name: the metric without its last part (`eval/aime24`); keys
 # `forecast/<curve>/...`, report in `RUN/forecast/<curve>/`.
 FURTHER_CURVE = re.compile(r"^((?:val|eval)/[^/]+)/(?:pass_rate|mean_at_k)$")
 
@@ -83,7 +83,12 @@ def fit_run(run_dir: str, forecast_config: ForecastConfig, eval_draws: int | Non
     started = time.process_time()
     primary = _fit_curve(run_dir, DEFAULT_METRIC, forecast_config, eval_draws, Path(run_dir) / FORECAST_DIR)
     figures = primary.figures()
-    for name, metric in further_curves(run_dir).items():
+    try:
+        further = further_curves(run_dir)
+    except (UserError, ValueError) as exc:  # e.g. a torn line: the primary curve's forecast and stop decision stand
+        log.warning("the run's further curves are not fitted this time: %s", exc)
+        further = {}
+    for name, metric in further.items():
         live = _fit_curve(run_dir, metric, forecast_config, None, Path(run_dir) / FORECAST_DIR / name)
         figures.update(live.figures(prefix=f"forecast/{name}/"))
     fraction = forecast_config.stop_at_fraction
@@ -95,11 +100,9 @@ def _fit_curve(run_dir: str, metric: str, config: ForecastConfig, eval_draws: in
     """The LiveForecast of one curve of the run, its report written into `out_dir` when there is a fit."""
     from megatron_scalerl.forecast import plots, report
     from megatron_scalerl.forecast.data import load_curve
-    from megatron_scalerl.forecast.live import LiveForecast, live_forecast
-    from megatron_scalerl.forecast.predict import ForecastOptions
+    from megatron_scalerl.forecast.live import LiveForecast, live_forecast, run_options
 
-    options = ForecastOptions(min_compute=config.min_compute, budgets=tuple(config.budgets),
-                              resamples=config.resamples, eval_draws=eval_draws)
+    options = run_options(config, eval_draws)
     try:
         curve = load_curve(run_dir, metric=metric)
     except UserError as exc:  # e.g. a validation logged twice across a resume: said, and the run goes on

@@ -56,6 +56,7 @@ from megatron_scalerl.algo.off_policy import staleness_bound
 from megatron_scalerl.algo.resampling import NoPositiveResampling
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text
+from megatron_scalerl.forecast.live import validation_draws
 from megatron_scalerl.gpu_hours import ComputeMeter
 from megatron_scalerl.metrics import MetricsLog
 from megatron_scalerl.recipe import Recipe, load_recipe
@@ -124,8 +125,7 @@ class Orchestrator:
         self.version: int | None = None
         self.changed = asyncio.Condition()
         self.compute = ComputeMeter(run_dir, recipe.cluster.total_gpus)
-        self.live = LiveForecaster(run_dir, recipe.forecast,
-                                   eval_draws=recipe.data.validation_holdout * recipe.data.validation_generations)
+        self.live = LiveForecaster(run_dir, recipe.forecast, eval_draws=validation_draws(recipe))
         self.validation_compute: dict[int, dict] = {}  # policy version -> the run's compute at its validation
         self.window = {"idle": 0, "polls": 0}  # generator idle polls since the last batch
         self.generated = {"tokens": 0, "samples": 0}  # completion tokens and samples of finished groups
@@ -257,7 +257,7 @@ class Orchestrator:
 
     async def _write_batches(self) -> None:
         """Form and write batches from finished groups, oldest admitted first, until `max_batches` are written."""
-        while self.written < self.max_batches:
+        while self.written < self.max_batches and self.ended_early is None:
             async with self.changed:
                 await self.changed.wait_for(lambda: len(self.finished) >= self.batch_size)
                 chosen = [self.finished.pop(i) for i in sorted(self.finished)[:self.batch_size]]
@@ -391,7 +391,7 @@ class Orchestrator:
                 failed, end_now = asyncio.create_task(self.failed.wait()), asyncio.create_task(self.end_now.wait())
                 await asyncio.wait([writer, failed, end_now], return_when=asyncio.FIRST_COMPLETED)
                 for waiting in (failed, end_now, writer):
-                    waiting.cancel()  # the writer too, after an early end (between two batches: it writes each
+                    waiting.cancel()  # the writer too after an early end (it writes each batch whole, no await inside)
                 if self.failure is not None:
                     raise self.failure
                 if self.ended_early is None:
@@ -424,6 +424,7 @@ class Orchestrator:
         reason, words = self.ended_early or ("max_steps", f"all {self.max_batches} batches written and validated")
         compute = self.compute.figures()
         if self.ended_early is not None:
+            self._save_state(new_batch=False)  # the validations since the last batch, for a resume that extends it
             self.metrics.log(self.written, {"run/stopped_early": 1.0, "run/stop_reason": f"{reason}: {words}",
                                             **compute})
             request_stop(self.run_dir)
@@ -443,7 +444,7 @@ class Orchestrator:
     def _end_early(self, reason: str, words: str) -> None:
         """End the run before `max_batches` (`reason`: a run_dir.FINISH_REASONS; `words`: why, for the log and
         metrics): `run` stops writing batches and asks the trainer to stop (it checkpoints its current step)."""
-        if self.ended_early is None:
+        if self.ended_early is None and self.written < self.max_batches:  # else the run ends on max_steps anyway
             self.ended_early = (reason, words)
             self.end_now.set()
 
