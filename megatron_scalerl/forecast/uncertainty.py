@@ -14,10 +14,22 @@ Estimation: a run of ~40 evaluations holds only a few independent stretches of a
 (drift sd, drift correlation between neighbouring evaluations, evaluation sd when not given) are uncertain, and each
 replicate draws its own from their posterior: the restricted (REML) likelihood of the base fit's residuals, i.e. the
 Gaussian likelihood of their part orthogonal to the fit's Jacobian (which accounts for the part of the drift the fitted
-parameters absorb; plain residual moments underestimate a slow drift badly), evaluated on grids, times priors uniform
-in each sd and in the correlation. Plugging in one estimate instead leaves the intervals too narrow on runs whose drift
-happens to look small (in development, a plug-in REML estimate covered the pass rate on about 78% of synthetic
-runs, against 93% for the posterior draws).
+parameters absorb; plain residual moments underestimate a slow drift badly), evaluated on grids, times the priors
+below. Plugging in one estimate instead leaves the intervals too narrow on runs whose drift happens to look small (in
+development, a plug-in REML estimate covered the pass rate on about 78% of synthetic runs, against 93% for the
+posterior draws).
+
+Priors. A drift slower than the fitted window is largely absorbed by the fitted A, B and C_mid, so the residuals
+barely tell a slow large drift from a fast small one; along that ridge the likelihood is flat and the prior sets the
+intervals, of A above all. Hence:
+- drift correlation: log-uniform in its correlation length, from 0.3 to 30 evaluation spacings (no time scale
+  preferred, whatever the evaluation frequency), times the AR(1) Jeffreys factor (1 - corr^2)^(-1/2);
+- drift sd: exponential with mean min(1.5 x the residual rms, 0.02): a drift far above the scatter the fit leaves, or
+  above the paper's run-to-run margin on A (+-0.02 between identical runs), would show;
+- evaluation sd, when estimated: uniform.
+The priors used before (uniform in each sd up to the grid's end and uniform in the neighbour correlation) favoured
+fast drifts and let the grid's edge bound the slow ones: on runs whose drift correlation is 0.9, A's interval covered
+the true A on 89% of fits to budget / 2 (calibration below).
 
 Replicates: each draws a drift path and evaluation noise from the model, adds them to the fitted curve (a measured R0,
 the first evaluation, gets evaluation noise too; a given R0 stays fixed) and refits with the base method.
@@ -29,11 +41,23 @@ Intervals (all at `level`):
   the fitted window by the drift model (so a prediction far beyond the window carries the drift's full variance at
   that horizon, and one just past it the drift's persistence). The draws are the fitted curve minus those errors
   (a basic bootstrap), so their percentile interval is the prediction interval for p(C). Being wider than an interval
-  for R(C) alone, it covers the noiseless curve too (bench/forecast.py measures both);
+  for R(C) alone, it covers the noiseless curve too (bench/forecast.py measures both). Past the fitted window each
+  draw of the sigmoid is its running maximum from the window's last point on (`sigmoid_draws`): R never falls, so
+  neither may a draw beyond the data. Reflected, the refits' upward spread of A (wide on a run near its ceiling)
+  became draws far below what the run had shown: the demo's report once gave [0.324, 0.663] at 1 GPU-h after
+  reading 0.527 at 0.15 GPU-h;
 - a new evaluation (`observation_interval`, backtests): the pass-rate draws plus evaluation noise.
-Calibration (bench/forecast.py, 200 synthetic runs with AR(1) drift of correlation 0.5-0.9 and binomial noise, fit on
-[1.5k GPU-h, budget / 2], 100 replicates): the nominal 95% interval at the budget covers the run's pass rate on 93-95%
-of runs and the noiseless curve on 95%; the moving-block residual bootstrap used before covered 63%.
+
+Calibration (`OMP_NUM_THREADS=1 .venv/bin/python bench/forecast.py [--drift-corr RHO]`, 100 replicates, nominal 95%;
+docs/benchmarks.md has the tables, with the figures before). 200 reruns of Table 1 with AR(1) drift of correlation
+0.5-0.9 and binomial noise: fit on [1.5k GPU-h, budget / 2], the interval at the budget covers the run's pass rate
+on 96.5-97% of runs (93.5-94.5% with the priors before, 63% with the moving-block residual bootstrap before that);
+A's interval covers the true A on 96.7% of fits (both windows), 95.5-99.1% per window and correlation half. Every
+drift at correlation 0.9: A 92.7% (budget / 2) and 96.0% (budget), the pass rate 91-92% (before: 89.2%, 92.5%,
+87.5-90.5%); at 0.5: A 97.5%, the pass rate 97-98%. 200 demo-like runs (16 evaluations to 0.15 GPU-h, 64 prompts x
+4 samples, the bench's `small_runs`): A covered on 98%; the pass rate at 1 GPU-h on 95.9% of the runs past 90% of
+their gain (before 96.7%, with intervals twice as wide) and on 75.6% of those still rising (before 82.1%); the lower
+end there a median 0.048 below the mean of the last 4 evaluations (before 0.171).
 
 The paper estimated the run-to-run margin on A as +-0.02 from three identical runs; the bootstrap models the noise
 inside one run, so reports show both.
@@ -54,12 +78,17 @@ from megatron_scalerl.forecast.sigmoid import (
     slope_at,
 )
 
-# Grids that carry the noise parameters' priors: uniform in each sd (not in its log, which would pile the posterior
-# up near zero drift when the data barely constrain it) and in the neighbour correlation.
+# Grids on which the posterior of the noise parameters is evaluated, each draw spread over its cell; the priors
+# (module docstring, "Priors") weight the cells.
 DRIFT_SD_GRID = np.geomspace(0.03, 3.0, 14)  # x the residual rms: drift sd, evaluation noise known
 DRIFT_RATIO_GRID = np.geomspace(0.05, 10.0, 14)  # drift sd / evaluation sd, evaluation noise estimated
 EVAL_SD_GRID = np.geomspace(0.1, 1.5, 9)  # x the residual rms: evaluation sd, when estimated
-DRIFT_CORR_GRID = np.linspace(0.04, 0.96, 17)  # drift correlation between evaluations a median spacing apart
+DRIFT_SCALE_GRID = np.geomspace(0.3, 30.0, 17)  # drift correlation length, in median spacings between evaluations
+DRIFT_CORR_GRID = np.exp(-1.0 / DRIFT_SCALE_GRID)  # drift correlation between evaluations a median spacing apart
+DRIFT_SD_SCALE = 1.5  # prior mean of the drift sd, x the residual rms ...
+DRIFT_SD_CAP = 0.02  # ... or this many pass-rate units if fewer: the paper's run-to-run margin on A (+-0.02)
+CORR_PRIOR_POWER = 0.5  # x (1 - corr^2)^(-power) on top of log-uniform in the scale: 0.5 is the AR(1) Jeffreys
+ENVELOPE_POINTS = 64  # log-spaced points from the last fitted compute on, for the draws' running maximum
 
 
 @dataclass(frozen=True)
@@ -117,12 +146,15 @@ def sample_noise(compute, residuals, gradient, fitted, size: int, rng: np.random
     quad = np.einsum("i,gi->g", contrasts, np.linalg.solve(reduced, contrasts[None, :, None])[..., 0])
     v = np.ones(1) if eval_sd is None else eval_sd**2
     loglik = -0.5 * (contrasts.size * np.log(v)[None, :] + logdet[:, None] + quad[:, None] / v[None, :])
-    prior = a[:, None] * (1.0 if eval_sd is None else eval_sd[None, :] ** 2)  # uniform in the sds, on log grids
+    drift_sd = a[:, None] * (1.0 if eval_sd is None else eval_sd[None, :])
+    prior = (drift_sd * (1.0 if eval_sd is None else eval_sd[None, :])  # the log grids' cell widths
+             * np.exp(-drift_sd / min(DRIFT_SD_SCALE * rms, DRIFT_SD_CAP))
+             * (1.0 - corr[:, None] ** 2) ** -CORR_PRIOR_POWER)
     weight = (np.exp(loglik - loglik.max()) * prior).ravel()
     cell, col = np.divmod(rng.choice(weight.size, size=size, p=weight / weight.sum()), v.size)
     jitter = rng.uniform(-0.5, 0.5, size=(3, size))  # spread each draw over its grid cell
     a_draw = a[cell] * np.exp(jitter[0] * np.log(a_grid[1] / a_grid[0]))
-    corr_draw = corr[cell] + jitter[1] * (DRIFT_CORR_GRID[1] - DRIFT_CORR_GRID[0])
+    corr_draw = corr[cell] ** np.exp(-jitter[1] * np.log(DRIFT_SCALE_GRID[1] / DRIFT_SCALE_GRID[0]))  # log scale
     if eval_sd is None:
         return NoiseModel(a_draw, corr_draw, np.full(size, float(np.sqrt(np.mean(white)))), spacing, eval_draws)
     sd_draw = eval_sd[col] * np.exp(jitter[2] * np.log(EVAL_SD_GRID[1] / EVAL_SD_GRID[0]))
@@ -170,12 +202,24 @@ class Bootstrap:
         outside = anchor * corr + np.sqrt(1 - corr**2) * (self.noise.drift_sd * self.continuation)[:, None]
         return np.where((compute < x[0]) | (compute > x[-1]), outside, inside)
 
+    def sigmoid_draws(self, compute) -> np.ndarray:
+        """Draws of the sigmoid R(C) at `compute` GPU-hours, shape (k, len(compute)): the fitted curve minus each
+        replicate's error (its refitted curve minus the fitted one), and past the fitted window their running maximum
+        from its last point on (module docstring: R never falls, so neither may a draw beyond the data)."""
+        compute = np.atleast_1d(np.asarray(compute, dtype=float))
+        draws = 2 * self.base.predict(compute)[None, :] - self.curves(compute)
+        beyond = compute > self.compute[-1]
+        if beyond.any():  # the running maximum on a log grid from the last fitted point, holding each C asked for
+            grid = np.union1d(np.geomspace(self.compute[-1], compute[beyond].max(), ENVELOPE_POINTS), compute[beyond])
+            envelope = np.maximum.accumulate(2 * self.base.predict(grid)[None, :] - self.curves(grid), axis=1)
+            draws[:, beyond] = envelope[:, np.searchsorted(grid, compute[beyond])]
+        return draws
+
     def rewards(self, compute) -> np.ndarray:
-        """Draws of the run's pass rate p(C) at `compute` GPU-hours, shape (k, len(compute)): the fitted curve minus
-        each replicate's forecast error (its refitted curve minus its own pass rate), kept in [0, 1] (a pass rate;
-        on a small noisy run the error draws alone would reach below 0)."""
-        fitted = self.base.predict(np.atleast_1d(np.asarray(compute, dtype=float)))
-        return np.clip(2 * fitted[None, :] - self.curves(compute) + self.drift_at(compute), 0.0, 1.0)
+        """Draws of the run's pass rate p(C) at `compute` GPU-hours, shape (k, len(compute)), pass-rate units:
+        `sigmoid_draws` plus each replicate's drift (`drift_at`), kept in [0, 1] (a pass rate; on a small noisy run
+        the error draws alone would reach below 0)."""
+        return np.clip(self.sigmoid_draws(compute) + self.drift_at(compute), 0.0, 1.0)
 
     def compute_to_reach(self, reward: float) -> np.ndarray:
         """GPU-hours each refitted curve needs to reach `reward` (inf where it never does): shape (k,)."""
