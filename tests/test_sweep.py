@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,10 +20,10 @@ from megatron_scalerl.cli import main
 from megatron_scalerl.errors import RecipeError, UserError
 from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import apply_overrides, diff, flatten, load_recipe, preset_names, resolve_dict
-from megatron_scalerl.run_dir import read_finished, write_finished
+from megatron_scalerl.run_dir import STOP_TIMEOUT_S, read_finished, write_finished
 from megatron_scalerl.sweep.manifest import load_manifest, merge, ordered_runs, save_manifest
-from megatron_scalerl.sweep.plan import BaseSpec, Variant, grid_variants, preset_variant, run_recipe
-from megatron_scalerl.sweep.runs import Sweep, SweepRun
+from megatron_scalerl.sweep.plan import BaseSpec, Variant, base_fields, grid_variants, preset_variant, run_recipe
+from megatron_scalerl.sweep.runs import Sweep, SweepRun, covers, not_done, refuse_live_launchers
 from tests import test_slurm
 
 SCALERL = Path(sys.executable).with_name("scalerl")
@@ -141,7 +142,7 @@ def test_a_finished_run_is_done_until_the_sweep_asks_for_more_then_its_recipe_is
                                                                           "gpu_hours": 0.5}
     manifest["steps"] = 5  # extended
     assert not sweep.done("base/seed0")
-    assert sweep.prepare("base/seed0") is True  # continues with --resume ...
+    assert sweep.prepare("base/seed0") == "resume"  # continues with --resume ...
     assert load_recipe(tmp_path / "base/seed0/recipe.yaml").trainer.max_steps == 5  # ... to the new end
     write_finished(tmp_path / "base/seed0", "max_gpu_hours", 4, 0.5)  # a run that ended at its compute budget
     manifest["budget"] = 0.5
@@ -150,7 +151,7 @@ def test_a_finished_run_is_done_until_the_sweep_asks_for_more_then_its_recipe_is
     assert not sweep.done("base/seed0")
     # a first start cut short while `scalerl train` prepared the directory (no role ran): started anew
     (tmp_path / "loo_dapo_loss/seed0/generators.json").unlink()
-    assert sweep.prepare("loo_dapo_loss/seed0") is False and not (tmp_path / "loo_dapo_loss/seed0").exists()
+    assert sweep.prepare("loo_dapo_loss/seed0") == "start" and not (tmp_path / "loo_dapo_loss/seed0").exists()
     assert load_recipe(tmp_path / "loo_dapo_loss/seed0.recipe.yaml").trainer.max_steps == 3
 
 
@@ -176,17 +177,25 @@ def test_a_slurm_run_is_submitted_with_the_sbatch_file_of_its_model_and_sizes_fr
 
 
 def test_parallel_runs_must_fit_the_cores_or_the_gpus(monkeypatch):
-    from megatron_scalerl.sweep.local import check_room
+    from megatron_scalerl.sweep import local
 
     runs = [SweepRun("base/seed0", Path("r"), load_recipe("demo"))]  # 2 trainer ranks + 1 generator
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
-    check_room(runs, 1, cuda=False)  # one run at a time: as `scalerl train` would
+    local.check_room(runs, 1, cuda=False)  # one run at a time: as `scalerl train` would
     with pytest.raises(UserError, match=r"--parallel 2: 2 runs x 3 processes .* need 6 CPU cores .* gives 4"):
-        check_room(runs, 2, cuda=False)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5")
-    check_room(runs, 2, cuda=True)
+        local.check_room(runs, 2, cuda=False)
+    monkeypatch.setattr(local, "visible_gpu_count", lambda: 6)
+    local.check_room(runs, 2, cuda=True)
     with pytest.raises(UserError, match="need 9 visible GPUs"):
-        check_room(runs, 3, cuda=True)
+        local.check_room(runs, 3, cuda=True)
+    # each run gets consecutive free GPUs, named as CUDA_VISIBLE_DEVICES names them (launch.local.cuda_devices)
+    assert local._free_block({0, 1, 3, 4, 5}, 3, 6) == range(3, 6) and local._free_block({0, 2}, 2, 3) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7,8,9")
+    assert local.cuda_devices(range(3, 6)) == "7,8,9"
+    # a generator server over 2 GPUs: 4 GPUs, but 3 busy processes (their CPU threads) and 3 roles to stop
+    wide = SweepRun("v/seed0", Path("v"), load_recipe("demo", ["parallelism.generator_tp=2", "cluster.generator_nodes=2"]))
+    assert (wide.gpus, wide.servers, wide.processes) == (4, 1, 3)
+    assert local.stop_wait_s(wide) == local.stop_wait_s(runs[0]) == 3 * STOP_TIMEOUT_S + 60
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -203,6 +212,10 @@ def test_parallel_runs_must_fit_the_cores_or_the_gpus(monkeypatch):
       "--parallel", "2"], "--parallel is for local runs"),
     (["sweep", "--sweep-dir", "{tmp}/s", "--base", "demo", "--variants", "loo_dapo_loss", "--steps", "0"],
      "--steps must be >= 1"),
+    (["sweep", "--sweep-dir", "{tmp}/s", "--base", "demo", "--variants", "loo_dapo_loss", "--slurm", "--poll", "0"],
+     "--poll must be > 0 seconds, got 0"),
+    (["sweep", "--sweep-dir", "{tmp}/s", "--base", "demo", "--model", "tiny_dense", "--variants", "loo_dapo_loss"],
+     "base demo: its model section differs from the demo preset's (model.arch"),
     (["sweep", "--sweep-dir", "{tmp}/old", "--base", "scalerl"], "field 'base' is \"demo\", and --base \"scalerl\""),
     (["sweep", "report"], "give a sweep directory, or --runs"),
     (["sweep", "report", "{tmp}"], "no sweep.json (not a sweep directory)"),
@@ -235,6 +248,285 @@ def test_report_of_runs_made_any_other_way_is_one_json_object(tmp_path, capsys):
     assert "no ablation report: no run of any variant can be fitted" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ablation.json", "ablation.png", "report.html",
                                                                      "report.md"]
+
+
+def _request(**kwargs) -> dict:
+    """`merge`'s keyword arguments of an invocation that names nothing but `kwargs`."""
+    return {"base": None, "model": None, "sets": [], "tokenizer": None, "steps": None, "budget": None, "seeds": None,
+            "variants": [], **kwargs}
+
+
+def test_done_is_one_definition_its_end_covers_the_sweep_and_its_last_launch_did_not_fail(tmp_path):
+    at_steps = {"reason": "max_steps", "step": 3, "gpu_hours": 0.5}
+    assert covers(at_steps, None, None) and covers(at_steps, 3, None) and not covers(at_steps, 4, None)
+    assert covers(at_steps, 3, 9.0)  # trainer.max_steps is the cap: a larger budget changes nothing
+    at_budget = {"reason": "max_gpu_hours", "step": 2, "gpu_hours": 0.5}
+    assert covers(at_budget, 10, 0.5) and not covers(at_budget, None, 0.75)
+    assert covers({"reason": "stop_at_fraction", "step": 1, "gpu_hours": 0.1}, 10, 9.0)  # final
+    assert not_done({"exit_code": None}, None, 3, None) == "not finished"
+    assert not_done({"exit_code": None}, at_steps, 4, None) == "not extended yet"
+    assert not_done({"exit_code": 0}, at_steps, 3, None) is None
+    # the orchestrator writes finished.json before the trainer has stopped: a launch that then failed is resumed
+    manifest = merge(tmp_path, None, **_request(base="demo", steps=3, seeds=1))
+    sweep = Sweep(tmp_path, manifest, {"base/seed0": _started_run(tmp_path, "base/seed0", 3, finished=3)})
+    sweep.update("base/seed0", state="failed", exit_code=1)
+    assert not_done(manifest["runs"]["base/seed0"], at_steps, 3, None).startswith("its last launch failed (exit 1)")
+    assert not sweep.done("base/seed0") and sweep.prepare("base/seed0") == "resume"
+    sweep.update("base/seed0", exit_code=0)
+    assert sweep.done("base/seed0") and sweep.prepare("base/seed0") is None  # done: nothing to start
+
+
+def test_a_sweep_never_shortens_its_runs_even_when_it_recorded_no_steps_or_budget(tmp_path):
+    save_manifest(tmp_path, merge(tmp_path, None, **_request(base="demo", seeds=1), recipe_steps=150))
+    old = load_manifest(tmp_path)
+    with pytest.raises(UserError, match=r"field 'steps' is null \(the runs take the base recipe's trainer.max_steps, "
+                                        r"150\); --steps 100 would shrink it"):
+        merge(tmp_path, old, **_request(steps=100), recipe_steps=150)
+    assert merge(tmp_path, old, **_request(steps=200), recipe_steps=150)["steps"] == 200
+    assert merge(tmp_path, old, **_request(budget=1.0))["budget"] == 1.0  # no run has finished: a budget may come
+    _started_run(tmp_path, "base/seed0", 150, finished=150)
+    with pytest.raises(UserError, match=r"sweep.json: field 'budget' is null and 1 run\(s\) already finished without "
+                                        r"one \(base/seed0\)"):
+        merge(tmp_path, old, **_request(budget=1.0))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda m: m["runs"]["base/seed0"].update(state="bogus"), "field 'runs.base/seed0.state' is \"bogus\": expected"),
+    (lambda m: m["runs"]["base/seed0"].update(run_dir="../elsewhere"), "field 'runs.base/seed0.run_dir' is"),
+    (lambda m: m["runs"]["base/seed0"].pop("variant"), "field 'runs.base/seed0.variant' is missing"),
+    (lambda m: m["runs"]["base/seed0"].update(seed_index="0"), "field 'runs.base/seed0.seed_index' is \"0\": expected int"),
+    (lambda m: m["runs"]["base/seed0"].update(variant="gone"), "field 'runs.base/seed0.variant' is \"gone\": not one"),
+    (lambda m: m["runs"].update({"base/seed0": []}), "field 'runs.base/seed0' must be an object"),
+    (lambda m: m["variants"]["base"].update(overrides="x"), "field 'variants.base.overrides' is \"x\": expected list"),
+    (lambda m: m.update(seeds=0), "field 'seeds' is 0: expected an integer >= 1"),
+])
+def test_a_damaged_manifest_is_refused_naming_the_field(tmp_path, damage, message):
+    manifest = merge(tmp_path, None, **_request(base="demo", seeds=1))
+    damage(manifest)
+    save_manifest(tmp_path, manifest)
+    with pytest.raises(UserError, match="sweep.json: " + message.replace("(", r"\(")):
+        load_manifest(tmp_path)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda text: text.replace("max_steps: 2\n", "max_steps: many\n"), "trainer.max_steps: Input should be"),
+    (lambda text: text + "trainer: {max_steps: [\n", "invalid YAML"),
+])
+def test_a_damaged_run_recipe_is_an_error_naming_the_file(tmp_path, damage, message):
+    manifest = merge(tmp_path, None, **_request(base="demo", steps=3, seeds=1))
+    sweep = Sweep(tmp_path, manifest, {"base/seed0": _started_run(tmp_path, "base/seed0", 2, finished=None)})
+    recipe = tmp_path / "base/seed0/recipe.yaml"
+    recipe.write_text(damage(recipe.read_text()))
+    with pytest.raises(UserError, match=f"{tmp_path / 'base/seed0/recipe.yaml'}: .*{message}"):
+        sweep.prepare("base/seed0")
+
+
+@pytest.mark.parametrize("change, message", [
+    ("weights", "the initial weights in"),
+    ("recipe", "the base recipe changed since the sweep began (field 'base_recipe'; trainer.lr: 1.0 -> 0.0001)"),
+])
+def test_new_runs_wait_while_the_weights_or_the_base_recipe_changed_and_an_extension_is_not_saved(
+        tmp_path, capsys, change, message):
+    weights, sweep_dir = tmp_path / "weights", tmp_path / "sweep"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"1")
+    sets = [f"trainer.init_from={weights}"]
+    manifest = merge(sweep_dir, None, **_request(base="demo", sets=sets, seeds=1,
+                                                 variants=[preset_variant("loo_dapo_loss")]),
+                     base_recipe=base_fields(resolve_dict("demo", sets)))
+    from megatron_scalerl.sweep.weights import fingerprint
+
+    manifest["init_from"], manifest["init_fingerprint"] = str(weights), fingerprint(weights)
+    if change == "weights":
+        (weights / "model.safetensors").write_bytes(b"22")  # rebuilt since the sweep began
+    else:
+        manifest["base_recipe"]["trainer.lr"] = 1.0  # the sweep began with another base recipe
+    save_manifest(sweep_dir, manifest)
+    before = (sweep_dir / "sweep.json").read_bytes()
+    assert main(["sweep", "--sweep-dir", str(sweep_dir), "--seeds", "2"]) == 2  # an extension: refused
+    assert message in capsys.readouterr().err and (sweep_dir / "sweep.json").read_bytes() == before
+    # without one, the runs planned before (never started) wait; started ones would go on; the sweep says so, exits 1
+    assert main(["sweep", "--sweep-dir", str(sweep_dir)]) == 1
+    out, err = capsys.readouterr()
+    assert "2 runs, 0 done, 0 to continue, 0 to start, 2 held back" in out
+    assert "2 run(s) were not started" in err and message in err
+
+
+def test_a_stopped_local_run_leaves_none_of_its_processes_behind(tmp_path, monkeypatch, capsys):
+    """A launcher that ignores SIGTERM and whose role runs in a session of its own: after the stop's wait the sweep
+    kills the launcher's group and every process carrying the run's marker (a later sweep would have refused it)."""
+    from megatron_scalerl.sweep import local
+
+    launcher = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True); "
+                "print('role started', flush=True); time.sleep(600)")
+    monkeypatch.setattr(local, "_command", lambda run, resume, tokenizer: [sys.executable, "-c", launcher])
+    monkeypatch.setattr(local, "stop_wait_s", lambda run: 1.0)
+    manifest = merge(tmp_path, None, **_request(base="demo", seeds=1))
+    run = SweepRun("base/seed0", tmp_path / "base" / "seed0", load_recipe("demo"))
+    sweep = Sweep(tmp_path, manifest, {run.key: run})
+    refused: list[str] = []
+
+    def stop_once_started() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (run.console.is_file() and "role started" in run.console.read_text()):
+            time.sleep(0.1)
+        time.sleep(0.5)  # the role has its environment
+        try:
+            refuse_live_launchers(sweep)
+        except UserError as exc:
+            refused.append(str(exc))
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=stop_once_started, daemon=True).start()
+    try:
+        assert local.run_local(sweep, [run.key], 1, cuda=False) == 128 + signal.SIGINT
+    finally:
+        left = run.live_processes()
+        for pid, _ in left:
+            os.kill(pid, signal.SIGKILL)
+    assert left == [] and "left behind by its launcher" in capsys.readouterr().out
+    assert refused and f"run base/seed0 still has 2 process(es) on this machine (SCALERL_SWEEP_RUN={run.marker}" in \
+        refused[0]
+    assert manifest["runs"][run.key]["state"] == "stopped"
+    other = SweepRun("base/seed01", tmp_path / "base" / "seed01", run.recipe)  # never taken for seed0's
+    assert not other.marker.startswith(run.marker) and not run.marker.startswith(other.marker)
+
+
+class _FakeSlurm:
+    """`squeue` and `sbatch` as `sweep.slurm._slurm` runs them: a queue of {job name: (job id, state)}; `events`
+    change it at given squeue calls (1: the first), or make that call fail (raise)."""
+
+    def __init__(self, queue: dict, events: dict):
+        self.queue, self.events, self.polls, self.submitted = dict(queue), events, 0, []
+
+    def __call__(self, *command: str) -> str:
+        if command[0] == "sbatch":
+            name = next(a for a in command if a.startswith("--job-name=")).split("=", 1)[1]
+            self.submitted.append(name)
+            self.queue[name] = (100 + len(self.submitted), "PENDING")
+            return f"{self.queue[name][0]}\n"
+        self.polls += 1
+        if self.polls in self.events:
+            self.events[self.polls](self)
+        names = command[-1].removeprefix("--name=").split(",")
+        return "".join(f"{job}|{name}|{state}\n" for name, (job, state) in self.queue.items() if name in names)
+
+
+def _failed_squeue(fake: _FakeSlurm) -> None:
+    raise UserError("squeue -h ... failed (exit 1): slurm_load_jobs error: Socket timed out")
+
+
+def test_a_slurm_sweep_follows_every_job_it_left_and_never_submits_a_done_run(tmp_path, monkeypatch, capsys):
+    from megatron_scalerl.sweep import slurm
+
+    manifest = merge(tmp_path, None, **_request(base="demo", steps=3, seeds=2, variants=[preset_variant(
+        "loo_dapo_loss")]), slurm=True)
+    keys = ordered_runs(manifest)  # base/seed0, loo_dapo_loss/seed0, base/seed1, loo_dapo_loss/seed1
+    sweep = Sweep(tmp_path, manifest, {k: SweepRun(k, tmp_path / k, load_recipe("demo")) for k in keys})
+    name = {k: slurm.job_name(tmp_path, k) for k in keys}
+
+    def end(*runs: str):
+        def event(fake: _FakeSlurm) -> None:
+            for key in runs:
+                fake.queue.pop(name[key], None)
+                _started_run(tmp_path, key, 3, finished=3)
+        return event
+
+    # left by an earlier watcher: base/seed0 (running) and loo_dapo_loss/seed1 (queued, last in order); with
+    # --max-concurrent 2 nothing is submitted until one ends; squeue fails twice in a row (tolerated); base/seed1
+    # finishes some other way meanwhile (it is then not submitted)
+    fake = _FakeSlurm({name["base/seed0"]: (5, "RUNNING"), name["loo_dapo_loss/seed1"]: (7, "PENDING")},
+                      {2: _failed_squeue, 3: _failed_squeue, 4: end("base/seed0"), 6: end("base/seed1"),
+                       7: end("loo_dapo_loss/seed0", "loo_dapo_loss/seed1")})
+    monkeypatch.setattr(slurm, "_slurm", fake)
+    assert slurm.run_slurm(sweep, keys, 2, 0.001) == 0
+    out, err = capsys.readouterr()
+    assert fake.submitted == [name["loo_dapo_loss/seed0"]], out
+    assert "base/seed0: following job 5 (running)" in out and "loo_dapo_loss/seed1: following job 7 (queued)" in out
+    assert out.index("base/seed0: done") < out.index("loo_dapo_loss/seed0: submitted as job 101")
+    assert "base/seed1: done" in out and "not submitted" in out
+    assert err.count("trying again in 0.001 s") == 2 and "(2 of 3 in a row)" in err
+    assert {manifest["runs"][k]["state"] for k in keys} == {"done"}
+    # three failed polls in a row end the watching (the jobs go on)
+    monkeypatch.setattr(slurm, "_slurm", _FakeSlurm({}, {n: _failed_squeue for n in (1, 2, 3)}))
+    with pytest.raises(UserError, match="3 squeue polls in a row failed; the sweep's jobs go on"):
+        slurm.run_slurm(sweep, keys, 2, 0.001)
+
+
+def test_sbatch_and_squeue_run_in_their_own_session_with_a_timeout(monkeypatch):
+    from megatron_scalerl.sweep import slurm
+
+    seen = {}
+
+    def run(command, **kwargs):
+        seen.update(kwargs)
+        return subprocess.CompletedProcess(command, 0, "12+0|sweep-x|PENDING\n12+1|sweep-x|RUNNING\n", "")
+
+    monkeypatch.setattr(slurm.subprocess, "run", run)
+    assert slurm.queued(["sweep-x"]) == {"sweep-x": (12, "running")}  # a het-job runs when any component does
+    assert seen["start_new_session"] is True and seen["timeout"] == slurm.SLURM_TIMEOUT_S
+
+
+def _reported_run(run_dir: Path, paper, seed: int, sets: list[str], finished: int | None) -> None:
+    """A run directory as a finished run leaves it: its recipe, its metrics (a synthetic curve of `paper`)."""
+    from megatron_scalerl.forecast.synthetic import simulate_run
+
+    run_dir.mkdir(parents=True)
+    (run_dir / "recipe.yaml").write_text(load_recipe("demo", sets).to_yaml())
+    (run_dir / "metrics.jsonl").write_text(simulate_run(paper, seed, num_evals=41).curve.to_jsonl())
+    if finished is not None:
+        write_finished(run_dir, "max_steps", finished, 1.0)
+
+
+def test_the_report_of_a_sweep_leaves_out_what_is_not_done_or_cannot_be_fitted(tmp_path, monkeypatch, capsys):
+    from megatron_scalerl.forecast import predict
+    from megatron_scalerl.forecast.synthetic import PaperRun
+    from megatron_scalerl.sweep.cli import _final_report
+    from megatron_scalerl.sweep.report import report_sweep
+
+    base = PaperRun("base", C_mid=2542, B=1.92, A=0.610, budget=16000)
+    sets = ["forecast.min_compute=1500", "forecast.budgets=[16000]", "forecast.resamples=20"]
+    manifest = merge(tmp_path, None, **_request(base="demo", sets=sets, steps=3, seeds=3,
+                                                variants=[Variant("wide", "grid", ("data.validation_generations=8",))]))
+    for key, paper, extra, finished in [
+        ("base/seed0", base, [], 3), ("base/seed1", base, [], 2), ("base/seed2", base, [], None),
+        ("wide/seed0", replace(base, A=0.66), ["data.validation_generations=8"], 3),
+        ("wide/seed1", base, ["data.validation_generations=8"], 3),
+        ("wide/seed2", base, ["data.validation_generations=8"], 3)]:
+        _reported_run(tmp_path / key, paper, len(key) + int(key[-1]), sets + extra, finished)
+    manifest["runs"]["wide/seed1"]["exit_code"] = 1  # failed after finished.json: not done
+    real = predict.make_forecast
+
+    def failing(curve, options=None):
+        if curve.source.endswith("wide/seed2"):
+            raise RuntimeError("Optimal parameters not found: the maximum number of function evaluations is exceeded")
+        return real(curve, options)
+
+    monkeypatch.setattr(predict, "make_forecast", failing)
+    report_sweep(tmp_path, manifest, as_json=True)
+    data = json.loads(capsys.readouterr().out)
+    assert data["base"]["runs"] == [str(tmp_path / "base/seed0")]
+    assert [v["runs"] for v in data["variants"]] == [[str(tmp_path / "wide/seed0")]]
+    reasons = {Path(e["run"]).relative_to(tmp_path).as_posix(): e["reason"] for e in data["left_out"]}
+    assert reasons["base/seed1"] == "not extended yet" and reasons["base/seed2"] == "not finished"
+    assert reasons["wide/seed1"].startswith("its last launch failed (exit 1)")
+    assert reasons["wide/seed2"].startswith("RuntimeError: Optimal parameters not found") and len(reasons) == 4
+    assert data["warnings"] == ["wide: its validation scores 512 completions per evaluation (data.validation_holdout x "
+                                "data.validation_generations; 0: none), the base's 256: its evaluation noise is "
+                                "modelled with the base's"]
+    assert data["options"]["eval_draws"] == 256 and data["options"]["targets"] == [0.55]  # the base's recipe
+    written = json.loads((tmp_path / "report" / "ablation.json").read_text())
+    assert written["left_out"] == data["left_out"] and written["warnings"] == data["warnings"]
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert f"## Left out\n\n- base: {tmp_path / 'base/seed1'}: not extended yet" in markdown
+    assert "RuntimeError: Optimal parameters" in markdown and "- wide: its validation scores 512" in markdown
+    # every run done but nothing to fit (none covers 5 steps): said, and the sweep still succeeds
+    manifest["steps"] = 5
+    assert _final_report(Sweep(tmp_path, manifest, {})) == 0
+    err = capsys.readouterr().err
+    assert "all runs are done, but there is nothing to report: no ablation report: no run of the base can be fitted" \
+        in err and "not extended yet" in err
 
 
 # ------------------------------------------------------------------------------------------------ real sweeps

@@ -233,9 +233,22 @@ def backtest_document(backtest: Backtest, png: bytes) -> Document:
     return doc
 
 
-def ablation_document(ablation: Ablation, png: bytes) -> Document:
-    """The ablation report: verdicts, the figure, each recipe's fit, the differences to the base, the rule."""
+def ablation_data(ablation: Ablation, left_out: list[dict] | None = None, warnings: list[str] | None = None) -> dict:
+    """ablation.json's content: `Ablation.to_dict()`, with `left_out` (the runs kept out of the ablation, each
+    {"variant", "run", "reason"}) when given, and `warnings` (the report's own, beside each recipe's) when given."""
     data = ablation.to_dict()
+    if left_out is not None:
+        data["left_out"] = left_out
+    if warnings is not None:
+        data["warnings"] = warnings
+    return data
+
+
+def ablation_document(ablation: Ablation, png: bytes, data: dict | None = None) -> Document:
+    """The ablation report: verdicts, the figure, each recipe's fit, the differences to the base, the rule, the runs
+    left out and the warnings. `data`: the ablation's `ablation_data` when the caller has it (default: its
+    `to_dict()`)."""
+    data = ablation.to_dict() if data is None else data
     base, variants, level = data["base"], data["variants"], f"{data['level']:.0%}"
     doc = Document(f"Ablation: {', '.join(v['name'] for v in variants)} vs {base['name']}")
     doc.paragraph(f"Verdicts against the base {base['name']}: "
@@ -286,17 +299,23 @@ def ablation_document(ablation: Ablation, png: bytes) -> Document:
                    for i, t in enumerate(base["targets"])])
     doc.heading("Runs")
     doc.items([f"{r['name']}: {', '.join(r['runs'])}" for r in recipes])
-    warnings = [w for r in recipes for w in r["warnings"]]
+    if data.get("left_out"):
+        doc.heading("Left out")
+        doc.items([f"{e['variant']}: {e['run']}: {e['reason']}" for e in data["left_out"]])
+    warnings = [*data.get("warnings", []), *(w for r in recipes for w in r["warnings"])]
     if warnings:
         doc.heading("Warnings")
         doc.items(warnings)
     return doc
 
 
-def write_ablation(out_dir: str | Path, ablation: Ablation) -> list[Path]:
-    """Write ablation.json, report.md, report.html and ablation.png into `out_dir` (atomically); returns the paths."""
-    return write_report(out_dir, ablation_document(ablation, plots.ablation_png(ablation)), "ablation.json",
-                        ablation.to_dict())
+def write_ablation(out_dir: str | Path, ablation: Ablation, left_out: list[dict] | None = None,
+                   warnings: list[str] | None = None) -> list[Path]:
+    """Write ablation.json (`ablation_data`: with `left_out` and `warnings` when given), report.md, report.html and
+    ablation.png into `out_dir` (atomically); returns the paths."""
+    data = ablation_data(ablation, left_out, warnings)
+    return write_report(out_dir, ablation_document(ablation, plots.ablation_png(ablation), data), "ablation.json",
+                        data)
 
 
 def _compute_cell(value: float) -> str:

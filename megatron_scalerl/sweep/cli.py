@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                              "sweep made with it keeps it")
     parser.add_argument("--max-concurrent", type=int, help="SLURM: most jobs queued or running at once (default: "
                                                            "all; kept by the sweep)")
-    parser.add_argument("--poll", type=float, default=30.0, help="SLURM: seconds between squeue polls")
+    parser.add_argument("--poll", type=float, default=30.0, help="SLURM: seconds between squeue polls (> 0)")
     parser.set_defaults(func=_sweep)
     commands = parser.add_subparsers(dest="sweep_command", metavar="report", parser_class=type(parser))
     report = commands.add_parser("report", help="the ablation report of a sweep, or of runs made any other way")
@@ -70,24 +70,27 @@ def _check_options(args: argparse.Namespace) -> float | None:
                           ("--max-concurrent", args.max_concurrent)):
         if value is not None and value < 1:
             raise UserError(f"{option} must be >= 1, got {value}")
+    if not args.poll > 0:
+        raise UserError(f"--poll must be > 0 seconds, got {args.poll:g}")
     budget = parse_gpu_hours(args.budget, "--budget") if args.budget is not None else None
     if budget == 0:
         raise UserError("--budget must be > 0 GPU-hours")
     return budget
 
 
-def _merged_manifest(args: argparse.Namespace, sweep_dir: Path, budget: float | None) -> tuple[dict, dict]:
-    """(the manifest with this invocation merged in, the base recipe's mapping); the initial weights decided for a
-    new sweep. Nothing is written yet."""
-    from megatron_scalerl.recipe import resolve_dict
+def _merged_manifest(args: argparse.Namespace, sweep_dir: Path, budget: float | None) -> tuple[dict, dict, set[str]]:
+    """(the manifest with this invocation merged in, the base recipe's mapping, the keys of the runs this invocation
+    adds); the initial weights decided for a new sweep. Nothing is written yet."""
+    from megatron_scalerl.recipe import resolve_dict, validate
     from megatron_scalerl.sweep.manifest import MANIFEST, load_manifest, merge
-    from megatron_scalerl.sweep.plan import grid_variants, preset_variant
+    from megatron_scalerl.sweep.plan import base_fields, grid_variants, preset_variant
     from megatron_scalerl.sweep.weights import decide_init_from, fingerprint
 
     old = load_manifest(sweep_dir)
     if old is None and args.base is None:
         raise UserError(f"{sweep_dir} holds no sweep yet ({MANIFEST}): give --base and the variants")
-    base_dict = resolve_dict(args.base or old["base"], args.overrides or (old or {}).get("set") or [],
+    base = args.base or old["base"]
+    base_dict = resolve_dict(base, args.overrides or (old or {}).get("set") or [],
                              args.model_preset or (old or {}).get("model"))
     variants = [preset_variant(name.strip()) for text in args.variants for name in text.split(",") if name.strip()]
     variants += grid_variants(args.grid, base_dict) if args.grid else []
@@ -97,7 +100,9 @@ def _merged_manifest(args: argparse.Namespace, sweep_dir: Path, budget: float | 
     manifest = merge(sweep_dir, old, base=args.base, model=args.model_preset, sets=args.overrides,
                      tokenizer=str(args.tokenizer.resolve()) if args.tokenizer else None, steps=args.steps,
                      budget=budget, seeds=args.seeds, variants=variants, slurm=args.slurm, parallel=args.parallel,
-                     max_concurrent=args.max_concurrent)
+                     max_concurrent=args.max_concurrent,
+                     recipe_steps=validate(base_dict, source=f"base {base}").trainer.max_steps,
+                     base_recipe=base_fields(base_dict))
     if manifest["slurm"] and args.parallel is not None:
         raise UserError("--parallel is for local runs; this sweep submits SLURM jobs (--max-concurrent bounds them)")
     if not manifest["slurm"] and args.max_concurrent is not None:
@@ -107,34 +112,56 @@ def _merged_manifest(args: argparse.Namespace, sweep_dir: Path, budget: float | 
     if manifest["init_from"] is None:
         init_from = decide_init_from(manifest["base"], base_dict)
         manifest["init_from"], manifest["init_fingerprint"] = str(init_from), fingerprint(init_from)
-    return manifest, base_dict
+    return manifest, base_dict, set(manifest["runs"]) - set((old or {}).get("runs", {}))
+
+
+def _why_not_start(manifest: dict, base_dict: dict, sweep_dir: Path) -> UserError | None:
+    """Why no new run may start (the initial weights or the base recipe changed since the sweep began), or None."""
+    from megatron_scalerl.sweep.manifest import check_base_recipe, manifest_path
+    from megatron_scalerl.sweep.plan import base_fields
+    from megatron_scalerl.sweep.weights import check_init_from
+
+    try:
+        check_init_from(manifest, manifest_path(sweep_dir))
+        check_base_recipe(manifest, base_fields(base_dict), manifest_path(sweep_dir))
+    except UserError as exc:
+        return exc
+    return None
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from megatron_scalerl.sweep.manifest import SweepLock, manifest_path, ordered_runs
+    from megatron_scalerl.sweep.manifest import SweepLock, ordered_runs
     from megatron_scalerl.sweep.plan import BaseSpec
     from megatron_scalerl.sweep.runs import refuse_live_launchers
-    from megatron_scalerl.sweep.weights import check_init_from
 
     budget = _check_options(args)
     sweep_dir: Path = args.sweep_dir.resolve()
     with SweepLock(sweep_dir):
-        manifest, _ = _merged_manifest(args, sweep_dir, budget)
+        manifest, base_dict, added = _merged_manifest(args, sweep_dir, budget)
         spec = BaseSpec(manifest["base"], manifest["model"], tuple(manifest["set"]), manifest["init_from"],
                         manifest["steps"], manifest["budget"])
         sweep = _plan(sweep_dir, manifest, spec)
-        sweep.save()
         refuse_live_launchers(sweep)
         keys = ordered_runs(manifest)
+        fresh = [k for k in keys if not sweep.runs[k].started]
+        blocked = _why_not_start(manifest, base_dict, sweep_dir) if fresh else None
+        if blocked is not None and added:
+            raise blocked  # the extension is refused before anything of it is saved
+        if blocked is not None:  # runs planned earlier, never started: they wait; the started ones go on
+            print(f"sweep: {len(fresh)} run(s) not started ({', '.join(fresh)}): {blocked}", file=sys.stderr,
+                  flush=True)
+            keys = [k for k in keys if k not in fresh]
+        sweep.save()
         done = [k for k in keys if sweep.done(k)]
-        fresh = [k for k in keys if k not in done and not sweep.runs[k].started]
-        if fresh:
-            check_init_from(manifest, manifest_path(sweep_dir))
+        start = [] if blocked else fresh
         print(f"sweep: {sweep_dir}: base {spec.base}, {len(manifest['variants'])} variants "
-              f"({', '.join(manifest['variants'])}) x {manifest['seeds']} seed(s): {len(keys)} runs, {len(done)} done, "
-              f"{len(keys) - len(done) - len(fresh)} to continue, {len(fresh)} to start; from the weights in "
-              f"{spec.init_from}", flush=True)
+              f"({', '.join(manifest['variants'])}) x {manifest['seeds']} seed(s): {len(manifest['runs'])} runs, "
+              f"{len(done)} done, {len(keys) - len(done) - len(start)} to continue, {len(start)} to start"
+              f"{f', {len(fresh)} held back' if blocked else ''}; from the weights in {spec.init_from}", flush=True)
         code = _launch(sweep, keys, args.poll)
+        if blocked is not None:
+            print(f"sweep: {len(fresh)} run(s) were not started: {blocked}", file=sys.stderr, flush=True)
+            return code or 1
         return code if code != 0 else _final_report(sweep)
 
 
@@ -171,27 +198,27 @@ def _launch(sweep: Sweep, keys: list[str], poll_s: float) -> int:
 
 
 def _final_report(sweep: Sweep) -> int:
-    """Every run is done: the report into SWEEP/report/. One that cannot be made (curves too short to fit) is said,
-    and the sweep still succeeds: its runs are done."""
+    """Every run is done: the report into SWEEP/report/. One that cannot be made (nothing left to fit: curves too
+    short, fits that fail) is said, and the sweep still succeeds: its runs are done."""
     from megatron_scalerl.sweep.report import report_sweep
 
     print(f"sweep: all {len(sweep.runs)} runs are done; the report:", flush=True)
     try:
         report_sweep(sweep.dir, sweep.manifest)
     except UserError as exc:
-        print(f"sweep: all runs are done, but {exc} (again, once fixed: scalerl sweep report {sweep.dir})",
-              file=sys.stderr, flush=True)
+        print(f"sweep: all runs are done, but there is nothing to report: {exc} (again, once fixed: scalerl sweep "
+              f"report {sweep.dir})", file=sys.stderr, flush=True)
     return 0
 
 
 def _report(args: argparse.Namespace) -> int:
     from megatron_scalerl.sweep.manifest import MANIFEST, load_manifest
-    from megatron_scalerl.sweep.report import report, report_sweep, runs_curves
+    from megatron_scalerl.sweep.report import given_runs, report, report_sweep
 
     if (args.report_dir is None) == (args.runs is None):
         raise UserError("scalerl sweep report: give a sweep directory, or --runs BASE_RUN RUN ... (not both)")
     if args.runs is not None:
-        report(*runs_curves(args.runs), args.out, args.json)
+        report(*given_runs(args.runs), args.out, args.json)
         return 0
     manifest = load_manifest(args.report_dir)
     if manifest is None:

@@ -3,16 +3,20 @@
 Each run's launcher runs in a session of its own, its console output appended to `SWEEP/VARIANT/seedI.console.log`
 and echoed here line by line with the run's key in front (read back from that file, so a sweep that dies never
 breaks a run's output). A new run starts with `--recipe SWEEP/VARIANT/seedI.recipe.yaml`, a started one continues
-with `--resume` (sweep/runs.py).
+with `--resume` (sweep/runs.py). The launcher and every role it starts carry the run's marker in their environment
+(`runs.SWEEP_RUN_ENV`); once a launcher has ended, whatever of its run still carries it is killed.
 
 `--parallel N` (N > 1) holds N runs at once when the machine has room: on CPU each run's processes (trainer ranks +
-generators) need a core each, so N x processes must not exceed the cores this process may use
-(`os.sched_getaffinity`), and each run's processes get an even share of them as OMP_NUM_THREADS (unless set); on GPUs
-each run gets its own CUDA_VISIBLE_DEVICES slice of the visible GPUs.
+generator servers) need a core each, so N x processes must not exceed the cores this process may use
+(`os.sched_getaffinity`), and each run's processes get an even share of them as OMP_NUM_THREADS (unless set; as
+`launch.local.cpu_threads_per_process` shares them for one run); on GPUs each run gets its own CUDA_VISIBLE_DEVICES
+slice of consecutive visible GPUs (`launch.local.cuda_devices`).
 
 Ctrl-C or SIGTERM: every running run is sent SIGTERM (its launcher stops its roles in order, the trainer
-checkpointing its step; up to `STOP_WAIT_S` seconds), then the sweep exits 128 + the signal; `scalerl sweep` again
-continues. A run that fails is recorded (`failed`, its exit code) and the others go on; the next sweep resumes it.
+checkpointing its step), the sweep waits for their ordered stops (`stop_wait_s`: each role's STOP_TIMEOUT_S plus a
+minute), SIGKILLs what is left of each run (its launcher's process group and every process carrying its marker:
+the roles run in sessions of their own), then exits 128 + the signal; `scalerl sweep` again continues. A run that
+fails is recorded (`failed`, its exit code) and the others go on; the next sweep resumes it.
 """
 
 from __future__ import annotations
@@ -26,21 +30,26 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.launch.local import cpu_threads_per_process, cuda_devices
 from megatron_scalerl.run_dir import STOP_TIMEOUT_S
-from megatron_scalerl.sweep.runs import Sweep, SweepRun
+from megatron_scalerl.sweep.runs import SWEEP_RUN_ENV, Sweep, SweepRun
 
 POLL_S = 1.0
-# A launcher's ordered stop gives the orchestrator, the trainer and the generators STOP_TIMEOUT_S each at most.
-STOP_WAIT_S = 3 * STOP_TIMEOUT_S + 60.0
+
+
+def stop_wait_s(run: SweepRun) -> float:
+    """Seconds a run's launcher may take to stop in order: the orchestrator, the trainer and each generator server
+    get STOP_TIMEOUT_S each at most, plus a minute for the launcher itself."""
+    return (2 + run.servers) * STOP_TIMEOUT_S + 60.0
 
 
 @dataclass
 class _Active:
-    """A running run: its launcher process, the devices it holds, and how far its console log was echoed."""
+    """A running run: its launcher process, the GPUs it holds, and how far its console log was echoed."""
 
     run: SweepRun
     process: subprocess.Popen
-    devices: list[int]
+    devices: range
     log: BinaryIO
     echoed: int = 0
     partial: bytes = field(default=b"")
@@ -56,28 +65,45 @@ class _Active:
             sys.stdout.write(f"[{self.run.key}] {line.decode(errors='replace')}\n")
         sys.stdout.flush()
 
+    def reap(self) -> None:
+        """SIGKILL every process still carrying the run's marker once its launcher has ended: its roles run in
+        sessions of their own, and outlive a launcher that ended (or was killed) before stopping them."""
+        for pid, command in self.run.live_processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            print(f"sweep: {self.run.key}: killed {pid} ({command[:120]}), left behind by its launcher", flush=True)
 
-def visible_gpus() -> list[str]:
-    """The GPU ids this process may use: an inherited CUDA_VISIBLE_DEVICES, else every device torch sees."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [d.strip() for d in visible.split(",") if d.strip()]
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use: torch counts those of an inherited CUDA_VISIBLE_DEVICES, else every device."""
     import torch
 
-    return [str(i) for i in range(torch.cuda.device_count())]
+    return torch.cuda.device_count()
 
 
 def check_room(runs: list[SweepRun], parallel: int, *, cuda: bool) -> None:
     """Refuse `--parallel` beyond what this machine holds (module docstring)."""
     if parallel == 1 or not runs:
         return
-    widest = max(runs, key=lambda r: r.processes)
-    have = len(visible_gpus()) if cuda else len(os.sched_getaffinity(0))
-    what = "visible GPUs (CUDA_VISIBLE_DEVICES or all)" if cuda else "CPU cores (os.sched_getaffinity)"
-    if parallel * widest.processes > have:
-        raise UserError(f"--parallel {parallel}: {parallel} runs x {widest.processes} processes ({widest.key}: "
-                        f"trainer ranks + generators, its cluster section) need {parallel * widest.processes} "
-                        f"{what}; this machine gives {have}")
+    need = (lambda r: r.gpus) if cuda else (lambda r: r.processes)
+    widest = max(runs, key=need)
+    have = visible_gpu_count() if cuda else len(os.sched_getaffinity(0))
+    what = ("GPUs (trainer + generator GPUs, its cluster section)", "visible GPUs (CUDA_VISIBLE_DEVICES or all)") \
+        if cuda else ("processes (trainer ranks + generator servers)", "CPU cores (os.sched_getaffinity)")
+    if parallel * need(widest) > have:
+        raise UserError(f"--parallel {parallel}: {parallel} runs x {need(widest)} {what[0]} ({widest.key}) need "
+                        f"{parallel * need(widest)} {what[1]}; this machine gives {have}")
+
+
+def _free_block(free: set[int], width: int, total: int) -> range | None:
+    """The first `width` consecutive free GPUs among `total` visible ones (0-based), or None."""
+    for start in range(total - width + 1):
+        block = range(start, start + width)
+        if free.issuperset(block):
+            return block
+    return None
 
 
 def _command(run: SweepRun, resume: bool, tokenizer: str | None) -> list[str]:
@@ -92,9 +118,8 @@ def run_local(sweep: Sweep, keys: list[str], parallel: int, *, cuda: bool) -> in
     some failed, 128 + a stop signal when stopped."""
     todo = [key for key in keys if not sweep.done(key)]
     check_room([sweep.runs[k] for k in todo], parallel, cuda=cuda)
-    gpus = visible_gpus() if cuda and parallel > 1 else []
-    free = list(range(len(gpus)))
-    cores = len(os.sched_getaffinity(0))
+    gpus = visible_gpu_count() if cuda and parallel > 1 else 0  # one run at a time takes every visible GPU
+    free = set(range(gpus))
     stop: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, _frame: stop.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -104,14 +129,17 @@ def run_local(sweep: Sweep, keys: list[str], parallel: int, *, cuda: bool) -> in
         while (todo or active) and not stop:
             while todo and len(active) < parallel and not stop:
                 run = sweep.runs[todo[0]]
-                if gpus and len(free) < run.processes:
+                devices = _free_block(free, run.gpus, gpus) if gpus else range(0)
+                if devices is None:
                     break
                 todo.pop(0)
-                devices = [free.pop(0) for _ in range(run.processes)] if gpus else []
-                env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus[d] for d in devices)} if gpus else {}
+                env = {"CUDA_VISIBLE_DEVICES": cuda_devices(devices)} if gpus else {}
                 if parallel > 1 and not cuda and "OMP_NUM_THREADS" not in os.environ:
-                    env["OMP_NUM_THREADS"] = str(max(1, cores // (parallel * run.processes)))
-                active[run.key] = _start(sweep, run, devices, env)
+                    env["OMP_NUM_THREADS"] = str(cpu_threads_per_process(parallel * run.processes))
+                entry = _start(sweep, run, devices, env)
+                if entry is not None:
+                    active[run.key] = entry
+                    free.difference_update(devices)
             time.sleep(POLL_S)
             for key, entry in list(active.items()):
                 entry.echo()
@@ -120,7 +148,8 @@ def run_local(sweep: Sweep, keys: list[str], parallel: int, *, cuda: bool) -> in
                     continue
                 del active[key]
                 entry.log.close()
-                free.extend(entry.devices)
+                entry.reap()
+                free.update(entry.devices)
                 if not _finish(sweep, key, code):
                     failed.append(key)
     finally:
@@ -142,16 +171,21 @@ def run_local(sweep: Sweep, keys: list[str], parallel: int, *, cuda: bool) -> in
     return 0
 
 
-def _start(sweep: Sweep, run: SweepRun, devices: list[int], env: dict[str, str]) -> _Active:
-    resume = sweep.prepare(run.key)
+def _start(sweep: Sweep, run: SweepRun, devices: range, env: dict[str, str]) -> _Active | None:
+    """Start run `run`'s launcher with `env` added to ours (and the run's marker); None when the run turned out to
+    be done (`Sweep.prepare`)."""
+    mode = sweep.prepare(run.key)
+    if mode is None:
+        print(f"sweep: {run.key}: done ({sweep.manifest['runs'][run.key]['finished']}); not started", flush=True)
+        return None
     run.console.parent.mkdir(parents=True, exist_ok=True)
     log = open(run.console, "ab")  # the child keeps its own descriptor
     echoed = log.tell()
-    process = subprocess.Popen(_command(run, resume, sweep.manifest.get("tokenizer")), stdout=log,
+    process = subprocess.Popen(_command(run, mode == "resume", sweep.manifest.get("tokenizer")), stdout=log,
                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                               env={**os.environ, **env})
+                               env={**os.environ, **env, SWEEP_RUN_ENV: run.marker})
     sweep.update(run.key, state="running", pid=process.pid, exit_code=None)
-    print(f"sweep: {run.key}: {'resuming' if resume else 'starting'} in {run.run_dir} (pid {process.pid}"
+    print(f"sweep: {run.key}: {'resuming' if mode == 'resume' else 'starting'} in {run.run_dir} (pid {process.pid}"
           f"{', ' + ' '.join(f'{k}={v}' for k, v in env.items()) if env else ''}; output in {run.console})",
           flush=True)
     return _Active(run, process, devices, log, echoed)
@@ -172,25 +206,29 @@ def _finish(sweep: Sweep, key: str, code: int) -> bool:
 
 
 def _stop_all(sweep: Sweep, active: dict[str, _Active]) -> None:
-    """SIGTERM every running launcher, wait for their ordered stops (STOP_WAIT_S at most), SIGKILL what is left."""
-    print(f"sweep: stopping {len(active)} run(s) (each checkpoints its trainer first)", flush=True)
+    """SIGTERM every running launcher, wait for their ordered stops (the longest `stop_wait_s` of them at most),
+    SIGKILL what is left of each run."""
+    wait_s = max(stop_wait_s(entry.run) for entry in active.values())
+    print(f"sweep: stopping {len(active)} run(s) (each checkpoints its trainer first; up to {wait_s:.0f} s)",
+          flush=True)
     for entry in active.values():
         try:
             os.kill(entry.process.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + STOP_WAIT_S
+    deadline = time.monotonic() + wait_s
     for key, entry in active.items():
         try:
             code = entry.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
+            print(f"sweep: {key}: its launcher did not stop within {wait_s:.0f} s; killing the run", flush=True)
             try:
                 os.killpg(entry.process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             code = entry.process.wait()
+        entry.reap()  # its roles, whatever became of the launcher
         entry.echo()
         entry.log.close()
         sweep.update(key, state="stopped", pid=None, exit_code=code)
-        sweep.done(key)  # it may have ended on its own meanwhile
-
+        sweep.done(key)  # it may have ended on its own meanwhile (exit 0)

@@ -39,6 +39,8 @@ from megatron_scalerl.recipe import (
 BASE_VARIANT = "base"
 NAME_CHARS = re.compile(r"[^A-Za-z0-9._+-]+")
 SHAPE_SECTIONS = ("cluster.", "parallelism.")  # fields that change how many processes (GPUs) a run takes
+# Fields of the base recipe that the sweep sets per run (or that name nothing a run uses): not part of `base_fields`.
+PER_RUN_FIELDS = ("name", "trainer.init_from", "trainer.seed", "trainer.max_steps", "trainer.max_gpu_hours")
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,13 @@ class BaseSpec:
     def base_dict(self) -> dict[str, Any]:
         """The base recipe's mapping with `--model` and `--set` (not validated)."""
         return resolve_dict(self.base, list(self.sets), self.model)
+
+
+def base_fields(base: dict[str, Any]) -> dict[str, Any]:
+    """The base recipe's mapping (`BaseSpec.base_dict`) as its dotted fields, JSON values, without PER_RUN_FIELDS:
+    what the manifest records to tell whether the base changed (`manifest.check_base_recipe`)."""
+    fields = {k: v for k, v in flatten(base).items() if k not in PER_RUN_FIELDS}
+    return json.loads(json.dumps(fields, default=str))
 
 
 def _override(key: str, value: Any) -> str:

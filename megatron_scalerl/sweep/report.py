@@ -2,71 +2,88 @@
 or of runs made any other way (`scalerl sweep report --runs BASE RUN ...`, the first is the base).
 
 Each run's curve is its validation pass rate against GPU-hours (`forecast.data.load_curve`); a variant's seeds are
-its curves. The fits and verdicts are `forecast.ablation.make_ablation`'s, with the forecast settings of the base's
-recipe (its `forecast` section: `min_compute`, `budgets`, `resamples`, `target`) and the validation's own noise
-(held-out prompts x samples per prompt), as the demo's end-of-run forecast uses them. In a sweep only runs that
-ended on their own (`RUN/finished.json`) count; the others are left out and named, as are runs with too few
-evaluations in the fit window (`forecast.predict.fit_window`; they are listed under `left_out` in ablation.json).
+its curves. The fits and verdicts are `forecast.ablation.make_ablation`'s, with one set of forecast options for all
+runs: the base's (`forecast.live.recipe_options` of its RUN/recipe.yaml: its `forecast` section, `min_compute`,
+`budgets`, `resamples`, `target`, and its validation's own noise, held-out prompts x samples per prompt), as the
+demo's end-of-run forecast uses them. A variant whose own recipe scores another number of completions per validation
+(it changes data.validation_*) is named in the report's warnings: its noise is modelled with the base's.
+
+Left out, each under `left_out` in ablation.json ({"variant", "run", "reason"}), in the report's "Left out" section
+and on stderr: in a sweep the runs that are not done (`runs.not_done`, the sweep's own definition: "not finished",
+"not extended yet", or a last launch that failed), and everywhere the runs that cannot be read or fitted (too few
+evaluations in the fit window, `forecast.predict.fit_window`, or a fit that fails: the error). When the base or every
+variant is left without a run there is no report: a UserError says why.
 
 Output: the report in markdown on stdout (with `--json`: exactly one JSON object, ablation.json's content), and its
-files (ablation.json, report.md, report.html, PNG) in `SWEEP/report/` or `--out DIR`.
+files (ablation.json, report.md, report.html, PNG; `forecast.report.write_ablation`) in `SWEEP/report/` or
+`--out DIR`.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.recipe import Recipe, load_recipe
 from megatron_scalerl.run_dir import read_finished
+from megatron_scalerl.sweep.manifest import ordered_runs
 from megatron_scalerl.sweep.plan import BASE_VARIANT
+from megatron_scalerl.sweep.runs import RUN_RECIPE, not_done
 
-REPORT_DIR = "report"
-
-
-def forecast_settings(recipe: Recipe | None):
-    """(ForecastOptions, target reward or None) from a recipe's forecast and data sections; the forecaster's
-    defaults without one."""
+if TYPE_CHECKING:
+    from megatron_scalerl.forecast.data import Curve
     from megatron_scalerl.forecast.predict import ForecastOptions
 
-    if recipe is None or recipe.forecast is None:
-        return ForecastOptions(), None
-    f, data = recipe.forecast, recipe.data
-    options = ForecastOptions(min_compute=f.min_compute, budgets=tuple(f.budgets), resamples=f.resamples,
-                              eval_draws=data.validation_holdout * data.validation_generations or None)
-    return options, f.target
+REPORT_DIR = "report"
+FIT_ERRORS = (UserError, ValueError, RuntimeError, FloatingPointError)  # what reading or fitting one run may raise
 
 
-def _curve(run_dir: Path, label: str):
+@dataclass(frozen=True)
+class ReportRun:
+    """One run of the report: its variant, its curve, and its recipe (None: it has no RUN/recipe.yaml)."""
+
+    variant: str
+    curve: Curve
+    recipe: Recipe | None
+
+
+def _read(variant: str, run_dir: Path, label: str) -> ReportRun:
+    """The run in `run_dir`, its curve named `label`."""
     from megatron_scalerl.forecast.data import load_curve
 
-    return replace(load_curve(run_dir), name=label)
+    recipe_file = run_dir / RUN_RECIPE
+    recipe = load_recipe(recipe_file) if recipe_file.is_file() else None
+    return ReportRun(variant, replace(load_curve(run_dir), name=label), recipe)
 
 
-def sweep_curves(sweep_dir: Path, manifest: dict) -> tuple[list, list[tuple[str, list]], Recipe | None]:
-    """(the base's curves, [(variant, its curves)], the base's recipe) of a sweep's finished runs."""
-    by_variant: dict[str, list] = {name: [] for name in manifest["variants"]}
-    left_out, recipe = [], None
-    for key, entry in sorted(manifest["runs"].items(), key=lambda item: item[1]["seed_index"]):
+def _left(variant: str, run: Path | str, reason: str) -> dict:
+    return {"variant": variant, "run": str(run), "reason": reason}
+
+
+def _failure(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
+
+
+def sweep_runs(sweep_dir: Path, manifest: dict) -> tuple[str, list[ReportRun], list[dict]]:
+    """(the base's name, the sweep's done runs in `ordered_runs` order, one `left_out` entry for each of the
+    others)."""
+    runs: list[ReportRun] = []
+    left_out: list[dict] = []
+    for key in ordered_runs(manifest):
+        entry = manifest["runs"][key]
         run_dir = sweep_dir / entry["run_dir"]
-        if read_finished(run_dir) is None:
-            left_out.append(key)
-            continue
-        by_variant[entry["variant"]].append(_curve(run_dir, entry["variant"]))
-        if recipe is None and entry["variant"] == BASE_VARIANT:
-            recipe = load_recipe(run_dir / "recipe.yaml")
-    if left_out:
-        print(f"report: left out {len(left_out)} run(s) that have not ended on their own: {', '.join(left_out)}",
-              file=sys.stderr, flush=True)
-    base = by_variant.pop(BASE_VARIANT)
-    if not base:
-        raise UserError(f"{sweep_dir}: no run of the base has finished yet: nothing to compare the variants with")
-    variants = [(name, curves) for name, curves in by_variant.items() if curves]
-    if not variants:
-        raise UserError(f"{sweep_dir}: no run of any variant has finished yet")
-    return base, variants, recipe
+        try:
+            why = not_done(entry, read_finished(run_dir), manifest.get("steps"), manifest.get("budget"))
+            if why is None:
+                runs.append(_read(entry["variant"], run_dir, entry["variant"]))
+        except FIT_ERRORS as exc:
+            why = _failure(exc)
+        if why is not None:
+            left_out.append(_left(entry["variant"], run_dir, why))
+    return BASE_VARIANT, runs, left_out
 
 
 def _labels(runs: list[Path]) -> list[str]:
@@ -79,75 +96,102 @@ def _labels(runs: list[Path]) -> list[str]:
     raise UserError(f"--runs: the same run is given twice ({', '.join(sorted({str(r) for r in runs}))})")
 
 
-def runs_curves(runs: list[Path]) -> tuple[list, list[tuple[str, list]], Recipe | None]:
-    """(the base's curve, [(label, [curve])], the base's recipe) of `--runs BASE RUN ...`: one run per variant,
-    labelled by the end of its path."""
-    if len(runs) < 2:
+def given_runs(run_dirs: list[Path]) -> tuple[str, list[ReportRun], list[dict]]:
+    """(the base's label, the runs of `--runs BASE RUN ...`, one per variant labelled by the end of its path; one
+    `left_out` entry for each that cannot be read)."""
+    if len(run_dirs) < 2:
         raise UserError("--runs: give the base run and at least one other (--runs BASE RUN ...)")
-    labels = _labels(runs)
-    curves = [_curve(r, label) for r, label in zip(runs, labels, strict=True)]
-    recipe_file = runs[0] / "recipe.yaml"
-    recipe = load_recipe(recipe_file) if recipe_file.is_file() else None
-    if recipe is None:
-        print(f"report: {runs[0]} has no recipe.yaml: the forecaster's default settings are used", file=sys.stderr)
-    return [curves[0]], [(label, [c]) for label, c in zip(labels[1:], curves[1:], strict=True)], recipe
-
-
-def _fittable(base: list, variants: list[tuple[str, list]], options) -> tuple[list, list, list[dict]]:
-    """The runs whose curves have enough points in the fit window, and one {"variant", "run", "reason"} for each of
-    the others; UserError when the base or every variant is left with none."""
-    from megatron_scalerl.forecast.predict import fit_window
-
+    labels = _labels(run_dirs)
+    runs: list[ReportRun] = []
     left_out: list[dict] = []
-
-    def keep(name: str, curves: list) -> list:
-        kept = []
-        for curve in curves:
-            try:
-                fit_window(curve, options)
-                kept.append(curve)
-            except UserError as exc:
-                left_out.append({"variant": name, "run": curve.source, "reason": str(exc)})
-        return kept
-
-    base = keep(BASE_VARIANT, base)
-    variants = [(name, kept) for name, curves in variants if (kept := keep(name, curves))]
-    for entry in left_out:
-        print(f"report: {entry['variant']}: left out {entry['reason']}", file=sys.stderr, flush=True)
-    if not base or not variants:
-        raise UserError(f"no ablation report: {'no run of the base' if not base else 'no run of any variant'} can be "
-                        f"fitted ({left_out[0]['reason']})")
-    return base, variants, left_out
+    for run_dir, label in zip(run_dirs, labels, strict=True):
+        try:
+            runs.append(_read(label, run_dir, label))
+        except FIT_ERRORS as exc:
+            left_out.append(_left(label, run_dir, _failure(exc)))
+    return labels[0], runs, left_out
 
 
-def report(base: list, variants: list[tuple[str, list]], recipe: Recipe | None, out: Path | None,
-           as_json: bool) -> list[Path]:
-    """Fit, judge, print (markdown, or one JSON object with `as_json`) and, with `out`, write the report (its JSON
-    adds `left_out`: the runs that could not be fitted, and why); the files written."""
-    from megatron_scalerl.forecast import plots
+def _options(runs: list[ReportRun], base: str) -> ForecastOptions:
+    """The ablation's ForecastOptions, one for all runs: those of the base's first run's recipe, else the
+    forecaster's defaults."""
+    from megatron_scalerl.forecast.live import recipe_options
+    from megatron_scalerl.forecast.predict import ForecastOptions
+
+    first = next((r for r in runs if r.variant == base), None)
+    if first is not None and first.recipe is not None:
+        return recipe_options(first.recipe)
+    if first is not None:
+        print(f"report: {first.curve.source} has no {RUN_RECIPE}: the forecaster's default settings are used",
+              file=sys.stderr, flush=True)
+    return ForecastOptions()
+
+
+def _draws_warnings(runs: list[ReportRun], base: str, options: ForecastOptions) -> list[str]:
+    """One warning for each variant whose runs' own recipes score another number of completions per validation than
+    `options` (the base's) models."""
+    from megatron_scalerl.forecast.live import recipe_options
+
+    warnings = []
+    for variant in dict.fromkeys(r.variant for r in runs if r.variant != base):
+        draws = sorted({recipe_options(r.recipe).eval_draws or 0 for r in runs if r.variant == variant and r.recipe})
+        if draws and draws != [options.eval_draws or 0]:
+            warnings.append(f"{variant}: its validation scores {' or '.join(map(str, draws))} completions per "
+                            f"evaluation (data.validation_holdout x data.validation_generations; 0: none), the base's "
+                            f"{options.eval_draws or 0}: its evaluation noise is modelled with the base's")
+    return warnings
+
+
+def _fittable(runs: list[ReportRun], options, left_out: list[dict]) -> list[ReportRun]:
+    """The runs whose point fit succeeds with `options` (each in its own try: a failure leaves that run out, with
+    its path and the error, in `left_out`)."""
+    from megatron_scalerl.forecast.predict import make_forecast
+
+    kept = []
+    for run in runs:
+        try:
+            make_forecast(run.curve, replace(options, resamples=0))
+            kept.append(run)
+        except FIT_ERRORS as exc:
+            left_out.append(_left(run.variant, run.curve.source, _failure(exc)))
+    return kept
+
+
+def report(base: str, runs: list[ReportRun], left_out: list[dict], out: Path | None, as_json: bool) -> list[Path]:
+    """Fit, judge, print (markdown, or one JSON object with `as_json`) and, with `out`, write the report of `runs`
+    (those of variant `base` are the base's) with `left_out`; the files written. UserError when the base or every
+    variant has no run left to fit."""
     from megatron_scalerl.forecast import report as documents
     from megatron_scalerl.forecast.ablation import make_ablation
 
-    options, target = forecast_settings(recipe)
-    base, variants, left_out = _fittable(base, variants, options)
-    ablation = make_ablation(base, variants, options, target)
-    data = {**ablation.to_dict(), "left_out": left_out}
-    document = documents.ablation_document(ablation, plots.ablation_png(ablation) if out else b"")
-    if left_out:
-        document.heading("Left out")
-        document.items([f"{e['variant']}: {e['run']}: {e['reason']}" for e in left_out])
+    options = _options(runs, base)
+    runs = _fittable(runs, options, left_out)
+    warnings = _draws_warnings(runs, base, options)
+    for entry in left_out:
+        print(f"report: {entry['variant']}: left out {entry['run']}: {entry['reason']}", file=sys.stderr, flush=True)
+    groups = {variant: [r.curve for r in runs if r.variant == variant] for variant in dict.fromkeys(
+        r.variant for r in runs)}
+    base_curves = groups.pop(base, [])
+    if not base_curves or not groups:
+        whose = [e for e in left_out if (e["variant"] == base) == (not base_curves)]  # why the missing side is missing
+        raise UserError(f"no ablation report: no run of {'the base' if not base_curves else 'any variant'} can be "
+                        "fitted" + (f" ({whose[0]['run']}: {whose[0]['reason']})" if whose else ""))
+    try:
+        ablation = make_ablation(base_curves, list(groups.items()), options)
+    except (ValueError, RuntimeError, FloatingPointError) as exc:  # a bootstrap refit, past each run's point fit
+        raise UserError(f"no ablation report: a bootstrap refit failed ({type(exc).__name__}: {exc})") from None
+    data = documents.ablation_data(ablation, left_out, warnings)
     if as_json:
         print(documents.dumps(data), flush=True)
     else:
-        print(document.to_markdown(images=False), end="", flush=True)
+        print(documents.ablation_document(ablation, b"", data).to_markdown(images=False), end="", flush=True)
     if out is None:
         return []
-    written = documents.write_report(out, document, "ablation.json", data)
+    written = documents.write_ablation(out, ablation, left_out, warnings)
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr if as_json else sys.stdout, flush=True)
     return written
 
 
 def report_sweep(sweep_dir: Path, manifest: dict, out: Path | None = None, as_json: bool = False) -> list[Path]:
-    """The report of a sweep's finished runs, written to `out` (default SWEEP/report/)."""
-    base, variants, recipe = sweep_curves(sweep_dir, manifest)
-    return report(base, variants, recipe, out or sweep_dir / REPORT_DIR, as_json)
+    """The report of a sweep's done runs, written to `out` (default SWEEP/report/)."""
+    return report(*sweep_runs(sweep_dir, manifest), out or sweep_dir / REPORT_DIR, as_json)

@@ -10,10 +10,14 @@ and account when it names them) and its settings exported:
         slurm/scalerl_moe.sbatch            # scalerl_dense.sbatch for a dense model
 
 A job finds a started run's recipe.yaml and continues it; the time-limit requeue is the sbatch files' own. The sweep
-keeps at most `--max-concurrent` of its jobs queued or running and polls `squeue` every `--poll` seconds for them by
-name (so an interrupted sweep finds its jobs again, and never submits a run twice); a job gone from the queue (twice
-in a row: a requeued job may briefly be missing) has ended, and its run is done or failed. Ctrl-C or SIGTERM stops
-the watching only: the jobs go on, and `scalerl sweep` again follows them.
+first finds, by name, every job of its runs still queued or running (left by an earlier sweep process) and follows
+it: it counts towards `--max-concurrent` at once and its run is never submitted twice. It then keeps at most
+`--max-concurrent` of its jobs queued or running, polling `squeue` every `--poll` seconds; a job gone from the queue
+(twice in a row: a requeued job may briefly be missing) has ended, and its run is done or failed. Whether a run is
+done is checked again right before it is submitted (`Sweep.prepare`). A failed `squeue` is said and tried again on
+the next poll; `SQUEUE_TRIES` failures in a row end the watching (the jobs go on). `sbatch` and `squeue` run in
+sessions of their own, bounded by SLURM_TIMEOUT_S each, so that a Ctrl-C reaches only the sweep. Ctrl-C or SIGTERM
+stops the watching only: the jobs go on, and `scalerl sweep` again follows them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from megatron_scalerl.sweep.runs import Sweep, SweepRun
 CHECKOUT = Path(__file__).resolve().parents[2]  # the repository: slurm/*.sbatch and the venv the jobs run
 SLURM_TIMEOUT_S = 60.0  # each sbatch / squeue call
 GONE_POLLS = 2  # polls a job must be missing from squeue before it counts as ended
+SQUEUE_TRIES = 3  # squeue polls that may fail in a row before the watching ends
 
 
 def job_name(sweep_dir: Path, key: str) -> str:
@@ -41,7 +46,8 @@ def job_name(sweep_dir: Path, key: str) -> str:
 
 def _slurm(*command: str) -> str:
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S, cwd=CHECKOUT)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S, cwd=CHECKOUT,
+                              start_new_session=True)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise UserError(f"{command[0]}: {exc}") from None
     if done.returncode != 0:
@@ -86,18 +92,28 @@ def sbatch_command(sweep: Sweep, run: SweepRun) -> list[str]:
 
 
 def run_slurm(sweep: Sweep, keys: list[str], max_concurrent: int | None, poll_s: float) -> int:
-    """Submit and follow the sweep's runs `keys` (in order; done ones skipped); 0 when every one is done, 1 when
-    some failed, 128 + a stop signal when the watching was stopped (the jobs go on)."""
+    """Submit and follow the sweep's runs `keys` (in order; done ones skipped) with `squeue` polls every `poll_s`
+    seconds; 0 when every one is done, 1 when some failed, 128 + a stop signal when the watching was stopped (the
+    jobs go on)."""
     names = {key: job_name(sweep.dir, key) for key in keys}
-    todo = [key for key in keys if not sweep.done(key)]
     active: dict[str, int] = {}  # run key -> polls it was missing from the queue
     failed: list[str] = []
     stop: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, _frame: stop.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        jobs = _poll(list(names.values()), poll_s, stop) or {}
+        for key in keys:  # every job of the sweep an earlier sweep process left in the queue
+            if names[key] in jobs:
+                job, state = jobs[names[key]]
+                active[key] = 0
+                sweep.update(key, state=state, slurm_job=job)
+                print(f"sweep: {key}: following job {job} ({state})", flush=True)
+        todo = [key for key in keys if key not in active and not sweep.done(key)]
         while (todo or active) and not stop:
-            jobs = queued([names[k] for k in [*active, *todo]])
+            jobs = _poll([names[k] for k in active], poll_s, stop)
+            if jobs is None:
+                break
             for key in list(active):
                 active[key] = 0 if names[key] in jobs else active[key] + 1
                 if names[key] in jobs and sweep.manifest["runs"][key]["state"] != jobs[names[key]][1]:
@@ -106,15 +122,10 @@ def run_slurm(sweep: Sweep, keys: list[str], max_concurrent: int | None, poll_s:
                     del active[key]
                     if not _ended(sweep, key):
                         failed.append(key)
-            while todo and (max_concurrent is None or len(active) < max_concurrent):
+            while todo and (max_concurrent is None or len(active) < max_concurrent) and not stop:
                 key = todo.pop(0)
-                active[key] = 0
-                if names[key] in jobs:  # submitted by an earlier sweep process
-                    job, state = jobs[names[key]]
-                    sweep.update(key, state=state, slurm_job=job)
-                    print(f"sweep: {key}: following job {job} ({state})", flush=True)
-                else:
-                    _submit(sweep, sweep.runs[key])
+                if _submit(sweep, sweep.runs[key]):
+                    active[key] = 0
             _sleep(poll_s if active else 0, stop)
     finally:
         for sig, handler in previous.items():
@@ -131,19 +142,43 @@ def run_slurm(sweep: Sweep, keys: list[str], max_concurrent: int | None, poll_s:
     return 0
 
 
+def _poll(names: list[str], poll_s: float, stop: list[int]) -> dict[str, tuple[int, str]] | None:
+    """`queued(names)`, tried again `poll_s` seconds after a failure, up to SQUEUE_TRIES times in a row (then the
+    last failure's UserError); None when a stop signal came meanwhile."""
+    failures = 0
+    while True:
+        try:
+            return queued(names)
+        except UserError as exc:
+            failures += 1
+            if failures == SQUEUE_TRIES:
+                raise UserError(f"{exc} ({SQUEUE_TRIES} squeue polls in a row failed; the sweep's jobs go on: run the "
+                                "same `scalerl sweep` again to follow them)") from None
+            print(f"sweep: {exc}; trying again in {poll_s:g} s ({failures} of {SQUEUE_TRIES} in a row)",
+                  file=sys.stderr, flush=True)
+        _sleep(poll_s, stop)
+        if stop:
+            return None
+
+
 def _sleep(seconds: float, stop: list[int]) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not stop:
         time.sleep(min(1.0, deadline - time.monotonic()))
 
 
-def _submit(sweep: Sweep, run: SweepRun) -> None:
-    resume = sweep.prepare(run.key)
+def _submit(sweep: Sweep, run: SweepRun) -> bool:
+    """Submit run `run` (`Sweep.prepare` first); False when it turned out to be done (nothing submitted)."""
+    mode = sweep.prepare(run.key)
+    if mode is None:
+        print(f"sweep: {run.key}: done ({sweep.manifest['runs'][run.key]['finished']}); not submitted", flush=True)
+        return False
     run.run_dir.parent.mkdir(parents=True, exist_ok=True)
     job = int(_slurm(*sbatch_command(sweep, run)).strip().split(";")[0])
     sweep.update(run.key, state="queued", slurm_job=job, exit_code=None)
-    print(f"sweep: {run.key}: {'resubmitted' if resume else 'submitted'} as job {job} (output "
+    print(f"sweep: {run.key}: {'resubmitted' if mode == 'resume' else 'submitted'} as job {job} (output "
           f"{run.run_dir.with_name(f'{run.run_dir.name}.slurm-{job}.out')})", flush=True)
+    return True
 
 
 def _ended(sweep: Sweep, key: str) -> bool:

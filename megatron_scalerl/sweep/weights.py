@@ -2,7 +2,9 @@
 
 - the base recipe (with `--model` and `--set`) names `trainer.init_from` (or `--model hf:DIR` set it): those;
 - else, on `--base demo`: the demo's warm-started model, the one `make demo` builds and keeps in `runs/demo_model/`
-  (`demo.run.warm_started_model`: built on first use, reused while built from the same settings);
+  (`demo.run.warm_started_model`: built on first use, reused while built from the same settings). It is the demo
+  preset's model, built from the demo preset itself (never from the sweep's `--model` or `--set`): a demo base whose
+  model section differs from the preset's is refused, naming the fields (give it `trainer.init_from`);
 - else the sweep is refused: runs started from random weights would each start from their own.
 
 The sweep records the directory and a fingerprint of its files (relative path, bytes, modification time) in
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.recipe import flatten, resolve_dict, validate
 
 DEMO_BASE = "demo"
 DEMO_MODEL_ROOT = Path("runs/demo_model")  # `make demo`'s cache (scalerl demo --run-dir runs/demo)
@@ -41,9 +44,16 @@ def decide_init_from(base: str, base_dict: dict[str, Any]) -> Path:
         return Path(given).resolve()
     if base == DEMO_BASE:
         from megatron_scalerl.demo.run import warm_started_model
-        from megatron_scalerl.recipe import load_recipe
 
-        return warm_started_model(load_recipe(DEMO_BASE), DEMO_MODEL_ROOT).resolve()
+        preset = resolve_dict(DEMO_BASE)
+        mine, theirs = flatten(base_dict.get("model")), flatten(preset["model"])
+        changed = sorted(f"model.{k}" for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        if changed:
+            raise UserError(f"base {base}: its model section differs from the demo preset's ({', '.join(changed[:5])}"
+                            f"{' ...' if len(changed) > 5 else ''}, from --model or --set): the demo's shared weights "
+                            f"({DEMO_MODEL_ROOT}) are the preset's model; give the runs weights of this model "
+                            "(--set trainer.init_from=DIR, or --model hf:DIR)")
+        return warm_started_model(validate(preset, source=DEMO_BASE), DEMO_MODEL_ROOT).resolve()
     raise UserError(f"base {base} starts from random weights (trainer.init_from is null): a sweep needs "
                     "trainer.init_from (--set trainer.init_from=DIR) or --model hf:DIR, so that all its runs start "
                     "from the same weights")
