@@ -123,6 +123,7 @@ def run(tmp_path_factory):
          kill_orchestrator_and_trainer)])
     launches["left_by_first"] = _leftovers()
     # 2: to the end
+    launches["second_started"] = time.time()
     launches["second"] = _launch(resume, [])
     launches["left_by_second"] = _leftovers()
     launches["finished_second"] = read_finished(run_dir)
@@ -189,6 +190,11 @@ def test_resume_finishes_the_run_without_repeating_or_losing_work(run):
     forecasts = [r for r in batches if "forecast/status" in r]
     assert forecasts and all(r["forecast/status"] in STATUS_CODES for r in forecasts)
     assert {r["step"] for r in forecasts} <= set(validated) and validated[-1] in {r["step"] for r in forecasts}
+    # compute only grows along a launch: the validations' (the forecast's x axis) and the forecast rows', which carry
+    # their validation's (across the SIGKILL, the time since the orchestrator's last saved state is not counted)
+    for rows, least in (([r for r in batches if "val/pass_rate" in r]), 2), (forecasts, 1):
+        hours = [r["gpu_hours"] for r in sorted(rows, key=lambda r: r["step"]) if r["time"] >= run["second_started"]]
+        assert len(hours) >= least and all(a <= b for a, b in zip(hours, hours[1:], strict=False)), hours
     state = json.loads((run_dir / "curriculum.json").read_text())
     assert state["batch"] == STEPS - 1
 

@@ -192,8 +192,14 @@ def processes_with_environment(*entries: str) -> list[tuple[int, str]]:
 
 def kill_stragglers(launch_id: str) -> list[str]:
     """SIGKILL every process of this machine carrying `LAUNCH_ENV=launch_id`; one "pid (command line)" for each."""
+    return kill_carrying(f"{LAUNCH_ENV}={launch_id}")
+
+
+def kill_carrying(entry: str) -> list[str]:
+    """SIGKILL every process of this machine whose environment holds `entry` ("NAME=value", matched as in
+    `processes_with_environment`); one "pid (command line)" for each killed."""
     killed = []
-    for pid, command in processes_with_environment(f"{LAUNCH_ENV}={launch_id}"):
+    for pid, command in processes_with_environment(entry):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

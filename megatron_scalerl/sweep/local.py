@@ -31,6 +31,7 @@ from typing import BinaryIO
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.launch.local import cpu_threads_per_process, cuda_devices
+from megatron_scalerl.launch.supervise import kill_carrying
 from megatron_scalerl.run_dir import STOP_TIMEOUT_S
 from megatron_scalerl.sweep.runs import SWEEP_RUN_ENV, Sweep, SweepRun
 
@@ -68,12 +69,8 @@ class _Active:
     def reap(self) -> None:
         """SIGKILL every process still carrying the run's marker once its launcher has ended: its roles run in
         sessions of their own, and outlive a launcher that ended (or was killed) before stopping them."""
-        for pid, command in self.run.live_processes():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                continue
-            print(f"sweep: {self.run.key}: killed {pid} ({command[:120]}), left behind by its launcher", flush=True)
+        for killed in kill_carrying(f"{SWEEP_RUN_ENV}={self.run.marker}"):
+            print(f"sweep: {self.run.key}: killed {killed}, left behind by its launcher", flush=True)
 
 
 def visible_gpu_count() -> int:
