@@ -29,7 +29,7 @@ bytecode: setup
 	$(PY) -m compileall -q megatron_scalerl
 
 # Two pytest workers (pytest-xdist), whole files to each, so a module's fixtures (a vLLM server, a trainer) are
-# built once; files in the order tests/conftest.py gives (vLLM files first): about 12 min for the suite on 2 cores.
+# built once; files in the order tests/conftest.py gives (vLLM files first): about 20 min for the suite on 2 cores.
 test: bytecode
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
