@@ -117,7 +117,7 @@ def calibration(runs: int, resamples: int, drift_corr: float | None = None) -> d
     for i in range(runs):
         seed = 5000 + i  # apart from the seeds the fit benchmark and the tests use
         run = replicate_run(TABLE1[i % len(TABLE1)], seed)
-        corr = drift_corr or float(np.random.default_rng([seed, 1]).uniform(0.5, 0.9))
+        corr = drift_corr if drift_corr is not None else float(np.random.default_rng([seed, 1]).uniform(0.5, 0.9))
         sim = simulate_run(run, seed, drift_corr=corr)
         pass_rate, sigmoid = float(sim.pass_rate[-1]), float(true_reward(run, run.budget))
         for until in ("budget/2", "budget"):

@@ -27,6 +27,7 @@ def test_the_last_push_is_the_schedules():
     assert [last_push_step("pipeline", 4, s) for s in range(6)] == list(range(6))
     assert [last_push_step("ppo", 4, s) for s in range(10)] == [0, 0, 0, 0, 4, 4, 4, 4, 8, 8]
     assert all(pushes_weights_after("ppo", 4, last_push_step("ppo", 4, s)) for s in range(4, 20))
+    assert pushes_weights_after("ppo", 4, 6, last_step=6) and not pushes_weights_after("ppo", 4, 5, last_step=6)
 
 
 def test_unknown_modes_are_refused():

@@ -24,10 +24,12 @@ def staleness_bound(mode: str, k: int) -> int:
     return k if mode == "pipeline" else k - 1
 
 
-def pushes_weights_after(mode: str, k: int, step: int) -> bool:
-    """Whether the trainer's weights after `step` optimizer steps go to the generators."""
+def pushes_weights_after(mode: str, k: int, step: int, last_step: int | None = None) -> bool:
+    """Whether the trainer's weights after `step` optimizer steps go to the generators: the schedule's steps, and
+    the run's `last_step` whatever the schedule (the orchestrator validates it; under PPO-off-policy-k a last step
+    off the k-th step schedule would otherwise never reach the generators)."""
     _check(mode, k)
-    return mode == "pipeline" or step % k == 0
+    return mode == "pipeline" or step % k == 0 or step == last_step
 
 
 def last_push_step(mode: str, k: int, step: int) -> int:

@@ -310,10 +310,10 @@ def ablation_document(ablation: Ablation, png: bytes, data: dict | None = None) 
 
 
 def write_ablation(out_dir: str | Path, ablation: Ablation, left_out: list[dict] | None = None,
-                   warnings: list[str] | None = None) -> list[Path]:
-    """Write ablation.json (`ablation_data`: with `left_out` and `warnings` when given), report.md, report.html and
-    ablation.png into `out_dir` (atomically); returns the paths."""
-    data = ablation_data(ablation, left_out, warnings)
+                   warnings: list[str] | None = None, data: dict | None = None) -> list[Path]:
+    """Write ablation.json (`ablation_data`: with `left_out` and `warnings` when given; `data` when the caller has it
+    already), report.md, report.html and ablation.png into `out_dir` (atomically); returns the paths."""
+    data = ablation_data(ablation, left_out, warnings) if data is None else data
     return write_report(out_dir, ablation_document(ablation, plots.ablation_png(ablation), data), "ablation.json",
                         data)
 

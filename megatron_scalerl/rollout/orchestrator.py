@@ -84,7 +84,6 @@ from megatron_scalerl.run_dir import (
 
 log = logging.getLogger("megatron_scalerl.orchestrator")
 
-STATE_FILE, PREVIOUS_STATE_FILE = CURRICULUM_FILE, PREVIOUS_CURRICULUM_FILE
 VERSION_POLL_S = 0.5
 FORECAST_DRAIN_S = 120.0  # at the end: how long the last live forecast may take to land
 IDLE_SAMPLE_S = 0.2
@@ -132,8 +131,8 @@ class Orchestrator:
         if resume:
             self._restore()
             clear_finished(run_dir)  # continued: it ends again on its own terms (e.g. a raised max_steps)
-        elif self.stream.next_index() > 0 or (run_dir / STATE_FILE).exists():
-            raise UserError(f"{run_dir} already has rollouts or {STATE_FILE}: pass --resume to continue that run")
+        elif self.stream.next_index() > 0 or (run_dir / CURRICULUM_FILE).exists():
+            raise UserError(f"{run_dir} already has rollouts or {CURRICULUM_FILE}: pass --resume to continue that run")
 
     # ---- state ----------------------------------------------------------------------------------------------
 
@@ -146,15 +145,15 @@ class Orchestrator:
     def _save_state(self, *, new_batch: bool) -> None:
         """Write the state. Before a new batch (`new_batch`) the previous state stays as curriculum.prev.json, the
         state a resume needs if the batch never lands; otherwise the current state is replaced in place."""
-        path = self.run_dir / STATE_FILE
+        path = self.run_dir / CURRICULUM_FILE
         text = json.dumps(self._state(), indent=1) + "\n"
         if new_batch and path.exists():
-            os.replace(path, self.run_dir / PREVIOUS_STATE_FILE)
+            os.replace(path, self.run_dir / PREVIOUS_CURRICULUM_FILE)
         atomic_write_text(path, text)
 
     def _restore(self) -> None:
         last = self.stream.next_index() - 1
-        candidates = [self.run_dir / STATE_FILE, self.run_dir / PREVIOUS_STATE_FILE]
+        candidates = [self.run_dir / CURRICULUM_FILE, self.run_dir / PREVIOUS_CURRICULUM_FILE]
         for path in candidates:
             if not path.is_file():
                 continue
@@ -174,8 +173,8 @@ class Orchestrator:
                      len(self.requeued))
             return
         if last >= 0:
-            raise UserError(f"{self.run_dir}: the stream's last batch is {last}, but neither {STATE_FILE} nor "
-                            f"{PREVIOUS_STATE_FILE} is the state after it: cannot resume without repeating prompts")
+            raise UserError(f"{self.run_dir}: the stream's last batch is {last}, but neither {CURRICULUM_FILE} nor "
+                            f"{PREVIOUS_CURRICULUM_FILE} is the state after it: cannot resume without repeating prompts")
 
     # ---- generation -----------------------------------------------------------------------------------------
 
@@ -303,7 +302,7 @@ class Orchestrator:
               f"{100 * figures['rollout/generator_idle_fraction']:.0f}% | {figures['rollout/tokens_per_s']:.0f} tok/s"
               + (f" | {self.live.words}" if self.live.words else ""), flush=True)
         budget = self.recipe.trainer.max_gpu_hours
-        if budget is not None and figures["gpu_hours"] >= budget and self.written < self.max_batches:
+        if budget is not None and figures["gpu_hours"] >= budget:
             self._end_early("max_gpu_hours", f"the run's compute reached {figures['gpu_hours']:.4g} GPU-h "
                                              f"(trainer.max_gpu_hours {budget:g})")
 
@@ -338,12 +337,13 @@ class Orchestrator:
         correct = [c for g in groups for c in g.correct]
         lengths = [len(s.completion_ids) for g in groups for s in g.samples]
         truncated = [s.truncated for g in groups for s in g.samples]
+        compute = self.compute.figures()
         figures = {"val/pass_rate": sum(correct) / len(correct), "val/samples": float(len(correct)),
                    "val/length_mean": sum(lengths) / len(lengths), "val/truncation_rate": sum(truncated) / len(lengths),
-                   **self.compute.figures()}
+                   **compute}
         self.metrics.log(version, figures)
         self.validated.add(version)
-        self.validation_compute[version] = self.compute.figures()
+        self.validation_compute[version] = compute
         self.live.validated(version)
         print(f"validation at step {version}: pass rate {figures['val/pass_rate']:.3f} "
               f"({len(correct)} samples)", flush=True)
@@ -437,7 +437,7 @@ class Orchestrator:
         compute at that validation (the forecast is of the curve up to there)."""
         async for version, result in self.live.results():
             self.metrics.log(version, {**result.figures, "forecast/fit_cpu_s": result.cpu_s,
-                                       **self.validation_compute.get(version, self.compute.figures())})
+                                       **(self.validation_compute.pop(version, None) or self.compute.figures())})
             if result.stop_reason is not None:
                 self._end_early("stop_at_fraction", result.stop_reason)
 
@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         orchestrator = Orchestrator(args.run_dir, recipe, tokenizer, generators[0], api_key=os.environ.get(API_KEY_ENV),
                                     resume=args.resume, max_batches=args.max_batches)
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _stop_now(args.run_dir / STATE_FILE))
+            signal.signal(sig, _stop_now(args.run_dir / CURRICULUM_FILE))
         asyncio.run(orchestrator.run())
     except (UserError, FleetError) as exc:
         log.error("%s", exc)

@@ -33,7 +33,7 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.launch.local import cpu_threads_per_process, cuda_devices
 from megatron_scalerl.launch.supervise import kill_carrying
 from megatron_scalerl.run_dir import STOP_TIMEOUT_S
-from megatron_scalerl.sweep.runs import SWEEP_RUN_ENV, Sweep, SweepRun
+from megatron_scalerl.sweep.runs import SWEEP_RUN_ENV, Sweep, SweepRun, outcome
 
 POLL_S = 1.0
 
@@ -156,16 +156,8 @@ def run_local(sweep: Sweep, keys: list[str], parallel: int, *, cuda: bool) -> in
             _stop_all(sweep, active)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if stop:
-        print(f"sweep: stopped ({signal.Signals(stop[0]).name}); run the same `scalerl sweep` again to continue",
-              flush=True)
-        return 128 + stop[0]
-    if failed:
-        print(f"sweep: {len(failed)} run(s) failed: " + "; ".join(
-            f"{k} (exit {sweep.manifest['runs'][k]['exit_code']}, {sweep.runs[k].console})" for k in failed)
-            + "; run the same `scalerl sweep` again to resume them", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    return outcome(stop, failed, stopped="stopped", to_continue="continue", failed_as="failed",
+                   detail=lambda k: f"exit {sweep.manifest['runs'][k]['exit_code']}, {sweep.runs[k].console}")
 
 
 def _start(sweep: Sweep, run: SweepRun, devices: range, env: dict[str, str]) -> _Active | None:

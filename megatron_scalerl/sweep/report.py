@@ -187,7 +187,7 @@ def report(base: str, runs: list[ReportRun], left_out: list[dict], out: Path | N
         print(documents.ablation_document(ablation, b"", data).to_markdown(images=False), end="", flush=True)
     if out is None:
         return []
-    written = documents.write_ablation(out, ablation, left_out, warnings)
+    written = documents.write_ablation(out, ablation, data=data)
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr if as_json else sys.stdout, flush=True)
     return written
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import shutil
 import signal
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,3 +213,18 @@ def refuse_live_launchers(sweep: Sweep) -> None:
                             f"{run.marker} in their environment; pid {pids}: "
                             f"{left[0][1][:100]}), left by an earlier sweep process: wait for them to end, or stop "
                             f"them (kill {pids}), then run the sweep again ({manifest_path(sweep.dir)})")
+
+
+def outcome(stop: list[int], failed: list[str], *, stopped: str, to_continue: str, failed_as: str,
+            detail: Callable[[str], str], going_on: str = "") -> int:
+    """A launcher's last words and exit code: 128 + the signal when a stop signal came (`stop`), 1 when runs
+    `failed` (each named with `detail(key)`), else 0."""
+    if stop:
+        print(f"sweep: {stopped} ({signal.Signals(stop[0]).name}){going_on}; run the same `scalerl sweep` again to "
+              f"{to_continue}", flush=True)
+        return 128 + stop[0]
+    if failed:
+        print(f"sweep: {len(failed)} run(s) {failed_as}: " + "; ".join(f"{k} ({detail(k)})" for k in failed)
+              + "; run the same `scalerl sweep` again to resume them", file=sys.stderr, flush=True)
+        return 1
+    return 0

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.sweep.runs import Sweep, SweepRun
+from megatron_scalerl.sweep.runs import Sweep, SweepRun, outcome
 
 CHECKOUT = Path(__file__).resolve().parents[2]  # the repository: slurm/*.sbatch and the venv the jobs run
 SLURM_TIMEOUT_S = 60.0  # each sbatch / squeue call
@@ -130,16 +130,9 @@ def run_slurm(sweep: Sweep, keys: list[str], max_concurrent: int | None, poll_s:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if stop:
-        print(f"sweep: stopped watching ({signal.Signals(stop[0]).name}); {len(active)} job(s) go on: run the same "
-              "`scalerl sweep` again to follow them", flush=True)
-        return 128 + stop[0]
-    if failed:
-        print(f"sweep: {len(failed)} run(s) ended without finishing: " + "; ".join(
-            f"{k} (job {sweep.manifest['runs'][k]['slurm_job']})" for k in failed)
-            + "; run the same `scalerl sweep` again to resume them", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    return outcome(stop, failed, stopped="stopped watching", going_on=f"; {len(active)} job(s) go on",
+                   to_continue="follow them", failed_as="ended without finishing",
+                   detail=lambda k: f"job {sweep.manifest['runs'][k]['slurm_job']}")
 
 
 def _poll(names: list[str], poll_s: float, stop: list[int]) -> dict[str, tuple[int, str]] | None:

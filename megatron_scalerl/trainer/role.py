@@ -158,17 +158,13 @@ def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, 
                 break
             last = trainer.step.run(batch)
             step = trainer.step.state.step
-            # the last step's weights always go out: the orchestrator validates them (under PPO-off-policy-k a
-            # max_steps off the k-th step schedule would otherwise leave it waiting)
-            if link is not None and (step == end or pushes_weights_after(recipe.rollout.off_policy, recipe.rollout.k,
-                                                                         step)):
+            if link is not None and pushes_weights_after(recipe.rollout.off_policy, recipe.rollout.k, step, end):
                 last.update(link.push(trainer.model, step))
             last.update({"trainer/idle_fraction": waited_s / max(time.monotonic() - compute.started, 1e-9),
                          "trainer/batch_wait_s": batch_wait_s})  # since start; seconds this step waited for its batch
-            if is_log_rank:  # rank 0 alone asks sacct
+            if is_log_rank and step % recipe.logging.log_interval == 0:  # rank 0 alone asks sacct, when it logs
                 last.update(compute.figures())
-                if step % recipe.logging.log_interval == 0:
-                    metrics.log(step, last)
+                metrics.log(step, last)
             if step % recipe.trainer.checkpoint_interval == 0:
                 checkpoint()
         if saved_step != trainer.step.state.step:
