@@ -194,7 +194,7 @@ def test_resume_finishes_the_run_without_repeating_or_losing_work(run):
     # can differ): the validations' (the forecast's x axis) and the forecast rows', which carry their validation's
     # (across the SIGKILL, the time since the orchestrator's last saved state is not counted)
     written_now = [r for r in batches if "forecast/status" not in r]  # batch and validation rows: compute when written
-    for rows, least in (written_now, 2), (forecasts, 1):
+    for rows, least in (written_now, 1), (forecasts, 1):  # the second launch may write a single row
         hours = [r["gpu_hours"] for r in sorted(rows, key=lambda r: r["time"]) if r["time"] >= run["second_started"]]
         assert len(hours) >= least and all(a <= b for a, b in zip(hours, hours[1:], strict=False)), hours
     state = json.loads((run_dir / "curriculum.json").read_text())
