@@ -45,6 +45,7 @@ POLL_S = 1.0
 QUICK_EXIT_S = 60.0  # a generator that exits this soon after its start counts as a quick exit
 QUICK_EXITS = 3  # quick exits in a row after which a generator is given up
 LAUNCH_ENV = "SCALERL_LAUNCH_ID"  # in every role's environment: what a launch started, its children included
+KILL_WAIT_S = 10.0  # how long kill_carrying waits for what it killed to be gone
 
 
 @dataclass
@@ -197,15 +198,19 @@ def kill_stragglers(launch_id: str) -> list[str]:
 
 def kill_carrying(entry: str) -> list[str]:
     """SIGKILL every process of this machine whose environment holds `entry` ("NAME=value", matched as in
-    `processes_with_environment`); one "pid (command line)" for each killed."""
-    killed = []
+    `processes_with_environment`); one "pid (command line)" for each killed. Returns once none of them runs any
+    more (a SIGKILL takes effect when the kernel next schedules the process), or after KILL_WAIT_S."""
+    killed = {}
     for pid, command in processes_with_environment(entry):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             continue
-        killed.append(f"{pid} ({command[:120]})")
-    return killed
+        killed[pid] = f"{pid} ({command[:120]})"
+    deadline = time.monotonic() + KILL_WAIT_S
+    while time.monotonic() < deadline and any(pid in killed for pid, _ in processes_with_environment(entry)):
+        time.sleep(0.05)  # a dead process that is not reaped yet has no environment left to match
+    return list(killed.values())
 
 
 def _supervise(trainer: Role, orchestrator: Role, generators: list[Role]) -> int:
