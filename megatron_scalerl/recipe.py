@@ -495,8 +495,17 @@ def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+_ABSENT = object()
+
+
+def changed_fields(a: Any, b: Any) -> list[str]:
+    """Sorted dotted names of the fields whose values differ between two (nested) dicts, a field present in one only
+    included (`{'m': {'x': 1}}` vs `{'m': {'x': 2, 'y': 0}}` -> ['m.x', 'm.y'])."""
+    fa, fb = flatten(a), flatten(b)
+    return sorted(k for k in set(fa) | set(fb) if fa.get(k, _ABSENT) != fb.get(k, _ABSENT))
+
+
 def diff(a: Recipe, b: Recipe) -> list[tuple[str, Any, Any]]:
     """Fields whose values differ: (dotted path, value in a, value in b), sorted by path; `name` excluded."""
     fa, fb = flatten(a.to_dict()), flatten(b.to_dict())
-    keys = sorted((set(fa) | set(fb)) - {"name"})
-    return [(k, fa.get(k), fb.get(k)) for k in keys if fa.get(k) != fb.get(k)]
+    return [(k, fa.get(k), fb.get(k)) for k in changed_fields(fa, fb) if k != "name"]

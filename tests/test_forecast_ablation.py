@@ -17,7 +17,8 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.forecast.ablation import RULE, SCHEMA, make_ablation
 from megatron_scalerl.forecast.data import Curve
 from megatron_scalerl.forecast.predict import ForecastOptions
-from megatron_scalerl.forecast.report import dumps, write_ablation
+from megatron_scalerl.forecast import plots
+from megatron_scalerl.forecast.report import ablation_document, dumps, emit
 from megatron_scalerl.forecast.synthetic import PaperRun, simulate_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -87,7 +88,7 @@ def test_one_seed_is_its_own_fit_and_seeds_pool():
     assert variant["compute_ratio_50pct_base_gain"] == pytest.approx(2.0, rel=0.15)
 
 
-def test_ablation_json_and_report(tmp_path):
+def test_ablation_json_and_report(tmp_path, capsys):
     options = replace(OPTIONS, resamples=40, targets=(0.58,))
     ablation = make_ablation([curve(BASE, 1)], [("higher", [curve(replace(BASE, name="higher", A=0.66), 2)]),
                                                 ("slow", [curve(replace(BASE, name="slow", C_mid=5084), 3)])],
@@ -112,7 +113,9 @@ def test_ablation_json_and_report(tmp_path):
     parsed = json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
     assert "\n" not in line and parsed["variants"][1]["targets"][1]["gpu_hours"] is None
 
-    written = write_ablation(tmp_path / "out", ablation)
+    written = emit(ablation_document(ablation, plots.ablation_png(ablation), data), "ablation.json", data,
+                   out=tmp_path / "out", as_json=True)  # as `scalerl sweep report --json --out` does
+    assert json.loads(capsys.readouterr().out) == json.loads(line)
     assert sorted(p.name for p in written) == ["ablation.json", "ablation.png", "report.html", "report.md"]
     assert json.loads((tmp_path / "out" / "ablation.json").read_text())["variants"][0]["verdict"] == "ceiling"
     assert (tmp_path / "out" / "ablation.png").read_bytes().startswith(PNG_MAGIC)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_json
-from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.recipe import changed_fields, load_recipe
 
 WARM_START_TARGET = 0.2  # sampled held-out pass rate at which the supervised stage stops
 # Share of the supervised completions that stop inside the thinking block (no answer, scored wrong): the warm-started
@@ -60,14 +60,6 @@ def build_settings(recipe, **stage) -> dict:
             "interruption_phrase": recipe.algorithm.length_control.interruption_phrase, **stage}
 
 
-def _changed(recorded: dict, wanted: dict) -> list[str]:
-    """Dotted names of the settings that differ (`model.rope_scaling.high_freq_factor`)."""
-    from megatron_scalerl.recipe import flatten
-
-    a, b = flatten(recorded), flatten(wanted)
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-
-
 def cached_model_verdict(model_root: Path, settings: dict) -> tuple[bool, str | None]:
     """(reuse, what to tell the user) for the demo models in `model_root` given the settings wanted now."""
     warm, record = model_root / "warm_start", model_root / BUILD_RECORD
@@ -77,7 +69,7 @@ def cached_model_verdict(model_root: Path, settings: dict) -> tuple[bool, str | 
         return False, (f"rebuilding {model_root}: it holds no record of the settings it was built with "
                        f"({BUILD_RECORD}; built by an older version)")
     try:
-        changed = _changed(json.loads(record.read_text()), settings)
+        changed = changed_fields(json.loads(record.read_text()), settings)
     except (OSError, ValueError) as exc:
         return False, f"rebuilding {model_root}: its {BUILD_RECORD} is unreadable ({type(exc).__name__}: {exc})"
     if changed:
@@ -174,6 +166,4 @@ def print_forecast(run_dir: Path, recipe) -> None:
 
     forecast = make_forecast(load_curve(run_dir), recipe_options(recipe))
     document = report.forecast_document(forecast, plots.forecast_png(forecast))
-    print(document.to_markdown(images=False), end="")
-    written = report.write_report(run_dir / "forecast", document, "forecast.json", forecast.to_dict())
-    print("wrote " + ", ".join(str(p) for p in written), flush=True)
+    report.emit(document, "forecast.json", forecast.to_dict(), out=run_dir / "forecast")

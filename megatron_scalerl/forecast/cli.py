@@ -108,26 +108,15 @@ def _load(args: argparse.Namespace, path: str):
     return load_curve(path, metric=args.metric, compute_col=args.compute_col, gpus=args.gpus)
 
 
-def _emit(args: argparse.Namespace, document, json_name: str, data: dict) -> int:
-    from megatron_scalerl.forecast import report
-
-    if args.json:
-        print(report.dumps(data))
-    else:
-        print(document.to_markdown(images=False), end="")
-    if args.out:
-        written = report.write_report(args.out, document, json_name, data)
-        print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr if args.json else sys.stdout)
-    return 0
-
-
 def _fit(args: argparse.Namespace) -> int:
     from megatron_scalerl.forecast import plots, report
     from megatron_scalerl.forecast.predict import make_forecast
 
     forecast = make_forecast(_load(args, args.run), _options(args, args.target))
     png = plots.forecast_png(forecast) if args.out else b""
-    return _emit(args, report.forecast_document(forecast, png), "forecast.json", forecast.to_dict())
+    report.emit(report.forecast_document(forecast, png), "forecast.json", forecast.to_dict(), out=args.out,
+                as_json=args.json)
+    return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -136,7 +125,9 @@ def _compare(args: argparse.Namespace) -> int:
 
     comparison = compare_runs([_load(args, run) for run in args.runs], _options(args))
     pngs = (plots.compare_png(comparison), plots.linearised_png(comparison)) if args.out else (b"", b"")
-    return _emit(args, report.compare_document(comparison, *pngs), "compare.json", comparison.to_dict())
+    report.emit(report.compare_document(comparison, *pngs), "compare.json", comparison.to_dict(), out=args.out,
+                as_json=args.json)
+    return 0
 
 
 def _backtest(args: argparse.Namespace) -> int:
@@ -145,4 +136,6 @@ def _backtest(args: argparse.Namespace) -> int:
 
     backtest = run_backtest(_load(args, args.run), _options(args))
     png = plots.forecast_png(backtest.forecast, show_budgets=False) if args.out else b""
-    return _emit(args, report.backtest_document(backtest, png), "backtest.json", backtest.to_dict())
+    report.emit(report.backtest_document(backtest, png), "backtest.json", backtest.to_dict(), out=args.out,
+                as_json=args.json)
+    return 0

@@ -10,12 +10,12 @@ import base64
 import html
 import json
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_scalerl.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text, json_safe
-from megatron_scalerl.forecast import plots
 from megatron_scalerl.forecast.ablation import Ablation
 from megatron_scalerl.forecast.backtest import Backtest
 from megatron_scalerl.forecast.compare import Comparison
@@ -86,6 +86,19 @@ class Document:
                  "padding:.3rem .6rem;text-align:left}img{max-width:100%}")
         return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{esc(self.title)}</title>"
                 f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def emit(document: Document, json_name: str, data: dict, *, out: str | Path | None, as_json: bool = False
+         ) -> list[Path]:
+    """What every forecasting command does with its result: print it (the markdown without images, or with `as_json`
+    one JSON object on stdout) and, with `out`, write it there (`write_report`) and say so (on stderr after JSON, so
+    stdout stays one object); returns the paths written."""
+    print(dumps(data) if as_json else document.to_markdown(images=False), end="\n" if as_json else "", flush=True)
+    if out is None:
+        return []
+    written = write_report(out, document, json_name, data)
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr if as_json else sys.stdout, flush=True)
+    return written
 
 
 def write_report(out_dir: str | Path, document: Document, json_name: str, data: dict) -> list[Path]:
@@ -307,15 +320,6 @@ def ablation_document(ablation: Ablation, png: bytes, data: dict | None = None) 
         doc.heading("Warnings")
         doc.items(warnings)
     return doc
-
-
-def write_ablation(out_dir: str | Path, ablation: Ablation, left_out: list[dict] | None = None,
-                   warnings: list[str] | None = None, data: dict | None = None) -> list[Path]:
-    """Write ablation.json (`ablation_data`: with `left_out` and `warnings` when given; `data` when the caller has it
-    already), report.md, report.html and ablation.png into `out_dir` (atomically); returns the paths."""
-    data = ablation_data(ablation, left_out, warnings) if data is None else data
-    return write_report(out_dir, ablation_document(ablation, plots.ablation_png(ablation), data), "ablation.json",
-                        data)
 
 
 def _compute_cell(value: float) -> str:

@@ -38,6 +38,7 @@ from typing import Any
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_json
+from megatron_scalerl.recipe import changed_fields
 from megatron_scalerl.run_dir import read_finished
 from megatron_scalerl.sweep.plan import BASE_VARIANT, Variant
 
@@ -216,7 +217,7 @@ def check_base_recipe(manifest: dict[str, Any], current: dict[str, Any], sweep_f
     """Refuse to start new runs when the base recipe's fields now (`current`, `plan.base_fields`) differ from those
     the sweep recorded (field 'base_recipe'), naming the fields that changed."""
     recorded, absent = manifest["base_recipe"], "(absent)"
-    changed = sorted(k for k in set(recorded) | set(current) if recorded.get(k, absent) != current.get(k, absent))
+    changed = changed_fields(recorded, current)
     if changed:
         shown = "; ".join(f"{k}: {json.dumps(recorded.get(k, absent))} -> {json.dumps(current.get(k, absent))}"
                           for k in changed[:5])

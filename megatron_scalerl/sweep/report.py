@@ -15,7 +15,7 @@ evaluations in the fit window, `forecast.predict.fit_window`, or a fit that fail
 variant is left without a run there is no report: a UserError says why.
 
 Output: the report in markdown on stdout (with `--json`: exactly one JSON object, ablation.json's content), and its
-files (ablation.json, report.md, report.html, PNG; `forecast.report.write_ablation`) in `SWEEP/report/` or
+files (ablation.json, report.md, report.html, PNG; `forecast.report.emit`) in `SWEEP/report/` or
 `--out DIR`.
 """
 
@@ -161,7 +161,7 @@ def report(base: str, runs: list[ReportRun], left_out: list[dict], out: Path | N
     """Fit, judge, print (markdown, or one JSON object with `as_json`) and, with `out`, write the report of `runs`
     (those of variant `base` are the base's) with `left_out`; the files written. UserError when the base or every
     variant has no run left to fit."""
-    from megatron_scalerl.forecast import report as documents
+    from megatron_scalerl.forecast import plots, report as documents
     from megatron_scalerl.forecast.ablation import make_ablation
 
     options = _options(runs, base)
@@ -181,15 +181,9 @@ def report(base: str, runs: list[ReportRun], left_out: list[dict], out: Path | N
     except (ValueError, RuntimeError, FloatingPointError) as exc:  # a bootstrap refit, past each run's point fit
         raise UserError(f"no ablation report: a bootstrap refit failed ({type(exc).__name__}: {exc})") from None
     data = documents.ablation_data(ablation, left_out, warnings)
-    if as_json:
-        print(documents.dumps(data), flush=True)
-    else:
-        print(documents.ablation_document(ablation, b"", data).to_markdown(images=False), end="", flush=True)
-    if out is None:
-        return []
-    written = documents.write_ablation(out, ablation, data=data)
-    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr if as_json else sys.stdout, flush=True)
-    return written
+    png = plots.ablation_png(ablation) if out is not None else b""
+    return documents.emit(documents.ablation_document(ablation, png, data), "ablation.json", data, out=out,
+                          as_json=as_json)
 
 
 def report_sweep(sweep_dir: Path, manifest: dict, out: Path | None = None, as_json: bool = False) -> list[Path]:

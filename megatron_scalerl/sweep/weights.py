@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.recipe import flatten, resolve_dict, validate
+from megatron_scalerl.recipe import changed_fields, resolve_dict, validate
 
 DEMO_BASE = "demo"
 DEMO_MODEL_ROOT = Path("runs/demo_model")  # `make demo`'s cache (scalerl demo --run-dir runs/demo)
@@ -46,8 +46,7 @@ def decide_init_from(base: str, base_dict: dict[str, Any]) -> Path:
         from megatron_scalerl.demo.run import warm_started_model
 
         preset = resolve_dict(DEMO_BASE)
-        mine, theirs = flatten(base_dict.get("model")), flatten(preset["model"])
-        changed = sorted(f"model.{k}" for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        changed = changed_fields({"model": base_dict.get("model")}, {"model": preset["model"]})
         if changed:
             raise UserError(f"base {base}: its model section differs from the demo preset's ({', '.join(changed[:5])}"
                             f"{' ...' if len(changed) > 5 else ''}, from --model or --set): the demo's shared weights "
