@@ -99,10 +99,11 @@ def _metrics_file(run_dir, eval_every: int = 0) -> None:
 def test_a_further_curve_is_fitted_under_its_own_keys_and_report(tmp_path):
     """An eval watcher's curve beside the validation: `forecast/eval/aime24/...` and RUN/forecast/eval/aime24/; the
     stop rule reads the primary curve only."""
+    from megatron_scalerl.forecast.data import MetricsTable
     from megatron_scalerl.rollout.live_forecast import fit_run, further_curves
 
     _metrics_file(tmp_path, eval_every=3)
-    assert further_curves(tmp_path) == {"eval/aime24": "eval/aime24/mean_at_k"}
+    assert further_curves(MetricsTable.read(tmp_path)) == {"eval/aime24": "eval/aime24/mean_at_k"}
     config = load_recipe("scalerl", ["forecast.resamples=50", "forecast.stop_at_fraction=0.5"]).forecast
     result = fit_run(str(tmp_path), config, None)
     assert result.figures["forecast/status"] == "plateaued" and result.figures["forecast/eval/aime24/points"] >= 5

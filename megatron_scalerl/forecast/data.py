@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.recipe import load_recipe
 
 DEFAULT_METRIC = "val/pass_rate"
 DEFAULT_COMPUTE = "gpu_hours"
@@ -69,34 +70,58 @@ class Curve:
                        for c, r in zip(self.compute, self.reward, strict=True))
 
 
+@dataclass(frozen=True)
+class MetricsTable:
+    """The rows of one metrics file, read once: a caller that needs several curves of a run reads the file once."""
+
+    path: Path  # the file read
+    run_dir: Path | None  # the run directory it was found in, when one was given
+    rows: list[tuple[int, dict]]  # (line number, row), in file order
+
+    @classmethod
+    def read(cls, path: str | Path) -> MetricsTable:
+        """A run directory's metrics.jsonl, a JSON Lines file or a CSV export (module docstring)."""
+        path = Path(path)
+        run_dir = None
+        if path.is_dir():
+            run_dir, path = path, path / "metrics.jsonl"
+            if not path.is_file():
+                raise UserError(f"{run_dir}: no metrics.jsonl (expected a run directory or a metrics file)")
+        elif not path.is_file():
+            raise UserError(f"{path}: no such file or run directory")
+        rows = _read_csv(path) if path.suffix.lower() == ".csv" else _read_jsonl(path)
+        if not rows:
+            raise UserError(f"{path}: no rows")
+        return cls(path, run_dir, rows)
+
+    def columns(self) -> set[str]:
+        return {key for _, row in self.rows for key in row}
+
+    def curve(self, metric: str = DEFAULT_METRIC, compute_col: str = DEFAULT_COMPUTE, gpus: int | None = None
+              ) -> Curve:
+        """The curve of `metric` against compute (module docstring: the GPU-hours rule and the checks)."""
+        path, rows, run_dir = self.path, self.rows, self.run_dir
+        evaluated = [(line, row) for line, row in rows if row.get(metric) not in (None, "")]
+        if not evaluated:
+            seen = sorted(self.columns())
+            shown = ", ".join(seen[:15]) + (", ..." if len(seen) > 15 else "")
+            raise UserError(f"{path}: no row has the metric column '{metric}' (columns: {shown}); choose one with "
+                            "--metric")
+        where = [f"{path}:{line}" for line, _ in evaluated]
+        reward = np.array([_number(row[metric], path, line, metric) for line, row in evaluated])
+        compute, rule = _gpu_hours(path, rows, evaluated, compute_col, gpus, run_dir)
+        _check_points(compute, reward, where, metric, compute_col)
+        if run_dir is not None:
+            name = run_dir.name
+        else:
+            name = path.parent.name if path.name == "metrics.jsonl" else path.stem
+        return Curve(name, str(run_dir or path), metric, compute, reward, rule)
+
+
 def load_curve(path: str | Path, metric: str = DEFAULT_METRIC, compute_col: str = DEFAULT_COMPUTE,
                gpus: int | None = None) -> Curve:
     """Read one run's curve; see the module docstring for the accepted files and the GPU-hours rule."""
-    path = Path(path)
-    run_dir = None
-    if path.is_dir():
-        run_dir, path = path, path / "metrics.jsonl"
-        if not path.is_file():
-            raise UserError(f"{run_dir}: no metrics.jsonl (expected a run directory or a metrics file)")
-    elif not path.is_file():
-        raise UserError(f"{path}: no such file or run directory")
-    rows = _read_csv(path) if path.suffix.lower() == ".csv" else _read_jsonl(path)
-    if not rows:
-        raise UserError(f"{path}: no rows")
-    evaluated = [(line, row) for line, row in rows if row.get(metric) not in (None, "")]
-    if not evaluated:
-        seen = sorted({key for _, row in rows for key in row})
-        shown = ", ".join(seen[:15]) + (", ..." if len(seen) > 15 else "")
-        raise UserError(f"{path}: no row has the metric column '{metric}' (columns: {shown}); choose one with --metric")
-    where = [f"{path}:{line}" for line, _ in evaluated]
-    reward = np.array([_number(row[metric], path, line, metric) for line, row in evaluated])
-    compute, rule = _gpu_hours(path, rows, evaluated, compute_col, gpus, run_dir)
-    _check_points(compute, reward, where, metric, compute_col)
-    if run_dir is not None:
-        name = run_dir.name
-    else:
-        name = path.parent.name if path.name == "metrics.jsonl" else path.stem
-    return Curve(name, str(run_dir or path), metric, compute, reward, rule)
+    return MetricsTable.read(path).curve(metric, compute_col, gpus)
 
 
 def parse_gpu_hours(text: str, option: str) -> float:
@@ -197,8 +222,6 @@ def _gpu_count(path, evaluated, gpus, run_dir) -> tuple[float | None, str]:
         return float(gpus), f"--gpus {gpus}"
     recipe_file = (run_dir or path.parent) / "recipe.yaml"
     if recipe_file.is_file():
-        from megatron_scalerl.recipe import load_recipe
-
         total = load_recipe(recipe_file).cluster.total_gpus
         return float(total), f"{total} from {recipe_file.name}"
     raise UserError(f"{path}: wall clock but no GPU count: pass --gpus N (every GPU the run holds, trainers and "

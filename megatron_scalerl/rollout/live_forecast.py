@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.forecast.data import DEFAULT_METRIC
+from megatron_scalerl.forecast.data import DEFAULT_METRIC, MetricsTable
 from megatron_scalerl.recipe import ForecastConfig
 
 log = logging.getLogger("megatron_scalerl.rollout.orchestrator")
@@ -56,12 +56,9 @@ def _init_fit_process() -> None:
 FURTHER_CURVE = re.compile(r"^((?:val|eval)/[^/]+)/(?:pass_rate|mean_at_k)$")
 
 
-def further_curves(run_dir: str | Path) -> dict[str, str]:
-    """{curve name: metric} of the further curves in `RUN/metrics.jsonl` (see FURTHER_CURVE)."""
-    from megatron_scalerl.metrics import read_metrics
-
-    names = {key for row in read_metrics(run_dir) for key in row}
-    return {match.group(1): key for key in sorted(names) if (match := FURTHER_CURVE.match(key))}
+def further_curves(metrics: MetricsTable) -> dict[str, str]:
+    """{curve name: metric} of the further curves in a run's metrics (see FURTHER_CURVE)."""
+    return {match.group(1): key for key in sorted(metrics.columns()) if (match := FURTHER_CURVE.match(key))}
 
 
 @dataclass(frozen=True)
@@ -81,30 +78,32 @@ def fit_run(run_dir: str, forecast_config: ForecastConfig, eval_draws: int | Non
     from megatron_scalerl.forecast.live import ceiling_reached
 
     started = time.process_time()
-    primary = _fit_curve(run_dir, DEFAULT_METRIC, forecast_config, eval_draws, Path(run_dir) / FORECAST_DIR)
-    figures = primary.figures()
     try:
-        further = further_curves(run_dir)
-    except (UserError, ValueError) as exc:  # e.g. a torn line: the primary curve's forecast and stop decision stand
-        log.warning("the run's further curves are not fitted this time: %s", exc)
-        further = {}
-    for name, metric in further.items():
-        live = _fit_curve(run_dir, metric, forecast_config, None, Path(run_dir) / FORECAST_DIR / name)
+        metrics = MetricsTable.read(run_dir)  # read once for every curve
+    except UserError as exc:  # e.g. a torn line: said, and the run goes on
+        metrics = exc
+    primary = _fit_curve(metrics, DEFAULT_METRIC, forecast_config, eval_draws, Path(run_dir) / FORECAST_DIR)
+    figures = primary.figures()
+    for name, metric in (further_curves(metrics) if isinstance(metrics, MetricsTable) else {}).items():
+        live = _fit_curve(metrics, metric, forecast_config, None, Path(run_dir) / FORECAST_DIR / name)
         figures.update(live.figures(prefix=f"forecast/{name}/"))
     fraction = forecast_config.stop_at_fraction
     stop = ceiling_reached(primary, fraction) if fraction is not None else None
     return FitResult(figures, primary.progress(), primary.reason, stop, time.process_time() - started)
 
 
-def _fit_curve(run_dir: str, metric: str, config: ForecastConfig, eval_draws: int | None, out_dir: Path):
-    """The LiveForecast of one curve of the run, its report written into `out_dir` when there is a fit."""
+def _fit_curve(metrics: MetricsTable | UserError, metric: str, config: ForecastConfig, eval_draws: int | None,
+               out_dir: Path):
+    """The LiveForecast of one curve of the run (`metrics`: its metrics, or why they could not be read), its report
+    written into `out_dir` when there is a fit."""
     from megatron_scalerl.forecast import plots, report
-    from megatron_scalerl.forecast.data import load_curve
     from megatron_scalerl.forecast.live import LiveForecast, live_forecast, run_options
 
     options = run_options(config, eval_draws)
     try:
-        curve = load_curve(run_dir, metric=metric)
+        if isinstance(metrics, UserError):
+            raise metrics
+        curve = metrics.curve(metric)
     except UserError as exc:  # e.g. a validation logged twice across a resume: said, and the run goes on
         return LiveForecast("too-early", f"the run's curve cannot be fitted: {exc}", None, config.target)
     live = live_forecast(curve, options, target=config.target)
