@@ -17,7 +17,7 @@ from megatron_scalerl.errors import UserError
 # Modules that contribute subcommands, in the order `scalerl --help` lists them.
 COMMAND_MODULES = [
     "megatron_scalerl.recipe_cli",
-    "megatron_scalerl.forecast.cli",
+    "megatron_scalerl.forecast_cli",
     "megatron_scalerl.convert_cli",
     "megatron_scalerl.verify.cli",
     "megatron_scalerl.rollout.serve_cli",

@@ -6,6 +6,9 @@
 
 RUN is a run directory (its metrics.jsonl), a metrics JSON Lines file or a wandb CSV export. Without `--json` the
 report is printed as Markdown; `--out DIR` also writes the JSON, report.md, report.html and PNG plots there.
+
+The forecaster (numpy, scipy, matplotlib) is imported inside the command functions: every `scalerl` command
+imports this module to build its parser.
 """
 
 from __future__ import annotations
