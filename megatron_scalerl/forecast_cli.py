@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 from megatron_scalerl.command_line import command_group
 from megatron_scalerl.errors import UserError

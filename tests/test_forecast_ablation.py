@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.forecast import plots
 from megatron_scalerl.forecast.ablation import RULE, SCHEMA, make_ablation
 from megatron_scalerl.forecast.data import Curve
 from megatron_scalerl.forecast.predict import ForecastOptions
-from megatron_scalerl.forecast import plots
 from megatron_scalerl.forecast.report import ablation_document, dumps, emit
 from megatron_scalerl.forecast.synthetic import PaperRun, simulate_run
 

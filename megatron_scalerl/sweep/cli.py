@@ -17,13 +17,30 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from megatron_scalerl.errors import UserError
-
-if TYPE_CHECKING:
-    from megatron_scalerl.sweep.plan import BaseSpec
-    from megatron_scalerl.sweep.runs import Sweep
+from megatron_scalerl.recipe import resolve_dict, validate
+from megatron_scalerl.sweep.manifest import (
+    MANIFEST,
+    SweepLock,
+    check_base_recipe,
+    load_manifest,
+    manifest_path,
+    merge,
+    ordered_runs,
+)
+from megatron_scalerl.sweep.plan import (
+    BaseSpec,
+    Variant,
+    base_fields,
+    grid_variants,
+    preset_variant,
+    run_recipe,
+    variant_notes,
+)
+from megatron_scalerl.sweep.report import given_runs, report, report_sweep
+from megatron_scalerl.sweep.runs import Sweep, SweepRun, refuse_live_launchers
+from megatron_scalerl.sweep.weights import check_init_from, decide_init_from, fingerprint
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -61,7 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _check_options(args: argparse.Namespace) -> float | None:
     """Combinations argparse cannot check; the budget in GPU-hours."""
-    from megatron_scalerl.forecast.data import parse_gpu_hours
+    from megatron_scalerl.forecast.data import parse_gpu_hours  # deferred: the forecast package loads scipy
 
     if args.sweep_dir is None:
         raise UserError("scalerl sweep: give --sweep-dir DIR (run, resume or extend a sweep), or `scalerl sweep "
@@ -81,11 +98,6 @@ def _check_options(args: argparse.Namespace) -> float | None:
 def _merged_manifest(args: argparse.Namespace, sweep_dir: Path, budget: float | None) -> tuple[dict, dict, set[str]]:
     """(the manifest with this invocation merged in, the base recipe's mapping, the keys of the runs this invocation
     adds); the initial weights decided for a new sweep. Nothing is written yet."""
-    from megatron_scalerl.recipe import resolve_dict, validate
-    from megatron_scalerl.sweep.manifest import MANIFEST, load_manifest, merge
-    from megatron_scalerl.sweep.plan import base_fields, grid_variants, preset_variant
-    from megatron_scalerl.sweep.weights import decide_init_from, fingerprint
-
     old = load_manifest(sweep_dir)
     if old is None and args.base is None:
         raise UserError(f"{sweep_dir} holds no sweep yet ({MANIFEST}): give --base and the variants")
@@ -117,10 +129,6 @@ def _merged_manifest(args: argparse.Namespace, sweep_dir: Path, budget: float | 
 
 def _why_not_start(manifest: dict, base_dict: dict, sweep_dir: Path) -> UserError | None:
     """Why no new run may start (the initial weights or the base recipe changed since the sweep began), or None."""
-    from megatron_scalerl.sweep.manifest import check_base_recipe, manifest_path
-    from megatron_scalerl.sweep.plan import base_fields
-    from megatron_scalerl.sweep.weights import check_init_from
-
     try:
         check_init_from(manifest, manifest_path(sweep_dir))
         check_base_recipe(manifest, base_fields(base_dict), manifest_path(sweep_dir))
@@ -130,10 +138,6 @@ def _why_not_start(manifest: dict, base_dict: dict, sweep_dir: Path) -> UserErro
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from megatron_scalerl.sweep.manifest import SweepLock, ordered_runs
-    from megatron_scalerl.sweep.plan import BaseSpec
-    from megatron_scalerl.sweep.runs import refuse_live_launchers
-
     budget = _check_options(args)
     sweep_dir: Path = args.sweep_dir.resolve()
     with SweepLock(sweep_dir):
@@ -168,9 +172,6 @@ def _sweep(args: argparse.Namespace) -> int:
 def _plan(sweep_dir: Path, manifest: dict, spec: BaseSpec) -> Sweep:
     """The Sweep with every run's recipe validated up front (a bad variant fails before any run starts); prints
     what each variant changes beyond its own fields."""
-    from megatron_scalerl.sweep.plan import Variant, run_recipe, variant_notes
-    from megatron_scalerl.sweep.runs import Sweep, SweepRun
-
     runs = {}
     for key, entry in manifest["runs"].items():
         variant = Variant(entry["variant"], **manifest["variants"][entry["variant"]])
@@ -187,10 +188,10 @@ def _plan(sweep_dir: Path, manifest: dict, spec: BaseSpec) -> Sweep:
 
 def _launch(sweep: Sweep, keys: list[str], poll_s: float) -> int:
     if sweep.manifest["slurm"]:
-        from megatron_scalerl.sweep.slurm import run_slurm
+        from megatron_scalerl.sweep.slurm import run_slurm  # deferred, as below
 
         return run_slurm(sweep, keys, sweep.manifest["max_concurrent"], poll_s)
-    import torch
+    import torch  # deferred (torch, and the launcher below it): every scalerl command imports this module
 
     from megatron_scalerl.sweep.local import run_local
 
@@ -200,8 +201,6 @@ def _launch(sweep: Sweep, keys: list[str], poll_s: float) -> int:
 def _final_report(sweep: Sweep) -> int:
     """Every run is done: the report into SWEEP/report/. One that cannot be made (nothing left to fit: curves too
     short, fits that fail) is said, and the sweep still succeeds: its runs are done."""
-    from megatron_scalerl.sweep.report import report_sweep
-
     print(f"sweep: all {len(sweep.runs)} runs are done; the report:", flush=True)
     try:
         report_sweep(sweep.dir, sweep.manifest)
@@ -212,9 +211,6 @@ def _final_report(sweep: Sweep) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from megatron_scalerl.sweep.manifest import MANIFEST, load_manifest
-    from megatron_scalerl.sweep.report import given_runs, report, report_sweep
-
     if (args.report_dir is None) == (args.runs is None):
         raise UserError("scalerl sweep report: give a sweep directory, or --runs BASE_RUN RUN ... (not both)")
     if args.runs is not None:
