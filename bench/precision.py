@@ -1,7 +1,7 @@
 """Benchmark: the trainer's step in bf16 against fp32 on this CPU, and what `trainer.precision: auto` picks here.
 
-The same real train step as bench/train_step.py (its `run_layout`: `build_trainer`, megatron-core model, distributed
-optimizer, `TrainStep.run`, one spawned gloo worker with one thread) at the demo's size (tiny Llama-4 MoE, 16 x 8
+The same real train step as bench/train_step.py (its `run_layout`: the trainer's `Trainer.train_step`, megatron-core
+model, distributed optimizer, one spawned gloo worker with one thread) at the demo's size (tiny Llama-4 MoE, 16 x 8
 samples of up to 192 tokens, micro-batches of 64), once in fp32 (the baseline) and once in bf16, from the same
 weights; plus a 512 x 512 matmul in each dtype on one thread. Ratios are bf16 / fp32 (step time: > 1 is slower).
 

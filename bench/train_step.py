@@ -1,8 +1,8 @@
 """Benchmark: one CISPO train step of the tiny models at each parallel layout: tokens/s and peak memory per rank.
 
-Every layout runs the real trainer (`trainer.setup.build_trainer`: megatron-core model, distributed optimizer,
-`TrainStep.run`) on spawned gloo workers, one thread each, on the same TrainBatch. The baseline is the TP1
-single-process layout of the same model, run in the same invocation; ratios are layout / TP1.
+Every layout runs the real trainer (`trainer.role.Trainer` in a scratch run directory: megatron-core model,
+distributed optimizer, `Trainer.train_step`) on spawned gloo workers, one thread each, on the same TrainBatch. The
+baseline is the TP1 single-process layout of the same model, run in the same invocation; ratios are layout / TP1.
 
 - Layouts: tiny_dense at TP1, TP2, PP2, DP2; tiny_moe at TP1, EP2 (2 processes: the two DP ranks hold 2 experts
   each), TP2xEP2 (4 processes: tp 2 x dp 2, experts over ep 2 with expert-tp 2) and DP2 (experts replicated, for
@@ -14,7 +14,7 @@ single-process layout of the same model, run in the same invocation; ratios are 
 - Memory (CPU torch has no allocator statistics, so RSS): the peak RSS during the measured steps (VmHWM, reset
   through /proc/self/clear_refs after the warm-up), max over ranks, above two baselines: the RSS just before the
   measured steps ("step peak": what the steps allocate beyond the model, gradients and optimizer state, plus RSS the
-  allocator keeps growing in the first few dozen steps) and the RSS before `build_trainer`, after the imports
+  allocator keeps growing in the first few dozen steps) and the RSS before the `Trainer` is built, after the imports
   ("trainer": model, gradient buffers, optimizer state and the step together).
 - Precision: fp32 by default. On CPU, bf16 adds about 200 MiB of RSS on the first step (partly oneDNN's per-shape
   kernel cache) and more as new shapes appear (MoE experts see new token counts every step), which swamps the
@@ -61,7 +61,7 @@ def layout_recipe(model: str, sizes: dict[str, int], args: argparse.Namespace) -
                  f"parallelism.micro_batch_size={args.micro_batch}", f"cluster.gpus_per_node={tp * pp * dp}",
                  f"rollout.prompts_per_step={args.samples // GROUP_SIZE}",
                  f"rollout.generations_per_prompt={GROUP_SIZE}", f"trainer.precision={args.precision}",
-                 f"trainer.init_from={args.hf_dirs[model]}"]
+                 f"trainer.init_from={args.hf_dirs[model]}", "logging.wandb_mode=disabled"]
     return load_recipe("scalerl", overrides, model_preset=model)
 
 
@@ -97,25 +97,26 @@ def _status_mib(field: str) -> float:
     return int(line.split()[1]) / 1024  # kB -> MiB
 
 
-def measure_rank(rank: int, model: str, sizes: dict[str, int], args: argparse.Namespace) -> dict:
-    """On one worker: build the trainer, run the warm-up and measured steps. Returns per measured step the wall and
-    CPU time (s), and the peak RSS (MiB) during the measured steps above the RSS before them and before the build."""
+def measure_rank(rank: int, run_dir: str, model: str, sizes: dict[str, int], args: argparse.Namespace) -> dict:
+    """On one worker: build the trainer in `run_dir`, run the warm-up and measured steps. Returns per measured step
+    the wall and CPU time (s), and the peak RSS (MiB) during the measured steps above the RSS before them and before
+    the build."""
     import megatron.core.distributed  # noqa: F401 - imported before the baseline RSS so that imports are not counted
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.pipeline_parallel  # noqa: F401
     import torch.distributed as dist
 
     import megatron_scalerl.models.provider  # noqa: F401
-    from megatron_scalerl.trainer.setup import build_trainer
+    from megatron_scalerl.trainer.role import Trainer
 
     recipe = layout_recipe(model, sizes, args)
     batch = bench_batch(recipe, args.max_len)
     gc.collect()
     rss_before_build = _status_mib("VmRSS")
-    trainer = build_trainer(recipe)
-    first = trainer.step.run(batch)
+    trainer = Trainer(run_dir, recipe)
+    first = trainer.train_step(batch)
     for _ in range(args.warmup - 1):
-        trainer.step.run(batch)
+        trainer.train_step(batch)
     gc.collect()
     rss_before_steps = _status_mib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:  # "5" resets the peak-RSS counter (VmHWM)
@@ -124,7 +125,7 @@ def measure_rank(rank: int, model: str, sizes: dict[str, int], args: argparse.Na
     for _ in range(args.steps):
         dist.barrier()
         cpu_start = time.process_time()
-        times.append(trainer.step.run(batch)["train/step_time_s"])
+        times.append(trainer.train_step(batch)["train/step_time_s"])
         cpu_times.append(time.process_time() - cpu_start)
     peak = _status_mib("VmHWM")
     return {"step_times": times, "cpu_times": cpu_times, "tokens": first["train/tokens"],
@@ -147,7 +148,8 @@ def run_layout(model: str, sizes: dict[str, int], args: argparse.Namespace) -> d
     start = time.perf_counter()
     try:
         layout_recipe(model, sizes, args)  # a bad layout fails here, naming the field, before any process starts
-        ranks = run_local_workers(measure_rank, world, model, sizes, args, timeout_s=args.timeout)
+        with tempfile.TemporaryDirectory(prefix="bench_train_step_run_") as run_dir:  # the layout's own: no resume
+            ranks = run_local_workers(measure_rank, world, run_dir, model, sizes, args, timeout_s=args.timeout)
     except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON, not hidden
         return {"processes": world, "error": error_line(exc)}
     step_s = statistics.median(max(r["step_times"][i] for r in ranks) for i in range(args.steps))

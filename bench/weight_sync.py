@@ -1,9 +1,9 @@
 """Benchmark: live export + broadcast from the sharded trainer against the link's limit (issue 10, deliver 6).
 
-The real trainer (`build_trainer`, spawned gloo workers, one thread each) holds a dense Llama (default: hidden
-1024, 12 layers, vocabulary 8192: 170M parameters) at `--tp` in the GPU recipe's precision (bf16 body, FP32 head)
-on any CPU (only the export and the link are timed, no matmul). One receiver process, standing where a vLLM server
-worker stands, joins trainer rank 0 in a broadcast group through the sender's transport
+The real trainer's model (`trainer.setup.build_model_and_optimizer`, spawned gloo workers, one thread each): a dense
+Llama (default: hidden 1024, 12 layers, vocabulary 8192: 170M parameters) at `--tp` in the GPU recipe's precision
+(bf16 body, FP32 head) on any CPU (only the export and the link are timed, no matmul). One receiver process, standing
+where a vLLM server worker stands, joins trainer rank 0 in a broadcast group through the sender's transport
 (`weight_sync.transport.GlooTransport`, on CPUs gloo over loopback TCP). Per bucket it learns the size (a small
 broadcast, where the real protocol sends an HTTP `/update_weights`), receives the bytes into a fresh buffer and
 splits them into tensors, as the gloo receiver does before it hands them to vLLM's `load_weights` (not timed here:
@@ -106,11 +106,11 @@ def bench_rank(rank: int, recipe: Recipe, port: int, buckets: list[float], repea
     """On every trainer rank: the flat broadcast, then the sync per bucket size. Rank 0 reports."""
     import torch.distributed as dist
 
-    from megatron_scalerl.trainer.setup import build_trainer
+    from megatron_scalerl.trainer.setup import build_model_and_optimizer
     from megatron_scalerl.weight_sync.export import export_buckets
     from megatron_scalerl.weight_sync.transport import GlooTransport
 
-    trainer = build_trainer(recipe)
+    model, _ = build_model_and_optimizer(recipe)
     transport = GlooTransport()
     if rank == 0:
         transport.open("127.0.0.1", transport.listen("127.0.0.1", port), 2, timeout_s)
@@ -121,7 +121,7 @@ def bench_rank(rank: int, recipe: Recipe, port: int, buckets: list[float], repea
     def sync(mib: float, send: bool = True) -> int:
         """The export at bucket size `mib` (MiB), each bucket broadcast when `send`; returns the bytes exported."""
         total = 0
-        for bucket in export_buckets(trainer.model, recipe.model, bucket_mib=mib, serving_dtype=torch.bfloat16,
+        for bucket in export_buckets(model, recipe.model, bucket_mib=mib, serving_dtype=torch.bfloat16,
                                      fp32_lm_head=True):
             if send:
                 send_size(bucket.nbytes)

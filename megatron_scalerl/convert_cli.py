@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _hf_to_megatron(args: argparse.Namespace) -> int:
-    from megatron_scalerl.checkpoint.store import CheckpointStore
+    from megatron_scalerl.checkpoint.store import CheckpointStore  # deferred, here and below: torch (see cli.py)
     from megatron_scalerl.models.convert import hf_to_megatron
 
     layout = layout_from_arguments(args)
@@ -56,7 +56,7 @@ def _hf_to_megatron(args: argparse.Namespace) -> int:
 
 
 def _megatron_to_hf(args: argparse.Namespace) -> int:
-    from megatron_scalerl.models.convert import megatron_to_hf, verify_hf_checksums
+    from megatron_scalerl.models.convert import megatron_to_hf, verify_hf_checksums  # deferred: torch
 
     if args.shard_size <= 0:
         raise UserError(f"--shard-size: must be > 0 MiB, got {args.shard_size}")

@@ -71,7 +71,7 @@ def _add_options(p: argparse.ArgumentParser, fit_until_required: bool = False) -
 
 
 def _options(args: argparse.Namespace, targets: str = ""):
-    from megatron_scalerl.forecast.data import parse_gpu_hours
+    from megatron_scalerl.forecast.data import parse_gpu_hours  # deferred, as each import below: scipy, matplotlib
     from megatron_scalerl.forecast.predict import ForecastOptions
 
     budgets = tuple(parse_gpu_hours(b, "--budgets") for b in args.budgets.split(",") if b.strip())
@@ -105,13 +105,13 @@ def _rewards(text: str) -> tuple[float, ...]:
 
 
 def _load(args: argparse.Namespace, path: str):
-    from megatron_scalerl.forecast.data import load_curve
+    from megatron_scalerl.forecast.data import load_curve  # deferred: scipy
 
     return load_curve(path, metric=args.metric, compute_col=args.compute_col, gpus=args.gpus)
 
 
 def _fit(args: argparse.Namespace) -> int:
-    from megatron_scalerl.forecast import plots, report
+    from megatron_scalerl.forecast import plots, report  # deferred: scipy, matplotlib
     from megatron_scalerl.forecast.predict import make_forecast
 
     forecast = make_forecast(_load(args, args.run), _options(args, args.target))
@@ -122,7 +122,7 @@ def _fit(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from megatron_scalerl.forecast import plots, report
+    from megatron_scalerl.forecast import plots, report  # deferred: scipy, matplotlib
     from megatron_scalerl.forecast.compare import compare_runs
 
     comparison = compare_runs([_load(args, run) for run in args.runs], _options(args))
@@ -133,7 +133,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _backtest(args: argparse.Namespace) -> int:
-    from megatron_scalerl.forecast import plots, report
+    from megatron_scalerl.forecast import plots, report  # deferred: scipy, matplotlib
     from megatron_scalerl.forecast.backtest import run_backtest
 
     backtest = run_backtest(_load(args, args.run), _options(args))

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from megatron_scalerl import choices
+from megatron_scalerl import choices, families
 from megatron_scalerl.errors import RecipeError, UserError
+from megatron_scalerl.families.hf import read_config_json
 from megatron_scalerl.fileio import dump_yaml, load_yaml, parse_yaml
 from megatron_scalerl.recipe_rules import cross_field_problems
 
@@ -36,6 +38,31 @@ Pos = Annotated[int, Field(gt=0)]
 NonNeg = Annotated[int, Field(ge=0)]
 PosFloat = Annotated[float, Field(gt=0)]
 Fraction = Annotated[float, Field(ge=0, le=1)]
+_SLURM_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
+
+
+def slurm_minutes(text: str) -> int:
+    """Minutes in a SLURM time limit: "M", "M:S", "H:M:S", "D-H", "D-H:M" or "D-H:M:S" (seconds round up, as in
+    SLURM; "0": no limit); ValueError for anything else."""
+    match = _SLURM_TIME.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a SLURM time limit (M, M:S, H:M:S, D-H, D-H:M or D-H:M:S)")
+    days, first, second, third = (int(g) if g is not None else None for g in match.groups())
+    if days is not None:  # D-H[:M[:S]]
+        hours, minutes, seconds = first, second or 0, third or 0
+    elif third is not None:  # H:M:S
+        hours, minutes, seconds = first, second, third
+    else:  # M[:S]
+        hours, minutes, seconds = 0, first, second or 0
+    return -(-((((days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds) // 60)
+
+
+def _slurm_time(text: str) -> str:
+    slurm_minutes(text)
+    return text
+
+
+SlurmTime = Annotated[str, AfterValidator(_slurm_time)]
 
 
 class Section(BaseModel):
@@ -54,9 +81,10 @@ class RopeScaling(Section):
 
 
 class ModelConfig(Section):
-    """Architecture. `arch` selects the family: dense Llama-3 or Llama-4 MoE (text part)."""
+    """Architecture. `arch` selects the model family, `families/<arch>/`: llama3 (dense Llama-3) or llama4 (Llama-4
+    MoE, text part); docs/model_families.md."""
 
-    arch: Literal["llama3", "llama4"]
+    arch: Literal[families.NAMES]
     num_layers: Pos
     hidden_size: Pos
     ffn_hidden_size: Pos  # dense MLP intermediate size (Llama-4: intermediate_size_mlp)
@@ -89,8 +117,9 @@ class ModelConfig(Section):
     def _family_rules(self) -> ModelConfig:
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError("num_attention_heads must be a multiple of num_query_groups")
-        if self.is_moe and self.arch != "llama4":
-            raise ValueError("num_experts > 0 is only supported for arch llama4")
+        if self.is_moe and not families.FAMILIES[self.arch].moe:
+            moe = " or ".join(name for name, family in families.FAMILIES.items() if family.moe)
+            raise ValueError(f"num_experts > 0 is only supported for arch {moe}")
         if self.is_moe and self.moe_ffn_hidden_size is None:
             raise ValueError("moe_ffn_hidden_size is required when num_experts > 0")
         if self.is_moe and self.moe_router_topk > self.num_experts:
@@ -240,11 +269,14 @@ class DataConfig(Section):
 
 
 class EvalConfig(Section):
-    benchmarks: list[Literal["aime24", "aime25"]]
-    interval_steps: Pos
-    samples_per_problem: Pos  # k of pass@k / mean@k
-    temperature: Annotated[float, Field(ge=0)]
-    max_new_tokens: Pos
+    """The downstream evaluation of the run's checkpoints: its watcher's settings (`scalerl eval watch RUN` reads
+    RUN/recipe.yaml; a command-line flag, then a SCALERL_EVAL_* variable, wins over each; evaluation/watch.py)."""
+
+    benchmarks: list[Literal["aime24", "aime25"]]  # datasets (--dataset, SCALERL_EVAL_DATASETS)
+    interval_steps: Pos  # checkpoints whose step is a multiple of this, and the last (--every, SCALERL_EVAL_EVERY)
+    samples_per_problem: Pos  # k of pass@k / mean@k (--samples, SCALERL_EVAL_SAMPLES)
+    temperature: Annotated[float, Field(ge=0)]  # the evaluation's sampling temperature
+    max_new_tokens: Pos  # tokens: the evaluation's cap per sample (the length control's budgets fit inside)
 
 
 class LoggingConfig(Section):
@@ -272,9 +304,11 @@ class ClusterConfig(Section):
     gpus_per_node: Pos  # devices per node (processes per node on CPU)
     trainer_nodes: Pos
     generator_nodes: Pos
-    partition: str | None = None
-    account: str | None = None
-    time_limit: str  # SLURM format, e.g. 2-00:00:00
+    # the run's SLURM jobs: `scalerl sweep --slurm` passes them to sbatch unless an SBATCH_* variable or an #SBATCH
+    # line of the sbatch file chooses them; a job submitted by hand says at its start where its own differ
+    partition: str | None = None  # None: the cluster's default
+    account: str | None = None  # None: the user's default
+    time_limit: SlurmTime  # per job (a job requeues itself before its limit), e.g. 2-00:00:00
     collective_timeout_s: Pos
 
     @property
@@ -356,10 +390,23 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 HF_MODEL_PREFIX = "hf:"
 
 
+def model_config_from_hf(config: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """The model section an HF config.json describes, through its family's translation (`source` names the file in
+    errors)."""
+    try:
+        return ModelConfig(**families.model_section_from_hf(config, source))
+    except ValidationError as exc:
+        raise UserError(f"{source}: does not describe a supported model: {exc.errors()[0]['msg']}") from None
+
+
+def read_hf_config(directory: str | Path) -> tuple[dict[str, Any], ModelConfig]:
+    """(raw config.json, our ModelConfig) of an HF checkpoint directory."""
+    path, raw = read_config_json(directory)
+    return raw, model_config_from_hf(raw, str(path))
+
+
 def _hf_model_preset(directory: str) -> dict[str, Any]:
     """`hf:DIR` as a model preset: the model section of DIR/config.json, and the trainer starting from DIR."""
-    from megatron_scalerl.models.hf_io import read_hf_config  # models/ imports this module: imported when used
-
     try:
         _, model_cfg = read_hf_config(directory)
     except UserError as exc:

@@ -57,7 +57,7 @@ def _show(args: argparse.Namespace) -> int:
 
 def _plan(recipe: rc.Recipe, gpu_gib: float, as_json: bool) -> int:
     """Exit 0 when both layouts fit GPUs of `gpu_gib` GiB, else 1."""
-    from megatron_scalerl.models.memory_plan import (
+    from megatron_scalerl.models.memory_plan import (  # deferred: torch (every scalerl command imports this module)
         VLLM_GPU_MEMORY_UTILIZATION,
         generator_plan,
         kv_sequences,

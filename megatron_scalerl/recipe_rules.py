@@ -70,6 +70,9 @@ def cross_field_problems(r: Recipe) -> list[tuple[str, str]]:
             out.append(("algorithm.length_control.think_budget_max",
                         f"think_budget_max + phrase_token_reserve + answer_budget = {need} exceeds "
                         f"rollout.max_new_tokens={ro.max_new_tokens}"))
+        if need > r.eval.max_new_tokens:  # the eval watcher samples with the same interruption
+            out.append(("eval.max_new_tokens", f"think_budget_max + phrase_token_reserve + answer_budget = {need} "
+                                               f"exceeds eval.max_new_tokens={r.eval.max_new_tokens}"))
         if not lc.interruption_phrase.strip():
             out.append(("algorithm.length_control.interruption_phrase", "must not be empty"))
     if lc.mode == "length_penalty":

@@ -25,7 +25,8 @@ GENERATORS_FILE = "generators.json"
 STOP_FILE = "stop_requested"
 FINISHED_FILE = "finished.json"
 # The orchestrator's state (prompt sampler, No-Positive-Resampling history, pending prompts), written atomically
-# before each batch, the previous one kept beside it; each trainer checkpoint snapshots it.
+# before each batch, the previous one kept beside it; each trainer checkpoint holds a copy, the state a resume from
+# that checkpoint continues from (rollout/orchestrator_state.py).
 CURRICULUM_FILE, PREVIOUS_CURRICULUM_FILE = "curriculum.json", "curriculum.prev.json"
 STOP_TIMEOUT_S = 120.0  # seconds a role gets to stop cleanly (the trainer's last checkpoint) before SIGKILL
 FINISH_REASONS = ("max_steps", "max_gpu_hours", "stop_at_fraction")

@@ -1,13 +1,16 @@
-"""Length control: interruption budgets and continuations, the loss mask, the length penalty, truncation rates."""
+"""Length control: interruption budgets and continuations, the two-request flow, the loss mask, the length penalty,
+truncation rates."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 import pytest
 import torch
 
 from megatron_scalerl.algo import Continuation, InterruptionPolicy, join_segments, length_metrics, length_penalty
+from megatron_scalerl.algo.length_control import generate_in_stages
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.recipe import load_recipe
 
@@ -92,3 +95,42 @@ def test_truncation_and_interruption_rates():
     assert metrics["length_max"] == 14_336 and metrics["length_mean"] == pytest.approx(lengths.double().mean())
     assert metrics["truncation_alarm"] == 1.0
     assert length_metrics(lengths, torch.zeros(10, dtype=torch.bool), interrupted)["truncation_alarm"] == 0.0
+
+
+def _staged(policy_, key, *, first_ends, second_ends="stop", think_closed=False, seed=5):
+    """generate_in_stages with requests that record their arguments; outputs are (finish reason, tokens)."""
+    calls = []
+
+    class Out:
+        def __init__(self, finish_reason, tokens):
+            self.finish_reason, self.tokens = finish_reason, tokens
+
+    async def first(max_tokens, seed_):
+        calls.append(("first", max_tokens, seed_))
+        return Out(first_ends, max_tokens)
+
+    async def second(head, continuation, seed_):
+        calls.append(("second", head.tokens, continuation, seed_))
+        return Out(second_ends, continuation.max_new_tokens)
+
+    stages = asyncio.run(generate_in_stages(policy_, key, RECIPE.rollout.max_new_tokens, seed, first=first,
+                                            second=second, measure=lambda out: (out.tokens, think_closed)))
+    return stages, calls
+
+
+def test_one_flow_decides_the_stages():
+    p = policy()
+    budget = p.think_budget("k")
+    # no policy: one request up to the hard cap, seeded as asked
+    stages, calls = _staged(None, "k", first_ends="length")
+    assert calls == [("first", RECIPE.rollout.max_new_tokens, 5)] and stages.truncated and not stages.interrupted
+    # ended on its own within the budget: one request, not truncated
+    stages, calls = _staged(p, "k", first_ends="stop")
+    assert calls == [("first", budget, 5)] and stages.second is None and not stages.truncated
+    # stopped at the budget, thinking open: the phrase and the answer budget, seeded seed + 1
+    stages, calls = _staged(p, "k", first_ends="length", second_ends="length")
+    assert calls[1] == ("second", budget, p.continuation(generated_tokens=budget, think_closed=False), 6)
+    assert stages.interrupted and stages.truncated and stages.last is stages.second
+    # thinking closed: no phrase, the rest of the hard cap, not interrupted
+    stages, calls = _staged(p, "k", first_ends="length", think_closed=True, seed=None)
+    assert calls[1][2].append_ids == () and calls[1][3] is None and not stages.interrupted and not stages.truncated

@@ -68,7 +68,7 @@ def test_console_script_never_prints_a_traceback(tmp_path):
 
 
 def test_model_from_an_hf_checkpoint_config(tmp_path, capsys):
-    from megatron_scalerl.models.hf_config import hf_config_dict
+    from megatron_scalerl.families import hf_config_dict
     from megatron_scalerl.recipe import load_recipe
 
     moe = load_recipe("scalerl", model_preset="tiny_moe").model

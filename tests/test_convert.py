@@ -117,23 +117,21 @@ def test_moe_converts_at_ep2_and_back_at_tp2_pp2_with_verify(moe, tmp_path):
 def _train_from_converted(rank, recipe_yaml: str, run_dir: str, hf_dir: str) -> dict:
     """The trainer (bf16 + FP32 head) started from a converted Megatron checkpoint and from the HF directory: the
     same weights; then one step and a trainer checkpoint; the trained model's HF export."""
-    from megatron_scalerl.checkpoint.store import CheckpointStore
     from megatron_scalerl.models.weights import export_hf_state
     from megatron_scalerl.recipe import load_recipe
-    from megatron_scalerl.trainer.setup import build_trainer
-    from megatron_scalerl.trainer.state import save_trainer
+    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.setup import build_model_and_optimizer
     from tests.trainer_utils import rl_batch
 
     recipe = load_recipe(recipe_yaml)
-    from_hf = build_trainer(recipe.model_copy(update={"trainer": recipe.trainer.model_copy(
+    from_hf, _ = build_model_and_optimizer(recipe.model_copy(update={"trainer": recipe.trainer.model_copy(
         update={"init_from": hf_dir})}))
-    hf_start = dict(export_hf_state(from_hf.model[0], recipe.model))
-    trainer = build_trainer(recipe)
+    hf_start = dict(export_hf_state(from_hf[0], recipe.model))
+    trainer = Trainer(run_dir, recipe)
     start = dict(export_hf_state(trainer.model[0], recipe.model))  # at TP1 these are views of the live weights
     same_start = all(torch.equal(start[k], hf_start[k]) for k in hf_start)
-    trainer.step.run(rl_batch(0, vocab=VOCAB))
-    save_trainer(CheckpointStore(run_dir, keep=1), trainer.model, trainer.optimizer, trainer.step.state,
-                 recipe.model, {"wall_hours": 0.0})
+    trainer.train_step(rl_batch(0, vocab=VOCAB))
+    trainer.checkpoint()
     trained = {k: v.clone() for k, v in export_hf_state(trainer.model[0], recipe.model)}
     return {"same_start": same_start, "trained": trained}
 
@@ -228,9 +226,9 @@ def test_checkpoint_that_fails_its_manifest(dense, tmp_path):
 
 
 def _build_trainer(rank: int, recipe) -> None:
-    from megatron_scalerl.trainer.setup import build_trainer
+    from megatron_scalerl.trainer.setup import build_model_and_optimizer
 
-    build_trainer(recipe)
+    build_model_and_optimizer(recipe)
 
 
 def test_existing_output_is_never_overwritten(dense, tmp_path):

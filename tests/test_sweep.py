@@ -155,8 +155,11 @@ def test_a_finished_run_is_done_until_the_sweep_asks_for_more_then_its_recipe_is
     assert load_recipe(tmp_path / "loo_dapo_loss/seed0.recipe.yaml").trainer.max_steps == 3
 
 
-def test_a_slurm_run_is_submitted_with_the_sbatch_file_of_its_model_and_sizes_from_its_recipe(tmp_path):
+def test_a_slurm_run_is_submitted_with_the_sbatch_file_of_its_model_and_sizes_from_its_recipe(tmp_path, monkeypatch):
     from megatron_scalerl.sweep.slurm import CHECKOUT, job_name, sbatch_command
+
+    for variable in ("SBATCH_PARTITION", "SBATCH_ACCOUNT", "SBATCH_TIMELIMIT"):
+        monkeypatch.delenv(variable, raising=False)
 
     manifest = merge(tmp_path, None, base="demo", model=None, sets=[], tokenizer=None, steps=None, budget=None,
                      seeds=1, variants=[], slurm=True)
@@ -166,8 +169,12 @@ def test_a_slurm_run_is_submitted_with_the_sbatch_file_of_its_model_and_sizes_fr
     moe, dense = (sbatch_command(sweep, sweep.runs[k]) for k in recipes)
     assert moe[-1] == str(CHECKOUT / "slurm" / "scalerl_moe.sbatch")
     assert dense[-1] == str(CHECKOUT / "slurm" / "scalerl_dense.sbatch")
-    assert moe[moe.index(":") - 3:moe.index(":") + 4] == ["--partition=gpu", "--nodes=2", "--gpus-per-node=1", ":",
-                                                          "--partition=gpu", "--nodes=1", "--gpus-per-node=1"]
+    # the recipe's partition and time limit in each het component (sbatch does not carry them all over)
+    assert moe[moe.index(":") - 4:moe.index(":") + 5] == [
+        "--partition=gpu", "--time=00:30:00", "--nodes=2", "--gpus-per-node=1", ":", "--partition=gpu",
+        "--time=00:30:00", "--nodes=1", "--gpus-per-node=1"]
+    monkeypatch.setenv("SBATCH_TIMELIMIT", "2:00:00")  # the submitter's own choice wins
+    assert not any(option.startswith("--time") for option in sbatch_command(sweep, sweep.runs["base/seed0"]))
     assert f"--job-name={job_name(tmp_path, 'base/seed0')}" in moe and job_name(tmp_path, "base/seed0") != \
         job_name(tmp_path / "other", "base/seed0")
     exports = dict(item.split("=", 1) for item in moe[-2].removeprefix("--export=").split(",")[1:])

@@ -16,50 +16,41 @@ from tests.trainer_utils import BF16, rl_batch, run_scenarios, tiny_hf_checkpoin
 STEPS = 4  # batches 0..3; checkpoints after 0, 1 and 2 optimizer steps
 
 
-def _weights(trainer, model_cfg) -> dict:
+def _weights(trainer) -> dict:
     from megatron_scalerl.models import export_hf_state
 
-    return {name: t.clone() for name, t in export_hf_state(trainer.model[0], model_cfg)}
+    return {name: t.clone() for name, t in export_hf_state(trainer.model[0], trainer.recipe.model)}
 
 
 def _train_and_save(rank, run_dir, hf, layout):
-    """Train STEPS steps, checkpointing after steps 0, 1, 2; the losses and the weights as saved at step 2."""
-    from megatron_scalerl.checkpoint.store import CheckpointStore
-    from megatron_scalerl.trainer.setup import build_trainer
-    from megatron_scalerl.trainer.state import save_trainer
+    """Train STEPS steps, checkpointing after steps 0, 1, 2; the losses, and the weights and compute (wall hours) as
+    saved at step 2."""
+    from megatron_scalerl.checkpoint.store import read_rl_state
+    from megatron_scalerl.trainer.role import Trainer
 
-    trainer = build_trainer(tiny_recipe(hf=hf, **layout, extra=BF16))
-    recipe = trainer.step.recipe
-    store = CheckpointStore(run_dir, keep=5)
-
-    def save(hours):
-        save_trainer(store, trainer.model, trainer.optimizer, trainer.step.state, recipe.model, {"wall_hours": hours})
-
-    save(0.0)
+    trainer = Trainer(run_dir, tiny_recipe(hf=hf, **layout, extra=BF16))
+    trainer.checkpoint()
     losses, saved = [], {}
     for seed in range(STEPS):
-        losses.append(trainer.step.run(rl_batch(seed))["train/loss"])
-        if trainer.step.state.step in (1, 2):
-            save(0.5)
-        if trainer.step.state.step == 2:
-            saved = _weights(trainer, recipe.model)
-    return {"losses": losses, "weights": saved, "precision": recipe.trainer.precision}
+        losses.append(trainer.train_step(rl_batch(seed))["train/loss"])
+        if trainer.state.step in (1, 2):
+            trainer.checkpoint()
+        if trainer.state.step == 2:
+            saved = _weights(trainer)
+    return {"losses": losses, "weights": saved, "hours": read_rl_state(trainer.store.path(2))["wall_hours"],
+            "precision": trainer.recipe.trainer.precision}
 
 
 def _resume(rank, run_dir, hf, layout):
-    """Resume from the newest valid checkpoint at `layout`; the weights right after the load and the losses of the
-    remaining steps."""
-    from megatron_scalerl.checkpoint.store import CheckpointStore
-    from megatron_scalerl.trainer.setup import build_trainer
-    from megatron_scalerl.trainer.state import load_trainer
+    """A trainer at `layout` in `run_dir` (it resumes from the newest valid checkpoint): the step it resumed at, the
+    compute it counts from, the weights right after the load and the losses of the remaining steps."""
+    from megatron_scalerl.trainer.role import Trainer
 
-    trainer = build_trainer(tiny_recipe(hf=hf, **layout, extra=BF16))
-    iteration, path = CheckpointStore(run_dir, keep=5).latest_valid(set_aside=True)
-    trainer.step.state, rl_state = load_trainer(path, trainer.model, trainer.optimizer)
-    weights = _weights(trainer, trainer.step.recipe.model)
-    losses = [trainer.step.run(rl_batch(seed))["train/loss"] for seed in range(trainer.step.state.step, STEPS)]
-    return {"iteration": iteration, "hours": rl_state["wall_hours"], "version": trainer.step.state.updates,
-            "losses": losses, "weights": weights}
+    trainer = Trainer(run_dir, tiny_recipe(hf=hf, **layout, extra=BF16))
+    iteration, hours, weights = trainer.state.step, trainer.compute.wall_hours_before, _weights(trainer)
+    losses = [trainer.train_step(rl_batch(seed))["train/loss"] for seed in range(iteration, STEPS)]
+    return {"iteration": iteration, "hours": hours, "version": trainer.state.updates, "losses": losses,
+            "weights": weights}
 
 
 def _copy_then_resume(rank, run_dir, copy, damage, hf):
@@ -104,7 +95,7 @@ def test_resume_gives_exactly_the_uninterrupted_losses(single_rank, model):
     _, results = single_rank
     run, resumed = results[model], results[f"{model}_resumed"]
     assert run["precision"] == "bf16"  # the GPU recipe's: bf16 weights, FP32 LM head
-    assert (resumed["iteration"], resumed["hours"], resumed["version"]) == (2, 0.5, STEPS)
+    assert (resumed["iteration"], resumed["hours"], resumed["version"]) == (2, run["hours"], STEPS) and run["hours"] > 0
     assert resumed["losses"] == run["losses"][2:]
     assert all(torch.equal(resumed["weights"][n], t) for n, t in run["weights"].items())
 

@@ -15,16 +15,16 @@ from megatron_scalerl.platform import run_local_workers
 from tests.trainer_utils import BF16, FP32, rl_batch, run_scenarios, tiny_hf_checkpoint, tiny_recipe
 
 
-def _steps(rank, recipe_kwargs, seeds):
+def _steps(rank, run_dir, recipe_kwargs, seeds):
     """Train on the batches `seeds`; returns this rank's (loss, grad norm) per step and, per HF weight this rank's
     pipeline stage holds, the norm of its total update (weights after - before, full tensors gathered over TP/EP)."""
     from megatron_scalerl.models import export_hf_state
-    from megatron_scalerl.trainer.setup import build_trainer
+    from megatron_scalerl.trainer.role import Trainer
 
     recipe = tiny_recipe(**recipe_kwargs, extra=FP32)
-    trainer = build_trainer(recipe)
+    trainer = Trainer(run_dir, recipe)
     before = {name: t.double().clone() for name, t in export_hf_state(trainer.model[0], recipe.model)}
-    metrics = [(m["train/loss"], m["train/grad_norm"]) for m in (trainer.step.run(rl_batch(s)) for s in seeds)]
+    metrics = [(m["train/loss"], m["train/grad_norm"]) for m in (trainer.train_step(rl_batch(s)) for s in seeds)]
     updates = {name: float((t.double() - before[name]).norm()) for name, t in
                export_hf_state(trainer.model[0], recipe.model)}
     return metrics, updates
@@ -57,16 +57,17 @@ def moe_hf_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single_rank(hf_dir, moe_hf_dir):
+def single_rank(tmp_path_factory, hf_dir, moe_hf_dir):
+    runs = tmp_path_factory.mktemp("runs")  # each scenario's run directory (nothing is resumed or checkpointed)
     scenarios = {
-        "dense": (_steps, dict(hf=hf_dir), [0, 1, 2]),
-        "mbs4": (_steps, dict(mbs=4, hf=hf_dir), [0, 1, 2]),
-        "mbs16": (_steps, dict(mbs=16, hf=hf_dir), [0, 1, 2]),
-        "moe": (_steps, dict(model="tiny_moe", hf=moe_hf_dir), [0, 1]),
-        "learning": (_learning,),
-        "non_finite": (_non_finite,),
-        "bf16_fp32_head": (_bf16_step, True, hf_dir),
-        "bf16_bf16_head": (_bf16_step, False, hf_dir),
+        "dense": (_steps, runs / "dense", dict(hf=hf_dir), [0, 1, 2]),
+        "mbs4": (_steps, runs / "mbs4", dict(mbs=4, hf=hf_dir), [0, 1, 2]),
+        "mbs16": (_steps, runs / "mbs16", dict(mbs=16, hf=hf_dir), [0, 1, 2]),
+        "moe": (_steps, runs / "moe", dict(model="tiny_moe", hf=moe_hf_dir), [0, 1]),
+        "learning": (_learning, runs / "learning"),
+        "non_finite": (_non_finite, runs / "non_finite"),
+        "bf16_fp32_head": (_bf16_step, runs / "fp32_head", True, hf_dir),
+        "bf16_bf16_head": (_bf16_step, runs / "bf16_head", False, hf_dir),
     }
     return run_local_workers(run_scenarios, 1, scenarios, timeout_s=600)[0]
 
@@ -89,28 +90,28 @@ def test_micro_batch_split_does_not_change_loss_or_grad(single_rank, dense_refer
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2), dict(dp=2), dict(dp=2, mbs=2)],
                          ids=["tp2", "pp2", "dp2", "dp2-mbs2"])
-def test_dense_layouts_match_one_process(dense_reference, hf_dir, layout):
+def test_dense_layouts_match_one_process(dense_reference, hf_dir, layout, tmp_path):
     world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
-    results = run_local_workers(_steps, world, dict(layout, hf=hf_dir), [0, 1, 2], timeout_s=400)
+    results = run_local_workers(_steps, world, tmp_path, dict(layout, hf=hf_dir), [0, 1, 2], timeout_s=400)
     updates = _all_updates(results)
     assert set(updates) == set(dense_reference[1])  # every weight of the model, across the pipeline stages
     for metrics, _ in results:  # every rank reports the step's metrics
         _assert_same((metrics, updates), dense_reference)
 
 
-def _learning(rank):
-    from megatron_scalerl.trainer.setup import build_trainer
+def _learning(rank, run_dir):
+    from megatron_scalerl.trainer.role import Trainer
 
-    trainer = build_trainer(tiny_recipe(extra=["trainer.lr=3e-3"]))
+    trainer = Trainer(run_dir, tiny_recipe(extra=["trainer.lr=3e-3"]))
     batch = rl_batch(7)
     weight = torch.repeat_interleave(batch.advantages, batch.lengths) * batch.loss_mask
 
     def objective():  # advantage-weighted log-likelihood of the batch: what policy gradient increases
-        return float((trainer.step.logprobs(batch) * weight).sum())
+        return float((trainer.forward_backward.logprobs(batch) * weight).sum())
 
     before = objective()
-    losses = [trainer.step.run(batch)["train/loss"] for _ in range(4)]
-    return before, objective(), losses, trainer.step.state.updates
+    losses = [trainer.train_step(batch)["train/loss"] for _ in range(4)]
+    return before, objective(), losses, trainer.state.updates
 
 
 def test_cispo_steps_on_a_fixed_batch_improve_the_policy(single_rank):
@@ -119,25 +120,24 @@ def test_cispo_steps_on_a_fixed_batch_improve_the_policy(single_rank):
     assert version == 4 and all(math.isfinite(x) for x in losses)
 
 
-def _non_finite(rank):
+def _non_finite(rank, run_dir):
     import dataclasses
 
-    from megatron_scalerl.trainer.setup import build_trainer
+    from megatron_scalerl.trainer.role import Trainer
     from megatron_scalerl.trainer.step import NonFiniteError
 
-    trainer = build_trainer(tiny_recipe(extra=["trainer.max_consecutive_nonfinite=2"]))
+    trainer = Trainer(run_dir, tiny_recipe(extra=["trainer.max_consecutive_nonfinite=2"]))
     good = rl_batch(0)
     bad = dataclasses.replace(good, advantages=torch.full_like(good.advantages, float("inf")))
     weights = [p.detach().clone() for p in trainer.model[0].parameters()]
-    m = trainer.step.run(bad)
+    m = trainer.train_step(bad)
     unchanged = all(torch.equal(a, b) for a, b in zip(weights, trainer.model[0].parameters(), strict=True))
-    trainer.step.run(good)
-    trainer.step.run(bad)
+    trainer.train_step(good)
+    trainer.train_step(bad)
     try:
-        trainer.step.run(bad)
+        trainer.train_step(bad)
     except NonFiniteError as exc:
-        return m["train/skipped"], unchanged, trainer.step.state.updates, trainer.step.state.skipped_steps, \
-            str(exc)
+        return m["train/skipped"], unchanged, trainer.state.updates, trainer.state.skipped_steps, str(exc)
     return None
 
 
@@ -156,22 +156,24 @@ def test_moe_trains(moe_reference):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [dict(dp=2, ep=2), dict(tp=2, dp=2, ep=2)], ids=["ep2", "tp2xep2"])
-def test_moe_layouts_match_one_process(moe_reference, moe_hf_dir, layout):
+def test_moe_layouts_match_one_process(moe_reference, moe_hf_dir, layout, tmp_path):
     world = layout.get("tp", 1) * layout.get("dp", 1)
-    results = run_local_workers(_steps, world, dict(layout, model="tiny_moe", hf=moe_hf_dir), [0, 1], timeout_s=500)
+    results = run_local_workers(_steps, world, tmp_path, dict(layout, model="tiny_moe", hf=moe_hf_dir), [0, 1],
+                                timeout_s=500)
     updates = _all_updates(results)
     assert set(updates) == set(moe_reference[1])
     for metrics, _ in results:
         _assert_same((metrics, updates), moe_reference)
 
 
-def _bf16_step(rank, fp32_lm_head, hf):
-    from megatron_scalerl.trainer.setup import build_trainer, head_weight
+def _bf16_step(rank, run_dir, fp32_lm_head, hf):
+    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.setup import head_weight
 
-    trainer = build_trainer(tiny_recipe(hf=hf, extra=[*BF16, f"trainer.fp32_lm_head={str(fp32_lm_head).lower()}"]))
-    metrics = trainer.step.run(rl_batch(0))
+    trainer = Trainer(run_dir, tiny_recipe(hf=hf, extra=[*BF16, f"trainer.fp32_lm_head={str(fp32_lm_head).lower()}"]))
+    metrics = trainer.train_step(rl_batch(0))
     return metrics["train/loss"], metrics["train/grad_norm"], head_weight(trainer.model[0]).dtype, \
-        trainer.step.logits_dtype
+        trainer.forward_backward.logits_dtype
 
 
 @pytest.mark.parametrize("fp32_lm_head", [True, False])

@@ -5,7 +5,7 @@ import torch
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.rollout.stream import TrainBatch
 
-BASE = ["trainer.warmup_steps=0", "trainer.lr=1e-3", "trainer.grad_clip=0"]
+BASE = ["trainer.warmup_steps=0", "trainer.lr=1e-3", "trainer.grad_clip=0", "logging.wandb_mode=disabled"]
 # The recipe's own precision is `auto` (bf16 where it is native, else fp32) with an FP32 LM head. Tests that compare
 # layouts to 1e-4 train in fp32 (bf16 rounds differently when TP/PP/DP change the order of the sums); tests of the
 # bf16 body beside the FP32 head (the GPU recipe) ask for bf16 on any CPU.

@@ -1,5 +1,5 @@
 """Shared pieces of the weight-sync tests: tiny vLLM servers, their greedy outputs, the transformers oracle, and the
-trainer side run in spawned workers (the real trainer: `build_trainer`, `push_weights`)."""
+trainer side run in spawned workers (the real trainer's model: `build_model_and_optimizer`, `push_weights`)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def sync_scenario(rank: int, recipe, urls: list[str], config, version: int, kill
     import os
     import signal
 
-    from megatron_scalerl.trainer.setup import build_trainer
+    from megatron_scalerl.trainer.setup import build_model_and_optimizer
     from megatron_scalerl.weight_sync.protocol import WeightSyncError
     from megatron_scalerl.weight_sync.sender import WeightSender, push_weights
 
@@ -94,12 +94,12 @@ def sync_scenario(rank: int, recipe, urls: list[str], config, version: int, kill
         if kill_pid is not None and bucket.index == kill_after_bucket:
             os.killpg(kill_pid, signal.SIGKILL)
 
-    trainer = build_trainer(recipe)
+    model, _ = build_model_and_optimizer(recipe)
     sender = WeightSender(urls, config).connect() if rank == 0 else None
     start = time.monotonic()
     stats, error = None, None
     try:
-        stats = push_weights(trainer.model, recipe.model, config, sender, version, progress=kill)
+        stats = push_weights(model, recipe.model, config, sender, version, progress=kill)
     except WeightSyncError as exc:
         error = str(exc)
     seconds = time.monotonic() - start

@@ -5,7 +5,8 @@
     advantages.py      group baseline + batch / prompt / no normalisation
     filters.py         zero-variance groups, truncated samples (keep / mask / drop)
     resampling.py      No-Positive-Resampling history and retired prompts
-    length_control.py  forced interruption, length penalty, truncation accounting
+    length_control.py  forced interruption (its two-request flow), length penalty, truncation accounting
+    versions.py        the policy version: an int, NO_VERSION, vLLM's weight_version strings
 """
 
 from megatron_scalerl.algo.advantages import StepAdvantages, group_baseline, normalise, step_advantages

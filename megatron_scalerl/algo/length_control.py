@@ -1,5 +1,6 @@
 """Length control (paper section 2): forced interruption of long thinking, the length-penalty alternative, and
-truncation accounting. Pure logic: the orchestrator asks these functions what to do; they talk to no server.
+truncation accounting. Pure logic: callers ask these functions what to do, or hand them how to make a request; they
+talk to no server themselves.
 
 Interruption (recipe: algorithm.length_control, mode `interruption`). Per sample, a thinking budget B is drawn
 uniformly from the integers [think_budget_min, think_budget_max] by an RNG seeded with (seed, sample key), so a sample's
@@ -13,7 +14,9 @@ budget does not depend on the order in which samples are drawn. Generation runs 
                                (rollout.max_new_tokens) minus the tokens generated so far.
      A second stage that stops on its limit instead of EOS leaves the sample truncated.
 
-The phrase tokens were not sampled by the policy: they are out of the loss mask (`join_segments`).
+The phrase tokens were not sampled by the policy: they are out of the loss mask (`join_segments`). The two requests
+are made by `generate_in_stages`, the one flow of training (token ids, `rollout.generation`) and evaluation (text,
+`evaluation.sampling`); each side says how a request is made and joins the stages its own way.
 
 Length penalty (mode `length_penalty`, DAPO-style, on correct answers only), |y| the completion length in tokens:
     R_len = clip((L_max - |y|) / L_cache - 1, -1, 0)
@@ -22,9 +25,9 @@ Length penalty (mode `length_penalty`, DAPO-style, on correct answers only), |y|
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -87,6 +90,63 @@ class InterruptionPolicy:
             return Continuation(append_ids=(), max_new_tokens=self.max_new_tokens - generated_tokens,
                                 interrupted=False)
         return Continuation(append_ids=self.phrase_ids, max_new_tokens=self.answer_budget, interrupted=True)
+
+
+class Segment(Protocol):
+    """What the flow reads of one request's output: how it ended."""
+
+    finish_reason: str  # "stop" (EOS or a stop token) or "length" (its token limit)
+
+
+S = TypeVar("S", bound=Segment)
+
+
+@dataclass(frozen=True)
+class Stages(Generic[S]):
+    """The requests that made one sample: `first`, and when a second stage ran, its `continuation` and `second`."""
+
+    first: S
+    continuation: Continuation | None = None
+    second: S | None = None
+
+    @property
+    def last(self) -> S:
+        """The request the sample ended with."""
+        return self.first if self.second is None else self.second
+
+    @property
+    def interrupted(self) -> bool:
+        """The phrase was forced in."""
+        return self.continuation is not None and self.continuation.interrupted
+
+    @property
+    def truncated(self) -> bool:
+        """The sample stopped on a length limit without EOS."""
+        return self.last.finish_reason == "length"
+
+
+async def generate_in_stages(policy: InterruptionPolicy | None, key: str, max_new_tokens: int, seed: int | None, *,
+                             first: Callable[[int, int | None], Awaitable[S]],
+                             second: Callable[[S, Continuation, int | None], Awaitable[S]],
+                             measure: Callable[[S], tuple[int, bool]]) -> Stages[S]:
+    """One sample of `key` under `policy` (None: one request up to `max_new_tokens` tokens).
+
+    `first(max_tokens, seed)` makes the first request from the prompt; `second(first, continuation, seed)` the second
+    one, from the prompt, the first request's output and `continuation.append_ids` (the phrase), generating at most
+    `continuation.max_new_tokens`; `measure(output)` is (tokens generated, thinking closed). The second request is
+    seeded `seed + 1` (unseeded stays unseeded). A first request that ended on its own, or that left the second stage
+    no tokens, is the whole sample.
+    """
+    if policy is None:
+        return Stages(await first(max_new_tokens, seed))
+    head = await first(policy.think_budget(key), seed)
+    if head.finish_reason != "length":
+        return Stages(head)
+    generated, think_closed = measure(head)
+    continuation = policy.continuation(generated_tokens=generated, think_closed=think_closed)
+    if continuation.max_new_tokens <= 0:
+        return Stages(head)
+    return Stages(head, continuation, await second(head, continuation, None if seed is None else seed + 1))
 
 
 def join_segments(first_ids: Sequence[int], first_logprobs: Sequence[float], continuation: Continuation,

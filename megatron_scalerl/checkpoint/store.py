@@ -4,7 +4,8 @@ Layout under the run directory:
 
     checkpoints/iter_0000100/         one checkpoint (iteration = optimizer steps taken)
         <Megatron dist_checkpointing files>   model + optimizer, sharded by the writer
-        rl_state.json                  curriculum, data cursor, weight version, ... (rank 0)
+        rl_state.json                  step state, compute, model section, and a copy of the orchestrator's
+                                       state (`curriculum`, what a resume from here continues from) (rank 0)
         rng/rank_00000.pt              per-rank RNG states
         manifest.json                  {"iteration", "files": {relpath: {"bytes", "sha256"}}}, written last
     checkpoints/unusable/iter_0000200/ a checkpoint set aside (corrupt, or from an abandoned timeline), with

@@ -81,7 +81,7 @@ def cached_model_verdict(model_root: Path, settings: dict) -> tuple[bool, str | 
 def warm_started_model(recipe, model_root: Path) -> Path:
     """The warm-started checkpoint, built (random model, then the supervised stage) unless already there from the
     same settings (`build_settings`)."""
-    from megatron_scalerl.demo.model import build_model
+    from megatron_scalerl.demo.model import build_model  # deferred, as every heavy import here: torch (see cli.py)
     from megatron_scalerl.demo.sft import warm_start
 
     warm = model_root / "warm_start"
@@ -107,7 +107,7 @@ def warm_started_model(recipe, model_root: Path) -> Path:
 
 def plot_validation(run_dir: Path) -> Path:
     """`RUN/val_pass_rate.png`: the validation pass rate against GPU-hours, read as the forecaster reads it."""
-    from megatron_scalerl.forecast.data import load_curve
+    from megatron_scalerl.forecast.data import load_curve  # deferred: scipy, matplotlib
     from megatron_scalerl.forecast.plots import curve_png
 
     path = run_dir / "val_pass_rate.png"
@@ -117,7 +117,7 @@ def plot_validation(run_dir: Path) -> Path:
 
 def init_only(out_dir: Path, model_preset: str, seed: int | None) -> int:
     """`--init-only`: the tiny model of `model_preset` with random weights and the demo's tokenizer in `out_dir`."""
-    from megatron_scalerl.demo.model import build_model
+    from megatron_scalerl.demo.model import build_model  # deferred: torch
 
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"{out_dir} is not an empty directory: --init-only writes a new model directory")
@@ -129,7 +129,7 @@ def init_only(out_dir: Path, model_preset: str, seed: int | None) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from megatron_scalerl.launch.local import start_run
+    from megatron_scalerl.launch.local import start_run  # deferred: torch
 
     if args.init_only is not None:
         if args.steps is not None:
@@ -159,7 +159,7 @@ def _demo(args: argparse.Namespace) -> int:
 def print_forecast(run_dir: Path, recipe) -> None:
     """The end-of-run report (`scalerl forecast fit`'s), printed and, as the live forecast's last one, in
     RUN/forecast/: on the recipe's forecast settings and the validation's own noise (held-out prompts x samples)."""
-    from megatron_scalerl.forecast import plots, report
+    from megatron_scalerl.forecast import plots, report  # deferred: scipy, matplotlib
     from megatron_scalerl.forecast.data import load_curve
     from megatron_scalerl.forecast.live import recipe_options
     from megatron_scalerl.forecast.predict import make_forecast

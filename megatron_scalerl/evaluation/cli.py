@@ -6,6 +6,8 @@
     scalerl eval report RUN_DIR [--dataset aime24]
 
 `aime` prints the summary as one JSON object on its last line. The API key may also come from $SCALERL_API_KEY.
+`watch` takes what its flags leave open from SCALERL_EVAL_EVERY, SCALERL_EVAL_DATASETS, SCALERL_EVAL_SAMPLES and
+SCALERL_EVAL_ONCE, then from the run's recipe (its `eval:` section; evaluation/watch.py).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from megatron_scalerl.command_line import command_group
 from megatron_scalerl.errors import UserError
 
 
-def _add_sampling(parser: argparse.ArgumentParser, samples: int) -> None:
-    parser.add_argument("--samples", type=int, default=samples, help="completions per problem (K)")
+def _add_sampling(parser: argparse.ArgumentParser, samples: int | None, default: str | None = None) -> None:
+    parser.add_argument("--samples", type=int, default=samples,
+                        help=f"completions per problem (K; default: {default or samples})")
     parser.add_argument("--api-key", help="the endpoint's API key (default: $SCALERL_API_KEY)")
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight")
     parser.add_argument("--grader-timeout", type=float, default=10.0, help="seconds per answer before it counts "
@@ -45,12 +48,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     watch = esub.add_parser("watch", help="evaluate every N-th checkpoint of a run as it appears")
     watch.add_argument("run_dir", type=Path)
-    watch.add_argument("--every", type=int, default=1, help="evaluate checkpoints whose step is a multiple of N")
-    watch.add_argument("--dataset", dest="datasets", action="append", help="repeatable (default: aime24)")
-    watch.add_argument("--once", action="store_true", help="one pass over the checkpoints present, then exit")
+    watch.add_argument("--every", type=int, help="evaluate checkpoints whose step is a multiple of N (default: "
+                       "$SCALERL_EVAL_EVERY, else the recipe's eval.interval_steps)")
+    watch.add_argument("--dataset", dest="datasets", action="append", help="repeatable (default: "
+                       "$SCALERL_EVAL_DATASETS, else the recipe's eval.benchmarks)")
+    watch.add_argument("--once", action="store_true", help="one pass over the checkpoints present, then exit "
+                       "(or SCALERL_EVAL_ONCE=1)")
     watch.add_argument("--poll", type=float, default=60.0, help="seconds between looks at checkpoints/")
     watch.add_argument("--keep-exports", action="store_true", help="keep each checkpoint's HF export")
-    _add_sampling(watch, 8)
+    _add_sampling(watch, None, "$SCALERL_EVAL_SAMPLES, else the recipe's eval.samples_per_problem")
     watch.set_defaults(func=_watch)
 
     report = esub.add_parser("report", help="table and plot of a run's evaluations beside its validation curve")
@@ -60,15 +66,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _request(args: argparse.Namespace, **fields):
-    from megatron_scalerl.evaluation.harness import EvalRequest
+    from megatron_scalerl.evaluation.harness import EvalRequest  # deferred: a command module stays light
 
-    return EvalRequest(samples=args.samples, api_key=args.api_key or os.environ.get("SCALERL_API_KEY"),
+    return EvalRequest(api_key=args.api_key or os.environ.get("SCALERL_API_KEY"),
                        concurrency=args.concurrency, grader_timeout_s=args.grader_timeout, verifier=args.verifier,
                        **fields)
 
 
 def _aime(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: heavy, as the harness below (a command module stays light)
 
     from megatron_scalerl.evaluation.harness import evaluate
     from megatron_scalerl.models.tokenizer import has_tokenizer
@@ -78,7 +84,8 @@ def _aime(args: argparse.Namespace) -> int:
     if args.tokenizer is not None and not has_tokenizer(args.tokenizer):
         raise UserError(f"--tokenizer {args.tokenizer}: no tokenizer files there")
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir else None
-    summary = evaluate(_request(args, endpoint=args.endpoint, model=args.model, dataset=args.dataset, out=args.out),
+    summary = evaluate(_request(args, samples=args.samples, endpoint=args.endpoint, model=args.model,
+                                dataset=args.dataset, out=args.out),
                        load_recipe(args.recipe), tokenizer)
     k = summary["samples_per_problem"]
     print(f"{args.dataset}: mean@{k} {summary['mean_at_k']:.3f}, pass@{k} {summary['pass_at_k'][str(k)]:.3f}, "
@@ -88,17 +95,19 @@ def _aime(args: argparse.Namespace) -> int:
 
 
 def _watch(args: argparse.Namespace) -> int:
-    from megatron_scalerl.evaluation.watch import watch
+    from megatron_scalerl.evaluation.watch import run_recipe, watch, watch_settings  # deferred: as in _request
 
-    request = _request(args, endpoint="", model="", dataset="", out=args.run_dir)
-    count = watch(args.run_dir, request, args.datasets or ["aime24"], every=args.every, once=args.once,
-                  poll_s=args.poll, keep_exports=args.keep_exports)
+    recipe = run_recipe(args.run_dir)
+    settings = watch_settings(recipe.eval, os.environ, every=args.every, datasets=args.datasets,
+                              samples=args.samples, once=args.once)
+    request = _request(args, samples=settings.samples, endpoint="", model="", dataset="", out=args.run_dir)
+    count = watch(args.run_dir, recipe, request, settings, poll_s=args.poll, keep_exports=args.keep_exports)
     print(f"evaluated {count} checkpoint(s) of {args.run_dir}")
     return 0
 
 
 def _report(args: argparse.Namespace) -> int:
-    from megatron_scalerl.evaluation.report import write_report
+    from megatron_scalerl.evaluation.report import write_report  # deferred: matplotlib (a command module)
 
     print(write_report(args.run_dir, args.dataset), end="")
     print(f"(also {args.run_dir / 'eval' / 'report.md'} and report.png)")

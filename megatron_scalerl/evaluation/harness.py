@@ -30,6 +30,7 @@ from megatron_scalerl.evaluation.metrics import extract_boxed, summarize
 from megatron_scalerl.evaluation.sampling import CompletionClient, SamplingSettings, sample_completion
 from megatron_scalerl.fileio import atomic_write_text
 from megatron_scalerl.recipe import DataSource, Recipe
+from megatron_scalerl.rollout.generation import length_control_policy
 from megatron_scalerl.rollout.prompts import Problem, load_source, render_prompt
 from megatron_scalerl.rollout.rewards import RewardGrader, strip_thinking
 
@@ -69,8 +70,6 @@ def load_dataset(name: str, problem_field: str = "problem", answer_field: str = 
 
 def sampling_settings(recipe: Recipe, tokenizer: Any) -> SamplingSettings:
     """The recipe's sampling and length control (the interruption phrase tokenised by `tokenizer`)."""
-    from megatron_scalerl.rollout.generation import length_control_policy
-
     control = recipe.algorithm.length_control
     return SamplingSettings(temperature=recipe.rollout.temperature, top_p=recipe.rollout.top_p,
                             max_new_tokens=recipe.rollout.max_new_tokens,

@@ -1,7 +1,21 @@
 """`scalerl eval watch RUN_DIR`: evaluate every N-th checkpoint of a run as it appears (scheduled evaluations).
 
-For each checkpoint `RUN/checkpoints/iter_N` with N a multiple of `every` (or the run's last step), complete (its manifest and every file's
-size; a checkpoint still being written has no manifest yet and is looked at again later), and not evaluated yet:
+Settings (`WatchSettings`), each from the first of: its command-line flag, its SCALERL_EVAL_* variable, the run's
+recipe (RUN/recipe.yaml, section `eval:`), the built-in default; the watch says once where each came from.
+
+    every           --every       SCALERL_EVAL_EVERY      eval.interval_steps     (steps)
+    datasets        --dataset     SCALERL_EVAL_DATASETS   eval.benchmarks         (the variable: space-separated)
+    samples         --samples     SCALERL_EVAL_SAMPLES    eval.samples_per_problem  (k of pass@k, mean@k)
+    temperature                                           eval.temperature
+    max_new_tokens                                        eval.max_new_tokens     (tokens per sample at most)
+    once            --once        SCALERL_EVAL_ONCE=1                             default: watch until the last step
+
+The evaluation samples as the recipe's rollout does (template, top_p, length control) but at the eval section's
+temperature and length cap (`evaluated_recipe`).
+
+For each checkpoint `RUN/checkpoints/iter_N` with N a multiple of `every` (or the run's last step), complete (its
+manifest and every file's size; a checkpoint still being written has no manifest yet and is looked at again later),
+and not evaluated yet:
 
     1. export it to HF (`models.convert.megatron_to_hf`, at the run's own layout) into RUN/eval/iter_N/hf;
     2. serve the export: the watch's one vLLM server (`CheckpointServer`) starts on the first export and loads each
@@ -24,19 +38,111 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.evaluation.harness import SUMMARY, EvalRequest, evaluate
+from megatron_scalerl.evaluation.harness import SUMMARY, EvalRequest, evaluate, load_dataset
+from megatron_scalerl.http_json import request_json
+from megatron_scalerl.launch.roles import serving_dtype
 from megatron_scalerl.metrics import MetricsLog, read_metrics
-from megatron_scalerl.recipe import Recipe, load_recipe
+from megatron_scalerl.models.convert import megatron_to_hf
+from megatron_scalerl.platform.local_workers import free_port
+from megatron_scalerl.recipe import EvalConfig, Recipe, load_recipe
+from megatron_scalerl.rollout.prompts import render_prompt
+from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig, reload_from_disk
 from megatron_scalerl.rope_note import note_once
 
 log = logging.getLogger("megatron_scalerl.eval")
 
 SERVER_READY_TIMEOUT_S = 900.0
+EVAL_VARIABLES = {"every": "SCALERL_EVAL_EVERY", "datasets": "SCALERL_EVAL_DATASETS",
+                  "samples": "SCALERL_EVAL_SAMPLES", "once": "SCALERL_EVAL_ONCE"}
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    """What a watch evaluates and how (the module docstring); `sources`: setting -> where its value came from."""
+
+    every: int  # steps: checkpoints whose step is a multiple of it are evaluated (and the run's last)
+    datasets: tuple[str, ...]  # shipped names (aime24, aime25) or JSONL files
+    samples: int  # completions per problem (k)
+    temperature: float
+    max_new_tokens: int  # tokens per sample at most
+    once: bool  # one pass over the checkpoints present, then exit
+    sources: dict[str, str]
+
+    def describe(self) -> str:
+        values = {"every": f"{self.every} steps", "datasets": " ".join(self.datasets), "samples": str(self.samples),
+                  "temperature": f"{self.temperature:g}", "max_new_tokens": str(self.max_new_tokens),
+                  "once": "yes" if self.once else "no"}
+        return "eval settings: " + ", ".join(f"{k} {v} ({self.sources[k]})" for k, v in values.items())
+
+
+def _positive(value: int | str, where: str) -> int:
+    number = int(value) if isinstance(value, int) or value.isdigit() else 0
+    if number < 1:
+        raise UserError(f"{where}: {value!r} is not a whole number >= 1")
+    return number
+
+
+def _datasets(value: list[str] | str, where: str) -> tuple[str, ...]:
+    names = tuple(value.split() if isinstance(value, str) else value)
+    if not names:
+        raise UserError(f"{where}: names no dataset")
+    return names
+
+
+def _switch(value: bool | str, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value not in ("0", "1"):
+        raise UserError(f"{where}: {value!r} must be 1 (one pass) or 0")
+    return value == "1"
+
+
+def watch_settings(config: EvalConfig, env: Mapping[str, str], *, every: int | None = None,
+                   datasets: list[str] | None = None, samples: int | None = None, once: bool = False
+                   ) -> WatchSettings:
+    """The watch's settings from its flags (None, or False for `once`: not given), the SCALERL_EVAL_* variables in
+    `env` and the run's `eval:` section `config`, in that order (the module docstring's table)."""
+    sources = {"temperature": "recipe eval.temperature", "max_new_tokens": "recipe eval.max_new_tokens"}
+
+    def first(name: str, flag: Any, option: str, parse: Callable[[Any, str], Any], fallback: Any, origin: str) -> Any:
+        variable = EVAL_VARIABLES[name]
+        for value, where in ((flag, option), (env.get(variable, "").strip() or None, variable)):
+            if value is not None:
+                sources[name] = where
+                return parse(value, where)
+        sources[name] = origin
+        return fallback
+
+    return WatchSettings(
+        every=first("every", every, "--every", _positive, config.interval_steps, "recipe eval.interval_steps"),
+        datasets=first("datasets", datasets, "--dataset", _datasets, tuple(config.benchmarks),
+                       "recipe eval.benchmarks"),
+        samples=first("samples", samples, "--samples", _positive, config.samples_per_problem,
+                      "recipe eval.samples_per_problem"),
+        temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+        once=first("once", True if once else None, "--once", _switch, False, "default"), sources=sources)
+
+
+def evaluated_recipe(recipe: Recipe, settings: WatchSettings) -> Recipe:
+    """`recipe` as the evaluation samples: its rollout's temperature and length cap are the watch's (the harness,
+    the length control and the server's max_model_len read them there)."""
+    rollout = recipe.rollout.model_copy(update={"temperature": settings.temperature,
+                                                "max_new_tokens": settings.max_new_tokens})
+    return recipe.model_copy(update={"rollout": rollout})
+
+
+def run_recipe(run_dir: Path) -> Recipe:
+    """The run's own recipe (RUN/recipe.yaml); UserError when `run_dir` holds no run."""
+    if not (run_dir / "recipe.yaml").is_file():
+        raise UserError(f"{run_dir}: no recipe.yaml, not a run directory")
+    return load_recipe(run_dir / "recipe.yaml")
 
 
 def eval_dir(run_dir: Path, iteration: int) -> Path:
@@ -72,9 +178,6 @@ def _dataset_label(dataset: str) -> str:
 def _model_len(recipe: Recipe, tokenizer: Any, datasets: list[str]) -> int:
     """Tokens per sequence the server needs: the datasets' longest prompt + rollout.max_new_tokens (evaluation
     prompts are often longer than the training ones), at most the model's max_position_embeddings."""
-    from megatron_scalerl.evaluation.harness import load_dataset
-    from megatron_scalerl.rollout.prompts import render_prompt
-
     longest = max(len(tokenizer(render_prompt(p.problem, tokenizer)).input_ids) if tokenizer is not None
                   else len(p.problem) for d in datasets for p in load_dataset(d))
     return min(recipe.model.max_position_embeddings, longest + recipe.rollout.max_new_tokens)
@@ -108,17 +211,12 @@ class CheckpointServer:
 
     def release(self) -> None:
         """Before an export: free the GPU memory the server holds (nothing to do on CPUs or before the first start)."""
-        from megatron_scalerl.http_json import request_json
-
         if self.on_gpus and self._running():
             request_json(self.server.url, "/sleep", query={"level": 2}, timeout_s=SERVER_READY_TIMEOUT_S,
                          api_key=self.api_key)
 
     def serve(self, export: Path) -> str:
         """The URL of a server that now serves the weights of `export` (an HF directory of this run)."""
-        from megatron_scalerl.http_json import request_json
-        from megatron_scalerl.rollout.vllm_server import reload_from_disk
-
         if self.server is not None and not self._running():
             log.warning("the evaluation server exited (code %s); starting a new one. %s:\n%s",
                         self.server.process.returncode, self.server.log_path, self.server.log_tail())
@@ -138,11 +236,7 @@ class CheckpointServer:
         return self.server is not None and self.server.process is not None and self.server.process.poll() is None
 
     def _start(self, export: Path) -> None:
-        from transformers import AutoTokenizer
-
-        from megatron_scalerl.launch.roles import serving_dtype
-        from megatron_scalerl.platform.local_workers import free_port
-        from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig
+        from transformers import AutoTokenizer  # deferred: a heavy import, needed once a checkpoint is served
 
         if (export / "tokenizer_config.json").is_file():
             self.tokenizer = AutoTokenizer.from_pretrained(str(export))
@@ -164,8 +258,6 @@ class CheckpointServer:
 def evaluate_checkpoint(serving: CheckpointServer, iteration: int, request: EvalRequest, *,
                         keep_exports: bool = False) -> list[dict]:
     """Steps 1-5 for one checkpoint of `serving`'s run; the summaries of the datasets evaluated now."""
-    from megatron_scalerl.models.convert import megatron_to_hf
-
     run_dir, recipe = serving.run_dir, serving.recipe
     where = eval_dir(run_dir, iteration)
     export = where / "hf"
@@ -202,28 +294,25 @@ def evaluate_checkpoint(serving: CheckpointServer, iteration: int, request: Eval
     return summaries
 
 
-def watch(run_dir: Path, request: EvalRequest, datasets: list[str], *, every: int, once: bool, poll_s: float = 60.0,
+def watch(run_dir: Path, recipe: Recipe, request: EvalRequest, settings: WatchSettings, *, poll_s: float = 60.0,
           keep_exports: bool = False) -> int:
-    """Evaluate due checkpoints until the run's last step is evaluated (or one pass with `once`); how many
-    checkpoints were evaluated."""
-    if not (run_dir / "recipe.yaml").is_file():
-        raise UserError(f"{run_dir}: no recipe.yaml, not a run directory")
-    if every < 1:
-        raise UserError(f"--every must be at least 1 (got {every})")
-    recipe = load_recipe(run_dir / "recipe.yaml")
+    """Evaluate the due checkpoints of the run in `run_dir` (its `recipe`) with `request`'s samples and grading,
+    until the run's last step is evaluated (or one pass with `settings.once`); how many checkpoints were evaluated."""
     note = note_once(recipe.model.rope_scaling)  # this job's processes (its vLLM server too) then stay quiet on it
     if note:
         print(note, flush=True)
+    print(settings.describe(), flush=True)
     last = recipe.trainer.max_steps
+    datasets = list(settings.datasets)
     evaluated = 0
-    serving = CheckpointServer(run_dir, recipe, datasets)
+    serving = CheckpointServer(run_dir, evaluated_recipe(recipe, settings), datasets)
     try:
         while True:
-            for iteration in pending(run_dir, every, [_dataset_label(d) for d in datasets], last):
+            for iteration in pending(run_dir, settings.every, [_dataset_label(d) for d in datasets], last):
                 evaluate_checkpoint(serving, iteration, request, keep_exports=keep_exports)
                 evaluated += 1
             done = all((eval_dir(run_dir, last) / _dataset_label(d) / SUMMARY).is_file() for d in datasets)
-            if once or done:
+            if settings.once or done:
                 return evaluated
             time.sleep(poll_s)
     finally:

@@ -34,6 +34,8 @@ from megatron_scalerl.launch.roles import (
 from megatron_scalerl.launch.supervise import Role, run_roles
 from megatron_scalerl.platform.local_workers import free_port
 from megatron_scalerl.recipe import Recipe, load_recipe
+from megatron_scalerl.rollout.orchestrator_state import rewind_to_checkpoint
+from megatron_scalerl.run_dir import clear_stop_request, request_stop, write_generators
 
 # On CPU every role shares the machine's cores. The trainer's ranks run in lock-step (one that loses its core stalls
 # the others at the next collective) and the trainer is the slower side there, so the generators yield to it
@@ -73,8 +75,6 @@ def cuda_devices(indices: range) -> str:
 
 def local_roles(run_dir: Path, recipe: Recipe, *, resume: bool, cuda: bool) -> tuple[list[Role], list[str], Role, Role]:
     """The run's roles on this machine: (generators, their URLs, trainer, orchestrator); writes generators.json."""
-    from megatron_scalerl.run_dir import clear_stop_request, request_stop, write_generators
-
     say_launch_notes(recipe, cuda=cuda, resume=resume)
     logs = run_dir / "logs"
     servers = recipe.cluster.generator_gpus // recipe.parallelism.generator_tp
@@ -106,6 +106,8 @@ def run_local(run_dir: Path, recipe: Recipe, *, resume: bool, ready_timeout_s: f
     """Run every role of `recipe` on this machine until the run ends (see the module docstring); the exit code."""
     import torch
 
+    if resume:  # before any role starts: the trainer must not read a batch of a timeline it left
+        rewind_to_checkpoint(run_dir, partial(print, flush=True))
     generators, urls, trainer, orchestrator = local_roles(run_dir, recipe, resume=resume,
                                                           cuda=torch.cuda.is_available())
     return run_roles(f"run {run_dir}", generators, urls, trainer, orchestrator, ready_timeout_s=ready_timeout_s)

@@ -135,7 +135,8 @@ def run_preflight(run_dir: Path, recipe: Recipe, alloc: Allocation, env: dict[st
                   ) -> float | None:
     """Both checks over the allocation (`cuda`: the nodes run on GPUs); raises UserError naming the node and the
     problem. Returns the measured bus bandwidth (GB/s; None with a single trainer process)."""
-    from megatron_scalerl.models.memory_plan import generator_plan, trainer_plan
+    from megatron_scalerl.models.memory_plan import generator_plan, trainer_plan  # deferred: torch, which the
+    # node check (`preflight node`, started on every node) needs only on GPUs
 
     model = run_dir / "model" if (run_dir / "model").is_dir() else Path(recipe.trainer.init_from or run_dir / "model")
     servers = recipe.cluster.generator_gpus // recipe.parallelism.generator_tp

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.families import hf_config_dict
 from megatron_scalerl.fileio import atomic_write_text
 from megatron_scalerl.models.tokenizer import TOKENIZER_FILES, has_tokenizer, special_token_ids
 from megatron_scalerl.platform.precision import Precision, resolve_precision, with_resolved_precision
@@ -44,8 +45,6 @@ def prepare_run_dir(run_dir: Path, recipe: Recipe, tokenizer_dir: Path, *, cuda:
     `trainer.precision` resolved for the trainer's device (`cuda`: GPUs, else this CPU; `platform.precision`), so
     that the run's record says what it trained in."""
     from transformers import AutoTokenizer
-
-    from megatron_scalerl.models.hf_config import hf_config_dict
 
     say_rope_note(recipe)  # before AutoTokenizer, which may read a config.json of the model
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))

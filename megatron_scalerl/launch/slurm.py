@@ -21,22 +21,32 @@ Addresses come from the allocation (`scontrol show node`'s NodeAddr), ports from
     SCALERL_PREFLIGHT   1 (default) or 0;  SCALERL_MIN_BUSBW_GBPS: preflight's all-reduce floor (see preflight.py)
 
 SLURM's time-limit warning (`#SBATCH --signal=B:USR1@SECONDS`) stops the roles in order (the trainer checkpoints)
-and requeues the job (`scontrol requeue`); the requeued job continues the run from its checkpoints. SIGTERM
+and requeues the job (`scontrol requeue`); the requeued job continues the run from its checkpoints, once the stream
+is rewound to the checkpoint the trainer resumes from (`rollout.orchestrator_state.rewind_to_checkpoint`). SIGTERM
 (scancel) stops them the same way without a requeue. A generator that keeps failing (its node is gone; the sbatch
 files ask for `--no-kill`) is given up and the run goes on with the others.
+
+The recipe's `cluster.partition`, `cluster.account` and `cluster.time_limit` are the job's sbatch options
+(`cluster_options`, which `scalerl sweep --slurm` passes) wherever the submission does not choose them itself: an
+SBATCH_* variable or an `#SBATCH` line of the sbatch file wins (a command-line option too, being sbatch's own). The
+sbatch files hold none of the three, so a plain `sbatch` gets the cluster's defaults for what it does not give; the
+job's first lines then say where its partition, account or time limit differ from the recipe's (`cluster_notes`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import signal
 import sys
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.gpu_hours import record_job
 from megatron_scalerl.launch.allocation import (
     GENERATOR_GROUP,
     TRAINER_GROUP,
@@ -45,6 +55,7 @@ from megatron_scalerl.launch.allocation import (
     srun,
     step_terminator,
 )
+from megatron_scalerl.launch.preflight import run_preflight
 from megatron_scalerl.launch.roles import (
     generator_command,
     orchestrator_command,
@@ -55,7 +66,64 @@ from megatron_scalerl.launch.roles import (
     trainer_command,
 )
 from megatron_scalerl.launch.supervise import Role, run_roles
-from megatron_scalerl.recipe import Recipe, load_recipe
+from megatron_scalerl.recipe import ClusterConfig, Recipe, load_recipe, slurm_minutes
+from megatron_scalerl.rollout.orchestrator_state import rewind_to_checkpoint
+from megatron_scalerl.run_dir import clear_stop_request, request_stop, write_generators
+
+# The recipe's fields that are sbatch options: (the option's long and short spelling, its SBATCH_* input variable,
+# the field of `scontrol show job`)
+CLUSTER_OPTIONS = {"partition": ("--partition", "-p", "SBATCH_PARTITION", "Partition"),
+                   "account": ("--account", "-A", "SBATCH_ACCOUNT", "Account"),
+                   "time_limit": ("--time", "-t", "SBATCH_TIMELIMIT", "TimeLimit")}
+UNLIMITED = ("UNLIMITED", "INFINITE", "0")  # SLURM's ways of saying "no time limit"
+
+
+def sbatch_lines(script: Path) -> list[str]:
+    """The options of `script`'s `#SBATCH` lines (sbatch reads them up to the first command), one token each."""
+    tokens = []
+    for line in script.read_text().splitlines()[1:]:
+        if line.startswith("#SBATCH"):
+            tokens += shlex.split(line.removeprefix("#SBATCH"))
+        elif line.strip() and not line.startswith("#"):
+            break
+    return tokens
+
+
+def _chooses(tokens: list[str], long: str, short: str) -> bool:
+    return any(t == long or t.startswith(long + "=") or t.startswith(short) for t in tokens)
+
+
+def cluster_options(cluster: ClusterConfig, script: Path, env: Mapping[str, str]) -> list[str]:
+    """sbatch options for the recipe's partition, account (when it names them) and time limit, each unless an
+    SBATCH_* variable in `env` or an `#SBATCH` line of `script` chooses it already."""
+    chosen = sbatch_lines(script)
+    options = []
+    for field, (long, short, variable, _) in CLUSTER_OPTIONS.items():
+        value = getattr(cluster, field)
+        if value is not None and not env.get(variable) and not _chooses(chosen, long, short):
+            options.append(f"{long}={value}")
+    return options
+
+
+def cluster_notes(cluster: ClusterConfig, job: str) -> list[str]:
+    """Where the job (`job`: `scontrol show job -o` of it, one line per het component) runs with another partition,
+    account or time limit than the recipe's cluster section names: one line each."""
+    notes = []
+    for field, (long, _, variable, key) in CLUSTER_OPTIONS.items():
+        wanted = getattr(cluster, field)
+        got = sorted(set(re.findall(rf"(?:^|\s){key}=(\S+)", job)))
+        if wanted is None or not got:
+            continue
+        if field == "time_limit":
+            minutes = slurm_minutes(wanted) or None
+            differ = [v for v in got if (None if v in UNLIMITED else slurm_minutes(v)) != minutes]
+        else:
+            differ = [v for v in got if v != wanted]
+        if differ:
+            notes.append(f"note: this job has {key}={','.join(differ)}, not the recipe's cluster.{field} {wanted}: "
+                         f"the submission's own (sbatch {long}, {variable} or an #SBATCH line) or the cluster's "
+                         "default applies (`scalerl sweep --slurm` submits with the recipe's)")
+    return notes
 
 
 def _share(total: int | None, parts: int) -> int | None:
@@ -65,8 +133,6 @@ def _share(total: int | None, parts: int) -> int | None:
 def job_roles(run_dir: Path, recipe: Recipe, alloc: Allocation, *, resume: bool, cuda: bool
               ) -> tuple[list[Role], list[str], Role, Role]:
     """The run's roles on the allocation: (generators, their URLs, trainer, orchestrator)."""
-    from megatron_scalerl.run_dir import clear_stop_request, request_stop, write_generators
-
     say_launch_notes(recipe, cuda=cuda, resume=resume)
     logs, tp = run_dir / "logs", recipe.parallelism.generator_tp
     per_node = recipe.cluster.gpus_per_node // tp
@@ -122,18 +188,18 @@ def requeue(job_id: int) -> None:
 
 def run_job(env: dict[str, str]) -> int:
     """The batch step of a run: preflight, the roles until the run ends, a requeue on the time-limit warning."""
-    import torch
-
-    from megatron_scalerl.gpu_hours import record_job
-    from megatron_scalerl.launch.preflight import run_preflight
+    import torch  # deferred: heavy (sweep/slurm.py imports this module for `cluster_options`)
 
     run_dir = _run_dir(env)
     alloc = Allocation.from_env(env)
     recipe, resume = run_recipe(run_dir, env)
     alloc.check(recipe)
+    for note in cluster_notes(recipe.cluster, scontrol("show", "job", "-o", str(alloc.job_id))):
+        print(note, flush=True)
     cuda = torch.cuda.is_available()
     if resume:
         print(f"continuing the run in {run_dir} with its own recipe.yaml", flush=True)
+        rewind_to_checkpoint(run_dir, partial(print, flush=True))  # before any role: the trainer reads the stream
     else:
         tokenizer = env.get("SCALERL_TOKENIZER")
         recipe = prepare_run_dir(run_dir, recipe, tokenizer_source(recipe, Path(tokenizer) if tokenizer else None),
@@ -158,9 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.what == "job":
             return run_job(env)
-        import torch
-
-        from megatron_scalerl.launch.preflight import run_preflight
+        import torch  # deferred: as in run_job
 
         run_dir = _run_dir(env)
         alloc = Allocation.from_env(env)

@@ -1,4 +1,5 @@
-"""Megatron-core models: dense Llama-3 and Llama-4 MoE (text), their FP32 output layer, and the HF mapping.
+"""Megatron-core models of every model family (`families/`: dense Llama-3, Llama-4 MoE text), their FP32 output
+layer, and the HF mapping. Each family's torch side (`families/<name>/model`) is part of this layer: `models.family`.
 
 Stable API (imported lazily, so `import megatron_scalerl.models` does not load megatron-core):
     build_model(model_cfg, parallel_cfg, *, fp32_lm_head, params_dtype, pre_process, post_process) -> GPTModel
@@ -9,8 +10,9 @@ Stable API (imported lazily, so `import megatron_scalerl.models` does not load m
     load_hf_state(model, hf_state, model_cfg)            HF-named tensors -> this rank's shard
     hf_to_megatron_state(hf_state, model_cfg, ranks)     the same, as a dict (no model needed)
     export_hf_state(model, model_cfg) -> iter (HF name, full tensor)   collective over TP/EP; per pipeline stage
-    read_hf_checkpoint(dir) -> (ModelConfig, lazy HF state);  hf_config_dict(model_cfg) / model_config_from_hf(d)
-    mapping: the per-architecture tables (TensorRule, LLAMA3, LLAMA4, shard/unshard, to_megatron/to_hf)
+    read_hf_checkpoint(dir) -> (ModelConfig, lazy HF state)   (config.json <-> ModelConfig: `families`, `recipe`)
+    mapping: the weight tables' machinery (TensorRule, ArchitectureMapping, shard/unshard, to_megatron/to_hf); each
+        family's table is its `ModelParts.mapping`
 """
 
 from __future__ import annotations
@@ -29,8 +31,6 @@ _EXPORTS = {
     "RankLayout": "megatron_scalerl.models.weights",
     "unwrap_model": "megatron_scalerl.models.weights",
     "read_hf_checkpoint": "megatron_scalerl.models.hf_io",
-    "hf_config_dict": "megatron_scalerl.models.hf_config",
-    "model_config_from_hf": "megatron_scalerl.models.hf_config",
     "OutputLayer": "megatron_scalerl.models.output_layer",
 }
 

@@ -1,9 +1,10 @@
 """Recipe `ModelConfig` + `ParallelismConfig` -> megatron-core `TransformerConfig`.
 
-The architecture facts both families share with Hugging Face (RMSNorm, SwiGLU, no biases, untied or tied
-embeddings, GQA) are fixed here; Llama-4's extras (sigmoid top-1 routing applied to the expert *input*, a shared
-expert, NoPE layers, chunked local attention, temperature tuning) are set from the recipe. Fields that megatron-core
-0.16.1 does not have live in `ScaleRLTransformerConfig` and are read by our own attention module.
+The architecture facts every family shares with Hugging Face (RMSNorm, SwiGLU, no biases, untied or tied
+embeddings, GQA) are fixed here; which layers are MoE or NoPE comes from the family's `LayerPlan`s (`families`), the
+RoPE pair convention from its `ModelParts`, and the MoE and attention settings (sigmoid top-1 routing applied to the
+expert *input*, a shared expert, chunked local attention, temperature tuning) from the recipe. Fields that
+megatron-core 0.16.1 does not have live in `ScaleRLTransformerConfig` and are read by Llama-4's attention module.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
-from megatron_scalerl.models.arch import check_model_layout, is_moe_layer, is_rope_layer
+from megatron_scalerl.families import layer_plan
+from megatron_scalerl.models.arch import check_model_layout
+from megatron_scalerl.models.family import model_parts
 from megatron_scalerl.platform.layer_backend import use_transformer_engine
 from megatron_scalerl.recipe import ModelConfig, ParallelismConfig
 
 
 @dataclass
 class ScaleRLTransformerConfig(TransformerConfig):
-    """TransformerConfig plus the Llama-4 attention settings megatron-core 0.16.1 lacks."""
+    """TransformerConfig plus the Llama-4 attention settings megatron-core 0.16.1 lacks (read by
+    `families/llama4/model/attention.py`)."""
 
     attention_chunk_size: int | None = None  # tokens; RoPE layers attend only within their chunk
     attn_temperature_tuning: bool = False  # NoPE layers scale queries by log1p(floor((pos+1)/floor_scale))*s+1
@@ -36,6 +40,7 @@ def transformer_config(
     check_model_layout(model_cfg, parallel_cfg)
     on_gpu = use_transformer_engine()
     n = model_cfg.num_layers
+    layers = [layer_plan(model_cfg, i) for i in range(n)]
     moe: dict = {}
     if model_cfg.is_moe:
         moe = dict(
@@ -49,9 +54,9 @@ def transformer_config(
             moe_aux_loss_coeff=0.0,
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
-            moe_layer_freq=[int(is_moe_layer(model_cfg, i)) for i in range(n)],
+            moe_layer_freq=[int(plan.moe) for plan in layers],
         )
-    no_rope = [int(not is_rope_layer(model_cfg, i)) for i in range(n)]
+    no_rope = [int(not plan.rope) for plan in layers]
     return ScaleRLTransformerConfig(
         num_layers=n,
         hidden_size=model_cfg.hidden_size,
@@ -67,7 +72,7 @@ def transformer_config(
         add_qkv_bias=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        rotary_interleaved=model_cfg.arch == "llama4",  # HF Llama-4 rotates (even, odd) pairs as complex numbers
+        rotary_interleaved=model_parts(model_cfg).rotary_interleaved,
         no_rope_freq=no_rope if any(no_rope) else None,
         qk_l2_norm=model_cfg.use_qk_norm,
         attention_chunk_size=model_cfg.attention_chunk_size,

@@ -16,6 +16,9 @@ dtypes (bf16 body, FP32 head); `config.json` names the body's dtype, and transfo
 Outputs are written under a temporary name and renamed at the end: an interrupted conversion leaves no half-written
 OUT. A Megatron output is published with a checksummed manifest (`checkpoint.store.publish`)
 and carries the source's config.json and tokenizer files under `hf/`, which megatron-to-hf copies back out.
+
+megatron-core is imported only where a model is built (`models.provider`, `models.weights`, in the conversion's
+workers): the eval watcher and the checks before a conversion read checkpoints through this module without it.
 """
 
 from __future__ import annotations
@@ -28,14 +31,18 @@ from pathlib import Path
 
 import torch
 
-from megatron_scalerl.checkpoint.store import sha256_file
+from megatron_scalerl.checkpoint.sharded import checkpoint_model_config, load_model_weights, save_sharded
+from megatron_scalerl.checkpoint.store import publish, read_rl_state, require_complete, sha256_file
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.fileio import DEFAULT_FILE_MODE
-from megatron_scalerl.models.hf_config import hf_config_dict
-from megatron_scalerl.models.hf_io import INDEX_FILE, LazyHFState, hf_tensor_shapes, read_hf_config
+from megatron_scalerl.families import hf_config_dict
+from megatron_scalerl.fileio import DEFAULT_FILE_MODE, load_yaml
+from megatron_scalerl.models.arch import check_model_layout
+from megatron_scalerl.models.hf_io import INDEX_FILE, LazyHFState, hf_tensor_shapes
 from megatron_scalerl.models.mapping import hf_parameter_names
 from megatron_scalerl.models.tokenizer import TOKENIZER_FILES
-from megatron_scalerl.recipe import ModelConfig, ParallelismConfig
+from megatron_scalerl.platform.distributed import initialize_model_parallel
+from megatron_scalerl.platform.local_workers import WorkerError, run_local_workers
+from megatron_scalerl.recipe import ModelConfig, ParallelismConfig, read_hf_config
 
 HF_EXTRAS_DIR = "hf"  # inside a converted Megatron checkpoint: the source's config.json and tokenizer files
 HF_EXTRA_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
@@ -75,7 +82,7 @@ def _model_dtypes(model_cfg: ModelConfig, body: str, head: str) -> tuple[torch.d
 
 
 def _build(model_cfg: ModelConfig, parallelism: ParallelismConfig, body: str, head: str) -> torch.nn.Module:
-    from megatron_scalerl.models.provider import build_model
+    from megatron_scalerl.models.provider import build_model  # deferred, as models.weights below: megatron-core
 
     params_dtype, fp32_head = _model_dtypes(model_cfg, body, head)
     return build_model(model_cfg, parallelism, fp32_lm_head=fp32_head, params_dtype=params_dtype)
@@ -98,10 +105,7 @@ def _hf_to_megatron_worker(rank: int, model_cfg_json: str, hf_dir: str, parallel
                            hf_dtypes: dict[str, str], out: str) -> None:
     from megatron.core import parallel_state as ps
 
-    from megatron_scalerl.checkpoint.sharded import save_sharded
-    from megatron_scalerl.checkpoint.store import publish
-    from megatron_scalerl.models.weights import load_hf_state
-    from megatron_scalerl.platform.distributed import initialize_model_parallel
+    from megatron_scalerl.models.weights import load_hf_state  # deferred: megatron-core (module docstring)
 
     model_cfg = ModelConfig.model_validate_json(model_cfg_json)
     p = ParallelismConfig.model_validate_json(parallelism_json)
@@ -126,8 +130,6 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, parallelism: Parallelism
                    timeout_s: float = 3600.0) -> Path:
     """Convert an HF checkpoint into a Megatron distributed checkpoint at `out` (loadable at any layout, e.g. as
     `trainer.init_from`), converting at `parallelism` on its `min_world_size()` processes."""
-    from megatron_scalerl.models.arch import check_model_layout
-
     hf_dir, out = Path(hf_dir), Path(out)
     _refuse_existing(out)
     model_cfg, dtypes = check_hf_checkpoint(hf_dir)
@@ -201,9 +203,7 @@ def _megatron_to_hf_worker(rank: int, model_cfg_json: str, ckpt: str, parallelis
     """`out_dtypes`: one dtype name for every tensor, a dtype name per HF name, or None (keep the model's)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_scalerl.checkpoint.sharded import load_model_weights
-    from megatron_scalerl.models.weights import export_hf_state, exported_hf_names
-    from megatron_scalerl.platform.distributed import initialize_model_parallel
+    from megatron_scalerl.models.weights import export_hf_state, exported_hf_names  # deferred: megatron-core
 
     model_cfg = ModelConfig.model_validate_json(model_cfg_json)
     p = ParallelismConfig.model_validate_json(parallelism_json)
@@ -232,8 +232,6 @@ def hf_extras_source(ckpt: Path) -> Path | None:
         return ckpt / HF_EXTRAS_DIR
     recipe_file = ckpt.parent.parent / "recipe.yaml"
     if ckpt.parent.name == "checkpoints" and recipe_file.is_file():
-        from megatron_scalerl.fileio import load_yaml
-
         init_from = (load_yaml(recipe_file).get("trainer") or {}).get("init_from")
         if init_from:
             source = Path(init_from)
@@ -246,10 +244,6 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, parallelism: ParallelismCo
     """Convert a Megatron checkpoint (converted, or a trainer's `RUN/checkpoints/iter_N`) into an HF directory at
     `out`: safetensors files of at most `shard_bytes` + index + config.json + tokenizer files when known +
     `checksums.sha256`; the model is loaded at `parallelism` on its `min_world_size()` processes."""
-    from megatron_scalerl.checkpoint.sharded import checkpoint_model_config
-    from megatron_scalerl.checkpoint.store import read_rl_state, require_complete
-    from megatron_scalerl.models.arch import check_model_layout
-
     ckpt, out = Path(ckpt), Path(out)
     _refuse_existing(out)
     require_complete(ckpt)  # every file against its SHA-256, once, here
@@ -313,8 +307,6 @@ def _refuse_existing(out: Path) -> None:
 
 def _run(fn, parallelism: ParallelismConfig, *args, timeout_s: float) -> list:
     """`fn` on the layout's spawned workers; a worker's failure becomes one UserError line."""
-    from megatron_scalerl.platform.local_workers import WorkerError, run_local_workers
-
     try:
         return run_local_workers(fn, parallelism.min_world_size(), *args, backend="auto", timeout_s=timeout_s)
     except WorkerError as exc:

@@ -1,4 +1,5 @@
-"""Read a Hugging Face checkpoint directory: config.json plus safetensors (one file or sharded with an index).
+"""Read a Hugging Face checkpoint directory: config.json (through its model family: `recipe.read_hf_config`) plus
+safetensors (one file or sharded with an index); build transformers' config and models of a recipe model section.
 
 Tensors are read on demand (`LazyHFState`), so a rank loads only what its shard needs.
 """
@@ -14,8 +15,8 @@ from safetensors import safe_open
 from torch import Tensor
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.models.hf_config import hf_config_dict, model_config_from_hf
-from megatron_scalerl.recipe import ModelConfig
+from megatron_scalerl.families import hf_config_dict
+from megatron_scalerl.recipe import ModelConfig, read_hf_config
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -67,20 +68,6 @@ class LazyHFState(Mapping[str, Tensor]):
 
     def __len__(self) -> int:
         return len(self._file_of)
-
-
-def read_hf_config(directory: str | Path) -> tuple[dict, ModelConfig]:
-    """(raw config.json, our ModelConfig) of an HF checkpoint directory."""
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise UserError(f"{directory}: not an HF checkpoint directory (no config.json)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: invalid JSON ({exc})") from None
-    if "text_config" in raw:
-        raise UserError(f"{path}: a multimodal config; convert its text part (model_type llama4_text) first")
-    return raw, model_config_from_hf(raw, str(path))
 
 
 def read_hf_checkpoint(directory: str | Path) -> tuple[ModelConfig, LazyHFState]:

@@ -1,5 +1,6 @@
-"""HF <-> Megatron parameter mapping: one table per architecture, the single source for every converter and for
-weight sync. Pure tensor logic; nothing here touches process groups (see `models.weights` for that).
+"""HF <-> Megatron parameter mapping: one table per model family (`ArchitectureMapping`, its `ModelParts.mapping`,
+built from the rule groups below), the single source for every converter and for weight sync. Pure tensor logic;
+nothing here touches process groups (see `models.weights` for that).
 
 A `TensorRule` says how one Megatron parameter relates to one or more HF tensors:
   fuse   how the unsharded Megatron tensor is made from the HF tensors
@@ -34,7 +35,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from megatron_scalerl.models.arch import is_moe_layer
+from megatron_scalerl.families import layer_plan
+from megatron_scalerl.models.family import model_parts
 from megatron_scalerl.recipe import ModelConfig
 
 Fuse = Literal["copy", "qkv", "glu", "expert_glu", "expert_down", "vocab"]
@@ -77,7 +79,8 @@ class TensorRule:
 
 @dataclass(frozen=True)
 class ArchitectureMapping:
-    """The table for one architecture: per-layer rules (attention, dense MLP, MoE) and model-level rules."""
+    """The table of one model family: its per-layer rules (attention, dense MLP, MoE MLP: empty without experts);
+    the model-level rules (embedding, final norm, LM head) are every family's."""
 
     attention: tuple[TensorRule, ...]
     dense_mlp: tuple[TensorRule, ...]
@@ -85,9 +88,11 @@ class ArchitectureMapping:
 
 
 _L = "decoder.layers.{layer}."
+HF_LAYER = "model.layers.{layer}."  # the HF name prefix of a decoder layer
 
 
-def _attention(hf: str) -> tuple[TensorRule, ...]:
+def attention_rules(hf: str) -> tuple[TensorRule, ...]:
+    """The attention half of a layer (its two norms included) whose HF names start with `hf` (e.g. HF_LAYER)."""
     return (
         TensorRule(_L + "input_layernorm.weight", (hf + "input_layernorm.weight",)),
         TensorRule(
@@ -101,14 +106,17 @@ def _attention(hf: str) -> tuple[TensorRule, ...]:
     )
 
 
-def _dense_mlp(hf: str) -> tuple[TensorRule, ...]:
+def dense_mlp_rules(hf: str) -> tuple[TensorRule, ...]:
+    """A SwiGLU MLP whose HF names start with `hf` (gate_proj, up_proj, down_proj)."""
     return (
         TensorRule(_L + "mlp.linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"), "glu", "glu"),
         TensorRule(_L + "mlp.linear_fc2.weight", (hf + "down_proj.weight",), split="dim1"),
     )
 
 
-def _moe_mlp(hf: str) -> tuple[TensorRule, ...]:
+def moe_mlp_rules(hf: str) -> tuple[TensorRule, ...]:
+    """A router, routed SwiGLU experts (HF stacks them: experts.gate_up_proj, experts.down_proj) and a shared
+    expert, whose HF names start with `hf`."""
     expert = _L + "mlp.experts.local_experts.{expert}."
     shared = hf + "shared_expert."
     return (
@@ -122,17 +130,6 @@ def _moe_mlp(hf: str) -> tuple[TensorRule, ...]:
         TensorRule(_L + "mlp.shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), split="dim1"),
     )
 
-
-_HF_LAYER = "model.layers.{layer}."
-LLAMA3 = ArchitectureMapping(
-    attention=_attention(_HF_LAYER), dense_mlp=_dense_mlp(_HF_LAYER + "mlp."), moe_mlp=()
-)
-LLAMA4 = ArchitectureMapping(
-    attention=_attention(_HF_LAYER),
-    dense_mlp=_dense_mlp(_HF_LAYER + "feed_forward."),
-    moe_mlp=_moe_mlp(_HF_LAYER + "feed_forward."),
-)
-ARCHITECTURES = {"llama3": LLAMA3, "llama4": LLAMA4}
 
 EMBEDDING = TensorRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "dim0")
 FINAL_NORM = TensorRule("decoder.final_layernorm.weight", ("model.norm.weight",))
@@ -149,9 +146,8 @@ TE_ALIASES = {
 
 def layer_rules(model_cfg: ModelConfig, layer: int) -> tuple[TensorRule, ...]:
     """Rules of global 0-based `layer`."""
-    arch = ARCHITECTURES[model_cfg.arch]
-    mlp = arch.moe_mlp if is_moe_layer(model_cfg, layer) else arch.dense_mlp
-    return arch.attention + mlp
+    table = model_parts(model_cfg).mapping
+    return table.attention + (table.moe_mlp if layer_plan(model_cfg, layer).moe else table.dense_mlp)
 
 
 def model_rules(model_cfg: ModelConfig, *, first_stage: bool, last_stage: bool) -> tuple[TensorRule, ...]:

@@ -1,4 +1,6 @@
 """Will it fit: per-GPU memory of the trainer's layout and of a generator's, from the recipe alone (pure arithmetic).
+What differs between model families comes per layer from the family's `LayerPlan` (`families.layer_plan`): a MoE
+or a dense MLP, QK norm, and the attention chunk that bounds the scores unfused attention keeps.
 
 Trainer, per GPU of the most loaded pipeline stage (bytes):
 - weights: the stage's share of parameters (dense ones / tp, routed experts / (ep x expert_tp), embedding and output
@@ -25,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_scalerl.models.arch import is_moe_layer, is_rope_layer
+from megatron_scalerl.families import layer_plan
 from megatron_scalerl.models.mapping import padded_vocab_size
 from megatron_scalerl.platform.precision import resolve_precision
 from megatron_scalerl.recipe import Recipe
@@ -78,7 +80,7 @@ def param_counts(recipe: Recipe, tp: int = 1) -> ParamCounts:
     attention = h * hd * (2 * m.num_attention_heads + 2 * m.num_query_groups) + 2 * h  # q, k, v, o; two norms
     dense, experts = [], []
     for layer in range(m.num_layers):
-        if is_moe_layer(m, layer):
+        if layer_plan(m, layer).moe:
             dense.append(attention + h * m.num_experts + 3 * h * m.moe_ffn_hidden_size)  # router, shared expert
             experts.append(m.num_experts * 3 * h * m.moe_ffn_hidden_size)
         else:
@@ -120,11 +122,11 @@ def _layer_activation_bytes(recipe: Recipe, rows: int, seq: int, layer: int, ker
     replicated = 2 * _norm_bytes(recipe, kernels) + 2 * b * h  # two norms and their outputs (QKV and FC1 inputs)
     kv_heads = heads if torch_kernels else groups
     attention = b * (2 * heads + 2 * kv_heads) * hd + (0 if torch_kernels else 4 * heads)  # q k v, output, (lse)
-    rope = is_rope_layer(m, layer)
-    if m.use_qk_norm and rope:  # L2 norm of q and k in FP32: the FP32 copies and their norms
+    plan = layer_plan(m, layer)
+    if plan.qk_norm:  # L2 norm of q and k in FP32: the FP32 copies and their norms
         attention += 4 * (heads + groups) * (hd + 1)
     swiglu = 5 if torch_kernels else 3  # x f: FC1's output (2f) and FC2's input (f), eager: gate and up copies
-    if is_moe_layer(m, layer):  # balanced routing: each token's top-k copies through an expert, the shared expert
+    if plan.moe:  # balanced routing: each token's top-k copies through an expert, the shared expert
         f = m.moe_ffn_hidden_size / par.expert_tp_size
         mlp = (m.moe_router_topk * (2 * b * h + swiglu * b * f) + swiglu * b * m.moe_ffn_hidden_size / tp
                + (4 + b) * m.num_experts + b)  # routed copies in and out, shared expert, router logits and probs
@@ -132,7 +134,7 @@ def _layer_activation_bytes(recipe: Recipe, rows: int, seq: int, layer: int, ker
         mlp = swiglu * b * m.ffn_hidden_size / tp
     total = tokens * (replicated / sequence_split + attention / tp + mlp)
     if torch_kernels:  # the unfused attention's FP32 scores and probabilities
-        window = min(seq, m.attention_chunk_size) if rope and m.attention_chunk_size else seq
+        window = min(seq, plan.attention_chunk) if plan.attention_chunk else seq
         total += rows * heads / tp * seq * window * (4 + b)
     return total
 

@@ -25,6 +25,9 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from megatron_scalerl.platform.cpu_compat import silence_cpu_import_warnings
+from megatron_scalerl.platform.distributed import destroy_distributed, init_distributed, resolve_backend
+
 
 def free_port() -> int:
     """A TCP port that was free a moment ago on 127.0.0.1."""
@@ -54,9 +57,6 @@ def _worker_main(
     os.environ.update(environ)
     os.chdir(cwd)
     import torch
-
-    from megatron_scalerl.platform.cpu_compat import silence_cpu_import_warnings
-    from megatron_scalerl.platform.distributed import destroy_distributed, init_distributed
 
     if not torch.cuda.is_available():
         silence_cpu_import_warnings()
@@ -105,8 +105,6 @@ def run_local_workers(
     import datetime
 
     import torch.distributed as dist
-
-    from megatron_scalerl.platform.distributed import resolve_backend
 
     ctx = _start_context(resolve_backend(backend))
     results = ctx.Queue()

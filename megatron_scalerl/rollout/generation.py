@@ -4,12 +4,13 @@
     sample = await generate_sample(fleet, GenerationRequest(key, prompt_ids, recipe.rollout.max_new_tokens), policy,
                                    think_close_ids=tokenizer.encode("</think>", add_special_tokens=False))
 
-Interruption (`algo.length_control`): the first request may generate the sample's thinking budget (tokens, drawn per
-sample key). If it stops there without EOS, the policy decides: thinking still open -> the interruption phrase is
-appended and a second request on the same server (its prefix cache holds the first part) generates at most the
-answer budget; thinking closed -> the answer goes on up to the hard cap. The phrase tokens carry log-prob 0, weight
-version None and loss mask False (`join_segments`): the loss ignores them. Without a policy (length penalty or none)
-one request generates up to `max_tokens`. A sample that stops on a limit without EOS is truncated.
+Interruption (`algo.length_control.generate_in_stages`, the flow evaluation shares): the first request may generate
+the sample's thinking budget (tokens, drawn per sample key). If it stops there without EOS, the policy decides:
+thinking still open -> the interruption phrase is appended and a second request on the same server (its prefix cache
+holds the first part) generates at most the answer budget; thinking closed -> the answer goes on up to the hard cap.
+Here the stages are token ids: the phrase tokens carry log-prob 0, policy version NO_VERSION and loss mask False
+(`join_segments`): the loss ignores them. Without a policy (length penalty or none) one request generates up to
+`max_tokens`. A sample that stops on a limit without EOS is truncated.
 """
 
 from __future__ import annotations
@@ -18,21 +19,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megatron_scalerl.algo.length_control import InterruptionPolicy, join_segments
+from megatron_scalerl.algo.length_control import Continuation, InterruptionPolicy, generate_in_stages, join_segments
+from megatron_scalerl.algo.versions import NO_VERSION
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.rollout.fleet import Fleet, Generation, GenerationRequest
 
 
 @dataclass
 class Sample:
-    """A finished sample. Per completion token: `logprobs` (generator's), `versions` (weight version that sampled
-    it; None for the appended phrase), `loss_mask` (False for the phrase)."""
+    """A finished sample. Per completion token: `logprobs` (generator's), `versions` (policy version that sampled
+    it, `algo.versions`; NO_VERSION for the appended phrase), `loss_mask` (False for the phrase)."""
 
     key: str
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
-    versions: list[str | None]
+    versions: list[int]
     loss_mask: list[bool]
     finish_reason: str  # of the last request: "stop" or "length"
     interrupted: bool  # the phrase was forced in
@@ -66,23 +68,25 @@ def contains(tokens: Sequence[int], pattern: Sequence[int]) -> bool:
 
 async def generate_sample(fleet: Fleet, request: GenerationRequest, policy: InterruptionPolicy | None = None, *,
                           think_close_ids: Sequence[int] = ()) -> Sample:
-    """`request` generated under `policy` (None: one request up to `request.max_tokens`)."""
-    if policy is None:
-        return Sample.from_generation(await fleet.generate(request))
-    first = await fleet.generate(replace(request, max_tokens=policy.think_budget(request.key)))
-    if first.finish_reason != "length":
-        return Sample.from_generation(first)
-    continuation = policy.continuation(generated_tokens=len(first.completion_ids),
-                                       think_closed=contains(first.completion_ids, think_close_ids))
-    if continuation.max_new_tokens <= 0:
-        return Sample.from_generation(first)
-    second_request = replace(request, key=f"{request.key}#answer", max_tokens=continuation.max_new_tokens,
-                             prompt_ids=[*request.prompt_ids, *first.completion_ids, *continuation.append_ids],
-                             seed=None if request.seed is None else request.seed + 1)
-    second = await fleet.generate(second_request, server=first.server)
-    ids, logprobs, mask = join_segments(first.completion_ids, first.logprobs, continuation, second.completion_ids,
-                                        second.logprobs)
-    versions = [*first.versions, *([None] * len(continuation.append_ids)), *second.versions]
-    return Sample(request.key, list(request.prompt_ids), ids, logprobs, versions, mask, second.finish_reason,
-                  interrupted=continuation.interrupted, truncated=second.finish_reason == "length",
-                  server=second.server)
+    """`request` generated under `policy` (None: one request up to `request.max_tokens`); the second stage goes to
+    the first one's server, as request `<key>#answer`."""
+
+    async def first(max_tokens: int, seed: int | None) -> Generation:
+        return await fleet.generate(replace(request, max_tokens=max_tokens, seed=seed))
+
+    async def second(head: Generation, continuation: Continuation, seed: int | None) -> Generation:
+        return await fleet.generate(replace(
+            request, key=f"{request.key}#answer", max_tokens=continuation.max_new_tokens, seed=seed,
+            prompt_ids=[*request.prompt_ids, *head.completion_ids, *continuation.append_ids]), server=head.server)
+
+    stages = await generate_in_stages(
+        policy, request.key, request.max_tokens, request.seed, first=first, second=second,
+        measure=lambda head: (len(head.completion_ids), contains(head.completion_ids, think_close_ids)))
+    if stages.continuation is None or stages.second is None:
+        return Sample.from_generation(stages.first)
+    head, tail, phrase = stages.first, stages.second, stages.continuation.append_ids
+    ids, logprobs, mask = join_segments(head.completion_ids, head.logprobs, stages.continuation, tail.completion_ids,
+                                        tail.logprobs)
+    versions = [*head.versions, *([NO_VERSION] * len(phrase)), *tail.versions]
+    return Sample(request.key, list(request.prompt_ids), ids, logprobs, versions, mask, tail.finish_reason,
+                  interrupted=stages.interrupted, truncated=stages.truncated, server=tail.server)

@@ -7,9 +7,10 @@ runs `algo.step_advantages` over the groups (zero-variance filter, truncation po
 paper's batch-level std is taken over exactly these groups), keeps the samples that reach the loss and packs them
 into a TrainBatch (`rollout.stream`). Figures are plain floats for `metrics.jsonl`.
 
-Versions: a completion token's weight version is the trainer step whose weights sampled it (`trainer.generator_sync`);
-the interruption phrase, forced in rather than sampled, takes the version of the token before it. A group written as
-batch b has staleness b - (its oldest token's version), in optimizer steps.
+Versions (`algo.versions`): a completion token's policy version is the trainer step whose weights sampled it
+(`trainer.generator_sync`); a token without one (NO_VERSION: the interruption phrase, forced in rather than sampled)
+takes the version of the token before it, the first token the group's admission version. Prompt tokens are stored
+as NO_VERSION. A group written as batch b has staleness b - (its oldest token's version), in optimizer steps.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from megatron_scalerl.algo.advantages import step_advantages
 from megatron_scalerl.algo.length_control import length_metrics
+from megatron_scalerl.algo.versions import NO_VERSION
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.rollout.generation import Sample
 from megatron_scalerl.rollout.prompts import Problem
@@ -41,10 +43,10 @@ class RolloutGroup:
     timed_out: int = 0  # answers whose grading hit the grader's timeout
 
     def token_versions(self, sample: Sample) -> list[int]:
-        """Per completion token, the version that produced it (the phrase inherits its predecessor's)."""
+        """Per completion token, the version that produced it (a token without one inherits its predecessor's)."""
         versions, last = [], self.admitted_version
         for version in sample.versions:
-            last = int(version) if version is not None else last
+            last = last if version == NO_VERSION else version
             versions.append(last)
         return versions
 
@@ -69,7 +71,7 @@ def _pack(groups: list[RolloutGroup], keep: list[list[bool]], advantages: list[l
             mask += [False] * prompt + list(sample.loss_mask)
             logprobs += [0.0] * prompt + [lp if m else 0.0 for lp, m in zip(sample.logprobs, sample.loss_mask,
                                                                                strict=True)]
-            versions += [-1] * prompt + group.token_versions(sample)
+            versions += [NO_VERSION] * prompt + group.token_versions(sample)
             lengths.append(prompt + len(sample.completion_ids))
             prompt_lengths.append(prompt)
             adv.append(advantage)

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.forecast import report
 from megatron_scalerl.forecast.data import DEFAULT_METRIC, MetricsTable
+from megatron_scalerl.forecast.live import LiveForecast, ceiling_reached, live_forecast, run_options
 from megatron_scalerl.recipe import ForecastConfig
 
 log = logging.getLogger("megatron_scalerl.rollout.orchestrator")
@@ -75,8 +77,6 @@ class FitResult:
 def fit_run(run_dir: str, forecast_config: ForecastConfig, eval_draws: int | None) -> FitResult:
     """In the fitting process: the live forecast of the run's primary curve (`eval_draws`: its evaluation noise) and
     of its further curves (noise estimated), their reports into RUN/forecast/[<curve>/]."""
-    from megatron_scalerl.forecast.live import ceiling_reached
-
     started = time.process_time()
     try:
         metrics = MetricsTable.read(run_dir)  # read once for every curve
@@ -96,8 +96,7 @@ def _fit_curve(metrics: MetricsTable | UserError, metric: str, config: ForecastC
                out_dir: Path):
     """The LiveForecast of one curve of the run (`metrics`: its metrics, or why they could not be read), its report
     written into `out_dir` when there is a fit."""
-    from megatron_scalerl.forecast import plots, report
-    from megatron_scalerl.forecast.live import LiveForecast, live_forecast, run_options
+    from megatron_scalerl.forecast import plots  # deferred: matplotlib, wanted in the fitting process only
 
     options = run_options(config, eval_draws)
     try:

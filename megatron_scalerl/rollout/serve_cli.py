@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.http_json import ServerError, request_json
+from megatron_scalerl.models.tokenizer import has_tokenizer
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,8 +58,6 @@ def _interrupt(*_: object) -> None:
 
 def _watch(server, interval_s: float) -> None:
     """Until interrupted: every `interval_s` seconds, the process must be alive and /health answer (seconds)."""
-    from megatron_scalerl.http_json import ServerError, request_json
-
     failures = 0
     while True:
         time.sleep(interval_s)
@@ -77,8 +77,7 @@ def _watch(server, interval_s: float) -> None:
 def _fp32_lm_head(url: str, api_key: str | None, retry_s: float = 120.0) -> None:
     """Make the served LM head FP32; a trainer may already be sending weights to the new server (its layered reload
     holds the head empty meanwhile), so a refusal for that reason is retried for up to `retry_s` seconds."""
-    from megatron_scalerl.http_json import ServerError, request_json
-    from megatron_scalerl.weight_sync.protocol import WEIGHT_UPDATE_IN_PROGRESS
+    from megatron_scalerl.weight_sync.protocol import WEIGHT_UPDATE_IN_PROGRESS  # deferred: torch (see cli.py)
 
     deadline = time.monotonic() + retry_s
     while True:
@@ -92,9 +91,7 @@ def _fp32_lm_head(url: str, api_key: str | None, retry_s: float = 120.0) -> None
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from megatron_scalerl.http_json import ServerError
-    from megatron_scalerl.models.tokenizer import has_tokenizer
-    from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig
+    from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig  # deferred: torch (see cli.py)
 
     model = Path(args.model)
     if not (model / "config.json").is_file():

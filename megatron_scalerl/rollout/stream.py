@@ -9,7 +9,8 @@ exactly where it stopped. Files are never rewritten.
 Per-token tensors (length T = sum of `lengths`):
   input_ids int64, loss_mask bool (completion tokens that enter the loss; prompt and forced-interruption phrase
   tokens are False), gen_logprobs float32 (the generator's log-prob of each token; 0 where loss_mask is False),
-  weight_versions int64 (the policy version that generated each token; -1 for prompt tokens).
+  weight_versions int64 (the policy version that generated each token; -1 = `algo.versions.NO_VERSION` for prompt
+  tokens).
 Per-sample tensors (length N):
   lengths int64 (tokens of prompt + completion), prompt_lengths int64, advantages float32, rewards float32,
   group_ids int64 (prompt id: samples of one prompt share it), truncated bool (hit the hard length cap).

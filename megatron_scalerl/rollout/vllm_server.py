@@ -30,7 +30,6 @@ The process runs in its own session: `stop` ends the API server, engine core and
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -42,7 +41,10 @@ from pathlib import Path
 
 import torch
 
+from megatron_scalerl.families import hf_family
 from megatron_scalerl.http_json import ServerError, request_json
+from megatron_scalerl.platform.distributed import resolve_backend
+from megatron_scalerl.weight_sync.protocol import WORKER_EXTENSION
 
 
 def _checkpoint_config(model: str) -> dict:
@@ -60,15 +62,13 @@ def find_tcmalloc() -> str | None:
     return None
 
 
-def _kv_block_size(attention_chunk_size: int | None) -> int | None:
-    """The KV block size (tokens) for a checkpoint with chunked local attention (Llama-4), or None to keep vLLM's:
-    vLLM needs the chunk to be a multiple of the block, and its default block (128 tokens on CPUs, 16 on GPUs) is
-    larger than the tiny presets' 32-token chunk."""
-    if not attention_chunk_size:
+def _kv_block_size(checkpoint: dict) -> int | None:
+    """The KV block size (tokens) the checkpoint's model family needs vLLM to use (`FamilySpec.kv_block_size`, e.g.
+    one that divides Llama-4's attention chunk), or None to keep vLLM's default (128 tokens on CPUs, 16 on GPUs)."""
+    family = hf_family(checkpoint)
+    if family is None or family.kv_block_size is None:
         return None
-    default = 16 if torch.cuda.is_available() else 128
-    block = math.gcd(int(attention_chunk_size), default)
-    return None if block == default else block
+    return family.kv_block_size(checkpoint, 16 if torch.cuda.is_available() else 128)
 
 
 def _default_eager() -> bool:
@@ -118,13 +118,10 @@ class VLLMServerConfig:
         tuning = checkpoint.get("attn_temperature_tuning")
         if tuning is not None:
             cmd += ["--override-generation-config", json.dumps({"attn_temperature_tuning": tuning})]
-        block = _kv_block_size(checkpoint.get("attention_chunk_size"))
+        block = _kv_block_size(checkpoint)
         if block is not None and "--block-size" not in self.extra_args:
             cmd += ["--block-size", str(block)]
         if self.weight_transfer:  # a generator of ours: weight updates, and the fleet's token-in/token-out route
-            from megatron_scalerl.platform.distributed import resolve_backend
-            from megatron_scalerl.weight_sync.protocol import WORKER_EXTENSION
-
             cmd += ["--weight-transfer-config", json.dumps({"backend": resolve_backend("auto")}),
                     "--worker-extension-cls", WORKER_EXTENSION, "--enable-scale-out"]
         return cmd + list(self.extra_args)

@@ -52,7 +52,7 @@ class ReportRun:
 
 def _read(variant: str, run_dir: Path, label: str) -> ReportRun:
     """The run in `run_dir`, its curve named `label`."""
-    from megatron_scalerl.forecast.data import load_curve
+    from megatron_scalerl.forecast.data import load_curve  # deferred, as each below: scipy (`scalerl` imports us)
 
     recipe_file = run_dir / RUN_RECIPE
     recipe = load_recipe(recipe_file) if recipe_file.is_file() else None
@@ -115,7 +115,7 @@ def given_runs(run_dirs: list[Path]) -> tuple[str, list[ReportRun], list[dict]]:
 def _options(runs: list[ReportRun], base: str) -> ForecastOptions:
     """The ablation's ForecastOptions, one for all runs: those of the base's first run's recipe, else the
     forecaster's defaults."""
-    from megatron_scalerl.forecast.live import recipe_options
+    from megatron_scalerl.forecast.live import recipe_options  # deferred: scipy
     from megatron_scalerl.forecast.predict import ForecastOptions
 
     first = next((r for r in runs if r.variant == base), None)
@@ -130,7 +130,7 @@ def _options(runs: list[ReportRun], base: str) -> ForecastOptions:
 def _draws_warnings(runs: list[ReportRun], base: str, options: ForecastOptions) -> list[str]:
     """One warning for each variant whose runs' own recipes score another number of completions per validation than
     `options` (the base's) models."""
-    from megatron_scalerl.forecast.live import recipe_options
+    from megatron_scalerl.forecast.live import recipe_options  # deferred: scipy
 
     warnings = []
     for variant in dict.fromkeys(r.variant for r in runs if r.variant != base):
@@ -145,7 +145,7 @@ def _draws_warnings(runs: list[ReportRun], base: str, options: ForecastOptions) 
 def _fittable(runs: list[ReportRun], options, left_out: list[dict]) -> list[ReportRun]:
     """The runs whose point fit succeeds with `options` (each in its own try: a failure leaves that run out, with
     its path and the error, in `left_out`)."""
-    from megatron_scalerl.forecast.predict import make_forecast
+    from megatron_scalerl.forecast.predict import make_forecast  # deferred: scipy
 
     kept = []
     for run in runs:
@@ -161,7 +161,8 @@ def report(base: str, runs: list[ReportRun], left_out: list[dict], out: Path | N
     """Fit, judge, print (markdown, or one JSON object with `as_json`) and, with `out`, write the report of `runs`
     (those of variant `base` are the base's) with `left_out`; the files written. UserError when the base or every
     variant has no run left to fit."""
-    from megatron_scalerl.forecast import plots, report as documents
+    from megatron_scalerl.forecast import plots  # deferred: scipy, matplotlib
+    from megatron_scalerl.forecast import report as documents
     from megatron_scalerl.forecast.ablation import make_ablation
 
     options = _options(runs, base)

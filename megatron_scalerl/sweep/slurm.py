@@ -1,11 +1,12 @@
 """A sweep's runs as SLURM jobs: one job per run, with the repository's own sbatch files.
 
 Each run is submitted from the checkout that holds `slurm/` (as the README's walk does), with the job's sizes taken
-from the run's recipe (its cluster section: trainer nodes : generator nodes, `gpus_per_node` GPUs each; partition
-and account when it names them) and its settings exported:
+from the run's recipe (its cluster section: trainer nodes : generator nodes, `gpus_per_node` GPUs each; its
+partition and account when it names them, and its time limit, unless an SBATCH_* variable or an `#SBATCH` line of
+the sbatch file chooses them: `launch.slurm.cluster_options`) and its settings exported:
 
     sbatch --parsable --job-name=sweep-<id>-<variant>-seedI --output=SWEEP/VARIANT/seedI.slurm-%j.out \
-        --nodes=T --gpus-per-node=G : --nodes=N --gpus-per-node=G \
+        [--partition=P --account=A] --time=L --nodes=T --gpus-per-node=G : [...] --time=L --nodes=N ... \
         --export=ALL,SCALERL_RUN_DIR=<run>,SCALERL_RECIPE=SWEEP/VARIANT/seedI.recipe.yaml,SCALERL_MODEL=,... \
         slurm/scalerl_moe.sbatch            # scalerl_dense.sbatch for a dense model
 
@@ -23,6 +24,7 @@ stops the watching only: the jobs go on, and `scalerl sweep` again follows them.
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 import subprocess
 import sys
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.launch.slurm import cluster_options
 from megatron_scalerl.sweep.runs import Sweep, SweepRun, outcome
 
 CHECKOUT = Path(__file__).resolve().parents[2]  # the repository: slurm/*.sbatch and the venv the jobs run
@@ -82,8 +85,7 @@ def sbatch_command(sweep: Sweep, run: SweepRun) -> list[str]:
     for name, value in settings.items():
         if "," in value:
             raise UserError(f"{name}={value}: sbatch --export cannot carry a comma; choose paths without one")
-    where = [*([f"--partition={cluster.partition}"] if cluster.partition else []),
-             *([f"--account={cluster.account}"] if cluster.account else [])]
+    where = cluster_options(cluster, script, os.environ)  # per het component: sbatch propagates not all of them
     sizes = [*where, f"--nodes={cluster.trainer_nodes}", f"--gpus-per-node={cluster.gpus_per_node}", ":",
              *where, f"--nodes={cluster.generator_nodes}", f"--gpus-per-node={cluster.gpus_per_node}"]
     output = run.run_dir.with_name(f"{run.run_dir.name}.slurm-%j.out").resolve()

@@ -18,6 +18,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from megatron_scalerl.demo.run import warm_started_model
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.recipe import changed_fields, resolve_dict, validate
 
@@ -43,8 +44,6 @@ def decide_init_from(base: str, base_dict: dict[str, Any]) -> Path:
     if given:
         return Path(given).resolve()
     if base == DEMO_BASE:
-        from megatron_scalerl.demo.run import warm_started_model
-
         preset = resolve_dict(DEMO_BASE)
         changed = changed_fields({"model": base_dict.get("model")}, {"model": preset["model"]})
         if changed:

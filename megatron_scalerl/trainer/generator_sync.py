@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from megatron_scalerl.algo.off_policy import last_push_step
+from megatron_scalerl.algo.versions import NO_VERSION, parse_version
 from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.platform.distributed import from_rank0
 from megatron_scalerl.recipe import Recipe
@@ -57,7 +58,7 @@ class GeneratorLink:
         self.config = config
         self.is_rank0 = is_rank0
         self.sender: WeightSender | None = None
-        self.sent_version: int | None = None  # the version the sender's last push delivered to all its servers
+        self.sent_version = NO_VERSION  # the version the sender's last push delivered to all its servers
 
     @classmethod
     def from_run_dir(cls, run_dir: str | Path, recipe: Recipe, *, is_rank0: bool) -> GeneratorLink | None:
@@ -80,14 +81,15 @@ class GeneratorLink:
         except ServerError:
             return False, None
 
-    def _served(self) -> dict[str, str | None]:
-        """The weight version each server that answers serves (its /weight_info; vLLM's "default" at start-up), by
-        URL: one call per server tells both whether it is live and what it serves."""
+    def _served(self) -> dict[str, int]:
+        """The policy version each server that answers serves (its /weight_info, `algo.versions.parse_version`;
+        NO_VERSION for its start-up weights), by URL: one call per server tells both whether it is live and what it
+        serves."""
         served = {}
         for url in self.urls:
             answered, info = self._ask(url, "/weight_info")
             if answered:
-                served[url] = (info or {}).get("weight_version")
+                served[url] = parse_version((info or {}).get("weight_version"))
         return served
 
     def _connect(self, live: list[str], restarted: bool) -> str | None:
@@ -114,7 +116,7 @@ class GeneratorLink:
     def _prepare(self) -> tuple[list[str], str | None]:
         """Rank 0: the live servers, and the error of (re)forming the group with them (None: ready to send)."""
         served = self._served()
-        restarted = any(version != str(self.sent_version) for version in served.values())
+        restarted = any(version != self.sent_version for version in served.values())
         live = list(served)
         return live, self._connect(live, restarted) if live else None
 
@@ -164,7 +166,7 @@ class GeneratorLink:
         while the trainer steps on). Returns whether a push happened."""
         oldest = last_push_step(*self.off_policy, version)
         behind = from_rank0([url for url, served in self._served().items()
-                             if not (served is not None and served.isdigit() and oldest <= int(served) <= version)]
+                             if served == NO_VERSION or not oldest <= served <= version]
                             if self.is_rank0 else None)
         if not behind:
             return False

@@ -2,20 +2,29 @@
 
     torchrun --nproc-per-node N -m megatron_scalerl.trainer --run-dir RUN [--max-steps S]
 
-Reads `RUN/recipe.yaml` (resolved by the launcher), states its precision once in the log (`trainer.precision: auto`,
-as `--recipe` may give it, is resolved by rank 0 for all: `platform.precision`), joins the process group (nccl with
-CUDA, gloo otherwise; every collective bounded by `cluster.collective_timeout_s`), builds the model at the recipe's
-layout, resumes from the newest valid checkpoint in `RUN/checkpoints/` (or initialises from `trainer.init_from`, an
-HF or Megatron checkpoint, else randomly with `trainer.seed`), sends its weights to the run's generators once one
-answers (`RUN/generators.json`, see `generator_sync`; a run without that file trains alone; the launcher starts the
-trainer beside the generators, so their start-ups overlap), then for each step i reads `RUN/rollouts/batch_i`,
-trains, sends the new weights (tagged i + 1: every step under PipelineRL-k, every k-th step under PPO-off-policy-k,
-whose generators keep one policy for k batches), appends a `trainer` record to `RUN/metrics.jsonl` and checkpoints
-every `trainer.checkpoint_interval` steps and at the end. While it waits for a batch it sends the current weights to
-any generator that does not serve them (one that came up later, or restarted). `trainer/idle_fraction` is the share
-of its wall time spent waiting for batches. SIGTERM, or the launcher's `RUN/stop_requested` (see `run_dir`): the
-current step finishes, the trainer checkpoints it and exits 0; a rank still running `STOP_STACKS_AFTER_S` seconds
-after the stop writes every thread's stack to its log (where a stop hangs, before the launcher's SIGKILL).
+`main` reads `RUN/recipe.yaml` (resolved by the launcher), states its precision once in the log
+(`trainer.precision: auto`, as `--recipe` may give it, is resolved by rank 0 for all: `platform.precision`), joins
+the process group (nccl with CUDA, gloo otherwise; every collective bounded by `cluster.collective_timeout_s`) and
+runs a `Trainer`, read top to bottom:
+
+- `Trainer(run_dir, recipe)` builds the model at the recipe's layout and its optimizer (`trainer/setup.py`), resumes
+  from the newest valid checkpoint in `RUN/checkpoints/` (or initialises from `trainer.init_from`, an HF or Megatron
+  checkpoint, else randomly with `trainer.seed`), and opens the run's generators (`RUN/generators.json`, see
+  `generator_sync`; a run without that file trains alone), the metrics log and the compute clock;
+- `train_step(batch)`: one optimizer step (the forward/backward passes and the loss: `trainer/step.py`);
+- `checkpoint()`: `RUN/checkpoints/iter_<step>`, then the rollout batches no kept checkpoint needs are pruned;
+- `log(metrics)`: a `trainer` record in `RUN/metrics.jsonl` with the compute so far (rank 0);
+- `run()`: sends its weights to the generators once one answers (the launcher starts the trainer beside the
+  generators, so their start-ups overlap), then for each step i reads `RUN/rollouts/batch_i`, trains, sends the new
+  weights (tagged i + 1: every step under PipelineRL-k, every k-th step under PPO-off-policy-k, whose generators keep
+  one policy for k batches), logs every `logging.log_interval` steps and checkpoints every
+  `trainer.checkpoint_interval` steps and at the end. While it waits for a batch it sends the current weights to any
+  generator that does not serve them (one that came up later, or restarted). `trainer/idle_fraction` is the share of
+  its wall time spent waiting for batches.
+
+SIGTERM, or the launcher's `RUN/stop_requested` (see `run_dir`): the current step finishes, the trainer checkpoints
+it and exits 0; a rank still running `STOP_STACKS_AFTER_S` seconds after the stop writes every thread's stack to its
+log (where a stop hangs, before the launcher's SIGKILL).
 """
 
 from __future__ import annotations
@@ -24,10 +33,10 @@ import argparse
 import faulthandler
 import json
 import logging
+import math
 import signal
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,36 +47,21 @@ from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.gpu_hours import ComputeMeter
 from megatron_scalerl.metrics import MetricsLog, read_metrics
+from megatron_scalerl.platform import destroy_distributed, init_distributed
 from megatron_scalerl.platform.distributed import from_rank0
 from megatron_scalerl.platform.precision import resolve_precision, with_precision
 from megatron_scalerl.recipe import Recipe, load_recipe
 from megatron_scalerl.rollout.stream import RolloutStream, TrainBatch
 from megatron_scalerl.run_dir import CURRICULUM_FILE, STOP_TIMEOUT_S, stop_requested
 from megatron_scalerl.trainer.generator_sync import GeneratorLink
-from megatron_scalerl.trainer.setup import build_trainer
+from megatron_scalerl.trainer.setup import build_model_and_optimizer
 from megatron_scalerl.trainer.state import load_trainer, save_trainer
-from megatron_scalerl.trainer.step import NonFiniteError
+from megatron_scalerl.trainer.step import ForwardBackward, NonFiniteError, StepState, clip_and_update, grad_norm, lr_at
 from megatron_scalerl.weight_sync.protocol import WeightSyncError
 
 STOP_STACKS_AFTER_S = STOP_TIMEOUT_S / 2  # stacks while the launcher still waits for the stop
+BATCH_POLL_S = 0.5  # how often rank 0 looks for the next batch (and for a stop) while it waits
 log = logging.getLogger("megatron_scalerl.trainer")
-
-
-
-def _compute_hours_so_far(run_dir: Path, rl_state: dict) -> float:
-    """Wall hours the run has used before this process: the later of the checkpoint's figure and the last trainer
-    record (work done after the last checkpoint and lost in a crash was still paid for)."""
-    records = read_metrics(run_dir, role="trainer")
-    logged = records[-1].get("wall_hours") or 0.0 if records else 0.0
-    return max(rl_state.get("wall_hours", 0.0), logged)
-
-
-def _rl_extras(run_dir: Path, wall_hours: float) -> dict:
-    extras = {"wall_hours": wall_hours}
-    curriculum = run_dir / CURRICULUM_FILE  # snapshotted by each checkpoint
-    if curriculum.is_file():
-        extras["curriculum"] = json.loads(curriculum.read_text())
-    return extras
 
 
 def require_trainer_world(recipe: Recipe, world_size: int) -> None:
@@ -82,98 +76,173 @@ def require_trainer_world(recipe: Recipe, world_size: int) -> None:
                         f"(torchrun --nproc-per-node) or change the recipe's cluster / parallelism sections")
 
 
-def _next_batch(stream: RolloutStream, index: int, *, timeout_s: float, vocab_size: int, link: GeneratorLink | None,
-                model: list, stopping: Callable[[], bool], poll_s: float = 0.5) -> TrainBatch | None:
-    """Batch `index` once the orchestrator wrote it, or None once `stopping()` (asked on rank 0: SIGTERM or the
-    launcher's RUN/stop_requested); TimeoutError after `timeout_s` seconds. Meanwhile a generator that restarted gets
-    the current weights. Collective: rank 0 decides for every rank."""
-    deadline = time.monotonic() + timeout_s
-    is_rank0 = dist.get_rank() == 0
-    while True:
-        ready, stop = from_rank0((stream.ready(index), stopping()) if is_rank0 else None)
-        if stop:
-            return None
-        if ready:
-            return stream.read(index, vocab_size)[0]
-        if time.monotonic() > deadline:
-            raise stream.missing(index, timeout_s)
-        if link is None or not link.catch_up(model, index):
-            time.sleep(poll_s)
+def _wall_hours_so_far(run_dir: Path, rl_state: dict) -> float:
+    """Wall hours the run has used before this process: the later of the checkpoint's figure and the last trainer
+    record (work done after the last checkpoint and lost in a crash was still paid for)."""
+    records = read_metrics(run_dir, role="trainer")
+    logged = records[-1].get("wall_hours") or 0.0 if records else 0.0
+    return max(rl_state.get("wall_hours", 0.0), logged)
 
 
-def run_trainer(run_dir: Path, recipe: Recipe, *, max_steps: int | None = None, batch_timeout_s: float = 3600.0,
-                is_log_rank: bool = True, stop: threading.Event | None = None) -> dict:
-    """Train until `max_steps` (default: trainer.max_steps) optimizer steps, or until `stop` is set or the launcher
-    writes RUN/stop_requested (then at the next batch boundary); checkpoints the last step either way. Returns the
-    last step's metrics."""
-    stop = stop or threading.Event()
+class Trainer:
+    """One rank of the trainer: owns the model chunks, the optimizer, the `StepState`, the run's checkpoints, its
+    link to the generators, the `trainer` rows of the metrics log and the compute clock. Building it, `train_step`,
+    `checkpoint` and `run` are collective: every rank calls them, and rank 0 decides what depends on files or
+    servers (`from_rank0`); `log` and `stopping` are rank 0's."""
 
-    def stopping() -> bool:
-        return stop.is_set() or stop_requested(run_dir)
+    def __init__(self, run_dir: Path, recipe: Recipe, *, batch_timeout_s: float = 3600.0,
+                 stop: threading.Event | None = None):
+        """Collective, after `platform.init_distributed` with the recipe's trainer processes. `batch_timeout_s`:
+        seconds to wait for a batch (and for a first generator); `stop`: set (SIGTERM) to stop at the next batch."""
+        require_trainer_world(recipe, dist.get_world_size())
+        self.run_dir, self.recipe = Path(run_dir), recipe
+        self.batch_timeout_s = batch_timeout_s
+        self.stop = stop or threading.Event()
+        self.is_rank0 = dist.get_rank() == 0
+        self.model, self.optimizer = build_model_and_optimizer(recipe)
+        self.forward_backward = ForwardBackward(recipe, self.model)
+        self.state = StepState()
+        self.store = CheckpointStore(run_dir, keep=recipe.trainer.keep_checkpoints)
+        self.saved_step: int | None = None  # the step of the newest checkpoint of this run
+        rl_state = self._resume()
+        self.stream = RolloutStream(run_dir)
+        self.link = GeneratorLink.from_run_dir(run_dir, recipe, is_rank0=self.is_rank0)  # None: no generators
+        self.metrics_log = MetricsLog(run_dir, "trainer",
+                                      wandb_mode=recipe.logging.wandb_mode if self.is_rank0 else "disabled",
+                                      wandb_project=recipe.logging.wandb_project, run_name=recipe.name,
+                                      config=recipe.to_dict())
+        # the run's one compute clock, the orchestrator's too: sacct over the run's SLURM jobs where there is
+        # accounting, else wall time (over restarts) x the recipe's GPUs
+        self.compute = ComputeMeter(self.run_dir, recipe.cluster.total_gpus,
+                                    _wall_hours_so_far(self.run_dir, rl_state))
+        self.waited_s = 0.0  # seconds spent waiting for batches since this process started
 
-    require_trainer_world(recipe, dist.get_world_size())
-    trainer = build_trainer(recipe)
-    store = CheckpointStore(run_dir, keep=recipe.trainer.keep_checkpoints)
-    rl_state: dict = {}
-    latest = store.latest_valid(set_aside=True)
-    if latest is not None:
-        trainer.step.state, rl_state = load_trainer(latest[1], trainer.model, trainer.optimizer)
-        log.info("resumed from %s (step %d)", latest[1].name, trainer.step.state.step)
-    stream = RolloutStream(run_dir)
-    link = GeneratorLink.from_run_dir(run_dir, recipe, is_rank0=dist.get_rank() == 0)
-    metrics = MetricsLog(run_dir, "trainer", wandb_mode=recipe.logging.wandb_mode if is_log_rank else "disabled",
-                         wandb_project=recipe.logging.wandb_project, run_name=recipe.name, config=recipe.to_dict())
-    # the run's one compute clock, the orchestrator's too: sacct over the run's SLURM jobs where there is accounting,
-    # else wall time (over restarts) x the recipe's GPUs
-    compute = ComputeMeter(run_dir, recipe.cluster.total_gpus, _compute_hours_so_far(run_dir, rl_state))
-    waited_s = 0.0
-    last: dict = {}
+    def _resume(self) -> dict:
+        """Load the newest checkpoint that passes its manifest (newer, corrupt ones are set aside); returns its RL
+        state, {} when the run has no checkpoint yet (the model keeps its initial weights)."""
+        latest = self.store.latest_valid(set_aside=True)
+        if latest is None:
+            return {}
+        self.saved_step, path = latest
+        self.state, rl_state = load_trainer(path, self.model, self.optimizer)
+        log.info("resumed from %s (step %d)", path.name, self.state.step)
+        return rl_state
 
-    saved_step = latest[0] if latest is not None else None
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on `batch` (the whole step's batch, identical on every rank); returns its metrics.
 
-    def checkpoint() -> None:
-        nonlocal saved_step
-        path = save_trainer(store, trainer.model, trainer.optimizer, trainer.step.state, recipe.model,
-                            _rl_extras(run_dir, compute.wall_hours()))
-        saved_step = trainer.step.state.step
-        if is_log_rank:
-            log.info("checkpoint %s (step %d)", path, saved_step)
-        if is_log_rank:  # batches older than the oldest kept checkpoint can never be read again
-            stream.prune(before=min(store.iterations()))
+        A non-finite loss or gradient norm skips the update (weights and LR schedule unchanged; the step still counts,
+        `train/skipped` says so); `trainer.max_consecutive_nonfinite` skips in a row raise NonFiniteError naming the
+        step."""
+        start = time.perf_counter()
+        step, t = self.state.step, self.recipe.trainer
+        lr = lr_at(self.state.updates, t)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss, merged = self.forward_backward.gradients(batch)
+        norm = grad_norm(self.optimizer)
+        updated = math.isfinite(loss) and math.isfinite(norm) and clip_and_update(self.optimizer, norm, t.grad_clip)
+        self.state.advance(updated)  # nothing to undo when skipped: the gradients are zeroed at the next step
+        if self.state.consecutive_nonfinite >= t.max_consecutive_nonfinite:
+            raise NonFiniteError(f"step {step}: non-finite loss ({loss}) or grad norm ({norm}) for "
+                                 f"{self.state.consecutive_nonfinite} steps in a row "
+                                 "(trainer.max_consecutive_nonfinite)")
+        elapsed = time.perf_counter() - start
+        tokens = int(batch.lengths.sum())
+        return {
+            "train/loss": loss, "train/grad_norm": norm, "train/lr": lr, "train/skipped": 0.0 if updated else 1.0,
+            "train/clip_fraction": merged["clip_fraction"], "train/ratio_mean": merged["ratio_mean"],
+            "train/ratio_max": merged["ratio_max"], "train/mismatch_k3": merged["mismatch_k3"],
+            "train/entropy": merged["entropy"], "train/loss_tokens": merged["tokens"],
+            "train/truncated_fraction": float(batch.truncated.float().mean()),
+            "train/samples": batch.num_samples, "train/tokens": tokens,
+            "train/step_time_s": elapsed, "train/tokens_per_s": tokens / elapsed,
+            "train/updates": self.state.updates,
+            # PipelineRL-k bounds this by k: how many steps behind this step's policy the batch's oldest token's was
+            "train/staleness_max": float(step - batch.weight_versions[batch.loss_mask].min())
+            if bool(batch.loss_mask.any()) else 0.0,
+        }
 
-    end = max_steps if max_steps is not None else recipe.trainer.max_steps
-    try:
-        if link is not None:  # even with nothing left to train: the orchestrator validates the last weights
-            link.first_push(trainer.model, trainer.step.state.step, timeout_s=batch_timeout_s, stopping=stopping)
-        while trainer.step.state.step < end:
+    def checkpoint(self) -> None:
+        """Publish `RUN/checkpoints/iter_<step>`: model, optimizer, and the RL state (`StepState`, the compute used so
+        far, a copy of the orchestrator's `RUN/curriculum.json`); rank 0 then prunes the rollout batches older than
+        the oldest kept checkpoint (none can be read again)."""
+        extras = {"wall_hours": self.compute.wall_hours()}
+        curriculum = self.run_dir / CURRICULUM_FILE
+        if curriculum.is_file():
+            extras["curriculum"] = json.loads(curriculum.read_text())
+        path = save_trainer(self.store, self.model, self.optimizer, self.state, self.recipe.model, extras)
+        self.saved_step = self.state.step
+        if self.is_rank0:
+            log.info("checkpoint %s (step %d)", path, self.saved_step)
+            # keep the batch before the oldest kept checkpoint: that checkpoint's copy of the orchestrator state
+            # may end there, and a resume rewound to it goes on after it (rollout/orchestrator_state.py)
+            self.stream.prune(before=min(self.store.iterations()) - 1)
+
+    def log(self, metrics: dict) -> None:
+        """Rank 0: append `metrics` with the compute so far (`ComputeMeter.figures`: wall_hours, gpus, gpu_hours,
+        gpu_hours_source) as the `trainer` record at step = steps taken. Other ranks log nothing (nor ask sacct)."""
+        if self.is_rank0:
+            self.metrics_log.log(self.state.step, {**metrics, **self.compute.figures()})
+
+    def stopping(self) -> bool:
+        """Asked on rank 0: SIGTERM (`stop`) or the launcher's RUN/stop_requested."""
+        return self.stop.is_set() or stop_requested(self.run_dir)
+
+    def _next_batch(self) -> TrainBatch | None:
+        """Batch `state.step` once the orchestrator wrote it, or None once `stopping()`; TimeoutError after
+        `batch_timeout_s`. Meanwhile a generator that restarted gets the current weights. Rank 0 decides for all."""
+        index = self.state.step
+        deadline = time.monotonic() + self.batch_timeout_s
+        while True:
+            ready, stop = from_rank0((self.stream.ready(index), self.stopping()) if self.is_rank0 else None)
+            if stop:
+                return None
+            if ready:
+                return self.stream.read(index, self.recipe.model.vocab_size)[0]
+            if time.monotonic() > deadline:
+                raise self.stream.missing(index, self.batch_timeout_s)
+            if self.link is None or not self.link.catch_up(self.model, index):
+                time.sleep(BATCH_POLL_S)
+
+    def run(self, max_steps: int | None = None) -> None:
+        """Train until `max_steps` (default: trainer.max_steps) optimizer steps have been taken, or until a stop
+        (then at the next batch boundary); checkpoints the last step either way."""
+        end = max_steps if max_steps is not None else self.recipe.trainer.max_steps
+        rollout = self.recipe.rollout
+        if self.link is not None:  # even with nothing left to train: the orchestrator validates the last weights
+            self.link.first_push(self.model, self.state.step, timeout_s=self.batch_timeout_s, stopping=self.stopping)
+        while self.state.step < end:
             waiting = time.monotonic()
-            batch = _next_batch(stream, trainer.step.state.step, timeout_s=batch_timeout_s,
-                                vocab_size=recipe.model.vocab_size, link=link, model=trainer.model,
-                                stopping=stopping)
+            batch = self._next_batch()
             batch_wait_s = time.monotonic() - waiting
-            waited_s += batch_wait_s
+            self.waited_s += batch_wait_s
             if batch is None:
-                log.info("stop requested: checkpointing step %d", trainer.step.state.step)
+                log.info("stop requested: checkpointing step %d", self.state.step)
                 faulthandler.dump_traceback_later(STOP_STACKS_AFTER_S)  # a checkpoint that hangs shows where
                 break
-            last = trainer.step.run(batch)
-            step = trainer.step.state.step
-            if link is not None and pushes_weights_after(recipe.rollout.off_policy, recipe.rollout.k, step, end):
-                last.update(link.push(trainer.model, step))
-            last.update({"trainer/idle_fraction": waited_s / max(time.monotonic() - compute.started, 1e-9),
-                         "trainer/batch_wait_s": batch_wait_s})  # since start; seconds this step waited for its batch
-            if is_log_rank and step % recipe.logging.log_interval == 0:  # rank 0 alone asks sacct, when it logs
-                last.update(compute.figures())
-                metrics.log(step, last)
-            if step % recipe.trainer.checkpoint_interval == 0:
-                checkpoint()
-        if saved_step != trainer.step.state.step:
-            checkpoint()
-    finally:
-        metrics.close()
-        if link is not None:
-            link.close()
-    return last
+            metrics = self.train_step(batch)
+            step = self.state.step
+            if self.link is not None and pushes_weights_after(rollout.off_policy, rollout.k, step, end):
+                metrics.update(self.link.push(self.model, step))
+            since_start_s = max(time.monotonic() - self.compute.started, 1e-9)
+            metrics.update({"trainer/idle_fraction": self.waited_s / since_start_s,
+                            "trainer/batch_wait_s": batch_wait_s})  # seconds this step waited for its batch
+            if step % self.recipe.logging.log_interval == 0:
+                self.log(metrics)
+            if step % self.recipe.trainer.checkpoint_interval == 0:
+                self.checkpoint()
+        if self.saved_step != self.state.step:
+            self.checkpoint()
+
+    def close(self) -> None:
+        """The metrics log (wandb's run) and the weight broadcast group."""
+        self.metrics_log.close()
+        if self.link is not None:
+            self.link.close()
 
 
 def _on_sigterm(stop: threading.Event) -> None:
@@ -197,8 +266,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
 
-    from megatron_scalerl.platform import destroy_distributed, init_distributed
-
     try:
         recipe = load_recipe(args.recipe or args.run_dir / "recipe.yaml", args.overrides)
         try:
@@ -213,8 +280,11 @@ def main(argv: list[str] | None = None) -> int:
                 log.info("precision: %s", precision.reason)
             stop = threading.Event()  # SIGTERM (Ctrl-C of `scalerl train`, SLURM's time limit): checkpoint, exit 0
             signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(stop))
-            run_trainer(args.run_dir, recipe, max_steps=args.max_steps, batch_timeout_s=args.batch_timeout_s,
-                        is_log_rank=info.rank == 0, stop=stop)
+            trainer = Trainer(args.run_dir, recipe, batch_timeout_s=args.batch_timeout_s, stop=stop)
+            try:
+                trainer.run(args.max_steps)
+            finally:
+                trainer.close()
         finally:
             destroy_distributed()
     except (UserError, TimeoutError, NonFiniteError, WeightSyncError, dist.DistError) as exc:

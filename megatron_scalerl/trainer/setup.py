@@ -1,4 +1,4 @@
-"""Build everything a trainer rank needs from a recipe: parallel groups, model (DDP), optimizer, TrainStep.
+"""Build the model and optimizer of a trainer rank from a recipe: parallel groups, model chunks (DDP), optimizer.
 
 Parallelism is applied here and only here: megatron-core's TP/PP/EP groups from `recipe.parallelism`, the model
 shard for this rank's pipeline stage, bf16 via megatron's `Float16Module` when `trainer.precision` resolves to bf16
@@ -8,22 +8,18 @@ the recipe's betas, eps, weight decay and grad clipping).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from megatron_scalerl.checkpoint.sharded import load_model_weights, require_model_config
+from megatron_scalerl.checkpoint.store import MANIFEST, require_complete
+from megatron_scalerl.models import build_model, load_hf_state, read_hf_checkpoint
 from megatron_scalerl.models.weights import unwrap_model
+from megatron_scalerl.platform import initialize_model_parallel
+from megatron_scalerl.platform.megatron_optimizer import prepare_optimizer
 from megatron_scalerl.platform.precision import trainer_dtype
 from megatron_scalerl.recipe import Recipe
-from megatron_scalerl.trainer.step import TrainStep
-
-
-@dataclass
-class Trainer:
-    model: list  # model chunks (one per rank without virtual pipeline stages), DDP-wrapped
-    optimizer: object  # megatron-core optimizer (distributed, possibly chained for MoE)
-    step: TrainStep
 
 
 def head_weight(chunk: torch.nn.Module) -> torch.Tensor:
@@ -62,10 +58,6 @@ def load_initial_weights(gpt: torch.nn.Module, recipe: Recipe) -> None:
     """Collective. The weights `trainer.init_from` names into `gpt` (this rank's shard): an HF checkpoint directory,
     or a Megatron checkpoint (from `scalerl convert hf-to-megatron`, or another run's `checkpoints/iter_N`), written
     at any layout; the checkpoint must be of the recipe's architecture."""
-    from megatron_scalerl.checkpoint.sharded import load_model_weights, require_model_config
-    from megatron_scalerl.checkpoint.store import MANIFEST, require_complete
-    from megatron_scalerl.models import load_hf_state, read_hf_checkpoint
-
     source = Path(recipe.trainer.init_from)
     if (source / MANIFEST).is_file():
         require_complete(source, name=f"trainer.init_from {source}", collective=True)  # hashing split over ranks
@@ -84,8 +76,6 @@ def build_model_chunks(recipe: Recipe, *, hidden_states_out: bool = True) -> lis
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.transformer.module import Float16Module
-
-    from megatron_scalerl.models import build_model
 
     dtype = trainer_dtype(recipe)
     gpt = build_model(recipe.model, recipe.parallelism, fp32_lm_head=recipe.trainer.fp32_lm_head,
@@ -121,20 +111,17 @@ def build_optimizer(recipe: Recipe, model_chunks: list):
     applied (correct state lookup with an FP32 head among bf16 weights; Adam state present before any step)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from megatron_scalerl.platform.megatron_optimizer import prepare_optimizer
-
     optimizer = get_megatron_optimizer(optimizer_config(recipe), model_chunks)
     prepare_optimizer(model_chunks, optimizer)
     return optimizer
 
 
-def build_trainer(recipe: Recipe) -> Trainer:
-    """Collective (after `platform.init_distributed`): parallel groups, model, optimizer and TrainStep."""
-    from megatron_scalerl.platform import initialize_model_parallel
-
+def build_model_and_optimizer(recipe: Recipe) -> tuple[list, object]:
+    """Collective (after `platform.init_distributed`): megatron's parallel groups for `recipe.parallelism`, then
+    this rank's model chunks (`build_model_chunks`: one per rank, DDP-wrapped) and their distributed optimizer
+    (`build_optimizer`: possibly chained, dense and expert)."""
     p = recipe.parallelism
     initialize_model_parallel(p.tp, p.pp, p.ep, p.expert_tp, seed=recipe.trainer.seed,
                               timeout_s=recipe.cluster.collective_timeout_s)
     model = build_model_chunks(recipe)
-    optimizer = build_optimizer(recipe, model)
-    return Trainer(model=model, optimizer=optimizer, step=TrainStep(recipe, model, optimizer, head_weight))
+    return model, build_optimizer(recipe, model)

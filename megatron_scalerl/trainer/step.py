@@ -1,4 +1,9 @@
-"""One optimizer step: TrainBatch -> micro-batches -> Megatron forward/backward -> policy loss -> optimizer update.
+"""The math of one optimizer step: TrainBatch -> micro-batches -> Megatron forward/backward -> policy loss -> gradients.
+
+`ForwardBackward` runs megatron-core's forward/backward schedule over this rank's micro-batches with the policy loss
+(and, forward only, the current policy's log-probs); `grad_norm` and `clip_and_update` finish the step on the
+optimizer; `lr_at` is the learning-rate schedule and `StepState` the count of steps that a checkpoint keeps. The
+trainer (`trainer/role.Trainer.train_step`) puts them together.
 
 Split invariance: every DP rank reads the whole TrainBatch, so each computes the step's `LossNormalizers` itself
 (no communication) and every micro-batch's loss is its exact share of the full-batch loss. Megatron's schedules
@@ -9,15 +14,11 @@ DP size and micro-batch split.
 On the last pipeline stage the model returns hidden states (the output layer is fused into the log-prob
 computation, see `trainer/logprobs.py` and `models` for the head); the loss function turns them into FP32 token
 log-probs, then `algo.policy_loss`.
-
-Non-finite loss or gradient norm: the step is skipped (no update, weight version unchanged), recorded in the
-metrics, and `max_consecutive_nonfinite` skips in a row abort with an error naming the step.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -32,6 +33,7 @@ from megatron_scalerl.recipe import Recipe, TrainerConfig
 from megatron_scalerl.rollout.stream import TrainBatch
 from megatron_scalerl.trainer.logprobs import token_logprobs
 from megatron_scalerl.trainer.microbatches import MicroBatch, build_microbatches
+from megatron_scalerl.trainer.setup import head_weight
 
 
 class NonFiniteError(RuntimeError):
@@ -60,24 +62,32 @@ class StepState:
     consecutive_nonfinite: int = 0
     skipped_steps: list[int] = field(default_factory=list)
 
+    def advance(self, updated: bool) -> None:
+        """Count the step just taken: an update, or (`updated` False) a skipped non-finite step."""
+        if updated:
+            self.updates += 1
+            self.consecutive_nonfinite = 0
+        else:
+            self.consecutive_nonfinite += 1
+            self.skipped_steps.append(self.step)
+        self.step += 1
 
-class TrainStep:
-    """Runs optimizer steps for one model (a list of pipeline-stage chunks wrapped in Megatron DDP)."""
 
-    def __init__(self, recipe: Recipe, model_chunks: list, optimizer, head_weight_fn):
-        """`head_weight_fn(chunk)` -> this rank's output-layer weight [padded_vocab/tp, hidden] (last pipeline
-        stage); its rows past `recipe.model.vocab_size` are vocabulary padding, masked out of the log-probs."""
+class ForwardBackward:
+    """Megatron's forward/backward schedule with the policy loss, for one model (a list of pipeline-stage chunks
+    wrapped in Megatron DDP) at this rank's place in the layout."""
+
+    def __init__(self, recipe: Recipe, model_chunks: list):
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.recipe = recipe
         self.model = model_chunks
-        self.optimizer = optimizer
-        self.head_weight_fn = head_weight_fn
-        self.forward_backward = get_forward_backward_func()
+        self.schedule = get_forward_backward_func()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         self.tp_group = ps.get_tensor_model_parallel_group()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_size = ps.get_tensor_model_parallel_world_size()
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.device = current_device()
@@ -85,51 +95,21 @@ class TrainStep:
         self.loss_params = loss_params(recipe.algorithm)
         # FP32 head: FP32 logits; without it the head computes in the model's precision (the ablation)
         self.logits_dtype = torch.float32 if recipe.trainer.fp32_lm_head else trainer_dtype(recipe)
-        self.state = StepState()
 
-    # -- loss ----------------------------------------------------------------------------------------------------
-
-    def _loss(self, normalizers: LossNormalizers, scale: float, mb: MicroBatch, hidden: torch.Tensor):
-        """hidden: [rows, seq(/tp), hidden] from the last stage. Returns (scaled loss, metrics of this micro-batch)."""
-        lp, entropy = self._token_logprobs(mb, hidden)
-        loss, metrics = policy_loss(self.recipe.algorithm.loss, logprobs=lp, gen_logprobs=mb.gen_logprobs,
-                                    advantages=mb.advantages, mask=mb.loss_mask, group_ids=mb.group_ids,
-                                    aggregation=self.recipe.algorithm.aggregation, normalizers=normalizers,
-                                    **self.loss_params)
-        metrics["loss"] = loss.detach()
-        metrics["entropy_sum"] = (entropy * mb.loss_mask).sum()
-        return loss * scale, metrics
-
-    def _token_logprobs(self, mb: MicroBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [rows, seq(/tp), h] -> (log-probs, entropy) of mb.targets, each [rows, seq] FP32."""
-        lp, entropy = token_logprobs(hidden.transpose(0, 1), self.head_weight_fn(self.model[-1]), mb.targets.t(),
-                                     tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
-                                     logits_dtype=self.logits_dtype, vocab_size=self.recipe.model.vocab_size)
-        return lp.t(), entropy.t()
-
-    def _forward_step(self, loss_fn, data_iterator, model):
-        mb: MicroBatch = next(data_iterator).to(self.device)
-        hidden = model(mb.tokens, mb.position_ids, None)
-        return hidden, partial(loss_fn, mb)
-
-    def _run_schedule(self, microbatches: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[dict]:
-        return self.forward_backward(
-            forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(microbatches),
-            model=self.model, num_microbatches=len(microbatches),
-            seq_length=max(mb.tokens.shape[1] for mb in microbatches),
-            micro_batch_size=microbatches[0].tokens.shape[0], forward_only=forward_only)
-
-    def _microbatches(self, batch: TrainBatch) -> list[MicroBatch]:
-        pad = self.tp_size if self.sequence_parallel else 1
-        return build_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
-                                  micro_batch_size=self.recipe.parallelism.micro_batch_size, pad_multiple=pad)
+    def gradients(self, batch: TrainBatch) -> tuple[float, dict[str, float]]:
+        """Collective. Backpropagate the policy loss of `batch` (the whole step's batch, identical on every rank):
+        the full-batch gradient accumulates into the model's DDP grad buffers (zero them first). Returns the step's
+        summed loss and the loss's metrics merged over micro-batches and ranks (every rank gets them)."""
+        normalizers = LossNormalizers.from_sample_tokens(batch.loss_tokens_per_sample(), batch.group_ids)
+        microbatches = self._microbatches(batch)
+        scale = float(len(microbatches) * self.dp_size)
+        outputs = self._run_schedule(microbatches, partial(self._loss, normalizers, scale), forward_only=False)
+        return self._reduce_metrics(outputs)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """The current policy's log-prob of every token of `batch`, packed like batch.input_ids [T] (FP32; 0 for
         each sample's first token). Collective; every rank gets the full tensor."""
-        from megatron.core import parallel_state as ps
-
         def collect(mb: MicroBatch, hidden: torch.Tensor):
             lp, _ = self._token_logprobs(mb, hidden)
             return lp.sum() * 0, {"logprobs": lp, "sample_index": mb.sample_index}
@@ -143,7 +123,7 @@ class TrainStep:
                 chunk.train()
         packed = torch.zeros(batch.num_tokens, dtype=torch.float32, device=self.device)
         offsets = batch.offsets.tolist()
-        if ps.get_tensor_model_parallel_rank() == 0:
+        if self.tp_rank == 0:
             for out in outputs:
                 for row, i in enumerate(out["sample_index"].tolist()):
                     if i >= 0:
@@ -153,83 +133,52 @@ class TrainStep:
             dist.all_reduce(packed)
         return packed.cpu()
 
-    # -- step ----------------------------------------------------------------------------------------------------
+    # -- the pieces ----------------------------------------------------------------------------------------------
 
-    def run(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on `batch` (the whole step's batch, identical on every rank). Returns its metrics."""
-        start = time.perf_counter()
-        step = self.state.step
-        normalizers = LossNormalizers.from_sample_tokens(batch.loss_tokens_per_sample(), batch.group_ids)
-        microbatches = self._microbatches(batch)
-        scale = float(len(microbatches) * self.dp_size)
-        lr = lr_at(self.state.updates, self.recipe.trainer)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
+    def _microbatches(self, batch: TrainBatch) -> list[MicroBatch]:
+        pad = self.tp_size if self.sequence_parallel else 1
+        return build_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                  micro_batch_size=self.recipe.parallelism.micro_batch_size, pad_multiple=pad)
 
-        outputs = self._run_schedule(microbatches, partial(self._loss, normalizers, scale), forward_only=False)
+    def _run_schedule(self, microbatches: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[dict]:
+        """Megatron's schedule over `microbatches`; `loss_fn(mb, hidden)` -> (loss, metrics). Returns the metrics of
+        every micro-batch (last pipeline stage only; empty elsewhere)."""
+        return self.schedule(
+            forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(microbatches),
+            model=self.model, num_microbatches=len(microbatches),
+            seq_length=max(mb.tokens.shape[1] for mb in microbatches),
+            micro_batch_size=microbatches[0].tokens.shape[0], forward_only=forward_only)
 
-        loss_sum, merged = self._reduce_metrics(outputs)
-        grad_norm = self._grad_norm()
-        finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
-        if finite:
-            finite = self._clip_and_update(grad_norm)
-        self.state.step += 1
-        if finite:
-            self.state.updates += 1
-            self.state.consecutive_nonfinite = 0
-        else:  # nothing to undo: the gradients are zeroed at the start of the next step
-            self.state.consecutive_nonfinite += 1
-            self.state.skipped_steps.append(step)
-            if self.state.consecutive_nonfinite >= self.recipe.trainer.max_consecutive_nonfinite:
-                raise NonFiniteError(
-                    f"step {step}: non-finite loss ({loss_sum}) or grad norm ({grad_norm}) for "
-                    f"{self.state.consecutive_nonfinite} steps in a row (trainer.max_consecutive_nonfinite)")
-        elapsed = time.perf_counter() - start
-        tokens = int(batch.lengths.sum())
-        return {
-            "train/loss": loss_sum, "train/grad_norm": grad_norm, "train/lr": lr,
-            "train/skipped": 0.0 if finite else 1.0,
-            "train/clip_fraction": merged["clip_fraction"], "train/ratio_mean": merged["ratio_mean"],
-            "train/ratio_max": merged["ratio_max"], "train/mismatch_k3": merged["mismatch_k3"],
-            "train/entropy": merged["entropy"], "train/loss_tokens": merged["tokens"],
-            "train/truncated_fraction": float(batch.truncated.float().mean()),
-            "train/samples": batch.num_samples, "train/tokens": tokens,
-            "train/step_time_s": elapsed, "train/tokens_per_s": tokens / elapsed,
-            "train/updates": self.state.updates,
-            # PipelineRL-k bounds this by k: how many steps behind this step's policy the batch's oldest token's was
-            "train/staleness_max": float(step - batch.weight_versions[batch.loss_mask].min())
-            if bool(batch.loss_mask.any()) else 0.0,
-        }
+    def _forward_step(self, loss_fn, data_iterator, model):
+        mb: MicroBatch = next(data_iterator).to(self.device)
+        hidden = model(mb.tokens, mb.position_ids, None)
+        return hidden, partial(loss_fn, mb)
 
-    def _grad_norm(self) -> float:
-        """Global L2 norm of the step's gradients (after Megatron's DP reduction), before clipping."""
-        self.optimizer.prepare_grads()
-        return float(self.optimizer.get_grad_norm())
+    def _loss(self, normalizers: LossNormalizers, scale: float, mb: MicroBatch, hidden: torch.Tensor):
+        """hidden: [rows, seq(/tp), hidden] from the last stage. Returns (scaled loss, metrics of this micro-batch)."""
+        lp, entropy = self._token_logprobs(mb, hidden)
+        loss, metrics = policy_loss(self.recipe.algorithm.loss, logprobs=lp, gen_logprobs=mb.gen_logprobs,
+                                    advantages=mb.advantages, mask=mb.loss_mask, group_ids=mb.group_ids,
+                                    aggregation=self.recipe.algorithm.aggregation, normalizers=normalizers,
+                                    **self.loss_params)
+        metrics["loss"] = loss.detach()
+        metrics["entropy_sum"] = (entropy * mb.loss_mask).sum()
+        return loss * scale, metrics
 
-    def _clip_and_update(self, grad_norm: float) -> bool:
-        """Clip to trainer.grad_clip with the norm already computed, then update (megatron's `step` minus the
-        second norm computation). Returns whether the update happened."""
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-        max_norm = self.recipe.trainer.grad_clip
-        if max_norm > 0:
-            for part in optimizer_parts(self.optimizer):
-                params = part.get_parameters()
-                if params:
-                    clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=grad_norm)
-        return bool(self.optimizer.step_with_ready_grads())
+    def _token_logprobs(self, mb: MicroBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [rows, seq(/tp), h] -> (log-probs, entropy) of mb.targets, each [rows, seq] FP32. The head weight
+        [padded_vocab/tp, hidden] is the last stage's; its rows past `model.vocab_size` (padding) are masked out."""
+        lp, entropy = token_logprobs(hidden.transpose(0, 1), head_weight(self.model[-1]), mb.targets.t(),
+                                     tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
+                                     logits_dtype=self.logits_dtype, vocab_size=self.recipe.model.vocab_size)
+        return lp.t(), entropy.t()
 
     def _reduce_metrics(self, outputs: list[dict]) -> tuple[float, dict[str, float]]:
         """The step's summed loss and its metrics merged over micro-batches and ranks; every rank gets the result.
 
         Only last-stage ranks have outputs and their TP peers hold identical copies, so TP rank 0 contributes.
         """
-        from megatron.core import parallel_state as ps
-
-        contributes = self.is_last_stage and (not dist.is_initialized() or ps.get_tensor_model_parallel_rank() == 0)
+        contributes = self.is_last_stage and (not dist.is_initialized() or self.tp_rank == 0)
         mine = outputs if contributes else []
         local = merge_metrics(mine)
         local["loss"] = sum(float(o["loss"]) for o in mine)
@@ -238,3 +187,22 @@ class TrainStep:
         merged = merge_metrics(parts)
         merged["entropy"] = sum(p["entropy_sum"] for p in parts) / max(merged["tokens"], 1.0)
         return sum(p["loss"] for p in parts), merged
+
+
+def grad_norm(optimizer) -> float:
+    """Global L2 norm of the step's gradients (after Megatron's DP reduction), before clipping."""
+    optimizer.prepare_grads()
+    return float(optimizer.get_grad_norm())
+
+
+def clip_and_update(optimizer, norm: float, max_norm: float) -> bool:
+    """Clip to `max_norm` (0: no clipping) with the norm already computed, then update (megatron's `step` minus the
+    second norm computation). Returns whether the update happened."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    if max_norm > 0:
+        for part in optimizer_parts(optimizer):
+            params = part.get_parameters()
+            if params:
+                clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=norm)
+    return bool(optimizer.step_with_ready_grads())

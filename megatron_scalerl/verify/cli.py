@@ -18,6 +18,9 @@ from pathlib import Path
 
 from megatron_scalerl.command_line import command_group
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.families import attention_chunk
+from megatron_scalerl.models.arch import check_model_layout
+from megatron_scalerl.recipe import read_hf_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -45,7 +48,7 @@ def add_layout_arguments(parser: argparse.ArgumentParser, whose: str = "") -> No
 def layout_from_arguments(args: argparse.Namespace):
     """The `parity.trainer_layout` of `add_layout_arguments`' options, each checked to be >= 1."""
     _positive(args, "tp", "pp", "ep", "expert_tp")
-    from megatron_scalerl.verify.parity import trainer_layout
+    from megatron_scalerl.verify.parity import trainer_layout  # deferred, as every import below: torch (see cli.py)
 
     return trainer_layout(tp=args.tp, pp=args.pp, ep=args.ep, expert_tp=args.expert_tp)
 
@@ -74,8 +77,7 @@ def logits_check(hf_dir: str, megatron: str | None, layout, *, seq_len: int | No
     checked `megatron`'s files against their SHA-256 (only their sizes are checked again)."""
     import torch
 
-    from megatron_scalerl.models.arch import check_model_layout
-    from megatron_scalerl.models.hf_io import LazyHFState, read_hf_config
+    from megatron_scalerl.models.hf_io import LazyHFState  # deferred: torch
     from megatron_scalerl.platform.distributed import check_layout
     from megatron_scalerl.verify.parity import hf_reference, run_layouts
 
@@ -89,7 +91,7 @@ def logits_check(hf_dir: str, megatron: str | None, layout, *, seq_len: int | No
     batch = batch or max(2, dp)
     if batch % dp:
         raise UserError(f"--batch: {batch} does not split over {dp} data-parallel ranks")
-    chunk = model_cfg.attention_chunk_size if model_cfg.arch == "llama4" else None
+    chunk = attention_chunk(model_cfg)
     seq_len = seq_len or (chunk + 16 if chunk else 64)
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, model_cfg.vocab_size, (batch, seq_len), generator=generator)
@@ -119,7 +121,7 @@ def logits_check(hf_dir: str, megatron: str | None, layout, *, seq_len: int | No
 
 def _check_checkpoint_matches(path: Path, hf_model_cfg, hf_dir: str, *, checksums: bool) -> None:
     """A Megatron checkpoint of the same architecture as the HF directory, complete per its manifest."""
-    from megatron_scalerl.checkpoint.sharded import require_model_config
+    from megatron_scalerl.checkpoint.sharded import require_model_config  # deferred: torch
     from megatron_scalerl.checkpoint.store import require_complete
 
     require_complete(path, checksums=checksums, name=f"--megatron {path}")  # once, here, not on every worker

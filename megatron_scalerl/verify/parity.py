@@ -20,6 +20,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron_scalerl.checkpoint.sharded import load_model_weights
+from megatron_scalerl.platform.distributed import current_device, initialize_model_parallel
+from megatron_scalerl.platform.local_workers import run_local_workers
 from megatron_scalerl.recipe import ModelConfig, ParallelismConfig, Recipe, load_recipe
 
 
@@ -111,9 +114,7 @@ def run_layout(
     it; the result on one rank, else None."""
     from megatron.core import parallel_state as ps
 
-    from megatron_scalerl.checkpoint.sharded import load_model_weights
-    from megatron_scalerl.models.weights import unwrap_model
-    from megatron_scalerl.platform.distributed import current_device, initialize_model_parallel
+    from megatron_scalerl.models.weights import unwrap_model  # deferred, as the next: megatron-core (workers only)
     from megatron_scalerl.trainer.setup import build_model_chunks, build_optimizer
 
     p = parallelism
@@ -176,8 +177,6 @@ def run_layouts(
 ) -> list[LayoutResult]:
     """Run each layout on `world_size` spawned workers (default: the fewest that hold all of them); the weights come
     from `hf_dir`, or from the trainer checkpoint `megatron_ckpt` when given."""
-    from megatron_scalerl.platform.local_workers import run_local_workers
-
     world_size = world_size or math.lcm(*(layout.min_world_size() for layout in layouts))
     per_rank = run_local_workers(
         run_layouts_worker,

@@ -2,19 +2,19 @@
 
     config = WeightSyncConfig(bucket_mib=256, serving_dtype=torch.bfloat16, timeout_s=120)
     sender = WeightSender(["http://gen0:8000", "http://gen1:8000"], config).connect() if rank == 0 else None
-    push_weights(trainer.model, recipe.model, config, sender, weight_version=state.weight_version)  # every rank
+    push_weights(trainer.model, recipe.model, config, sender, weight_version=state.step)  # every rank
 
 One broadcast group holds trainer rank 0 (group rank 0, hosting the rendezvous) and every server's workers: server i
 at rank offset 1 + the worker counts of the servers before it (`protocol.rank_offsets`; each server reports its
 count on `/get_world_size`). The transport is the machine's process-group backend (`platform.resolve_backend`):
 vLLM's own NCCL engine on GPUs, our gloo engine (`gloo_engine`) on CPUs. A sync, on every server concurrently:
 `/start_weight_update`; per bucket `/update_weights` (names, dtype names, shapes) while rank 0 broadcasts the
-bucket; `/finish_weight_update` with the weight version; `/reset_prefix_cache` (running requests are re-queued, so
-no KV block computed with the old weights is reused). With `pause_generation` (the default) the sync is wrapped in
-`/pause?mode=keep` ... `/resume`: running requests freeze in place and continue on the new weights (PipelineRL's
-in-flight update); a failed sync leaves the servers paused, so nothing is generated from half-updated weights.
-Every HTTP call and broadcast waits at most
-`timeout_s` seconds; a failure raises WeightSyncError naming the server (and whether it still answers /health) and
+bucket; `/finish_weight_update` with the policy version (`algo.versions.version_tag`); `/reset_prefix_cache`
+(running requests are re-queued, so no KV block computed with the old weights is reused). With `pause_generation`
+(the default) the sync is wrapped in `/pause?mode=keep` ... `/resume`, the one place that pauses the servers:
+running requests freeze in place and continue on the new weights (PipelineRL's in-flight update); a failed sync
+leaves the servers paused, so nothing is generated from half-updated weights. Every HTTP call and broadcast waits at
+most `timeout_s` seconds; a failure raises WeightSyncError naming the server (and whether it still answers /health) and
 the bucket. After a failure the sender must be closed; the servers need a complete sync before serving again.
 
 Checksum mode (`checksums=True`): the receivers record a checksum of every tensor they received and the sender
@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from megatron_scalerl.algo.versions import version_tag
 from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.platform.distributed import from_rank0, resolve_backend
 from megatron_scalerl.recipe import ModelConfig
@@ -63,7 +64,7 @@ class WeightSyncConfig:
 
 @dataclass(frozen=True)
 class SyncStats:
-    weight_version: str
+    weight_version: int  # the policy version the servers now serve
     buckets: int
     bytes: int
     seconds: float
@@ -150,21 +151,21 @@ class WeightSender:
         self._wait(futures, "connect")
         return self
 
-    def send(self, buckets: Iterable[Bucket], weight_version: int | str,
+    def send(self, buckets: Iterable[Bucket], weight_version: int,
              progress: Callable[[Bucket], None] | None = None) -> SyncStats:
-        """One full update of every server from `buckets` (the whole model), tagged `weight_version`;
+        """One full update of every server from `buckets` (the whole model), tagged policy version `weight_version`;
         `progress(bucket)` is called after each bucket reached every server."""
         if self.failed is not None:
             raise WeightSyncError(f"weight sender unusable after an earlier failure: {self.failed}")
         if not self.world_sizes:
             raise WeightSyncError("weight sender not connected: call connect() first")
         try:
-            return self._send(buckets, str(weight_version), progress)
+            return self._send(buckets, weight_version, progress)
         except WeightSyncError as exc:  # e.g. the export failed: the servers are left inside an update
             self.failed = self.failed or str(exc)
             raise
 
-    def _send(self, buckets: Iterable[Bucket], version: str, progress: Callable[[Bucket], None] | None) -> SyncStats:
+    def _send(self, buckets: Iterable[Bucket], version: int, progress: Callable[[Bucket], None] | None) -> SyncStats:
         start = time.monotonic()
         if self.config.pause_generation:
             self._each("POST /pause", lambda url: self._call(url, "/pause", query={"mode": "keep",
@@ -185,7 +186,7 @@ class WeightSender:
                 progress(bucket)
             del bucket, futures  # let the next bucket be exported without this one alive
         self._each("POST /finish_weight_update",
-                   lambda url: self._call(url, "/finish_weight_update", {"weight_version": version}))
+                   lambda url: self._call(url, "/finish_weight_update", {"weight_version": version_tag(version)}))
         self._each("POST /reset_prefix_cache", self._reset_prefix_cache)
         if self.config.pause_generation:
             self._each("POST /resume", lambda url: self._call(url, "/resume"))
@@ -232,7 +233,7 @@ class WeightSender:
 
 
 def push_weights(model_chunks: list, model_cfg: ModelConfig, config: WeightSyncConfig, sender: WeightSender | None,
-                 weight_version: int | str, progress: Callable[[Bucket], None] | None = None) -> SyncStats | None:
+                 weight_version: int, progress: Callable[[Bucket], None] | None = None) -> SyncStats | None:
     """Collective over every trainer rank: export the model (`export.export_buckets`) and, on rank 0 (the only rank
     with a `sender`), send it. Rank 0's failure reaches every rank as the same WeightSyncError after the export is
     drained, so no rank is left waiting in a collective. Returns the stats on rank 0, None elsewhere; `progress`:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from megatron_scalerl.platform.local_workers import free_port
 from megatron_scalerl.weight_sync.protocol import Bucket
 
 
@@ -87,8 +88,6 @@ class NcclTransport:
     @staticmethod
     def listen(address: str) -> int:
         """A free port for the rendezvous (vLLM's NCCL trainer side binds it itself in `open`)."""
-        from megatron_scalerl.platform.local_workers import free_port
-
         return free_port()
 
     def open(self, address: str, port: int, world_size: int, timeout_s: float) -> None:

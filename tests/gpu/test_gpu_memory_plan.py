@@ -61,28 +61,29 @@ def full_length_batch(rows: int, length: int, vocab: int):
     ).validate("full_length_batch", vocab)
 
 
-def measure(rank: int, recipe) -> dict:
-    """`run_local_workers` entry: a warm-up step, then one measured step (bytes; None on a CPU)."""
+def measure(rank: int, recipe, run_dir) -> dict:
+    """`run_local_workers` entry: the trainer in `run_dir`, a warm-up step, then one measured step (bytes; None on a
+    CPU)."""
     import time
 
     import torch
 
-    from megatron_scalerl.trainer.setup import build_trainer
+    from megatron_scalerl.trainer.role import Trainer
 
     cuda = torch.cuda.is_available()
-    trainer = build_trainer(recipe)
+    trainer = Trainer(run_dir, recipe)
     rollout = recipe.rollout
     # samples one token longer than a sequence: the model reads all but the last, so the micro-batch is exactly
     # micro_batch_size x (max_prompt_tokens + max_new_tokens), what the plan assumes
     batch = full_length_batch(recipe.parallelism.micro_batch_size,
                               rollout.max_prompt_tokens + rollout.max_new_tokens + 1, recipe.model.vocab_size)
-    trainer.step.run(batch)
+    trainer.train_step(batch)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     between = torch.cuda.memory_allocated() if cuda else None
     start = time.perf_counter()
-    metrics = trainer.step.run(batch)
+    metrics = trainer.train_step(batch)
     if cuda:
         torch.cuda.synchronize()
     return {"between_steps": between, "peak": torch.cuda.max_memory_allocated() if cuda else None,
@@ -92,13 +93,13 @@ def measure(rank: int, recipe) -> dict:
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
-def test_plan_estimate_against_measured_peak(recompute, gpu_figures):
+def test_plan_estimate_against_measured_peak(recompute, gpu_figures, tmp_path):
     from megatron_scalerl.models.memory_plan import trainer_plan
     from megatron_scalerl.platform import run_local_workers
 
     recipe = plan_recipe(recompute)
     plan = trainer_plan(recipe, kernels="transformer_engine")
-    [measured] = run_local_workers(measure, 1, recipe, backend="auto", timeout_s=WORKER_TIMEOUT_S)
+    [measured] = run_local_workers(measure, 1, recipe, tmp_path, backend="auto", timeout_s=WORKER_TIMEOUT_S)
     reserve = plan.parts["runtime reserve"]
     estimate = plan.total_gib * GIB - reserve
     static = sum(plan.parts[k] for k in ("weights", "gradients (fp32)", "optimizer (distributed)"))

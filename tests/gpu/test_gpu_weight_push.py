@@ -83,25 +83,25 @@ def continuations_batch(outputs: list, version: int, vocab: int):
     ).validate("server continuations", vocab)
 
 
-def push_worker(rank: int, recipe, url: str, config, out_dir: Path, steps: int) -> dict | None:
-    """`run_local_workers` entry, every trainer rank: build the trainer, train `steps` steps, push to `url`, export
-    the same tensors (rank 0 writes them to `out_dir` as an HF checkpoint), and compute the trainer's log-probs of
-    the server's greedy continuations. Rank 0 returns what it saw."""
+def push_worker(rank: int, recipe, url: str, config, run_dir: Path, out_dir: Path, steps: int) -> dict | None:
+    """`run_local_workers` entry, every trainer rank: build the trainer in `run_dir`, train `steps` steps, push to
+    `url`, export the same tensors (rank 0 writes them to `out_dir` as an HF checkpoint), and compute the trainer's
+    log-probs of the server's greedy continuations. Rank 0 returns what it saw."""
     import shutil
 
     from safetensors.torch import save_file
 
     from megatron_scalerl.models import export_hf_state
     from megatron_scalerl.platform.distributed import from_rank0
-    from megatron_scalerl.trainer.setup import build_trainer
+    from megatron_scalerl.trainer.role import Trainer
     from megatron_scalerl.weight_sync.protocol import LM_HEAD, checksum, wire_dtype
     from megatron_scalerl.weight_sync.sender import WeightSender, push_weights
     from tests.trainer_utils import rl_batch
     from tests.weight_sync_utils import server_greedy
 
-    trainer = build_trainer(recipe)
+    trainer = Trainer(run_dir, recipe)
     vocab = recipe.model.vocab_size
-    losses = [trainer.step.run(rl_batch(seed, vocab=vocab))["train/loss"] for seed in range(steps)]
+    losses = [trainer.train_step(rl_batch(seed, vocab=vocab))["train/loss"] for seed in range(steps)]
     sender = WeightSender([url], config).connect() if rank == 0 else None
     try:
         stats = push_weights(trainer.model, recipe.model, config, sender, steps)
@@ -112,7 +112,7 @@ def push_worker(rank: int, recipe, url: str, config, out_dir: Path, steps: int) 
               for name, t in export_hf_state(trainer.model[0], recipe.model)}
     outputs = from_rank0(server_greedy(url) if rank == 0 else None)
     batch = continuations_batch(outputs, steps, vocab)
-    packed = trainer.step.logprobs(batch)
+    packed = trainer.forward_backward.logprobs(batch)
     offsets = batch.offsets.tolist()
     trainer_logprobs = [packed[offsets[i] + int(batch.prompt_lengths[i]):offsets[i + 1]].tolist()
                         for i in range(batch.num_samples)]
@@ -146,8 +146,8 @@ def push_check(root: Path, layout: dict, *, gpu: int | None, serving: str) -> di
     try:
         server.wait_ready(SERVER_READY_S)
         before = server_greedy(server.url)
-        [result, *_] = run_local_workers(push_worker, world, recipe, server.url, config, root / "pushed", STEPS,
-                                         backend="auto", timeout_s=WORKER_TIMEOUT_S)
+        [result, *_] = run_local_workers(push_worker, world, recipe, server.url, config, root / "run", root / "pushed",
+                                         STEPS, backend="auto", timeout_s=WORKER_TIMEOUT_S)
         version = weight_version(server.url)
         heads = request_json(server.url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"},
                              timeout_s=120)["results"]

@@ -1,0 +1,48 @@
+"""What a model family declares on its pure side: `FamilySpec`, and `LayerPlan` for what each decoder layer is.
+
+Pure data and functions of the recipe's model section (no torch, no megatron-core; `recipe` imports this package,
+so `ModelConfig` is named for type checking only). The family's torch side is `models.family.ModelParts`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_scalerl.recipe import ModelConfig
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one decoder layer computes beyond the block every family shares (RMSNorm, GQA attention, SwiGLU).
+
+    Read by the HF config (`moe_layers`, `no_rope_layers`), the megatron-core config and layer specs, the weight
+    mapping (which MLP table) and the memory plan (parameters, activations, attention scores)."""
+
+    moe: bool  # routed experts and a shared expert instead of the dense MLP
+    rope: bool  # rotary position embedding on q and k; False: NoPE
+    qk_norm: bool  # L2 norm on q and k
+    attention_chunk: int | None  # tokens: a query sees only its own chunk of the sequence; None: the whole prefix
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One model family's pure side: `FAMILY` in `families/<name>/__init__.py` (docs/model_families.md).
+
+    `name` is the recipe's `model.arch` and the folder's name. The HF translation is split: `families.hf` holds the
+    config.json keys every family shares, `hf_fields` / `model_fields` the family's own, one per direction."""
+
+    name: str
+    hf_architecture: str  # config.json `architectures[0]`, e.g. LlamaForCausalLM
+    hf_model_type: str  # config.json `model_type` of the text model, e.g. llama; how a checkpoint names its family
+    moe: bool  # whether the family has routed experts (model.num_experts > 0 is refused otherwise)
+    layer: Callable[[ModelConfig, int], LayerPlan]  # (model section, global 0-based layer) -> what that layer is
+    hf_fields: Callable[[ModelConfig], dict[str, Any]]  # model section -> the family's own config.json keys
+    # (config.json, its path for errors) -> the family's own model-section fields; raises UserError on what our
+    # models do not compute
+    model_fields: Callable[[dict[str, Any], str], dict[str, Any]]
+    # Serving: (config.json, vLLM's default KV block in tokens) -> the KV block vLLM must use instead, or None for
+    # the default. None: the default always fits the family.
+    kv_block_size: Callable[[dict[str, Any], int], int | None] | None = None

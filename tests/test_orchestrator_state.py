@@ -1,0 +1,156 @@
+"""The orchestrator's saved state and its resume: the state files' rotation, and the rewind to the checkpoint the
+trainer resumes from (a stream that went on past the checkpoint's copy of the state is cut back to it, the batches
+after it moved aside, the curriculum of that copy restored). The whole loop on real processes:
+tests/test_pipeline_run.py."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_scalerl.checkpoint.store import CheckpointStore, publish
+from megatron_scalerl.errors import UserError
+from megatron_scalerl.metrics import MetricsLog
+from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.rollout.orchestrator import Orchestrator
+from megatron_scalerl.rollout.orchestrator_state import (
+    ABANDONED_DIR,
+    ABANDONED_NOTE,
+    SavedState,
+    load_state,
+    rewind_to_checkpoint,
+    save_state,
+)
+from megatron_scalerl.rollout.stream import RolloutStream
+from megatron_scalerl.run_dir import CURRICULUM_FILE, PREVIOUS_CURRICULUM_FILE
+from tests.test_rollout_stream import make_batch
+
+PROMPTS_PER_BATCH = 2
+
+
+class WordTokenizer:
+    """What the orchestrator asks of a tokenizer before it generates anything: one id per word."""
+
+    eos_token_id = 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [len(word) for word in text.split()]
+
+
+def _state(batch: int, **changes) -> SavedState:
+    return SavedState(**{"batch": batch, "next_group": 2 * (batch + 1), "sampler": {"epoch": 0, "position": batch + 1},
+                         "resampling": {}, "validated": [0], "pending": [], "wall_hours": 0.1 * (batch + 1),
+                         **changes})
+
+
+def _checkpoint(run_dir: Path, step: int, curriculum: dict | None) -> None:
+    """A published checkpoint `iter_<step>` whose rl_state.json holds `curriculum` (None: no copy, as before)."""
+    extras = {} if curriculum is None else {"curriculum": curriculum}
+    publish(CheckpointStore(run_dir, keep=3).path(step), lambda tmp: (tmp / "model.bin").write_bytes(b"w" * 64),
+            {"step_state": {"step": step}, **extras}, {"iteration": step})
+
+
+def _stream(run_dir: Path, batches: int) -> RolloutStream:
+    stream = RolloutStream(run_dir)
+    for index in range(batches):
+        stream.put(make_batch(seed=index), {"prompts": [f"p{index}"]}, index=index)
+    return stream
+
+
+def _folder(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "rollouts" / ABANDONED_DIR).glob("*"))
+
+
+def test_the_state_before_a_batch_keeps_the_previous_one_and_a_resume_takes_the_one_of_the_last_batch(tmp_path):
+    save_state(tmp_path, _state(0), new_batch=True)
+    save_state(tmp_path, _state(1), new_batch=True)
+    save_state(tmp_path, _state(1, validated=[0, 1]), new_batch=False)  # after the batch: replaced in place
+    assert SavedState.parse(json.loads((tmp_path / PREVIOUS_CURRICULUM_FILE).read_text()), "prev") == _state(0)
+    assert load_state(tmp_path, 1) == (_state(1, validated=[0, 1]), tmp_path / CURRICULUM_FILE)
+    assert load_state(tmp_path, 0) == (_state(0), tmp_path / PREVIOUS_CURRICULUM_FILE)  # batch 1 never landed
+    with pytest.raises(UserError, match="the stream's last batch is 4, but neither curriculum.json nor"):
+        load_state(tmp_path, 4)
+    (tmp_path / CURRICULUM_FILE).write_text('{"batch": 1, "next_group": 2}')
+    with pytest.raises(UserError, match=r"curriculum.json: malformed orchestrator state \(KeyError: 'sampler'\)"):
+        load_state(tmp_path, 1)
+
+
+def test_a_resume_past_the_checkpoints_copy_sets_the_later_batches_aside_and_restores_its_curriculum(tmp_path):
+    """Batches 0..7 were written; the trainer's newest checkpoint (iter_4) holds the state of batch 5 (the orchestrator
+    ran ahead of it); the trainer crashed later. Resumed, the orchestrator continues after batch 5, with the prompt
+    sampler, the pending prompts and the validations of that copy, and draws batch 6's prompts again."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"problem": f"{i} + {i} = ?", "answer": str(2 * i)}) + "\n" for i in range(40)))
+    recipe = load_recipe("demo", ["logging.wandb_mode=disabled", "forecast.live=false", "data.validation_holdout=4",
+                                  f"data.train=[{{kind: jsonl, path: '{prompts}'}}]"])
+    first = Orchestrator(tmp_path, recipe, WordTokenizer(), ["http://127.0.0.1:9"], grader_workers=1)
+    stream, drawn, copy = RolloutStream(tmp_path), {}, None
+    try:
+        for index in range(8):
+            admitted = [first.admission.admit() for _ in range(PROMPTS_PER_BATCH + 1)]
+            for group, _ in admitted[:PROMPTS_PER_BATCH]:  # the last one stays pending, in the state
+                del first.admission.pending[group]
+            drawn[index] = [problem.key for _, problem in admitted]
+            first.admission.written += 1
+            first.validation.done.add(index)
+            first._save_state(new_batch=True)
+            if index == 5:
+                copy = json.loads((tmp_path / CURRICULUM_FILE).read_text())  # what the trainer copies
+                _checkpoint(tmp_path, 4, copy)
+            stream.put(make_batch(seed=index), {"prompts": drawn[index][:PROMPTS_PER_BATCH]}, index=index)
+    finally:
+        first.close()
+    _checkpoint(tmp_path, 2, {**copy, "batch": 3})  # an older one: the newest valid checkpoint is the one that counts
+    MetricsLog(tmp_path, "orchestrator").log(8, {"wall_hours": 5.0})  # the abandoned timeline's time was spent too
+
+    resumed = Orchestrator(tmp_path, recipe, WordTokenizer(), ["http://127.0.0.1:9"], resume=True, grader_workers=1)
+    try:
+        [folder] = _folder(tmp_path)
+        assert folder.name == "from_batch_00000006" and stream.next_index() == 6
+        assert sorted(p.name for p in folder.iterdir()) == [
+            ABANDONED_NOTE, "batch_00000006.safetensors", "batch_00000007.safetensors", CURRICULUM_FILE,
+            PREVIOUS_CURRICULUM_FILE]
+        assert json.loads((folder / CURRICULUM_FILE).read_text())["batch"] == 7  # the abandoned state, kept
+        assert "batches 6..7 were written after the orchestrator state of iter_0000004 (batch 5)" in (
+            folder / ABANDONED_NOTE).read_text()
+        assert json.loads((tmp_path / CURRICULUM_FILE).read_text()) == copy
+        assert not (tmp_path / PREVIOUS_CURRICULUM_FILE).exists()
+        admission = resumed.admission
+        assert admission.written == 6 and admission.next_group == copy["next_group"]
+        assert resumed.sampler.state_dict() == copy["sampler"] and resumed.validation.done == set(range(6))
+        assert admission.requeued == [drawn[index][-1] for index in range(6)]  # admitted, in no batch
+        assert resumed.compute.wall_hours_before == 5.0
+        admission.requeued.clear()
+        assert [admission.admit()[1].key for _ in range(3)] == drawn[6]  # the same curriculum from there on
+        rewind_to_checkpoint(tmp_path, pytest.fail)  # once rewound, nothing more to do
+        stream.put(make_batch(seed=6), index=6)  # the index goes on where the copy ended, never written twice
+    finally:
+        resumed.close()
+
+
+def test_a_copy_at_the_streams_end_or_none_at_all_leaves_the_stream_as_it_is(tmp_path):
+    said = []
+    stream = _stream(tmp_path, 4)
+    _checkpoint(tmp_path, 2, None)  # a checkpoint from before the copies: as before, nothing to compare with
+    rewind_to_checkpoint(tmp_path, said.append)
+    _checkpoint(tmp_path, 3, _state(3).__dict__)  # the copy is of the stream's last batch
+    rewind_to_checkpoint(tmp_path, said.append)
+    _checkpoint(tmp_path, 4, _state(4).__dict__)  # the state of batch 4 was saved, batch 4 never written
+    rewind_to_checkpoint(tmp_path, said.append)
+    assert said == [] and stream.next_index() == 4 and not _folder(tmp_path)
+
+
+def test_without_a_checkpoint_the_run_starts_over_and_a_pruned_copy_point_is_only_said(tmp_path):
+    said = []
+    stream = _stream(tmp_path, 3)
+    save_state(tmp_path, _state(2), new_batch=True)
+    rewind_to_checkpoint(tmp_path, said.append)  # the trainer starts again from its initial weights
+    assert stream.next_index() == 0 and not (tmp_path / CURRICULUM_FILE).exists()
+    assert [p.name for p in _folder(tmp_path)] == ["from_batch_00000000"]
+    assert load_state(tmp_path, -1) is None  # the orchestrator starts afresh
+    stream = _stream(tmp_path / "pruned", 6)
+    stream.path(2).unlink()  # pruned below the oldest kept checkpoint, iter_3
+    _checkpoint(tmp_path / "pruned", 3, _state(2).__dict__)
+    rewind_to_checkpoint(tmp_path / "pruned", said.append)
+    assert stream.next_index() == 6 and said[-1].startswith("warning: the trainer resumes from iter_0000003, whose copy")
+    assert "batch 2 was pruned: batches 3..5" in said[-1]
