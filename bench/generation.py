@@ -7,7 +7,7 @@ settings (eager, 32-token KV blocks, `--max-num-seqs`, 1 GiB KV cache, processed
 same tokens, so both generate the same number.
 
 - offline: `vllm.LLM.generate` of every request at once (the engine's own limit: no HTTP, no client);
-- fleet: `rollout.fleet.Fleet.generate` of every request concurrently, through `/inference/v1/generate` of a server
+- fleet: `inference.fleet.Fleet.generate` of every request concurrently, through `/inference/v1/generate` of a server
   started as our launcher starts it (`VLLMServer`).
 
 Each side: one warm-up pass, then the median of `--repeats` timed passes (wall seconds). `ratio_tokens_per_s` = fleet
@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 from weight_sync import add_model_arguments, bench_recipe  # this folder's link benchmark: the same model family
 
+from megatron_scalerl.inference.fleet import Fleet, GenerationRequest
+from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig
 from megatron_scalerl.models.hf_io import save_random_hf_model
 from megatron_scalerl.platform import free_port
-from megatron_scalerl.rollout.fleet import Fleet, GenerationRequest
-from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig
 
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 MAX_MODEL_LEN = 512

@@ -39,10 +39,10 @@ from pathlib import Path
 
 import torch
 
+from megatron_scalerl.batches.train_batch import TrainBatch
 from megatron_scalerl.models.hf_io import save_random_hf_model
 from megatron_scalerl.platform import run_local_workers
 from megatron_scalerl.recipe import Recipe, load_recipe
-from megatron_scalerl.rollout.stream import TrainBatch
 
 GROUP_SIZE = 4  # samples per prompt
 LAYOUTS: dict[str, list[tuple[str, dict[str, int]]]] = {  # name -> (label, parallel sizes); the first is the baseline

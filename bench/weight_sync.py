@@ -41,9 +41,9 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
+from megatron_scalerl.inference.vllm_server import find_tcmalloc
 from megatron_scalerl.platform import free_port, run_local_workers
 from megatron_scalerl.recipe import Recipe, load_recipe
-from megatron_scalerl.rollout.vllm_server import find_tcmalloc
 
 END_OF_SYNC, END_OF_BENCH = 0, -1
 

@@ -39,10 +39,10 @@ import torch
 from weight_sync import add_model_arguments, bench_recipe  # this folder's link benchmark: the same model
 
 from megatron_scalerl.http_json import request_json
+from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig, reload_from_disk
 from megatron_scalerl.models.hf_io import save_random_hf_model
 from megatron_scalerl.platform import free_port, run_local_workers
 from megatron_scalerl.recipe import Recipe
-from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig, reload_from_disk
 from megatron_scalerl.weight_sync.sender import WeightSyncConfig
 
 PROMPT = list(range(3, 40))

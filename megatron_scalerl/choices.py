@@ -1,4 +1,4 @@
-"""The names a recipe may choose among for the RL algorithm, in one place: `recipe.py` types its fields with them
+"""The names a recipe may choose among for the RL algorithm, in one place: `recipe/schema.py` types its fields with them
 and `algo/` builds its registries from them, so the two cannot disagree. Plain tuples, no imports (the recipe loads
 without torch)."""
 

@@ -1,6 +1,6 @@
 """The recipe's cross-field rules: what no single field can check on its own (layout vs model, budgets vs lengths).
 
-Each rule names the field a user should change. Units as in recipe.py: tokens, GPUs, samples.
+Each rule names the field a user should change. Units as in recipe/schema.py: tokens, GPUs, samples.
 """
 
 from __future__ import annotations

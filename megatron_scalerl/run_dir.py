@@ -21,6 +21,7 @@ from pathlib import Path
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text
 
+RECIPE_FILE = "recipe.yaml"  # the run's recipe, precision resolved; written once by the launcher (launch/roles.py)
 GENERATORS_FILE = "generators.json"
 STOP_FILE = "stop_requested"
 FINISHED_FILE = "finished.json"

@@ -21,11 +21,11 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_forkserver():
-    """The trainer's local gloo workers (`platform.local_workers`) and the reward graders (`rollout.rewards`) both fork
+    """The trainer's local gloo workers (`platform.local_workers`) and the reward graders (`tasks.rewards`) both fork
     their workers from the process's one forkserver, which imports what its first user asks for. A test process runs
     both, in any order: start it with both preloads, so neither imports megatron-core or math-verify per worker."""
     from megatron_scalerl.platform.local_workers import WORKER_IMPORTS
-    from megatron_scalerl.rollout.rewards import WORKER_PRELOAD
+    from megatron_scalerl.tasks.rewards import WORKER_PRELOAD
 
     multiprocessing.set_forkserver_preload([WORKER_IMPORTS, *WORKER_PRELOAD])
     multiprocessing.forkserver.ensure_running()

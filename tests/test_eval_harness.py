@@ -43,8 +43,8 @@ def recipe_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model):
+    from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig
     from megatron_scalerl.platform.local_workers import free_port
-    from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig
 
     config = VLLMServerConfig(model=str(model), port=free_port(), dtype="float32", max_model_len=2048,
                               env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})  # weight_transfer on: the watcher's reload route
@@ -107,7 +107,7 @@ def test_a_checkpoint_loaded_into_the_running_server_replaces_every_weight(serve
     the old prefix cache would show) gives transformers' greedy tokens and log-probs on the new weights, and the
     first checkpoint's again once it is loaded back."""
     from megatron_scalerl.demo.model import build_model
-    from megatron_scalerl.rollout.vllm_server import reload_from_disk
+    from megatron_scalerl.inference.vllm_server import reload_from_disk
     from tests.weight_sync_utils import assert_matches, hf_greedy, server_greedy
 
     other = build_model(load_recipe("demo"), tmp_path / "other", seed=4)

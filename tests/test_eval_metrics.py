@@ -16,7 +16,7 @@ from megatron_scalerl.evaluation.metrics import (
     pass_at_k,
     summarize,
 )
-from megatron_scalerl.rollout.rewards import RewardGrader
+from megatron_scalerl.tasks.rewards import RewardGrader
 
 # ---- pass@k ----
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.checkpoint.store import CheckpointStore, publish
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.metrics import MetricsLog
@@ -21,7 +22,6 @@ from megatron_scalerl.rollout.orchestrator_state import (
     rewind_to_checkpoint,
     save_state,
 )
-from megatron_scalerl.rollout.stream import RolloutStream
 from megatron_scalerl.run_dir import CURRICULUM_FILE, PREVIOUS_CURRICULUM_FILE
 from tests.test_rollout_stream import make_batch
 

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.fileio import atomic_write_text, dump_yaml, load_yaml
 from megatron_scalerl.forecast.live import STATUS_CODES
 from megatron_scalerl.launch.supervise import LAUNCH_ENV, processes_with_environment
 from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.rollout.stream import RolloutStream
 from megatron_scalerl.run_dir import read_finished
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.rollout.stream import RolloutStream
 from megatron_scalerl.run_dir import read_finished
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from megatron_scalerl.algo.length_control import InterruptionPolicy
 from megatron_scalerl.algo.versions import NO_VERSION
-from megatron_scalerl.rollout.fleet import Fleet, GenerationRequest
+from megatron_scalerl.inference.fleet import Fleet, GenerationRequest
 from megatron_scalerl.rollout.generation import contains, generate_sample
 from megatron_scalerl.weight_sync.export import bucketed
 from megatron_scalerl.weight_sync.sender import WeightSender, WeightSyncConfig

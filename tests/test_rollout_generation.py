@@ -10,8 +10,8 @@ from transformers import PreTrainedTokenizerFast
 
 from megatron_scalerl.algo.length_control import InterruptionPolicy
 from megatron_scalerl.algo.versions import NO_VERSION
+from megatron_scalerl.inference.fleet import Generation, GenerationRequest
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.rollout.fleet import Generation, GenerationRequest
 from megatron_scalerl.rollout.generation import contains, generate_sample, length_control_policy
 
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from megatron_scalerl.algo.versions import NO_VERSION
+from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.rollout.generation import Sample
 from megatron_scalerl.rollout.groups import RolloutGroup, build_train_batch
-from megatron_scalerl.rollout.prompts import Problem
-from megatron_scalerl.rollout.stream import RolloutStream
+from megatron_scalerl.tasks.prompts import Problem
 
 RECIPE = load_recipe("scalerl", model_preset="tiny_moe")
 
@@ -44,7 +44,7 @@ def test_zero_variance_group_is_dropped_and_advantages_follow_the_paper(tmp_path
     assert figures["staleness/max"] == 2 and figures["staleness/lag_2"] == 3 and figures["staleness/lag_1"] == 3
     stream = RolloutStream(tmp_path)  # what the trainer reads back
     stream.put(batch, index=0)
-    again, _ = stream.get(0, timeout_s=1, vocab_size=RECIPE.model.vocab_size)
+    again, _ = stream.read(0, vocab_size=RECIPE.model.vocab_size)
     assert torch.equal(again.input_ids, batch.input_ids) and torch.equal(again.advantages, batch.advantages)
 
 

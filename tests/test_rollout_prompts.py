@@ -11,7 +11,7 @@ import pytest
 from megatron_scalerl.algo.resampling import NoPositiveResampling
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.recipe import DataSource, load_recipe
-from megatron_scalerl.rollout.prompts import (
+from megatron_scalerl.tasks.prompts import (
     INSTRUCTION,
     THINK_OPEN,
     Problem,

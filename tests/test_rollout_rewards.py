@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.rollout.rewards import (
+from megatron_scalerl.tasks.rewards import (
     Grade,
     RewardGrader,
     VerifierError,
@@ -184,7 +184,7 @@ def test_no_workers_left_after_owner_crash():
     """The owner dies without cleanup (os._exit) while one worker hangs in a verifier: both workers exit."""
     script = textwrap.dedent("""
         import os, threading, time
-        from megatron_scalerl.rollout.rewards import RewardGrader
+        from megatron_scalerl.tasks.rewards import RewardGrader
         if __name__ == "__main__":
             g = RewardGrader(num_workers=2, timeout_s=60)
             assert all(grade.correct for grade in g.grade_many([("x</think>1", "1")] * 4))  # both workers ready

@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_scalerl.http_json import ServerError, request_json
+from megatron_scalerl.inference.serve_cli import _watch
+from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig
 from megatron_scalerl.platform import free_port
-from megatron_scalerl.rollout.serve_cli import _watch
-from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig
 from megatron_scalerl.weight_sync.export import bucketed
 from megatron_scalerl.weight_sync.protocol import LM_HEAD, checksum, wire_dtype
 from megatron_scalerl.weight_sync.sender import WeightSender, WeightSyncConfig

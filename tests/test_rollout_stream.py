@@ -1,13 +1,12 @@
 """TrainBatch validation and the on-disk rollout stream."""
 
 import dataclasses
-import threading
-import time
 
 import pytest
 import torch
 
-from megatron_scalerl.rollout.stream import BatchError, RolloutStream, TrainBatch
+from megatron_scalerl.batches.stream import RolloutStream
+from megatron_scalerl.batches.train_batch import BatchError, TrainBatch
 
 
 def make_batch(lengths=(5, 7, 4, 6), prompt_lengths=(2, 3, 1, 2), vocab=50, seed=0) -> TrainBatch:
@@ -37,7 +36,7 @@ def test_round_trip_in_order(tmp_path):
     batches = [make_batch(seed=i) for i in range(3)]
     assert [stream.put(b, {"producer": "test"}) for b in batches] == [0, 1, 2]
     for i, b in enumerate(batches):
-        got, meta = stream.get(i, timeout_s=1, vocab_size=50)
+        got, meta = stream.read(i, vocab_size=50)
         assert meta["index"] == i and meta["producer"] == "test"
         for f in dataclasses.fields(TrainBatch):
             assert torch.equal(getattr(got, f.name), getattr(b, f.name))
@@ -50,14 +49,12 @@ def test_offsets_sample_views_and_loss_tokens():
     assert b.loss_tokens_per_sample().tolist() == [3, 4, 3, 4]  # lengths - prompt lengths
 
 
-def test_get_waits_for_producer_then_times_out_naming_the_peer(tmp_path):
+def test_a_batch_is_ready_once_written_and_a_missing_one_names_the_peer(tmp_path):
     stream = RolloutStream(tmp_path)
-    threading.Timer(0.2, lambda: stream.put(make_batch())).start()
-    t0 = time.monotonic()
-    stream.get(0, timeout_s=5)
-    assert time.monotonic() - t0 >= 0.15
-    with pytest.raises(TimeoutError, match="orchestrator"):
-        stream.get(1, timeout_s=0.2)
+    assert not stream.ready(0)
+    stream.put(make_batch())
+    assert stream.ready(0) and not stream.ready(1)
+    assert "orchestrator" in str(stream.missing(1, waited_s=0.2))
 
 
 @pytest.mark.parametrize(
@@ -86,7 +83,7 @@ def test_corrupt_file_is_a_clear_error(tmp_path):
     stream.put(make_batch())
     stream.path(0).write_bytes(stream.path(0).read_bytes()[:40])
     with pytest.raises(BatchError, match="batch_00000000.safetensors: unreadable TrainBatch"):
-        stream.get(0, timeout_s=1)
+        stream.read(0)
 
 
 def test_prune_keeps_newer_batches_and_the_write_position(tmp_path):
@@ -96,4 +93,4 @@ def test_prune_keeps_newer_batches_and_the_write_position(tmp_path):
     assert stream.prune(before=2) == 2
     assert sorted(p.name for p in stream.dir.iterdir()) == ["batch_00000002.safetensors", "batch_00000003.safetensors"]
     assert stream.put(make_batch()) == 4
-    assert stream.get(3, timeout_s=1)[0].input_ids.dtype == torch.int64
+    assert stream.read(3)[0].input_ids.dtype == torch.int64

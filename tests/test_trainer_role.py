@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.launch.roles import trainer_command
 from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.rollout.stream import RolloutStream
 from megatron_scalerl.run_dir import request_stop
 from tests.trainer_utils import rl_batch, tiny_recipe
 

@@ -2,8 +2,8 @@
 
 import torch
 
+from megatron_scalerl.batches.train_batch import TrainBatch
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.rollout.stream import TrainBatch
 
 BASE = ["trainer.warmup_steps=0", "trainer.lr=1e-3", "trainer.grad_clip=0", "logging.wandb_mode=disabled"]
 # The recipe's own precision is `auto` (bf16 where it is native, else fp32) with an FP32 LM head. Tests that compare

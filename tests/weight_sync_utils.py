@@ -9,8 +9,8 @@ import time
 import torch
 
 from megatron_scalerl.http_json import request_json
+from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig
 from megatron_scalerl.platform import free_port
-from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig
 
 MAX_TOKENS = 6
 # Prompt token ids; the last is longer than one 32-token KV block, so its first block lands in the prefix cache.

@@ -15,7 +15,7 @@ from pathlib import Path
 from megatron_scalerl.models.hf_io import save_random_hf_model
 from megatron_scalerl.models.tokenizer import special_token_ids, train_tokenizer
 from megatron_scalerl.recipe import Recipe
-from megatron_scalerl.rollout.prompts import THINK_CLOSE, THINK_OPEN, Problem, load_sources, render_prompt
+from megatron_scalerl.tasks.prompts import THINK_CLOSE, THINK_OPEN, Problem, load_sources, render_prompt
 
 PHRASE_REPEATS = 200  # copies of the interruption phrase in the corpus: enough for BPE to merge it into few tokens
 

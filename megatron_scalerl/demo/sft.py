@@ -25,8 +25,8 @@ import torch
 
 from megatron_scalerl.demo.model import solution_text
 from megatron_scalerl.recipe import Recipe
-from megatron_scalerl.rollout.prompts import Problem, load_sources, render_prompt, split_validation
-from megatron_scalerl.rollout.rewards import strip_thinking, verify_math
+from megatron_scalerl.tasks.prompts import Problem, load_sources, render_prompt, split_validation
+from megatron_scalerl.tasks.rewards import strip_thinking, verify_math
 
 
 @dataclass(frozen=True)

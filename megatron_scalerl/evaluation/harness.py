@@ -2,11 +2,11 @@
 
     summary = evaluate(EvalRequest(endpoint, model, "aime24", samples=16, out=Path("eval/out")), recipe, tokenizer)
 
-Prompts are the training template (`rollout.prompts.render_prompt`: the problem, the boxed-answer instruction, an
+Prompts are the training template (`tasks.prompts.render_prompt`: the problem, the boxed-answer instruction, an
 opened thinking block, through the tokenizer's chat template when it has one); sampling and length control are the
 recipe's (`rollout.temperature`, `top_p`, `max_new_tokens`, the forced interruption: `evaluation/sampling.py`).
 Grading: the answer part (after the last `</think>`) against the gold answer with math-verify in worker processes
-(`rollout.rewards.RewardGrader`), `grader_timeout_s` seconds per answer; an answer that runs out of time counts as
+(`tasks.rewards.RewardGrader`), `grader_timeout_s` seconds per answer; an answer that runs out of time counts as
 wrong and is listed in the summary.
 
 Writes into `out/`: `problems.jsonl` (one line per problem: its samples' text, extracted answer, verdict, tokens,
@@ -31,8 +31,8 @@ from megatron_scalerl.evaluation.sampling import CompletionClient, SamplingSetti
 from megatron_scalerl.fileio import atomic_write_text
 from megatron_scalerl.recipe import DataSource, Recipe
 from megatron_scalerl.rollout.generation import length_control_policy
-from megatron_scalerl.rollout.prompts import Problem, load_source, render_prompt
-from megatron_scalerl.rollout.rewards import RewardGrader, strip_thinking
+from megatron_scalerl.tasks.prompts import Problem, load_source, render_prompt
+from megatron_scalerl.tasks.rewards import RewardGrader, strip_thinking
 
 EVAL_DATA = Path(__file__).resolve().parents[2] / "eval" / "data"
 DATASETS = {"aime24": EVAL_DATA / "aime24.jsonl", "aime25": EVAL_DATA / "aime25.jsonl"}

@@ -1,6 +1,6 @@
 """Evaluation metrics over K graded samples per problem: mean@K, pass@k, cons@K (majority vote), lengths.
 
-Pure math, no I/O. The per-sample verdicts come from the grader (`rollout.rewards.RewardGrader`, math-verify); this
+Pure math, no I/O. The per-sample verdicts come from the grader (`tasks.rewards.RewardGrader`, math-verify); this
 module only counts them. The answer helpers here (`extract_boxed`, `normalize_answer`) serve the majority vote and
 the record of what a sample answered; they never decide correctness.
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from megatron_scalerl.algo.length_control import Continuation, InterruptionPolicy, generate_in_stages
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.http_json import AsyncJsonClient, RetryPolicy, ServerError
-from megatron_scalerl.rollout.prompts import THINK_CLOSE
+from megatron_scalerl.tasks.prompts import THINK_CLOSE
 
 # a failed request is sent again after 1, 2 and 4 s: four attempts in all
 EVAL_RETRY = RetryPolicy(attempts=4, backoff_s=1.0)

@@ -47,14 +47,15 @@ from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.evaluation.harness import SUMMARY, EvalRequest, evaluate, load_dataset
 from megatron_scalerl.http_json import request_json
+from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig, reload_from_disk
 from megatron_scalerl.launch.roles import serving_dtype
 from megatron_scalerl.metrics import MetricsLog, read_metrics
 from megatron_scalerl.models.convert import megatron_to_hf
 from megatron_scalerl.platform.local_workers import free_port
 from megatron_scalerl.recipe import EvalConfig, Recipe, load_recipe
-from megatron_scalerl.rollout.prompts import render_prompt
-from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig, reload_from_disk
 from megatron_scalerl.rope_note import note_once
+from megatron_scalerl.run_dir import RECIPE_FILE
+from megatron_scalerl.tasks.prompts import render_prompt
 
 log = logging.getLogger("megatron_scalerl.eval")
 
@@ -140,9 +141,9 @@ def evaluated_recipe(recipe: Recipe, settings: WatchSettings) -> Recipe:
 
 def run_recipe(run_dir: Path) -> Recipe:
     """The run's own recipe (RUN/recipe.yaml); UserError when `run_dir` holds no run."""
-    if not (run_dir / "recipe.yaml").is_file():
+    if not (run_dir / RECIPE_FILE).is_file():
         raise UserError(f"{run_dir}: no recipe.yaml, not a run directory")
-    return load_recipe(run_dir / "recipe.yaml")
+    return load_recipe(run_dir / RECIPE_FILE)
 
 
 def eval_dir(run_dir: Path, iteration: int) -> Path:

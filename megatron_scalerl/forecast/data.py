@@ -33,6 +33,7 @@ import numpy as np
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.run_dir import RECIPE_FILE
 
 DEFAULT_METRIC = "val/pass_rate"
 DEFAULT_COMPUTE = "gpu_hours"
@@ -220,7 +221,7 @@ def _gpu_count(path, evaluated, gpus, run_dir) -> tuple[float | None, str]:
         if gpus <= 0:
             raise UserError(f"--gpus must be > 0, got {gpus}")
         return float(gpus), f"--gpus {gpus}"
-    recipe_file = (run_dir or path.parent) / "recipe.yaml"
+    recipe_file = (run_dir or path.parent) / RECIPE_FILE
     if recipe_file.is_file():
         total = load_recipe(recipe_file).cluster.total_gpus
         return float(total), f"{total} from {recipe_file.name}"

@@ -1,7 +1,5 @@
-"""`scalerl train`: a whole run on one machine, its roles as plain processes (no Ray, no SLURM).
-
-    scalerl train --recipe scalerl --model tiny_moe --tokenizer DIR [--run-dir runs/NAME] [--set k=v ...]
-    scalerl train --run-dir runs/NAME --resume
+"""One whole run on this machine, its roles as plain processes (no Ray, no SLURM): what `scalerl train` runs
+(its command line: `launch/cli.py`).
 
 Starts the generators (`scalerl serve`, one per `parallelism.generator_tp` generator GPUs), writes
 `RUN/generators.json`, then the trainer (torchrun) and the orchestrator, each with its log under `RUN/logs/`; the
@@ -16,7 +14,6 @@ the checkpoints, the rollout stream and the orchestrator's state.
 
 from __future__ import annotations
 
-import argparse
 import os
 from functools import partial
 from pathlib import Path
@@ -28,12 +25,11 @@ from megatron_scalerl.launch.roles import (
     prepare_run_dir,
     say_launch_notes,
     serving_dtype,
-    tokenizer_source,
     trainer_command,
 )
 from megatron_scalerl.launch.supervise import Role, run_roles
 from megatron_scalerl.platform.local_workers import free_port
-from megatron_scalerl.recipe import Recipe, load_recipe
+from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.rollout.orchestrator_state import rewind_to_checkpoint
 from megatron_scalerl.run_dir import clear_stop_request, request_stop, write_generators
 
@@ -77,7 +73,7 @@ def local_roles(run_dir: Path, recipe: Recipe, *, resume: bool, cuda: bool) -> t
     """The run's roles on this machine: (generators, their URLs, trainer, orchestrator); writes generators.json."""
     say_launch_notes(recipe, cuda=cuda, resume=resume)
     logs = run_dir / "logs"
-    servers = recipe.cluster.generator_gpus // recipe.parallelism.generator_tp
+    servers = recipe.generator_servers
     threads = {} if cuda or "OMP_NUM_THREADS" in os.environ else {
         "OMP_NUM_THREADS": str(cpu_threads_per_process(recipe.cluster.trainer_gpus + servers))}
     urls, generators = [], []
@@ -111,27 +107,3 @@ def run_local(run_dir: Path, recipe: Recipe, *, resume: bool, ready_timeout_s: f
     generators, urls, trainer, orchestrator = local_roles(run_dir, recipe, resume=resume,
                                                           cuda=torch.cuda.is_available())
     return run_roles(f"run {run_dir}", generators, urls, trainer, orchestrator, ready_timeout_s=ready_timeout_s)
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("train", help="run a whole RL run on this machine (generators, trainer, orchestrator)")
-    parser.add_argument("--recipe", help="preset name or recipe YAML (not with --resume: the run's own is used)")
-    parser.add_argument("--model", dest="model_preset", help="model preset, or hf:DIR")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--run-dir", type=Path, help="run directory (default: runs/<recipe name>)")
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: trainer.init_from's)")
-    parser.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
-    parser.set_defaults(func=_train)
-
-
-def _train(args: argparse.Namespace) -> int:
-    if args.resume:
-        if args.run_dir is None or not (args.run_dir / "recipe.yaml").is_file():
-            raise UserError("--resume needs --run-dir of an existing run (with its recipe.yaml)")
-        if args.recipe or args.model_preset or args.overrides:
-            raise UserError("--resume continues the run's own recipe.yaml: drop --recipe, --model and --set")
-        return run_local(args.run_dir, load_recipe(args.run_dir / "recipe.yaml"), resume=True)
-    if not args.recipe:
-        raise UserError("give --recipe (a preset name or YAML file), or --resume with --run-dir")
-    recipe = load_recipe(args.recipe, args.overrides, args.model_preset)
-    return start_run(args.run_dir or Path("runs") / recipe.name, recipe, tokenizer_source(recipe, args.tokenizer))

@@ -139,7 +139,7 @@ def run_preflight(run_dir: Path, recipe: Recipe, alloc: Allocation, env: dict[st
     # node check (`preflight node`, started on every node) needs only on GPUs
 
     model = run_dir / "model" if (run_dir / "model").is_dir() else Path(recipe.trainer.init_from or run_dir / "model")
-    servers = recipe.cluster.generator_gpus // recipe.parallelism.generator_tp
+    servers = recipe.generator_servers
     ports = ",".join(map(str, [alloc.base_port, alloc.base_port + 1, *alloc.generator_ports(servers)]))
     python = [sys.executable, "-m", "megatron_scalerl.launch.preflight"]
     for group, nodes, plan in ((TRAINER_GROUP, alloc.trainer, trainer_plan(recipe)),

@@ -25,7 +25,7 @@ from megatron_scalerl.models.tokenizer import TOKENIZER_FILES, has_tokenizer, sp
 from megatron_scalerl.platform.precision import Precision, resolve_precision, with_resolved_precision
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.rope_note import note_once
-from megatron_scalerl.run_dir import STOP_TIMEOUT_S
+from megatron_scalerl.run_dir import RECIPE_FILE, STOP_TIMEOUT_S
 
 MODEL_DIR = "model"
 
@@ -54,7 +54,7 @@ def prepare_run_dir(run_dir: Path, recipe: Recipe, tokenizer_dir: Path, *, cuda:
     run_dir.mkdir(parents=True, exist_ok=True)
     recipe, precision = with_resolved_precision(recipe, cuda=cuda)
     say_precision(precision)
-    atomic_write_text(run_dir / "recipe.yaml", recipe.to_yaml())
+    atomic_write_text(run_dir / RECIPE_FILE, recipe.to_yaml())
     model_dir = run_dir / MODEL_DIR
     model_dir.mkdir(exist_ok=True)
     for name in TOKENIZER_FILES:

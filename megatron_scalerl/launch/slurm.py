@@ -68,7 +68,7 @@ from megatron_scalerl.launch.roles import (
 from megatron_scalerl.launch.supervise import Role, run_roles
 from megatron_scalerl.recipe import ClusterConfig, Recipe, load_recipe, slurm_minutes
 from megatron_scalerl.rollout.orchestrator_state import rewind_to_checkpoint
-from megatron_scalerl.run_dir import clear_stop_request, request_stop, write_generators
+from megatron_scalerl.run_dir import RECIPE_FILE, clear_stop_request, request_stop, write_generators
 
 # The recipe's fields that are sbatch options: (the option's long and short spelling, its SBATCH_* input variable,
 # the field of `scontrol show job`)
@@ -136,7 +136,7 @@ def job_roles(run_dir: Path, recipe: Recipe, alloc: Allocation, *, resume: bool,
     say_launch_notes(recipe, cuda=cuda, resume=resume)
     logs, tp = run_dir / "logs", recipe.parallelism.generator_tp
     per_node = recipe.cluster.gpus_per_node // tp
-    servers = recipe.cluster.generator_gpus // tp
+    servers = recipe.generator_servers
     dtype = serving_dtype(recipe, cuda)
     env = {} if cuda else {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     generators, urls = [], []
@@ -165,8 +165,8 @@ def job_roles(run_dir: Path, recipe: Recipe, alloc: Allocation, *, resume: bool,
 def run_recipe(run_dir: Path, env: dict[str, str]) -> tuple[Recipe, bool]:
     """(recipe, exists): the run's own recipe.yaml when the directory has one (a requeued or follow-up job), else
     the new run's from SCALERL_RECIPE / SCALERL_MODEL / SCALERL_SET."""
-    if (run_dir / "recipe.yaml").is_file():
-        return load_recipe(run_dir / "recipe.yaml"), True
+    if (run_dir / RECIPE_FILE).is_file():
+        return load_recipe(run_dir / RECIPE_FILE), True
     if not env.get("SCALERL_RECIPE"):
         raise UserError(f"{run_dir} holds no run yet and SCALERL_RECIPE is not set: submit with "
                         "--export=ALL,SCALERL_RECIPE=<preset or YAML>")

@@ -123,7 +123,7 @@ def _wait_ready(generators: list[Role], urls: list[str], trainer: Role, timeout_
     """Return once every generator answers /health; UserError naming the role, with its log's tail, when a generator
     exits first or the trainer (starting meanwhile) fails, or when `timeout_s` seconds pass. (A trainer that exits 0
     had nothing left to train: the orchestrator still runs.)"""
-    from megatron_scalerl.rollout.vllm_server import wait_healthy  # deferred: torch (`scalerl sweep` imports us)
+    from megatron_scalerl.inference.vllm_server import wait_healthy  # deferred: torch (`scalerl sweep` imports us)
 
     def trainer_alive() -> None:
         code = trainer.process.poll()

@@ -43,6 +43,7 @@ from megatron_scalerl.models.tokenizer import TOKENIZER_FILES
 from megatron_scalerl.platform.distributed import initialize_model_parallel
 from megatron_scalerl.platform.local_workers import WorkerError, run_local_workers
 from megatron_scalerl.recipe import ModelConfig, ParallelismConfig, read_hf_config
+from megatron_scalerl.run_dir import RECIPE_FILE
 
 HF_EXTRAS_DIR = "hf"  # inside a converted Megatron checkpoint: the source's config.json and tokenizer files
 HF_EXTRA_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
@@ -230,7 +231,7 @@ def hf_extras_source(ckpt: Path) -> Path | None:
     `trainer.init_from`, or that checkpoint's own `hf/` when it is a converted one)."""
     if (ckpt / HF_EXTRAS_DIR).is_dir():
         return ckpt / HF_EXTRAS_DIR
-    recipe_file = ckpt.parent.parent / "recipe.yaml"
+    recipe_file = ckpt.parent.parent / RECIPE_FILE
     if ckpt.parent.name == "checkpoints" and recipe_file.is_file():
         init_from = (load_yaml(recipe_file).get("trainer") or {}).get("init_from")
         if init_from:

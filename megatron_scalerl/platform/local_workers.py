@@ -85,7 +85,7 @@ def _start_context(backend: str) -> Any:
     if backend != "gloo":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([WORKER_IMPORTS])  # no effect once this process's forkserver runs (see rollout.rewards)
+    ctx.set_forkserver_preload([WORKER_IMPORTS])  # no effect once this process's forkserver runs (see tasks.rewards)
     return ctx
 
 

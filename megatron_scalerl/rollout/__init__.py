@@ -1,1 +1,2 @@
-"""Generation side: vLLM servers, the orchestrator, rewards, prompt datasets and the rollout stream."""
+"""The orchestrator's side of a run: admission, generating and grading groups, building batches, validation, the
+live forecast, and the saved state a resume continues from."""

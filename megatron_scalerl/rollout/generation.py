@@ -21,8 +21,8 @@ from typing import Any
 
 from megatron_scalerl.algo.length_control import Continuation, InterruptionPolicy, generate_in_stages, join_segments
 from megatron_scalerl.algo.versions import NO_VERSION
+from megatron_scalerl.inference.fleet import Fleet, Generation, GenerationRequest
 from megatron_scalerl.recipe import Recipe
-from megatron_scalerl.rollout.fleet import Fleet, Generation, GenerationRequest
 
 
 @dataclass

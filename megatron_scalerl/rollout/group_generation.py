@@ -17,12 +17,12 @@ import torch
 
 from megatron_scalerl.algo.length_control import length_penalty
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.inference.fleet import Fleet, GenerationRequest
 from megatron_scalerl.recipe import Recipe
-from megatron_scalerl.rollout.fleet import Fleet, GenerationRequest
 from megatron_scalerl.rollout.generation import generate_sample, length_control_policy
 from megatron_scalerl.rollout.groups import RolloutGroup
-from megatron_scalerl.rollout.prompts import THINK_CLOSE, Problem, render_prompt
-from megatron_scalerl.rollout.rewards import RewardGrader, reward_of
+from megatron_scalerl.tasks.prompts import THINK_CLOSE, Problem, render_prompt
+from megatron_scalerl.tasks.rewards import RewardGrader, reward_of
 
 
 class GroupGenerator:

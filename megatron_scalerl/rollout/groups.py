@@ -5,7 +5,7 @@
 A `RolloutGroup` is one prompt's `generations_per_prompt` finished samples with their rewards. `build_train_batch`
 runs `algo.step_advantages` over the groups (zero-variance filter, truncation policy, advantage normalisation: the
 paper's batch-level std is taken over exactly these groups), keeps the samples that reach the loss and packs them
-into a TrainBatch (`rollout.stream`). Figures are plain floats for `metrics.jsonl`.
+into a TrainBatch (`batches.stream`). Figures are plain floats for `metrics.jsonl`.
 
 Versions (`algo.versions`): a completion token's policy version is the trainer step whose weights sampled it
 (`trainer.generator_sync`); a token without one (NO_VERSION: the interruption phrase, forced in rather than sampled)
@@ -23,10 +23,10 @@ import torch
 from megatron_scalerl.algo.advantages import step_advantages
 from megatron_scalerl.algo.length_control import length_metrics
 from megatron_scalerl.algo.versions import NO_VERSION
+from megatron_scalerl.batches.train_batch import TrainBatch
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.rollout.generation import Sample
-from megatron_scalerl.rollout.prompts import Problem
-from megatron_scalerl.rollout.stream import TrainBatch
+from megatron_scalerl.tasks.prompts import Problem
 
 
 @dataclass

@@ -39,13 +39,14 @@ from typing import Any
 from megatron_scalerl.algo.off_policy import staleness_bound
 from megatron_scalerl.algo.resampling import NoPositiveResampling
 from megatron_scalerl.algo.versions import NO_VERSION
+from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.forecast.live import validation_draws
 from megatron_scalerl.gpu_hours import ComputeMeter
+from megatron_scalerl.inference.fleet import Fleet, FleetError
 from megatron_scalerl.metrics import MetricsLog
 from megatron_scalerl.recipe import Recipe, load_recipe
 from megatron_scalerl.rollout.admission import Admission
-from megatron_scalerl.rollout.fleet import Fleet, FleetError
 from megatron_scalerl.rollout.group_generation import GroupGenerator
 from megatron_scalerl.rollout.groups import RolloutGroup, build_train_batch
 from megatron_scalerl.rollout.live_forecast import LiveForecaster
@@ -56,18 +57,18 @@ from megatron_scalerl.rollout.orchestrator_state import (
     rewind_to_checkpoint,
     save_state,
 )
-from megatron_scalerl.rollout.prompts import Problem, PromptSampler, load_sources, split_validation
-from megatron_scalerl.rollout.rewards import RewardGrader
-from megatron_scalerl.rollout.stream import RolloutStream
 from megatron_scalerl.rollout.validation import Validation
 from megatron_scalerl.run_dir import (
     API_KEY_ENV,
     CURRICULUM_FILE,
+    RECIPE_FILE,
     clear_finished,
     read_generators,
     request_stop,
     write_finished,
 )
+from megatron_scalerl.tasks.prompts import Problem, PromptSampler, load_sources, split_validation
+from megatron_scalerl.tasks.rewards import RewardGrader
 
 log = logging.getLogger("megatron_scalerl.orchestrator")
 
@@ -385,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
 
     orchestrator = None
     try:
-        recipe = load_recipe(args.run_dir / "recipe.yaml")
+        recipe = load_recipe(args.run_dir / RECIPE_FILE)
         generators = read_generators(args.run_dir)
         if generators is None:
             raise UserError(f"{args.run_dir}: no generators.json: the orchestrator needs the run's generators")

@@ -46,11 +46,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.checkpoint.store import RL_STATE, CheckpointStore, read_rl_state
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text
 from megatron_scalerl.metrics import read_metrics
-from megatron_scalerl.rollout.stream import RolloutStream
 from megatron_scalerl.run_dir import CURRICULUM_FILE, PREVIOUS_CURRICULUM_FILE
 
 ABANDONED_DIR = "abandoned"  # under RUN/rollouts/

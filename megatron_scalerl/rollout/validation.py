@@ -17,7 +17,7 @@ from megatron_scalerl.gpu_hours import ComputeMeter
 from megatron_scalerl.metrics import MetricsLog
 from megatron_scalerl.rollout.groups import RolloutGroup
 from megatron_scalerl.rollout.live_forecast import LiveForecaster
-from megatron_scalerl.rollout.prompts import Problem
+from megatron_scalerl.tasks.prompts import Problem
 
 # (prompt, request key, samples) -> the prompt's samples, graded
 Generate = Callable[[Problem, str, int], Awaitable[RolloutGroup]]

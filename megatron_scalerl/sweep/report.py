@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.recipe import Recipe, load_recipe
-from megatron_scalerl.run_dir import read_finished
+from megatron_scalerl.run_dir import RECIPE_FILE, read_finished
 from megatron_scalerl.sweep.manifest import ordered_runs
 from megatron_scalerl.sweep.plan import BASE_VARIANT
-from megatron_scalerl.sweep.runs import RUN_RECIPE, not_done
+from megatron_scalerl.sweep.runs import not_done
 
 if TYPE_CHECKING:
     from megatron_scalerl.forecast.data import Curve
@@ -54,7 +54,7 @@ def _read(variant: str, run_dir: Path, label: str) -> ReportRun:
     """The run in `run_dir`, its curve named `label`."""
     from megatron_scalerl.forecast.data import load_curve  # deferred, as each below: scipy (`scalerl` imports us)
 
-    recipe_file = run_dir / RUN_RECIPE
+    recipe_file = run_dir / RECIPE_FILE
     recipe = load_recipe(recipe_file) if recipe_file.is_file() else None
     return ReportRun(variant, replace(load_curve(run_dir), name=label), recipe)
 
@@ -122,7 +122,7 @@ def _options(runs: list[ReportRun], base: str) -> ForecastOptions:
     if first is not None and first.recipe is not None:
         return recipe_options(first.recipe)
     if first is not None:
-        print(f"report: {first.curve.source} has no {RUN_RECIPE}: the forecaster's default settings are used",
+        print(f"report: {first.curve.source} has no {RECIPE_FILE}: the forecaster's default settings are used",
               file=sys.stderr, flush=True)
     return ForecastOptions()
 

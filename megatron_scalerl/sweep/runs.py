@@ -37,10 +37,9 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text, load_yaml
 from megatron_scalerl.launch.supervise import processes_with_environment
 from megatron_scalerl.recipe import Recipe, validate
-from megatron_scalerl.run_dir import GENERATORS_FILE, read_finished
+from megatron_scalerl.run_dir import GENERATORS_FILE, RECIPE_FILE, read_finished
 from megatron_scalerl.sweep.manifest import manifest_path, save_manifest
 
-RUN_RECIPE = "recipe.yaml"
 # What a launch writes once the run directory is prepared (generators.json) and what its roles write: a run that has
 # none of them was stopped while `scalerl train` (or the SLURM job) was still preparing it, and starts anew.
 LAUNCHED = (GENERATORS_FILE, "metrics.jsonl", "checkpoints", "rollouts")
@@ -65,7 +64,7 @@ class SweepRun:
 
     @property
     def started(self) -> bool:
-        return (self.run_dir / RUN_RECIPE).is_file()
+        return (self.run_dir / RECIPE_FILE).is_file()
 
     @property
     def gpus(self) -> int:
@@ -74,8 +73,8 @@ class SweepRun:
 
     @property
     def servers(self) -> int:
-        """Generator servers the run starts: one per `parallelism.generator_tp` generator GPUs."""
-        return self.recipe.cluster.generator_gpus // self.recipe.parallelism.generator_tp
+        """Generator servers the run starts (`Recipe.generator_servers`)."""
+        return self.recipe.generator_servers
 
     @property
     def processes(self) -> int:
@@ -160,7 +159,7 @@ class Sweep:
             shutil.rmtree(run.run_dir)
         if not run.started:
             if run.run_dir.exists() and any(run.run_dir.iterdir()):
-                raise UserError(f"{run.run_dir} holds files but no {RUN_RECIPE}: not a run the sweep started; move it "
+                raise UserError(f"{run.run_dir} holds files but no {RECIPE_FILE}: not a run the sweep started; move it "
                                 "away and run the sweep again")
             atomic_write_text(run.recipe_file, run.recipe.to_yaml())
             return "start"
@@ -168,7 +167,7 @@ class Sweep:
         return "resume"
 
     def _extend(self, run: SweepRun) -> None:
-        path = run.run_dir / RUN_RECIPE
+        path = run.run_dir / RECIPE_FILE
         old = validate(load_yaml(path), source=str(path))  # a damaged file: an error naming it and the field
         wanted = {**({"max_steps": self.steps} if self.steps is not None else {}),
                   **({"max_gpu_hours": self.budget} if self.budget is not None else {})}

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from megatron_scalerl.rollout.stream import TrainBatch
+from megatron_scalerl.batches.train_batch import TrainBatch
 
 
 @dataclass(frozen=True)

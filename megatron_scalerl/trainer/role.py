@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_scalerl.algo.off_policy import pushes_weights_after
+from megatron_scalerl.batches.stream import RolloutStream
+from megatron_scalerl.batches.train_batch import TrainBatch
 from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.gpu_hours import ComputeMeter
@@ -51,8 +53,7 @@ from megatron_scalerl.platform import destroy_distributed, init_distributed
 from megatron_scalerl.platform.distributed import from_rank0
 from megatron_scalerl.platform.precision import resolve_precision, with_precision
 from megatron_scalerl.recipe import Recipe, load_recipe
-from megatron_scalerl.rollout.stream import RolloutStream, TrainBatch
-from megatron_scalerl.run_dir import CURRICULUM_FILE, STOP_TIMEOUT_S, stop_requested
+from megatron_scalerl.run_dir import CURRICULUM_FILE, RECIPE_FILE, STOP_TIMEOUT_S, stop_requested
 from megatron_scalerl.trainer.generator_sync import GeneratorLink
 from megatron_scalerl.trainer.setup import build_model_and_optimizer
 from megatron_scalerl.trainer.state import load_trainer, save_trainer
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
 
     try:
-        recipe = load_recipe(args.recipe or args.run_dir / "recipe.yaml", args.overrides)
+        recipe = load_recipe(args.recipe or args.run_dir / RECIPE_FILE, args.overrides)
         try:
             info = init_distributed(recipe.cluster.backend, recipe.cluster.collective_timeout_s)
         except RuntimeError as exc:  # rendezvous failed or timed out: the message names the address and rank

@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_scalerl.algo import LossNormalizers, loss_params, merge_metrics, policy_loss
+from megatron_scalerl.batches.train_batch import TrainBatch
 from megatron_scalerl.platform.distributed import all_gathered, current_device
 from megatron_scalerl.platform.megatron_optimizer import optimizer_parts
 from megatron_scalerl.platform.precision import trainer_dtype
 from megatron_scalerl.recipe import Recipe, TrainerConfig
-from megatron_scalerl.rollout.stream import TrainBatch
 from megatron_scalerl.trainer.logprobs import token_logprobs
 from megatron_scalerl.trainer.microbatches import MicroBatch, build_microbatches
 from megatron_scalerl.trainer.setup import head_weight

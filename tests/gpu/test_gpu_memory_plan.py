@@ -45,7 +45,7 @@ def full_length_batch(rows: int, length: int, vocab: int):
     """One prompt's `rows` samples of `length` tokens each (PROMPT of them prompt), rewards +-1."""
     import torch
 
-    from megatron_scalerl.rollout.stream import TrainBatch
+    from megatron_scalerl.batches.train_batch import TrainBatch
 
     g = torch.Generator().manual_seed(0)
     total = rows * length

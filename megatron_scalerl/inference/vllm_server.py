@@ -109,7 +109,7 @@ class VLLMServerConfig:
         if self.max_model_len is not None:
             cmd += ["--max-model-len", str(self.max_model_len)]
         if self.api_key:
-            cmd += ["--middleware", "megatron_scalerl.rollout.server_auth.require_api_key"]
+            cmd += ["--middleware", "megatron_scalerl.inference.server_auth.require_api_key"]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
         if self.skip_tokenizer_init:

@@ -1,10 +1,7 @@
-"""The transport between orchestrator and trainer: `TrainBatch` and the durable rollout stream on the run directory.
+"""The batch contract between orchestrator and trainer: `TrainBatch`, its checks and its file encoding.
 
 A TrainBatch holds one optimizer step's samples, packed: N variable-length sequences (prompt + completion)
-concatenated into 1-D token tensors, with per-sample vectors beside them. The stream is a folder
-`RUN/rollouts/` of files `batch_NNNNNNNN.safetensors` written atomically by the orchestrator and read in order by
-the trainer; the trainer's checkpoint records the index of the next batch to read, so a resumed run continues
-exactly where it stopped. Files are never rewritten.
+concatenated into 1-D token tensors, with per-sample vectors beside them.
 
 Per-token tensors (length T = sum of `lengths`):
   input_ids int64, loss_mask bool (completion tokens that enter the loss; prompt and forced-interruption phrase
@@ -14,12 +11,14 @@ Per-token tensors (length T = sum of `lengths`):
 Per-sample tensors (length N):
   lengths int64 (tokens of prompt + completion), prompt_lengths int64, advantages float32, rewards float32,
   group_ids int64 (prompt id: samples of one prompt share it), truncated bool (hit the hard length cap).
+
+On disk (`encode` / `decode`): one safetensors file; input_ids and weight_versions are stored as int32, the
+metadata as JSON under the key `meta`.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -28,7 +27,6 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.fileio import atomic_write_bytes
 
 TOKEN_FIELDS = {"input_ids": torch.int64, "loss_mask": torch.bool, "gen_logprobs": torch.float32,
                 "weight_versions": torch.int64}
@@ -147,68 +145,3 @@ def decode(path: Path) -> tuple[TrainBatch, dict]:
     for name in STORED_AS_INT32:
         tensors[name] = tensors[name].to(torch.int64)
     return TrainBatch(**{f.name: tensors[f.name] for f in fields(TrainBatch)}), meta
-
-
-class RolloutStream:
-    """`RUN/rollouts/batch_NNNNNNNN.safetensors`, written in order by one producer and read by the trainer.
-
-    Index i is the i-th TrainBatch the orchestrator produced (0-based); the trainer reads index i for its step i.
-    """
-
-    def __init__(self, run_dir: str | Path):
-        self.dir = Path(run_dir) / "rollouts"
-
-    def path(self, index: int) -> Path:
-        return self.dir / f"batch_{index:08d}.safetensors"
-
-    def next_index(self) -> int:
-        """The index the producer writes next (one past the highest written; pruning keeps the newest)."""
-        indices = [int(p.stem.split("_")[1]) for p in self.dir.glob("batch_*.safetensors")]
-        return max(indices, default=-1) + 1
-
-    def put(self, batch: TrainBatch, metadata: dict | None = None, *, index: int | None = None) -> int:
-        """Validate and append a batch atomically as `index` (default: the next one; a given index must be the
-        next one, so a batch is never written twice); returns its index."""
-        batch.validate("TrainBatch to write")
-        expected = self.next_index()
-        if index is not None and index != expected:
-            raise BatchError(f"{self.dir}: TrainBatch {index} to write, but the stream's next index is {expected}")
-        index = expected
-        atomic_write_bytes(self.path(index), encode(batch, {"index": index, "created": time.time(), **(metadata or {})}))
-        return index
-
-    def prune(self, *, before: int) -> int:
-        """Delete the batches with index < `before` (already trained on and behind every kept checkpoint), except
-        the newest, which marks where the producer continues (`next_index`)."""
-        removed = 0
-        before = min(before, self.next_index() - 1)
-        for path in self.dir.glob("batch_*.safetensors"):
-            if int(path.stem.split("_")[1]) < before:
-                path.unlink(missing_ok=True)
-                removed += 1
-        return removed
-
-    def get(self, index: int, *, timeout_s: float, vocab_size: int | None = None,
-            poll_s: float = 0.05) -> tuple[TrainBatch, dict]:
-        """Wait up to `timeout_s` for batch `index`, read and validate it."""
-        deadline = time.monotonic() + timeout_s
-        while not self.ready(index):
-            if time.monotonic() > deadline:
-                raise self.missing(index, timeout_s)
-            time.sleep(poll_s)
-        return self.read(index, vocab_size)
-
-    def ready(self, index: int) -> bool:
-        """Whether batch `index` is in the stream (it appears whole: written atomically)."""
-        return self.path(index).exists()
-
-    def read(self, index: int, vocab_size: int | None = None) -> tuple[TrainBatch, dict]:
-        """Batch `index` (it must be `ready`), validated, and its metadata."""
-        path = self.path(index)
-        batch, meta = decode(path)
-        return batch.validate(str(path), vocab_size), meta
-
-    def missing(self, index: int, waited_s: float) -> TimeoutError:
-        """The error of a consumer that waited `waited_s` seconds for batch `index` in vain."""
-        return TimeoutError(f"no TrainBatch {index} in {self.dir} after {waited_s:.0f} s: is the orchestrator (the "
-                            "stream's producer) running?")

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.rollout.prompts import THINK_CLOSE, THINK_OPEN
+from megatron_scalerl.tasks.prompts import THINK_CLOSE, THINK_OPEN
 
 
 class VerifierError(UserError):
@@ -123,7 +123,7 @@ def verify_math(answer: str, gold: str) -> bool:
 
 # ---- worker process ----
 
-WORKER_PRELOAD = ["math_verify", "megatron_scalerl.rollout.rewards"]  # imported once, in the forkserver
+WORKER_PRELOAD = ["math_verify", "megatron_scalerl.tasks.rewards"]  # imported once, in the forkserver
 
 
 def _worker_context():

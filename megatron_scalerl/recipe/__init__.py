@@ -1,0 +1,64 @@
+"""The run configuration: one typed, validated `Recipe`, composed from YAML presets and dotted overrides.
+
+    schema.py   the typed sections (ModelConfig, ParallelismConfig, ..., Recipe): types and ranges, no defaults
+                (those live in recipes/scalerl.yaml); slurm_minutes for the cluster's time limit
+    loading.py  presets (recipes/*.yaml, recipes/models/*.yaml, `hf:DIR`), `--set` overrides, validation with the
+                first bad field named (cross-field rules: recipe_rules.py), load_recipe; flatten / changed_fields /
+                diff to compare recipes
+
+Everything else imports from here: `from megatron_scalerl.recipe import Recipe, load_recipe`.
+"""
+
+from megatron_scalerl.recipe.loading import (
+    PRESET_DIR,
+    apply_overrides,
+    changed_fields,
+    diff,
+    flatten,
+    load_recipe,
+    model_config_from_hf,
+    model_preset_names,
+    parse_override,
+    preset_names,
+    read_hf_config,
+    resolve_dict,
+    validate,
+)
+from megatron_scalerl.recipe.schema import (
+    ClusterConfig,
+    DataSource,
+    EvalConfig,
+    ForecastConfig,
+    ModelConfig,
+    ParallelismConfig,
+    Recipe,
+    RopeScaling,
+    TrainerConfig,
+    slurm_minutes,
+)
+
+__all__ = [
+    "PRESET_DIR",
+    "ClusterConfig",
+    "DataSource",
+    "EvalConfig",
+    "ForecastConfig",
+    "ModelConfig",
+    "ParallelismConfig",
+    "Recipe",
+    "RopeScaling",
+    "TrainerConfig",
+    "apply_overrides",
+    "changed_fields",
+    "diff",
+    "flatten",
+    "load_recipe",
+    "model_config_from_hf",
+    "model_preset_names",
+    "parse_override",
+    "preset_names",
+    "read_hf_config",
+    "resolve_dict",
+    "slurm_minutes",
+    "validate",
+]
