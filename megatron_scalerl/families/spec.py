@@ -46,3 +46,6 @@ class FamilySpec:
     # Serving: (config.json, vLLM's default KV block in tokens) -> the KV block vLLM must use instead, or None for
     # the default. None: the default always fits the family.
     kv_block_size: Callable[[dict[str, Any], int], int | None] | None = None
+    # Serving: config.json -> the generation settings vLLM must be given (`--override-generation-config`) to compute
+    # what the trainer computes; None: none.
+    generation_overrides: Callable[[dict[str, Any]], dict[str, Any]] | None = None

@@ -12,9 +12,9 @@ when `weight_transfer` is on (the default), what weight sync needs: `VLLM_SERVER
 vLLM's own engine; gloo without, ours) and our worker extension (`weight_sync.worker_extension`; also behind
 `reload_from_disk`, which loads an HF checkpoint into a running server: the evaluation watcher). On a CPU machine
 the KV cache gets `cpu_kv_cache_gib` GiB (`VLLM_CPU_KVCACHE_SPACE`) and CUDA graphs are off (`--enforce-eager`).
-A Llama-4 checkpoint whose attention chunk the default KV block does not divide gets a block that does
-(`--block-size`; the engine refuses the first request otherwise). Its `attn_temperature_tuning` is passed on (`--override-generation-config`): vLLM otherwise
-decides it from `max_model_len` (on only above 32k tokens) and would compute another function than the trainer.
+The checkpoint's model family sets what vLLM must be told beyond the checkpoint (`FamilySpec`): a KV block size
+(`--block-size`, e.g. one that divides Llama-4's attention chunk; the engine refuses the first request otherwise) and
+generation settings (`--override-generation-config`, e.g. Llama-4's `attn_temperature_tuning`).
 `api_key` guards every route but /health (vLLM's own key check covers /v1 and /inference only; `server_auth` adds
 the rest); it travels in the environment (`VLLM_API_KEY`), not on the command line that `ps` shows. On CPUs the
 server preloads tcmalloc when the machine has it (`LD_PRELOAD`, as vllm-cpu's installation guide asks: freed memory
@@ -71,6 +71,12 @@ def _kv_block_size(checkpoint: dict) -> int | None:
     return family.kv_block_size(checkpoint, 16 if torch.cuda.is_available() else 128)
 
 
+def _generation_overrides(checkpoint: dict) -> dict:
+    """The generation settings the checkpoint's model family needs vLLM to be given (`FamilySpec.generation_overrides`)."""
+    family = hf_family(checkpoint)
+    return {} if family is None or family.generation_overrides is None else family.generation_overrides(checkpoint)
+
+
 def _default_eager() -> bool:
     return not torch.cuda.is_available()
 
@@ -115,9 +121,9 @@ class VLLMServerConfig:
         if self.skip_tokenizer_init:
             cmd.append("--skip-tokenizer-init")
         checkpoint = _checkpoint_config(self.model)
-        tuning = checkpoint.get("attn_temperature_tuning")
-        if tuning is not None:
-            cmd += ["--override-generation-config", json.dumps({"attn_temperature_tuning": tuning})]
+        overrides = _generation_overrides(checkpoint)
+        if overrides:
+            cmd += ["--override-generation-config", json.dumps(overrides)]
         block = _kv_block_size(checkpoint)
         if block is not None and "--block-size" not in self.extra_args:
             cmd += ["--block-size", str(block)]

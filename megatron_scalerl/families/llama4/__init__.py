@@ -98,6 +98,13 @@ def _kv_block_size(config: dict[str, Any], default: int) -> int | None:
     return None if block == default else block
 
 
+def _generation_overrides(config: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's `attn_temperature_tuning`: vLLM otherwise decides it from `max_model_len` (on only above 32k
+    tokens) and would compute another function than the trainer."""
+    tuning = config.get("attn_temperature_tuning")
+    return {} if tuning is None else {"attn_temperature_tuning": tuning}
+
+
 FAMILY = FamilySpec(
     name="llama4",
     hf_architecture="Llama4ForCausalLM",
@@ -107,4 +114,5 @@ FAMILY = FamilySpec(
     hf_fields=_hf_fields,
     model_fields=_model_fields,
     kv_block_size=_kv_block_size,
+    generation_overrides=_generation_overrides,
 )
