@@ -9,6 +9,7 @@ import re
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_scalerl.errors import UserError
@@ -20,14 +21,22 @@ SCONTROL_TIMEOUT_S = 60.0
 TRAINER_GROUP, GENERATOR_GROUP = 0, 1
 
 
-def scontrol(*args: str) -> str:
+def slurm_client(*command: str, timeout_s: float, cwd: str | Path | None = None) -> str:
+    """The output of a SLURM client command (`scontrol`, `squeue`, `sbatch`), run in a session of its own (a Ctrl-C
+    meant for us does not reach it) and bounded by `timeout_s` seconds; a UserError naming the command otherwise."""
     try:
-        done = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=cwd,
+                              start_new_session=True)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise UserError(f"scontrol {' '.join(args)}: {exc}") from None
+        raise UserError(f"{' '.join(command[:2])}: {exc}") from None
     if done.returncode != 0:
-        raise UserError(f"scontrol {' '.join(args)} failed: {done.stderr.strip()}")
+        raise UserError(f"{' '.join(command[:2])}{' ...' if len(command) > 2 else ''} failed (exit "
+                        f"{done.returncode}): {done.stderr.strip()}")
     return done.stdout
+
+
+def scontrol(*args: str) -> str:
+    return slurm_client("scontrol", *args, timeout_s=SCONTROL_TIMEOUT_S)
 
 
 def _per_node_count(value: str | None) -> int | None:

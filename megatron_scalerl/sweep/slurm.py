@@ -26,12 +26,12 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.launch.allocation import slurm_client
 from megatron_scalerl.launch.slurm import cluster_options
 from megatron_scalerl.sweep.runs import Sweep, SweepRun, outcome
 
@@ -48,14 +48,7 @@ def job_name(sweep_dir: Path, key: str) -> str:
 
 
 def _slurm(*command: str) -> str:
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S, cwd=CHECKOUT,
-                              start_new_session=True)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise UserError(f"{command[0]}: {exc}") from None
-    if done.returncode != 0:
-        raise UserError(f"{' '.join(command[:2])} ... failed (exit {done.returncode}): {done.stderr.strip()}")
-    return done.stdout
+    return slurm_client(*command, timeout_s=SLURM_TIMEOUT_S, cwd=CHECKOUT)
 
 
 def queued(names: list[str]) -> dict[str, tuple[int, str]]:
