@@ -112,3 +112,12 @@ def test_the_branch_scan_sees_branches():
     code = 'if model_cfg.arch == "llama4": pass\nTABLE = {"llama3": 1}\nok = kind != "default"\n'
     assert [what for _, what in _branches(ast.parse(code), _family_values())] == [
         "compares arch", "compares with 'llama4'", "dict keyed by 'llama3'"]
+
+
+def test_a_family_refuses_what_its_models_cannot_compute_when_the_recipe_loads():
+    """Llama-4 routing scales the expert input by the router score, which top-1 routing alone computes as HF does."""
+    from megatron_scalerl.errors import UserError
+
+    with pytest.raises(UserError, match=r"moe_router_topk: Llama-4 routing .* only 1 \(arch llama4\)"):
+        load_recipe("demo", ["model.moe_router_topk=2"])
+    assert load_recipe("demo").model.moe_router_topk == 1

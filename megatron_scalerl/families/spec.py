@@ -43,6 +43,8 @@ class FamilySpec:
     # (config.json, its path for errors) -> the family's own model-section fields; raises UserError on what our
     # models do not compute
     model_fields: Callable[[dict[str, Any], str], dict[str, Any]]
+    # model section -> (field, why) for each setting the family's models cannot compute (checked when a recipe loads)
+    model_problems: Callable[[ModelConfig], list[tuple[str, str]]] | None = None
     # Serving: (config.json, vLLM's default KV block in tokens) -> the KV block vLLM must use instead, or None for
     # the default. None: the default always fits the family.
     kv_block_size: Callable[[dict[str, Any], int], int | None] | None = None

@@ -107,6 +107,10 @@ class ModelConfig(Section):
             raise ValueError("moe_ffn_hidden_size is required when num_experts > 0")
         if self.is_moe and self.moe_router_topk > self.num_experts:
             raise ValueError("moe_router_topk exceeds num_experts")
+        family = families.FAMILIES[self.arch]
+        problems = family.model_problems(self) if family.model_problems else []
+        if problems:
+            raise ValueError("; ".join(f"{field}: {why} (arch {self.arch})" for field, why in problems))
         return self
 
 

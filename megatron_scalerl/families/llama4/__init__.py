@@ -98,6 +98,12 @@ def _kv_block_size(config: dict[str, Any], default: int) -> int | None:
     return None if block == default else block
 
 
+def _model_problems(model_cfg: ModelConfig) -> list[tuple[str, str]]:
+    if model_cfg.is_moe and model_cfg.moe_router_topk != 1:
+        return [("moe_router_topk", "Llama-4 routing applies the score to the expert input: only 1")]
+    return []
+
+
 def _generation_overrides(config: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint's `attn_temperature_tuning`: vLLM otherwise decides it from `max_model_len` (on only above 32k
     tokens) and would compute another function than the trainer."""
@@ -113,6 +119,7 @@ FAMILY = FamilySpec(
     layer=_layer,
     hf_fields=_hf_fields,
     model_fields=_model_fields,
+    model_problems=_model_problems,
     kv_block_size=_kv_block_size,
     generation_overrides=_generation_overrides,
 )
