@@ -470,7 +470,7 @@ def test_sbatch_and_squeue_run_in_their_own_session_with_a_timeout(monkeypatch):
         seen.update(kwargs)
         return subprocess.CompletedProcess(command, 0, "12+0|sweep-x|PENDING\n12+1|sweep-x|RUNNING\n", "")
 
-    monkeypatch.setattr(slurm.subprocess, "run", run)
+    monkeypatch.setattr(subprocess, "run", run)  # as launch.allocation.slurm_client runs it
     assert slurm.queued(["sweep-x"]) == {"sweep-x": (12, "running")}  # a het-job runs when any component does
     assert seen["start_new_session"] is True and seen["timeout"] == slurm.SLURM_TIMEOUT_S
 

@@ -16,10 +16,12 @@ The recipe of run (variant, seed i): the base with `--model` and `--set`, the sw
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +69,13 @@ class BaseSpec:
     steps: int | None = None  # optimizer steps per run (None: the recipe's trainer.max_steps)
     budget: float | None = None  # GPU-hours per run (None: no budget)
 
+    @cached_property
+    def _resolved(self) -> dict[str, Any]:
+        return resolve_dict(self.base, list(self.sets), self.model)  # read once: a preset file, maybe an HF config
+
     def base_dict(self) -> dict[str, Any]:
-        """The base recipe's mapping with `--model` and `--set` (not validated)."""
-        return resolve_dict(self.base, list(self.sets), self.model)
+        """The base recipe's mapping with `--model` and `--set` (not validated); the caller's own copy."""
+        return copy.deepcopy(self._resolved)
 
 
 def base_fields(base: dict[str, Any]) -> dict[str, Any]:
