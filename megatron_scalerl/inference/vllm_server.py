@@ -228,12 +228,7 @@ class VLLMServer:
     def kill(self) -> None:
         """SIGKILL the server's whole process group at once (no clean shutdown); `start` may start it again."""
         if self.process is not None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.wait()
-            self.process = None
+            self._kill_group()
 
     def stop(self) -> None:
         """SIGTERM the server's process group; SIGKILL it after `stop_timeout_s` seconds."""
@@ -245,7 +240,10 @@ class VLLMServer:
                 self.process.wait(timeout=self.stop_timeout_s)
             except subprocess.TimeoutExpired:
                 pass
-        try:  # stragglers of the group (engine core, workers) even when the API server is gone
+        self._kill_group()  # stragglers of the group (engine core, workers) even when the API server is gone
+
+    def _kill_group(self) -> None:
+        try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
