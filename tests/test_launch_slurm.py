@@ -16,7 +16,7 @@ from megatron_scalerl.gpu_hours import ComputeMeter, parse_sacct, record_job
 from megatron_scalerl.launch.allocation import Allocation, Group, Node, _per_node_count
 from megatron_scalerl.launch.preflight import node_problems, parse_nccl_tests
 from megatron_scalerl.launch.slurm import cluster_notes, cluster_options, job_roles
-from megatron_scalerl.launch.supervise import LAUNCH_ENV, Role, _supervise, _wait_ready, kill_stragglers
+from megatron_scalerl.launch.supervise import LAUNCH_ENV, Role, _supervise, _wait_ready, kill_carrying
 from megatron_scalerl.platform import free_port
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run_dir import STOP_FILE, read_generators, stop_requested
@@ -227,11 +227,11 @@ def test_what_a_stopped_role_left_in_another_session_is_killed(tmp_path):
     child = int(role.log.read_text().split()[0])
     role.stop(timeout_s=5)
     assert _running(child)  # the group kill did not reach it
-    assert [line.split()[0] for line in kill_stragglers(launch_id)] == [str(child)]
+    assert [line.split()[0] for line in kill_carrying(f"{LAUNCH_ENV}={launch_id}")] == [str(child)]
     deadline = time.monotonic() + 30
     while _running(child) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _running(child) and kill_stragglers(launch_id) == []
+    assert not _running(child) and kill_carrying(f"{LAUNCH_ENV}={launch_id}") == []
 
 
 def _running(pid: int) -> bool:

@@ -62,19 +62,22 @@ def find_tcmalloc() -> str | None:
     return None
 
 
-def _kv_block_size(checkpoint: dict) -> int | None:
-    """The KV block size (tokens) the checkpoint's model family needs vLLM to use (`FamilySpec.kv_block_size`, e.g.
-    one that divides Llama-4's attention chunk), or None to keep vLLM's default (128 tokens on CPUs, 16 on GPUs)."""
+def _family_flags(checkpoint: dict, extra_args: list[str]) -> list[str]:
+    """The flags the checkpoint's model family needs vLLM to be given (`FamilySpec`): generation settings
+    (`--override-generation-config`) and a KV block size other than vLLM's default of 128 tokens on CPUs, 16 on GPUs
+    (`--block-size`, unless `extra_args` sets one)."""
     family = hf_family(checkpoint)
-    if family is None or family.kv_block_size is None:
-        return None
-    return family.kv_block_size(checkpoint, 16 if torch.cuda.is_available() else 128)
-
-
-def _generation_overrides(checkpoint: dict) -> dict:
-    """The generation settings the checkpoint's model family needs vLLM to be given (`FamilySpec.generation_overrides`)."""
-    family = hf_family(checkpoint)
-    return {} if family is None or family.generation_overrides is None else family.generation_overrides(checkpoint)
+    if family is None:
+        return []
+    flags = []
+    overrides = family.generation_overrides(checkpoint) if family.generation_overrides else {}
+    if overrides:
+        flags += ["--override-generation-config", json.dumps(overrides)]
+    if family.kv_block_size is not None and "--block-size" not in extra_args:
+        block = family.kv_block_size(checkpoint, 16 if torch.cuda.is_available() else 128)
+        if block is not None:
+            flags += ["--block-size", str(block)]
+    return flags
 
 
 def _default_eager() -> bool:
@@ -120,13 +123,7 @@ class VLLMServerConfig:
             cmd.append("--enforce-eager")
         if self.skip_tokenizer_init:
             cmd.append("--skip-tokenizer-init")
-        checkpoint = _checkpoint_config(self.model)
-        overrides = _generation_overrides(checkpoint)
-        if overrides:
-            cmd += ["--override-generation-config", json.dumps(overrides)]
-        block = _kv_block_size(checkpoint)
-        if block is not None and "--block-size" not in self.extra_args:
-            cmd += ["--block-size", str(block)]
+        cmd += _family_flags(_checkpoint_config(self.model), list(self.extra_args))
         if self.weight_transfer:  # a generator of ours: weight updates, and the fleet's token-in/token-out route
             cmd += ["--weight-transfer-config", json.dumps({"backend": resolve_backend("auto")}),
                     "--worker-extension-cls", WORKER_EXTENSION, "--enable-scale-out"]

@@ -167,7 +167,7 @@ def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role
             signal.signal(sig, signal.SIG_IGN)
         for role in (orchestrator, trainer, *generators):
             role.stop()
-        for straggler in kill_stragglers(launch_id):
+        for straggler in kill_carrying(f"{LAUNCH_ENV}={launch_id}"):
             print(f"{label}: killed {straggler}, left behind by a stopped role", flush=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -189,11 +189,6 @@ def processes_with_environment(*entries: str) -> list[tuple[int, str]]:
         except (FileNotFoundError, ProcessLookupError, PermissionError):  # gone meanwhile, or not ours
             continue
     return found
-
-
-def kill_stragglers(launch_id: str) -> list[str]:
-    """SIGKILL every process of this machine carrying `LAUNCH_ENV=launch_id`; one "pid (command line)" for each."""
-    return kill_carrying(f"{LAUNCH_ENV}={launch_id}")
 
 
 def kill_carrying(entry: str) -> list[str]:

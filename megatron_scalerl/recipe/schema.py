@@ -100,14 +100,14 @@ class ModelConfig(Section):
     def _family_rules(self) -> ModelConfig:
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError("num_attention_heads must be a multiple of num_query_groups")
-        if self.is_moe and not families.FAMILIES[self.arch].moe:
+        family = families.FAMILIES[self.arch]
+        if self.is_moe and not family.moe:
             moe = " or ".join(name for name, family in families.FAMILIES.items() if family.moe)
             raise ValueError(f"num_experts > 0 is only supported for arch {moe}")
         if self.is_moe and self.moe_ffn_hidden_size is None:
             raise ValueError("moe_ffn_hidden_size is required when num_experts > 0")
         if self.is_moe and self.moe_router_topk > self.num_experts:
             raise ValueError("moe_router_topk exceeds num_experts")
-        family = families.FAMILIES[self.arch]
         problems = family.model_problems(self) if family.model_problems else []
         if problems:
             raise ValueError("; ".join(f"{field}: {why} (arch {self.arch})" for field, why in problems))

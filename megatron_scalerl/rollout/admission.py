@@ -54,11 +54,12 @@ class Admission:
     def settle(self, chosen: list[RolloutGroup]) -> tuple[list[RolloutGroup], list[RolloutGroup]]:
         """`chosen` finished groups leave the pending ones for batch `written`: (fresh, stale). A stale group (older
         than the bound for this batch) is not trained on; its prompt is admitted again."""
-        stale = [g for g in chosen if self.written - g.oldest_version() > self.bound]
+        fresh, stale = [], []
         for group in chosen:
             del self.pending[group.index]
+            (stale if self.written - group.oldest_version() > self.bound else fresh).append(group)
         self.requeued += [g.problem.key for g in stale]
-        return [g for g in chosen if g not in stale], stale
+        return fresh, stale
 
     def pending_keys(self) -> list[str]:
         """Prompts admitted but in no batch, in the order a resume admits them again."""

@@ -81,10 +81,12 @@ def fit_run(run_dir: str, forecast_config: ForecastConfig, eval_draws: int | Non
     try:
         metrics = MetricsTable.read(run_dir)  # read once for every curve
     except UserError as exc:  # e.g. a torn line: said, and the run goes on
-        metrics = exc
-    primary = _fit_curve(metrics, DEFAULT_METRIC, forecast_config, eval_draws, Path(run_dir) / FORECAST_DIR)
+        primary, further = _unfittable(exc, forecast_config), {}
+    else:
+        primary = _fit_curve(metrics, DEFAULT_METRIC, forecast_config, eval_draws, Path(run_dir) / FORECAST_DIR)
+        further = further_curves(metrics)
     figures = primary.figures()
-    for name, metric in (further_curves(metrics) if isinstance(metrics, MetricsTable) else {}).items():
+    for name, metric in further.items():
         live = _fit_curve(metrics, metric, forecast_config, None, Path(run_dir) / FORECAST_DIR / name)
         figures.update(live.figures(prefix=f"forecast/{name}/"))
     fraction = forecast_config.stop_at_fraction
@@ -92,19 +94,19 @@ def fit_run(run_dir: str, forecast_config: ForecastConfig, eval_draws: int | Non
     return FitResult(figures, primary.progress(), primary.reason, stop, time.process_time() - started)
 
 
-def _fit_curve(metrics: MetricsTable | UserError, metric: str, config: ForecastConfig, eval_draws: int | None,
-               out_dir: Path):
-    """The LiveForecast of one curve of the run (`metrics`: its metrics, or why they could not be read), its report
-    written into `out_dir` when there is a fit."""
+def _unfittable(why: UserError, config: ForecastConfig) -> LiveForecast:
+    return LiveForecast("too-early", f"the run's curve cannot be fitted: {why}", None, config.target)
+
+
+def _fit_curve(metrics: MetricsTable, metric: str, config: ForecastConfig, eval_draws: int | None, out_dir: Path):
+    """The LiveForecast of the run's curve of `metric`, its report written into `out_dir` when there is a fit."""
     from megatron_scalerl.forecast import plots  # deferred: matplotlib, wanted in the fitting process only
 
     options = run_options(config, eval_draws)
     try:
-        if isinstance(metrics, UserError):
-            raise metrics
         curve = metrics.curve(metric)
     except UserError as exc:  # e.g. a validation logged twice across a resume: said, and the run goes on
-        return LiveForecast("too-early", f"the run's curve cannot be fitted: {exc}", None, config.target)
+        return _unfittable(exc, config)
     live = live_forecast(curve, options, target=config.target)
     if live.forecast is not None:
         document = report.forecast_document(live.forecast, plots.forecast_png(live.forecast))

@@ -39,7 +39,7 @@ from typing import Any
 from megatron_scalerl.algo.off_policy import staleness_bound
 from megatron_scalerl.algo.resampling import NoPositiveResampling
 from megatron_scalerl.algo.versions import NO_VERSION
-from megatron_scalerl.batches.stream import RolloutStream
+from megatron_scalerl.batches.stream import BatchWriter, RolloutStream
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.forecast.live import validation_draws
 from megatron_scalerl.gpu_hours import ComputeMeter
@@ -83,7 +83,7 @@ class Orchestrator:
         self.run_dir, self.recipe = run_dir, recipe
         self.batch_size = recipe.rollout.prompts_per_step
         self.max_batches = max_batches if max_batches is not None else recipe.trainer.max_steps
-        self.stream = RolloutStream(run_dir)
+        self.stream: BatchWriter = RolloutStream(run_dir)
         self.resampling = NoPositiveResampling.from_config(recipe.algorithm.no_positive_resampling)
         train, held_out = split_validation(load_sources(recipe.data.train, seed=recipe.trainer.seed),
                                            recipe.data.validation_holdout, seed=recipe.trainer.seed)

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_scalerl.algo.off_policy import pushes_weights_after
-from megatron_scalerl.batches.stream import RolloutStream
+from megatron_scalerl.batches.stream import BatchReader, RolloutStream
 from megatron_scalerl.batches.train_batch import TrainBatch
 from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.errors import UserError
@@ -106,7 +106,7 @@ class Trainer:
         self.store = CheckpointStore(run_dir, keep=recipe.trainer.keep_checkpoints)
         self.saved_step: int | None = None  # the step of the newest checkpoint of this run
         rl_state = self._resume()
-        self.stream = RolloutStream(run_dir)
+        self.stream: BatchReader = RolloutStream(run_dir)
         self.link = GeneratorLink.from_run_dir(run_dir, recipe, is_rank0=self.is_rank0)  # None: no generators
         self.metrics_log = MetricsLog(run_dir, "trainer",
                                       wandb_mode=recipe.logging.wandb_mode if self.is_rank0 else "disabled",
