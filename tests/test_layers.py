@@ -34,7 +34,7 @@ LAYERS = [
     {"rollout", "trainer"},
     {"launch"},
     {"evaluation", "verify"},
-    {"demo", "recipe_cli", "convert_cli", "forecast_cli"},
+    {"demo", "recipe_cli", "convert_cli", "forecast_cli", "grade_cli"},
     {"sweep"},
     {"cli"},
 ]

@@ -8,7 +8,7 @@ from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.rollout.generation import Sample
 from megatron_scalerl.rollout.groups import RolloutGroup, build_train_batch
-from megatron_scalerl.tasks.prompts import Problem
+from megatron_scalerl.tasks.problems import Problem
 
 RECIPE = load_recipe("scalerl", model_preset="tiny_moe")
 

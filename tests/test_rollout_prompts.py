@@ -9,19 +9,19 @@ from collections import Counter
 import pytest
 
 from megatron_scalerl.algo.resampling import NoPositiveResampling
-from megatron_scalerl.errors import UserError
+from megatron_scalerl.errors import RecipeError, UserError
 from megatron_scalerl.recipe import DataSource, load_recipe
+from megatron_scalerl.tasks.problems import Problem, Source, load_source, load_sources
 from megatron_scalerl.tasks.prompts import (
-    INSTRUCTION,
+    INSTRUCTIONS,
     THINK_OPEN,
-    Problem,
     PromptSampler,
     epoch_order,
-    load_source,
-    load_sources,
     render_prompt,
     split_validation,
 )
+
+INSTRUCTION = INSTRUCTIONS["math"]
 
 
 def _jsonl(path, rows) -> str:
@@ -31,6 +31,11 @@ def _jsonl(path, rows) -> str:
 
 def _problems(n: int, prefix: str = "p") -> list[Problem]:
     return [Problem(f"{prefix}#{i}", f"question {i}", str(i)) for i in range(n)]
+
+
+def _source(problems: list[Problem], weight: float = 1.0, **config) -> Source:
+    """A loaded source of `problems` (its config names a file it never reads)."""
+    return Source(DataSource(kind="jsonl", path=problems[0].key.split("#")[0], weight=weight, **config), problems)
 
 
 def _npr(enabled: bool = True) -> NoPositiveResampling:
@@ -104,24 +109,24 @@ def test_the_tiny_presets_data_loads_and_splits():
     sources = load_sources(recipe.data.train, seed=recipe.trainer.seed)
     train, validation = split_validation(sources, recipe.data.validation_holdout, seed=recipe.trainer.seed)
     assert len(validation) == recipe.data.validation_holdout
-    assert sum(len(p) for p, _ in train) + len(validation) == recipe.data.train[0].size
+    assert sum(len(s.problems) for s in train) + len(validation) == recipe.data.train[0].size
 
 
 def test_validation_split_is_seeded_and_disjoint():
-    sources = [(_problems(50, "a"), 1.0), (_problems(30, "b"), 2.0)]
+    sources = [_source(_problems(50, "a"), 1.0), _source(_problems(30, "b"), 2.0)]
     train, validation = split_validation(sources, 20, seed=7)
     assert split_validation(sources, 20, seed=7) == (train, validation)
     assert split_validation(sources, 20, seed=8)[1] != validation
     held = {p.key for p in validation}
-    assert len(held) == 20 and not held & {p.key for problems, _ in train for p in problems}
-    assert [w for _, w in train] == [1.0, 2.0] and sum(len(p) for p, _ in train) == 60
+    assert len(held) == 20 and not held & {p.key for s in train for p in s.problems}
+    assert [s.config.weight for s in train] == [1.0, 2.0] and sum(len(s.problems) for s in train) == 60
     with pytest.raises(UserError, match="validation_holdout: 80 held-out prompts leave none of the 80"):
         split_validation(sources, 80, seed=7)
 
 
 def test_epoch_weights_repeat_or_subsample():
     whole, double, half = _problems(10, "w"), _problems(10, "d"), _problems(10, "h")
-    sources = [(whole, 1.0), (double, 2.0), (half, 0.5)]
+    sources = [_source(whole, 1.0), _source(double, 2.0), _source(half, 0.5)]
     orders = [epoch_order(sources, seed=3, epoch=e) for e in range(2)]
     for order in orders:
         counts = Counter(p.key.split("#")[0] for p in order)
@@ -133,11 +138,11 @@ def test_epoch_weights_repeat_or_subsample():
 
 
 def test_sampler_skips_retired_prompts_and_resumes_exactly():
-    sources = [(_problems(6), 1.0)]
+    sources = [_source(_problems(6), 1.0)]
     npr = _npr()
     sampler = PromptSampler(sources, seed=1, resampling=npr)
     drawn = [sampler.next() for _ in range(6)]
-    assert sorted(p.key for p in drawn) == sorted(p.key for p in sources[0][0]) and sampler.epoch == 0
+    assert sorted(p.key for p in drawn) == sorted(p.key for p in sources[0].problems) and sampler.epoch == 0
     npr.record(drawn[0].key, 4, 4)  # solved every time: retired
     state = sampler.state_dict()
     later = [sampler.next() for _ in range(10)]  # two epochs of the 5 left
@@ -148,10 +153,10 @@ def test_sampler_skips_retired_prompts_and_resumes_exactly():
 
 
 def test_sampler_refuses_when_every_prompt_is_retired():
-    sources = [(_problems(2), 1.0)]
+    sources = [_source(_problems(2), 1.0)]
     npr = _npr()
     sampler = PromptSampler(sources, seed=1, resampling=npr)
-    for problem in sources[0][0]:
+    for problem in sources[0].problems:
         npr.record(problem.key, 1, 1)
     with pytest.raises(UserError, match="every one of the 2 training prompts is retired"):
         sampler.next()
@@ -172,3 +177,76 @@ def test_prompt_template_plain_and_chat(tmp_path):
                                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     assert render_prompt("What is 2+3?", tokenizer) == (
         f"<|user|>What is 2+3?\n\n{INSTRUCTION}<|end|><|assistant|>{THINK_OPEN}\n")
+
+
+def test_mixture_draws_follow_the_shares_and_resume_exactly():
+    math_source = _source(_problems(30, "m"), share=3.0, domain="arith")
+    code_source = _source(_problems(7, "c"), share=1.0, verifier="code")
+    npr = _npr()
+    sampler = PromptSampler([math_source, code_source], seed=5, resampling=npr)
+    drawn = [sampler.next() for _ in range(40)]
+    domains = ["m" if p.key.startswith("m#") else "c" for p in drawn]
+    for start in range(0, 40, 4):  # any 4 consecutive draws from the start hold the 3:1 shares exactly
+        assert domains[start:start + 4].count("c") == 1
+    assert Counter(p.key for p in drawn if p.key.startswith("c#")).most_common(1)[0][1] == 2  # its own 2nd epoch
+    state = sampler.state_dict()
+    assert [s["draws"] for s in state["sources"]] == [30, 10]
+    later = [sampler.next() for _ in range(12)]
+    resumed = PromptSampler([math_source, code_source], seed=5, resampling=npr)
+    resumed.load_state_dict(state)
+    assert [resumed.next() for _ in range(12)] == later
+    with pytest.raises(UserError, match="prompt sampler state: malformed or not this recipe's"):
+        resumed.load_state_dict({"epoch": 0, "position": 3})  # an unmixed run's state
+
+
+def test_mixture_goes_on_without_a_source_whose_prompts_are_all_retired(capsys):
+    a, b = _source(_problems(4, "a"), share=1.0), _source(_problems(2, "b"), share=1.0)
+    npr = _npr()
+    sampler = PromptSampler([a, b], seed=0, resampling=npr)
+    for problem in b.problems:
+        npr.record(problem.key, 2, 2)
+    assert all(sampler.next().key.startswith("a#") for _ in range(8))
+    assert "every prompt of b is retired" in capsys.readouterr().out
+    for problem in a.problems:
+        npr.record(problem.key, 2, 2)
+    with pytest.raises(UserError, match="every one of the 6 training prompts is retired"):
+        sampler.next()
+
+
+def test_a_sources_own_validation_holdout_leaves_the_shared_draw_as_it_was():
+    a, b, c = _source(_problems(40, "a")), _source(_problems(20, "b")), _source(_problems(30, "c"))
+    _, plain = split_validation([a, b], 10, seed=3)
+    own = _source(c.problems, validation_holdout=6)
+    train, validation = split_validation([a, b, own], 10, seed=3)
+    assert validation[:10] == plain  # adding a source with its own hold-out does not move the others' split
+    assert len(validation) == 16 and all(p.key.startswith("c#") for p in validation[10:])
+    assert [len(s.problems) for s in train][2] == 24
+    with pytest.raises(UserError, match=r"data.train \(c\).validation_holdout: 30 held-out prompts leave none"):
+        split_validation([a, _source(c.problems, validation_holdout=30)], 10, seed=3)
+
+
+def test_shares_on_some_sources_only_and_bad_domains_are_errors():
+    with pytest.raises(RecipeError, match=r"data: .*`share` is set on some sources but not on train\[1\]"):
+        load_recipe("demo", ["data.train=[{kind: jsonl, path: a.jsonl, share: 1}, {kind: jsonl, path: b.jsonl}]"])
+    with pytest.raises(RecipeError, match=r"data.train\[0\]: .*domain 'a b': use letters, digits"):
+        load_recipe("demo", ["data.train=[{kind: jsonl, path: a.jsonl, domain: 'a b'}]"])
+    with pytest.raises(RecipeError, match=r"data.train\[0\]: .*give the source a `domain`"):
+        load_recipe("demo", ["data.train=[{kind: jsonl, path: a.jsonl, verifier: 'my.module:check'}]"])
+
+
+def test_synthetic_code_source_carries_its_tests_domain_and_template():
+    problems = load_source(DataSource(kind="synthetic", task="code_functions", size=5, verifier="code"), seed=0)
+    assert [p.key for p in problems] == [f"synthetic/code_functions#{i}" for i in range(5)]
+    first = problems[0]
+    assert (first.domain, first.verifier, first.template) == ("code", "code", "code")
+    assert first.tests["asserts"] and first.answer.startswith("def f(x):")
+    assert problems == load_source(DataSource(kind="synthetic", task="code_functions", size=5, verifier="code"),
+                                   seed=0)
+    with pytest.raises(UserError, match="synthetic task 'nope': unknown task; known: code_functions"):
+        load_source(DataSource(kind="synthetic", task="nope", size=1), seed=0)
+
+
+def test_code_template_asks_for_one_fenced_block():
+    text = render_prompt("Write f.", template="code")
+    assert text == f"Problem: Write f.\n\n{INSTRUCTIONS['code']}\nSolution: {THINK_OPEN}\n"
+    assert "```python" in INSTRUCTIONS["code"]

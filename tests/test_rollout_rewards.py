@@ -13,15 +13,8 @@ import psutil
 import pytest
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.tasks.rewards import (
-    Grade,
-    RewardGrader,
-    VerifierError,
-    known_verifiers,
-    register_verifier,
-    reward_of,
-    strip_thinking,
-)
+from megatron_scalerl.tasks.rewards import Grade, RewardGrader, reward_of, strip_thinking
+from megatron_scalerl.tasks.verifiers import VerifierError, known_verifiers, register_verifier
 
 TIMEOUT_S = 2.0
 
@@ -113,7 +106,7 @@ def test_hanging_verifier_times_out_and_worker_is_replaced(grader):
     start = time.monotonic()
     grade = asyncio.run(grader.grade("x</think>42", "42", verifier=f"{__name__}:hang"))
     elapsed = time.monotonic() - start
-    assert grade == Grade(correct=False, timed_out=True, error=None, seconds=grade.seconds)
+    assert grade == Grade(correct=False, timed_out=True, error=None, seconds=grade.seconds, failure="grader_timeout")
     assert TIMEOUT_S <= grade.seconds < TIMEOUT_S + 1 and elapsed < TIMEOUT_S + 3
     after = grader.counters()
     assert after["timed_out"] == before["timed_out"] + 1 and after["graded"] == before["graded"] + 1

@@ -3,8 +3,9 @@ the recipe's own prompts, so nothing comes from a hub.
 
     build_model(recipe, out_dir, seed=0)   # out_dir: config.json, model.safetensors, tokenizer files
 
-The tokenizer's corpus is what the run will feed it: rendered prompts, answers in the recipe's format (thinking, then
-`\\boxed{...}`) and the interruption phrase, which therefore becomes a handful of tokens.
+The tokenizer's corpus is what the run will feed it: each problem rendered with its own source's template, a worked
+completion in its domain's format (`solution_text`: thinking, then `\\boxed{...}` or a ```python block) and the
+interruption phrase, which therefore becomes a handful of tokens.
 """
 
 from __future__ import annotations
@@ -15,21 +16,27 @@ from pathlib import Path
 from megatron_scalerl.models.hf_io import save_random_hf_model
 from megatron_scalerl.models.tokenizer import special_token_ids, train_tokenizer
 from megatron_scalerl.recipe import Recipe
-from megatron_scalerl.tasks.prompts import THINK_CLOSE, THINK_OPEN, Problem, load_sources, render_prompt
+from megatron_scalerl.tasks.problems import Problem, load_sources
+from megatron_scalerl.tasks.prompts import THINK_CLOSE, THINK_OPEN, render_prompt
 
 PHRASE_REPEATS = 200  # copies of the interruption phrase in the corpus: enough for BPE to merge it into few tokens
 
 
 def solution_text(problem: Problem, *, close_thinking: bool = True) -> str:
-    """A worked completion in the recipe's format: thinking, the end of thinking, the boxed answer. Without
+    """A worked completion in the format of the problem's template: thinking, the end of thinking, then the answer
+    (math: the gold answer boxed; code: the reference solution, `problem.answer`, in a ```python block). Without
     `close_thinking` it stops after the thinking, so it has no answer (the grader scores it wrong)."""
-    thinking = f"{problem.problem.strip()} gives {problem.answer}."
-    return f"{thinking}\n{THINK_CLOSE}\n\\boxed{{{problem.answer}}}" if close_thinking else thinking
+    if problem.template == "code":
+        thinking, answer = problem.problem.strip(), f"```python\n{problem.answer}\n```"
+    else:
+        thinking, answer = f"{problem.problem.strip()} gives {problem.answer}.", f"\\boxed{{{problem.answer}}}"
+    return f"{thinking}\n{THINK_CLOSE}\n{answer}" if close_thinking else thinking
 
 
 def tokenizer_corpus(recipe: Recipe) -> list[str]:
-    problems = [p for problems, _ in load_sources(recipe.data.train, seed=recipe.trainer.seed) for p in problems]
-    texts = [render_prompt(p.problem) + solution_text(p) for p in problems]
+    """Every training problem's prompt (its own template) with its worked completion, and the interruption phrase."""
+    problems = [p for source in load_sources(recipe.data.train, seed=recipe.trainer.seed) for p in source.problems]
+    texts = [render_prompt(p.problem, template=p.template) + solution_text(p) for p in problems]
     return texts + [recipe.algorithm.length_control.interruption_phrase] * PHRASE_REPEATS
 
 

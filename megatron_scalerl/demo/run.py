@@ -1,6 +1,7 @@
 """`scalerl demo` (what `make demo` runs): the whole product on this machine, small and real.
 
     scalerl demo [--run-dir runs/demo] [--steps N]
+    scalerl demo --mix [--run-dir runs/demo_mix] [--steps N]                 # math and code in one run
     scalerl demo --init-only DIR [--model tiny_moe|tiny_dense] [--seed S]   # step 1 alone: a tiny HF checkpoint
 
 1. builds the tiny Llama-4 MoE and its tokenizer (`demo.model`; random weights, nothing downloaded),
@@ -10,6 +11,10 @@
    orchestrator; everything it writes is in the run directory,
 4. ends with the forecast report of its own validation curve in `RUN/forecast/` and the curve itself as
    `RUN/val_pass_rate.png`.
+`--mix` runs the `demo_mix` recipe instead: the same arithmetic and our generated code task (`code_functions`,
+graded by running its tests in the code verifier's sandbox), half of each batch from each; the warm start goes on
+until every domain reaches its target, the plot has one line per domain (`val/<domain>/pass_rate`) beside the
+combined one, and the demo ends by saying, per domain, whether its validation rose (`domain_verdicts`).
 The models of steps 1-2 live beside the run (`RUN_model/`), so a second demo reuses them while they were built
 from the same settings (`RUN_model/build.json`: the model, the data, the seed, the warm start's); otherwise they are
 built again, and the demo says which setting changed.
@@ -23,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
@@ -37,13 +44,19 @@ WARM_START_TARGET = 0.2  # sampled held-out pass rate at which the supervised st
 UNCLOSED_FRACTION = 0.5
 
 
+RISE_POINTS = 3  # a curve's end for `domain_verdicts`: the mean of its last validations (one alone is noisy)
+RISE_SIGMAS = 2.0  # a domain rose when end - start exceeds this many standard errors of the difference
+
+
 TINY_MODELS = ("tiny_moe", "tiny_dense")  # model presets `--init-only` builds; the demo recipe's own is tiny_moe
 BUILD_RECORD = "build.json"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("demo", help="the one-command CPU demo: build, warm-start and RL-train a tiny MoE")
-    parser.add_argument("--run-dir", type=Path, default=Path("runs/demo"))
+    parser.add_argument("--run-dir", type=Path, help="the run directory (default: runs/demo, with --mix runs/demo_mix)")
+    parser.add_argument("--mix", action="store_true",
+                        help="math and code in one run (the demo_mix recipe): one validation curve per domain")
     parser.add_argument("--steps", type=int, help="RL steps (default: the demo recipe's trainer.max_steps)")
     parser.add_argument("--init-only", type=Path, metavar="DIR",
                         help="only build the tiny model (random weights) and its tokenizer into DIR, then exit")
@@ -95,8 +108,9 @@ def warm_started_model(recipe, model_root: Path) -> Path:
     shutil.rmtree(model_root, ignore_errors=True)
     print(f"demo: building the tiny Llama-4 MoE and its tokenizer in {random_dir}", flush=True)
     build_model(recipe, random_dir, seed=recipe.trainer.seed)
+    domains = recipe.data.domains()
     print("demo: supervised warm start (stops once the held-out pass rate reaches "
-          f"{WARM_START_TARGET})", flush=True)
+          f"{WARM_START_TARGET}{' in every domain: ' + ', '.join(domains) if len(domains) > 1 else ''})", flush=True)
     tmp = model_root / "warm_start.tmp"
     result = warm_start(recipe, random_dir, tmp, target=WARM_START_TARGET, unclosed_fraction=UNCLOSED_FRACTION)
     tmp.rename(warm)
@@ -105,14 +119,41 @@ def warm_started_model(recipe, model_root: Path) -> Path:
     return warm
 
 
-def plot_validation(run_dir: Path) -> Path:
-    """`RUN/val_pass_rate.png`: the validation pass rate against GPU-hours, read as the forecaster reads it."""
-    from megatron_scalerl.forecast.data import load_curve  # deferred: scipy, matplotlib
+def plot_validation(run_dir: Path, domains: Sequence[str] = ()) -> Path:
+    """`RUN/val_pass_rate.png`: the validation pass rate against GPU-hours, read as the forecaster reads it; with
+    several `domains`, each domain's (`val/<domain>/pass_rate`) as a line of its own beside it."""
+    from megatron_scalerl.forecast.data import MetricsTable  # deferred: scipy, matplotlib
     from megatron_scalerl.forecast.plots import curve_png
 
+    table = MetricsTable.read(run_dir)
+    per_domain = [table.curve(f"val/{domain}/pass_rate") for domain in domains] if len(domains) > 1 else []
     path = run_dir / "val_pass_rate.png"
-    path.write_bytes(curve_png(load_curve(run_dir)))
+    path.write_bytes(curve_png(table.curve(), *per_domain))
     return path
+
+
+def domain_verdicts(run_dir: Path, domains: list[str]) -> list[str]:
+    """One line per domain: its validation pass rate at the start and at the end (the mean of the last
+    `RISE_POINTS` validations), and whether it rose: by more than `RISE_SIGMAS` binomial standard errors of the
+    difference, from the samples per validation the run logged (`val/<domain>/samples`). Then one line naming the
+    domains that did not rise, if any."""
+    from megatron_scalerl.forecast.data import MetricsTable  # deferred: scipy, matplotlib
+
+    table = MetricsTable.read(run_dir)
+    lines, flat = [], []
+    for domain in domains:
+        reward = table.curve(f"val/{domain}/pass_rate").reward
+        samples = next(row[f"val/{domain}/samples"] for _, row in table.rows if f"val/{domain}/samples" in row)
+        start, tail = float(reward[0]), reward[1:][-RISE_POINTS:]
+        end = float(tail.mean()) if tail.size else start
+        noise = RISE_SIGMAS * math.sqrt((start * (1 - start) + end * (1 - end) / max(tail.size, 1)) / samples)
+        rose = end - start > noise
+        flat += [] if rose else [domain]
+        lines.append(f"{domain}: {start:.3f} -> {end:.3f} ({end - start:+.3f}; {RISE_SIGMAS:g} s.e. {noise:.3f} at "
+                     f"{samples:.0f} samples per validation): {'rose' if rose else 'did NOT rise'}")
+    lines.append(f"{' and '.join(flat)} did not rise above the validation's noise" if flat else
+                 "every domain's validation rose")
+    return lines
 
 
 def init_only(out_dir: Path, model_preset: str, seed: int | None) -> int:
@@ -132,27 +173,34 @@ def _demo(args: argparse.Namespace) -> int:
     from megatron_scalerl.launch.local import start_run  # deferred: torch
 
     if args.init_only is not None:
-        if args.steps is not None:
-            raise UserError("--steps is the demo's RL steps: --init-only trains nothing")
+        if args.steps is not None or args.mix:
+            raise UserError("--steps and --mix are the demo's RL run: --init-only trains nothing")
         return init_only(args.init_only, args.model, args.seed)
     if args.model != "tiny_moe" or args.seed is not None:
         raise UserError("--model and --seed go with --init-only (the demo itself trains tiny_moe with its recipe's "
                         "seed)")
-    run_dir: Path = args.run_dir
+    preset = "demo_mix" if args.mix else "demo"
+    run_dir: Path = args.run_dir or Path("runs") / preset
     if run_dir.exists() and any(run_dir.iterdir()):
         raise UserError(f"{run_dir} exists: remove it for a new demo, or continue it with "
                         f"`scalerl train --run-dir {run_dir} --resume`")
-    base = load_recipe("demo")
+    base = load_recipe(preset)
     warm = warm_started_model(base, run_dir.with_name(run_dir.name + "_model"))
     overrides = [f"trainer.init_from={warm.resolve()}"]
     if args.steps:
         overrides.append(f"trainer.max_steps={args.steps}")
-    recipe = load_recipe("demo", overrides)
+    recipe = load_recipe(preset, overrides)
     code = start_run(run_dir, recipe, warm)
     if code != 0:
         return code
-    print(f"demo: validation curve {plot_validation(run_dir)}", flush=True)
+    domains = recipe.data.domains()
+    print(f"demo: validation curve {plot_validation(run_dir, domains)}", flush=True)
     print_forecast(run_dir, recipe)
+    if len(domains) > 1:
+        print("demo: validation pass rate by domain, start -> end (the mean of the last "
+              f"{RISE_POINTS} validations):", flush=True)
+        for line in domain_verdicts(run_dir, domains):
+            print(f"demo:   {line}", flush=True)
     return 0
 
 

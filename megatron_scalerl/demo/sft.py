@@ -1,15 +1,18 @@
 """The demo's warm start: a short supervised stage that teaches the random tiny model the answer format, stopped as
-soon as its sampled pass rate on the run's held-out prompts reaches the demo's starting band.
+soon as its sampled pass rate on the run's held-out prompts reaches the demo's starting band, in every domain.
 
     result = warm_start(recipe, hf_dir, out_dir, target=0.15)   # out_dir: the warm-started HF checkpoint
 
 RL needs a policy that is sometimes right: from a random model every reward is -1 and every group is filtered out.
-The supervised data are the recipe's training prompts (the validation holdout is excluded, as in the run) with a
-worked completion (`model.solution_text`) and EOS, a chosen share of them never closing the thinking block (no
-answer: what RL then learns away first); the loss covers the completion only. Every `eval_every` steps the
-model samples `eval_samples` completions per held-out prompt at the recipe's temperature, graded like the run
-(thinking stripped, math-verify); training stops at the first evaluation at or above `target`, so the run starts
-between the target and what RL can still improve. Plain PyTorch on transformers' model (CPU, fp32).
+The supervised data are the recipe's training prompts (the validation holdout is excluded, as in the run), each
+rendered with its source's template, with a worked completion (`model.solution_text`: a boxed answer, or the
+reference solution in a ```python block) and EOS, a chosen share of them never closing the thinking block (no
+answer: what RL then learns away first); the loss covers the completion only. Every `eval_every` steps the model
+samples `eval_samples` completions for each of the first `eval_prompts` held-out prompts of every domain at the
+recipe's temperature, graded like the run (thinking stripped, then the problem's own verifier: math-verify, or the
+code verifier running the problem's tests); training stops at the first evaluation where every domain is at or
+above `target`, so the run starts between the target and what RL can still improve in each. Plain PyTorch on
+transformers' model (CPU, fp32).
 """
 
 from __future__ import annotations
@@ -25,15 +28,18 @@ import torch
 
 from megatron_scalerl.demo.model import solution_text
 from megatron_scalerl.recipe import Recipe
-from megatron_scalerl.tasks.prompts import Problem, load_sources, render_prompt, split_validation
-from megatron_scalerl.tasks.rewards import strip_thinking, verify_math
+from megatron_scalerl.tasks.problems import Problem, load_sources
+from megatron_scalerl.tasks.prompts import render_prompt, split_validation
+from megatron_scalerl.tasks.rewards import strip_thinking
+from megatron_scalerl.tasks.verifiers import call_verifier, import_verifier, resolve_verifier
 
 
 @dataclass(frozen=True)
 class WarmStart:
     steps: int  # optimizer steps taken
-    pass_rate: float  # the last evaluation's sampled pass rate on the held-out prompts
-    history: list[tuple[int, float]]  # (step, pass rate) of every evaluation
+    pass_rate: float  # the last evaluation's sampled pass rate on the held-out prompts, all domains together
+    domain_pass_rates: dict[str, float]  # the last evaluation's, per domain (the stop rule's figures)
+    history: list[tuple[int, float]]  # (step, pass rate of all domains together) of every evaluation
     seconds: float
 
 
@@ -44,7 +50,7 @@ def _examples(tokenizer, problems: list[Problem], *, unclosed_fraction: float, s
     coin = random.Random(seed)
     out = []
     for problem in problems:
-        prompt = tokenizer(render_prompt(problem.problem, tokenizer)).input_ids
+        prompt = tokenizer(render_prompt(problem.problem, tokenizer, problem.template)).input_ids
         closed = coin.random() >= unclosed_fraction
         completion = tokenizer(solution_text(problem, close_thinking=closed), add_special_tokens=False).input_ids
         out.append(([*prompt, *completion, tokenizer.eos_token_id], len(prompt)))
@@ -64,20 +70,46 @@ def _batch(examples: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Te
     return ids, mask, labels
 
 
+def is_correct(text: str, problem: Problem) -> bool:
+    """A completion graded as the run grades it: thinking stripped, then the problem's verifier (no answer: wrong).
+    In this process, without the run's per-answer timeout (the code verifier bounds its own sandbox)."""
+    answer = strip_thinking(text)
+    return bool(answer) and call_verifier(import_verifier(resolve_verifier(problem.verifier)), answer,
+                                          problem.row()).correct
+
+
+def new_tokens_cap(recipe: Recipe, template: str) -> int:
+    """Tokens a warm-start evaluation samples per completion of a `template` problem: the thinking budget's maximum
+    (a worked math completion is under 20 tokens), plus the answer budget for code (its fenced solution alone is
+    about 20)."""
+    budget = recipe.algorithm.length_control
+    return budget.think_budget_max + (budget.answer_budget if template == "code" else 0)
+
+
 @torch.no_grad()
 def sampled_pass_rate(model, tokenizer, problems: list[Problem], *, samples: int, temperature: float,
                       max_new_tokens: int, seed: int) -> float:
     """Mean correctness of `samples` sampled completions per problem (left-padded batch generation)."""
     tokenizer.padding_side = "left"
-    prompts = [render_prompt(p.problem, tokenizer) for p in problems for _ in range(samples)]
-    golds = [p.answer for p in problems for _ in range(samples)]
+    prompts = [render_prompt(p.problem, tokenizer, p.template) for p in problems for _ in range(samples)]
     encoded = tokenizer(prompts, return_tensors="pt", padding=True)
     torch.manual_seed(seed)
     out = model.generate(**encoded, do_sample=True, temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     texts = tokenizer.batch_decode(out[:, encoded.input_ids.shape[1]:], skip_special_tokens=False)
     texts = [t.replace(tokenizer.eos_token, "").replace(tokenizer.pad_token, "") for t in texts]
-    return sum(verify_math(strip_thinking(t), gold) for t, gold in zip(texts, golds, strict=True)) / len(texts)
+    graded = [is_correct(t, p) for t, p in zip(texts, [p for p in problems for _ in range(samples)], strict=True)]
+    return sum(graded) / len(graded)
+
+
+def held_out_by_domain(validation: list[Problem], count: int) -> dict[str, list[Problem]]:
+    """The first `count` held-out problems of each domain, domains in order of first appearance."""
+    domains: dict[str, list[Problem]] = {}
+    for problem in validation:
+        domains.setdefault(problem.domain, [])
+        if len(domains[problem.domain]) < count:
+            domains[problem.domain].append(problem)
+    return domains
 
 
 @contextlib.contextmanager
@@ -94,11 +126,11 @@ def _every_core():
 def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, target: float = 0.15, max_steps: int = 600,
                batch_size: int = 32, lr: float = 2e-3, eval_every: int = 25, eval_prompts: int = 32,
                eval_samples: int = 2, unclosed_fraction: float = 0.0) -> WarmStart:
-    """Supervised steps on `hf_dir`'s model until the sampled held-out pass rate reaches `target` (or `max_steps`);
-    writes the model and tokenizer to `out_dir`. `unclosed_fraction`: share of the supervised completions that never
-    close their thinking (so have no answer), like a base model that follows the answer format only some of the
-    time."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Supervised steps on `hf_dir`'s model until the sampled held-out pass rate of every domain reaches `target`
+    (or `max_steps`); writes the model and tokenizer to `out_dir`. `eval_prompts`: held-out prompts per domain.
+    `unclosed_fraction`: share of the supervised completions that never close their thinking (so have no answer),
+    like a base model that follows the answer format only some of the time."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: transformers loads in seconds
 
     start = time.monotonic()
     seed = recipe.trainer.seed
@@ -107,13 +139,13 @@ def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, targe
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     train, validation = split_validation(load_sources(recipe.data.train, seed=seed), recipe.data.validation_holdout,
                                          seed=seed)
-    examples = _examples(tokenizer, [p for problems, _ in train for p in problems],
+    examples = _examples(tokenizer, [p for source in train for p in source.problems],
                          unclosed_fraction=unclosed_fraction, seed=seed)
-    held_out = validation[:eval_prompts]
+    held_out = held_out_by_domain(validation, eval_prompts)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     order = random.Random(seed)
     history: list[tuple[int, float]] = []
-    step, rate = 0, 0.0
+    step, rate, rates = 0, 0.0, dict.fromkeys(held_out, 0.0)
     with _every_core():
         while step < max_steps:
             model.train()
@@ -126,13 +158,19 @@ def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, targe
             step += 1
             if step % eval_every == 0 or step == max_steps:
                 model.eval()
-                rate = sampled_pass_rate(model, tokenizer, held_out, samples=eval_samples,
-                                         temperature=recipe.rollout.temperature,
-                                         max_new_tokens=recipe.algorithm.length_control.think_budget_max, seed=step)
+                rates = {domain: sampled_pass_rate(
+                    model, tokenizer, problems, samples=eval_samples, temperature=recipe.rollout.temperature,
+                    max_new_tokens=max(new_tokens_cap(recipe, p.template) for p in problems), seed=step + index)
+                    for index, (domain, problems) in enumerate(held_out.items())}
+                counts = {domain: len(problems) for domain, problems in held_out.items()}
+                rate = sum(rates[d] * counts[d] for d in rates) / sum(counts.values())
                 history.append((step, rate))
-                print(f"warm start step {step}: loss {loss.item():.3f}, held-out pass rate {rate:.3f}", flush=True)
-                if rate >= target:
+                per_domain = "".join(f", {d} {r:.3f}" for d, r in rates.items()) if len(rates) > 1 else ""
+                print(f"warm start step {step}: loss {loss.item():.3f}, held-out pass rate {rate:.3f}{per_domain}",
+                      flush=True)
+                if min(rates.values()) >= target:
                     break
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
-    return WarmStart(steps=step, pass_rate=rate, history=history, seconds=time.monotonic() - start)
+    return WarmStart(steps=step, pass_rate=rate, domain_pass_rates=rates, history=history,
+                     seconds=time.monotonic() - start)

@@ -1,1 +1,2 @@
-"""Downstream evaluation (AIME): datasets, sampling through OpenAI-compatible endpoints, grading, metrics, scheduled checkpoint evaluations."""
+"""Downstream evaluation (AIME, local benchmarks such as code): datasets, sampling through OpenAI-compatible
+endpoints, grading, metrics, scheduled checkpoint evaluations."""

@@ -1,18 +1,28 @@
-"""One evaluation: K samples of every problem of a dataset from an OpenAI-compatible endpoint, graded, summarised.
+"""One evaluation: K samples of every problem of a benchmark from an OpenAI-compatible endpoint, graded, summarised.
 
-    summary = evaluate(EvalRequest(endpoint, model, "aime24", samples=16, out=Path("eval/out")), recipe, tokenizer)
+    benchmark = load_benchmark("aime24", recipe.eval.benchmarks)   # or a recipe's local benchmark, or a JSONL file
+    summary = evaluate(EvalRequest(endpoint, model, samples=16, out=Path("eval/out")), benchmark, recipe, tokenizer)
 
-Prompts are the training template (`tasks.prompts.render_prompt`: the problem, the boxed-answer instruction, an
-opened thinking block, through the tokenizer's chat template when it has one); sampling and length control are the
-recipe's (`rollout.temperature`, `top_p`, `max_new_tokens`, the forced interruption: `evaluation/sampling.py`).
-Grading: the answer part (after the last `</think>`) against the gold answer with math-verify in worker processes
-(`tasks.rewards.RewardGrader`), `grader_timeout_s` seconds per answer; an answer that runs out of time counts as
-wrong and is listed in the summary.
+Benchmarks (`load_benchmark`): the shipped AIME sets by name (`eval/data/aime24.jsonl`, `aime25`), a local benchmark
+of the recipe's `eval.benchmarks` (`recipe.LocalBenchmark`: a JSONL file with its verifier and template) by its entry
+or its name, or any JSONL file by path (named by its stem). Rows are read and checked as a `data.train` jsonl source
+is (`tasks.problems.load_source`): a bad row is an error naming its file and line.
 
-Writes into `out/`: `problems.jsonl` (one line per problem: its samples' text, extracted answer, verdict, tokens,
-truncation, interruption, grader time-out) and then `summary.json` (`evaluation.metrics.summarize`: `mean_at_k`,
-`pass_at_k` keyed by k, `cons_at_k`, lengths, truncation, plus what was evaluated and how). Both are written
-atomically, the summary last: a directory with a summary.json holds a finished evaluation.
+Prompts are the training template of the problem's own `template` (`tasks.prompts.render_prompt`: the problem, the
+template's instruction (a boxed answer, or a Python program in a fenced block), an opened thinking block, through the
+tokenizer's chat template when it has one); sampling and length control are the recipe's (`rollout.temperature`,
+`top_p`, `max_new_tokens`, the forced interruption: `evaluation/sampling.py`). Grading: the answer part (after the
+last `</think>`) by the problem's own verifier in worker processes (`tasks.rewards.RewardGrader`: "math" with
+math-verify against the gold answer, "code" running the row's tests in a sandbox), `grader_timeout_s` seconds per
+answer; an answer that runs out of time counts as wrong and is listed in the summary. A code sample is correct when
+all its tests pass, so pass@k of a code benchmark is pass@k over tests.
+
+Writes into `out/`: `problems.jsonl` (one line per problem: its samples' text, answer (the last `\\boxed{}`, or for the
+code template the final code block), verdict, share of tests passed, kind of failure, tokens, truncation,
+interruption, grader time-out) and then `summary.json` (`evaluation.metrics.summarize`: `mean_at_k`, `pass_at_k`
+keyed by k, `cons_at_k`, lengths, truncation; `tests_passed_mean`: the mean share of a sample's tests passed (1 or 0
+per sample without tests); `failures`: samples per kind of failure (`Grade.failure`); plus what was evaluated and
+how). Both are written atomically, the summary last: a directory with a summary.json holds a finished evaluation.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ import asyncio
 import json
 import sys
 import time
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,13 +41,16 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.evaluation.metrics import extract_boxed, summarize
 from megatron_scalerl.evaluation.sampling import CompletionClient, SamplingSettings, sample_completion
 from megatron_scalerl.fileio import atomic_write_text
-from megatron_scalerl.recipe import DataSource, Recipe
+from megatron_scalerl.recipe import SHIPPED_BENCHMARKS, DataSource, LocalBenchmark, Recipe
 from megatron_scalerl.rollout.generation import length_control_policy
-from megatron_scalerl.tasks.prompts import Problem, load_source, render_prompt
+from megatron_scalerl.tasks.code_verifier import final_code_block
+from megatron_scalerl.tasks.problems import Problem, load_source
+from megatron_scalerl.tasks.prompts import render_prompt
 from megatron_scalerl.tasks.rewards import RewardGrader, strip_thinking
+from megatron_scalerl.tasks.verifiers import VerifierError, resolve_verifier
 
 EVAL_DATA = Path(__file__).resolve().parents[2] / "eval" / "data"
-DATASETS = {"aime24": EVAL_DATA / "aime24.jsonl", "aime25": EVAL_DATA / "aime25.jsonl"}
+DATASETS = {name: EVAL_DATA / f"{name}.jsonl" for name in SHIPPED_BENCHMARKS}
 SUMMARY, PROBLEMS = "summary.json", "problems.jsonl"
 
 
@@ -43,29 +58,55 @@ SUMMARY, PROBLEMS = "summary.json", "problems.jsonl"
 class EvalRequest:
     endpoint: str  # base URL of an OpenAI-compatible server
     model: str  # the served model's name
-    dataset: str  # aime24, aime25, or a JSONL file with problem/answer fields
     samples: int  # K per problem
     out: Path
     api_key: str | None = None
     concurrency: int = 32  # requests in flight
     grader_timeout_s: float = 10.0
     grader_workers: int | None = None
-    verifier: str = "math"
-    problem_field: str = "problem"
-    answer_field: str = "answer"
     extra: dict[str, Any] = field(default_factory=dict)  # recorded in summary.json (e.g. the checkpoint step)
 
 
-def load_dataset(name: str, problem_field: str = "problem", answer_field: str = "answer") -> list[Problem]:
-    """A shipped dataset by name (aime24, aime25) or a JSONL file; a malformed row is a UserError naming its line."""
-    path = DATASETS.get(name, Path(name))
-    if not path.is_file():
-        raise UserError(f"dataset {name!r}: neither a shipped dataset ({', '.join(DATASETS)}) nor a JSONL file")
-    problems = load_source(DataSource(kind="jsonl", path=str(path), problem_field=problem_field,
-                                      answer_field=answer_field), seed=0)
-    if not problems:
-        raise UserError(f"dataset {path}: no problems")
-    return problems
+@dataclass(frozen=True)
+class Benchmark:
+    """A benchmark read and checked, ready to evaluate. `name` labels its output directory and its metrics
+    (`eval/<name>/...`); `source`: its rows' file, fields, verifier and template."""
+
+    name: str
+    source: DataSource
+    problems: list[Problem]
+
+
+def load_benchmark(spec: str | LocalBenchmark, entries: Sequence[str | LocalBenchmark] = (),
+                   verifier: str | None = None) -> Benchmark:
+    """The benchmark `spec` names: a local benchmark (an entry of a recipe's `eval.benchmarks`, or the name of a
+    local one among `entries`), a shipped one by name (aime24, aime25), or a JSONL file with problem/answer rows.
+    `verifier`, when given, grades it instead of its own (math for a shipped one or a file; the template follows
+    it where the benchmark names none). UserError for a name that is none of these, an unknown verifier, or a bad
+    row (named by its file and line)."""
+    if isinstance(spec, str):
+        spec = next((e for e in entries if isinstance(e, LocalBenchmark) and e.name == spec), spec)
+    if isinstance(spec, LocalBenchmark):
+        name, source = spec.name, spec.source()
+        path = Path(source.path)
+        if not path.is_file():
+            raise UserError(f"eval benchmark {name!r}: file {path} does not exist"
+                            + (f" (relative to {Path.cwd()})" if not path.is_absolute() else ""))
+    else:
+        path = DATASETS.get(spec, Path(spec))
+        if not path.is_file():
+            local = ", ".join(e.name for e in entries if isinstance(e, LocalBenchmark)) or "none"
+            raise UserError(f"dataset {spec!r}: neither a shipped dataset ({', '.join(DATASETS)}), a local benchmark "
+                            f"of the recipe's eval.benchmarks ({local}), nor a JSONL file")
+        name = spec if spec in DATASETS else path.stem
+        source = DataSource(kind="jsonl", path=str(path), domain="eval")  # evaluation feeds no validation curve
+    if verifier is not None:
+        source = source.model_copy(update={"verifier": verifier})
+    try:
+        resolve_verifier(source.verifier)
+    except VerifierError as exc:
+        raise UserError(f"dataset {name!r}: {exc}") from None
+    return Benchmark(name, source, load_source(source, seed=0))
 
 
 def sampling_settings(recipe: Recipe, tokenizer: Any) -> SamplingSettings:
@@ -75,6 +116,13 @@ def sampling_settings(recipe: Recipe, tokenizer: Any) -> SamplingSettings:
                             max_new_tokens=recipe.rollout.max_new_tokens,
                             policy=length_control_policy(recipe, tokenizer) if tokenizer is not None else None,
                             interruption_phrase=control.interruption_phrase)
+
+
+def shown_answer(completion: str, template: str) -> str | None:
+    """What a sample answered, for its record and the majority vote: the final code block of its answer part for
+    the code template, else its last `\\boxed{}`; None when it has none. Grading never reads this."""
+    answer = strip_thinking(completion)
+    return final_code_block(answer) if template == "code" else extract_boxed(answer)
 
 
 class _Progress:
@@ -93,21 +141,23 @@ class _Progress:
                   end="" if self.tty and self.done < self.total else "\n", file=sys.stderr, flush=True)
 
 
-async def _evaluate(request: EvalRequest, problems: list[Problem], settings: SamplingSettings, tokenizer: Any,
+async def _evaluate(request: EvalRequest, benchmark: Benchmark, settings: SamplingSettings, tokenizer: Any,
                     grader: RewardGrader) -> list[dict]:
-    progress = _Progress(len(problems) * request.samples, f"{request.dataset} @ {request.model}")
+    problems = benchmark.problems
+    progress = _Progress(len(problems) * request.samples, f"{benchmark.name} @ {request.model}")
 
     async def one(client: CompletionClient, problem: Problem, prompt: str, i: int) -> dict:
         done = await sample_completion(client, prompt, f"{problem.key}#{i}", settings)
-        grade = await grader.grade(done.text, problem.answer, request.verifier)
+        grade = await grader.grade(done.text, problem)  # the problem's own verifier
         progress.step()
-        return {"text": done.text, "answer": extract_boxed(strip_thinking(done.text)), "correct": grade.correct,
-                "tokens": done.tokens, "truncated": done.truncated, "interrupted": done.interrupted,
-                "timed_out": grade.timed_out, "grader_error": grade.error}
+        return {"text": done.text, "answer": shown_answer(done.text, problem.template), "correct": grade.correct,
+                "tests_passed": grade.fraction, "failure": grade.failure, "tokens": done.tokens,
+                "truncated": done.truncated, "interrupted": done.interrupted, "timed_out": grade.timed_out,
+                "grader_error": grade.error}
 
     async with CompletionClient(request.endpoint, request.model, api_key=request.api_key,
                                 concurrency=request.concurrency) as client:
-        prompts = [render_prompt(p.problem, tokenizer) for p in problems]
+        prompts = [render_prompt(p.problem, tokenizer, p.template) for p in problems]
         samples = await asyncio.gather(*(one(client, p, prompt, i) for p, prompt in zip(problems, prompts, strict=True)
                                          for i in range(request.samples)))
     k = request.samples
@@ -115,24 +165,27 @@ async def _evaluate(request: EvalRequest, problems: list[Problem], settings: Sam
             for j, p in enumerate(problems)]
 
 
-def evaluate(request: EvalRequest, recipe: Recipe, tokenizer: Any) -> dict:
-    """Run the evaluation, write problems.jsonl and summary.json into `request.out`, return the summary."""
+def evaluate(request: EvalRequest, benchmark: Benchmark, recipe: Recipe, tokenizer: Any) -> dict:
+    """Evaluate `benchmark`, write problems.jsonl and summary.json into `request.out`, return the summary."""
     if request.samples < 1:
         raise UserError(f"--samples must be at least 1 (got {request.samples})")
-    problems = load_dataset(request.dataset, request.problem_field, request.answer_field)
     settings = sampling_settings(recipe, tokenizer)
     start = time.monotonic()
     with RewardGrader(num_workers=request.grader_workers, timeout_s=request.grader_timeout_s) as grader:
-        results = asyncio.run(_evaluate(request, problems, settings, tokenizer, grader))
+        results = asyncio.run(_evaluate(request, benchmark, settings, tokenizer, grader))
+    samples = [s for r in results for s in r["samples"]]
     figures = summarize([{"correct": [s["correct"] for s in r["samples"]],
                           "answers": [s["answer"] for s in r["samples"]],
                           "tokens": [s["tokens"] for s in r["samples"]],
                           "truncated": [s["truncated"] for s in r["samples"]],
                           "timed_out": [s["timed_out"] for s in r["samples"]]} for r in results])
-    summary = {**figures, "interruption_rate": sum(s["interrupted"] for r in results for s in r["samples"])
-               / (len(results) * request.samples),
+    source = benchmark.source
+    summary = {**figures, "interruption_rate": sum(s["interrupted"] for s in samples) / len(samples),
+               "tests_passed_mean": sum(s["tests_passed"] for s in samples) / len(samples),
+               "failures": dict(sorted(Counter(s["failure"] for s in samples if s["failure"]).items())),
                "grader_timeouts_in": [r["key"] for r in results if any(s["timed_out"] for s in r["samples"])],
-               "dataset": request.dataset, "model": request.model, "endpoint": request.endpoint,
+               "dataset": benchmark.name, "path": source.path, "verifier": source.verifier,
+               "template": source.template_name, "model": request.model, "endpoint": request.endpoint,
                "sampling": {k: v for k, v in asdict(settings).items() if k != "policy"}
                | {"interruption": settings.policy is not None}, "seconds": time.monotonic() - start,
                **request.extra}

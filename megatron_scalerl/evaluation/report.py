@@ -1,19 +1,33 @@
-"""`scalerl eval report RUN_DIR`: the run's downstream curve beside its validation curve.
+"""`scalerl eval report RUN_DIR`: the run's downstream curves beside its validation curve.
 
-A table (markdown, `RUN/eval/report.md`, also printed) with one row per evaluated checkpoint: step, GPU-hours, the
-dataset's mean@k, pass@K and cons@K, and the validation pass rate at that step (the orchestrator's `val/pass_rate`
-at the same policy version); and a plot (`RUN/eval/report.png`) of AIME mean@k and the validation pass rate against
-GPU-hours. Both read only RUN/metrics.jsonl (the `eval` rows the watcher wrote).
+A table per dataset (markdown, `RUN/eval/report.md`, also printed) with one row per evaluated checkpoint: step,
+GPU-hours, the dataset's mean@k, pass@K and cons@K, and the validation pass rate at that step (the orchestrator's
+`val/pass_rate` at the same policy version); and a plot (`RUN/eval/report.png`) of each dataset's mean@k and the
+validation pass rate against GPU-hours. The datasets: those asked for, else every one evaluated (AIME and local
+benchmarks alike, in the order they were first logged). Both read only RUN/metrics.jsonl (the `eval` rows the
+watcher wrote).
 """
 
 from __future__ import annotations
 
 import io
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text
 from megatron_scalerl.metrics import read_metrics
+
+_MEAN = re.compile(r"^eval/([^/]+)/mean_at_k$")
+
+
+def evaluated_datasets(run_dir: Path) -> list[str]:
+    """The datasets with an `eval` row in RUN/metrics.jsonl, in the order they were first logged."""
+    names: dict[str, None] = {}
+    for row in read_metrics(run_dir, role="eval"):
+        names.update((m.group(1), None) for m in map(_MEAN.match, row) if m)
+    return list(names)
 
 
 def report_rows(run_dir: Path, dataset: str) -> list[dict]:
@@ -46,14 +60,19 @@ def markdown_table(rows: list[dict], dataset: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report_png(rows: list[dict], dataset: str, run_name: str) -> bytes:
-    from matplotlib.figure import Figure
+def report_png(curves: dict[str, list[dict]], run_name: str) -> bytes:
+    """The plot: each dataset's mean@k (`curves`: dataset -> its `report_rows`) and the validation pass rate."""
+    from matplotlib.figure import Figure  # deferred: matplotlib loads in ~1 s; only the report draws
 
     fig = Figure(figsize=(6.5, 3.8))
     ax = fig.add_subplot()
-    x_key = "gpu_hours" if all(r["gpu_hours"] is not None for r in rows) else "step"
-    ax.plot([r[x_key] for r in rows], [r["mean_at_k"] for r in rows], marker="o", label=f"{dataset} mean@{rows[-1]['k']}")
-    validated = [r for r in rows if r["val_pass_rate"] is not None]
+    every = [r for rows in curves.values() for r in rows]
+    x_key = "gpu_hours" if all(r["gpu_hours"] is not None for r in every) else "step"
+    for dataset, rows in curves.items():
+        ax.plot([r[x_key] for r in rows], [r["mean_at_k"] for r in rows], marker="o",
+                label=f"{dataset} mean@{rows[-1]['k']}")
+    validated = sorted({r["step"]: r for r in every if r["val_pass_rate"] is not None}.values(),
+                       key=lambda r: r["step"])
     if validated:
         ax.plot([r[x_key] for r in validated], [r["val_pass_rate"] for r in validated], marker="s",
                 label="validation pass rate")
@@ -67,14 +86,17 @@ def report_png(rows: list[dict], dataset: str, run_name: str) -> bytes:
     return buffer.getvalue()
 
 
-def write_report(run_dir: Path, dataset: str) -> str:
-    """Write RUN/eval/report.md and report.png; return the table."""
-    rows = report_rows(run_dir, dataset)
-    table = markdown_table(rows, dataset)
+def write_report(run_dir: Path, datasets: Sequence[str] | None = None) -> str:
+    """Write RUN/eval/report.md and report.png for `datasets` (None: every one evaluated); return the tables."""
+    names = list(datasets) if datasets else evaluated_datasets(run_dir)
+    if not names:
+        raise UserError(f"{run_dir}: no evaluation in metrics.jsonl yet (scalerl eval watch)")
+    curves = {name: report_rows(run_dir, name) for name in names}
+    tables = "\n".join(markdown_table(rows, name) for name, rows in curves.items())
     out = run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "report.md", table)
+    atomic_write_text(out / "report.md", tables)
     tmp = out / ".report.png.partial"
-    tmp.write_bytes(report_png(rows, dataset, run_dir.name))
+    tmp.write_bytes(report_png(curves, run_dir.name))
     tmp.replace(out / "report.png")
-    return table
+    return tables

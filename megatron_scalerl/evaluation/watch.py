@@ -10,8 +10,11 @@ recipe (RUN/recipe.yaml, section `eval:`), the built-in default; the watch says 
     max_new_tokens                                        eval.max_new_tokens     (tokens per sample at most)
     once            --once        SCALERL_EVAL_ONCE=1                             default: watch until the last step
 
-The evaluation samples as the recipe's rollout does (template, top_p, length control) but at the eval section's
-temperature and length cap (`evaluated_recipe`).
+A dataset is a shipped benchmark (aime24, aime25), a local benchmark of the recipe's `eval.benchmarks` (a mapping
+with its JSONL file, verifier and template; by its name on the command line), or a JSONL file; `--verifier` grades
+them all instead of their own verifiers (`harness.load_benchmark`). Every one is read and checked when the watch
+starts. The evaluation samples as the recipe's rollout does (top_p, length control; each problem with its own
+template) but at the eval section's temperature and length cap (`evaluated_recipe`).
 
 For each checkpoint `RUN/checkpoints/iter_N` with N a multiple of `every` (or the run's last step), complete (its
 manifest and every file's size; a checkpoint still being written has no manifest yet and is looked at again later),
@@ -20,12 +23,12 @@ and not evaluated yet:
     1. export it to HF (`models.convert.megatron_to_hf`, at the run's own layout) into RUN/eval/iter_N/hf;
     2. serve the export: the watch's one vLLM server (`CheckpointServer`) starts on the first export and loads each
        later one in place (float32 on CPUs, the run's precision on GPUs);
-    3. evaluate each dataset (`harness.evaluate`: the run's recipe gives the template, sampling and length control)
-       into RUN/eval/iter_N/<dataset>/;
-    4. append one `eval` row per dataset to RUN/metrics.jsonl at step N: `eval/<dataset>/mean_at_k`,
-       `.../pass_at_k/<k>`, `.../cons_at_k`, lengths, truncation, and the run's `gpu_hours` at that step (the
-       orchestrator's last figure at or before it), so the forecaster can fit the downstream curve; mirrored to wandb
-       like every row;
+    3. evaluate each dataset (`harness.evaluate`: the run's recipe gives the sampling and length control, each
+       problem's template and verifier its own) into RUN/eval/iter_N/<dataset>/;
+    4. append one `eval` row per dataset to RUN/metrics.jsonl at step N (`metric_figures`): `eval/<dataset>/mean_at_k`,
+       `.../pass_at_k/<k>`, `.../cons_at_k`, `.../tests_passed_mean`, `.../failures/<kind>`, lengths, truncation, and
+       the run's `gpu_hours` at that step (the orchestrator's last figure at or before it), so the forecaster can fit
+       the downstream curve; mirrored to wandb like every row;
     5. delete the export (`keep_exports` keeps it).
 
 A dataset's `summary.json` marks it done: a restarted watcher never evaluates it again, and picks up a half-done
@@ -39,20 +42,20 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.evaluation.harness import SUMMARY, EvalRequest, evaluate, load_dataset
+from megatron_scalerl.evaluation.harness import SUMMARY, Benchmark, EvalRequest, evaluate, load_benchmark
 from megatron_scalerl.http_json import request_json
 from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig, reload_from_disk
 from megatron_scalerl.launch.roles import serving_dtype
 from megatron_scalerl.metrics import MetricsLog, read_metrics
 from megatron_scalerl.models.convert import megatron_to_hf
 from megatron_scalerl.platform.local_workers import free_port
-from megatron_scalerl.recipe import EvalConfig, Recipe, load_recipe
+from megatron_scalerl.recipe import EvalConfig, LocalBenchmark, Recipe, benchmark_name, load_recipe
 from megatron_scalerl.rope_note import note_once
 from megatron_scalerl.run_dir import RECIPE_FILE
 from megatron_scalerl.tasks.prompts import render_prompt
@@ -69,7 +72,7 @@ class WatchSettings:
     """What a watch evaluates and how (the module docstring); `sources`: setting -> where its value came from."""
 
     every: int  # steps: checkpoints whose step is a multiple of it are evaluated (and the run's last)
-    datasets: tuple[str, ...]  # shipped names (aime24, aime25) or JSONL files
+    datasets: tuple[str | LocalBenchmark, ...]  # names (shipped, or the recipe's local ones), JSONL files, entries
     samples: int  # completions per problem (k)
     temperature: float
     max_new_tokens: int  # tokens per sample at most
@@ -77,7 +80,8 @@ class WatchSettings:
     sources: dict[str, str]
 
     def describe(self) -> str:
-        values = {"every": f"{self.every} steps", "datasets": " ".join(self.datasets), "samples": str(self.samples),
+        values = {"every": f"{self.every} steps", "datasets": " ".join(map(benchmark_name, self.datasets)),
+                  "samples": str(self.samples),
                   "temperature": f"{self.temperature:g}", "max_new_tokens": str(self.max_new_tokens),
                   "once": "yes" if self.once else "no"}
         return "eval settings: " + ", ".join(f"{k} {v} ({self.sources[k]})" for k, v in values.items())
@@ -151,8 +155,8 @@ def eval_dir(run_dir: Path, iteration: int) -> Path:
 
 
 def pending(run_dir: Path, every: int, datasets: list[str], last: int) -> list[int]:
-    """Complete checkpoints due for evaluation (multiples of `every`, and the run's `last` step) with a dataset not
-    yet done, oldest first."""
+    """Complete checkpoints due for evaluation (multiples of `every`, and the run's `last` step) with a dataset (by
+    name) not yet done, oldest first."""
     store = CheckpointStore(run_dir, keep=1)
     due = []
     for iteration in sorted(store.iterations()):
@@ -172,15 +176,31 @@ def gpu_hours_at(run_dir: Path, step: int) -> float | None:
     return rows[-1]["gpu_hours"] if rows else None
 
 
-def _dataset_label(dataset: str) -> str:
-    return Path(dataset).stem if dataset.endswith(".jsonl") else dataset
+def load_benchmarks(recipe: Recipe, settings: WatchSettings, verifier: str | None = None) -> list[Benchmark]:
+    """The watch's datasets read and checked (`harness.load_benchmark`, names resolved against the recipe's
+    `eval.benchmarks`); UserError for two with one name (they would share a directory and metrics)."""
+    benchmarks = [load_benchmark(d, recipe.eval.benchmarks, verifier) for d in settings.datasets]
+    names = [b.name for b in benchmarks]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UserError(f"eval datasets: {', '.join(map(repr, twice))} named twice ({settings.sources['datasets']})")
+    return benchmarks
 
 
-def _model_len(recipe: Recipe, tokenizer: Any, datasets: list[str]) -> int:
+def metric_figures(name: str, summary: dict) -> dict[str, float]:
+    """The `eval` row's figures of one dataset's summary: its numbers as `eval/<name>/<figure>`, pass@k as
+    `eval/<name>/pass_at_k/<k>`, and failures as `eval/<name>/failures/<kind>` (samples)."""
+    figures = {f"eval/{name}/{k}": v for k, v in summary.items() if isinstance(v, int | float)}
+    figures.update({f"eval/{name}/pass_at_k/{k}": v for k, v in summary["pass_at_k"].items()})
+    figures.update({f"eval/{name}/failures/{kind}": n for kind, n in summary["failures"].items()})
+    return figures
+
+
+def _model_len(recipe: Recipe, tokenizer: Any, benchmarks: list[Benchmark]) -> int:
     """Tokens per sequence the server needs: the datasets' longest prompt + rollout.max_new_tokens (evaluation
     prompts are often longer than the training ones), at most the model's max_position_embeddings."""
-    longest = max(len(tokenizer(render_prompt(p.problem, tokenizer)).input_ids) if tokenizer is not None
-                  else len(p.problem) for d in datasets for p in load_dataset(d))
+    longest = max(len(tokenizer(render_prompt(p.problem, tokenizer, p.template)).input_ids) if tokenizer is not None
+                  else len(p.problem) for b in benchmarks for p in b.problems)
     return min(recipe.model.max_position_embeddings, longest + recipe.rollout.max_new_tokens)
 
 
@@ -193,14 +213,14 @@ class CheckpointServer:
     sleep (vLLM's sleep mode, level 2: weights and KV cache freed) before an export and `serve` wakes it before the
     reload. A server that died between checkpoints is started again on the next export. Served under the run's name,
     behind a key of its own (its dev routes run any worker method); float32 on CPUs, the run's precision on GPUs;
-    `max_model_len` from the datasets; its log: RUN/eval/vllm.log."""
+    `max_model_len` from the benchmarks; its log: RUN/eval/vllm.log."""
 
-    def __init__(self, run_dir: Path, recipe: Recipe, datasets: list[str]):
+    def __init__(self, run_dir: Path, recipe: Recipe, benchmarks: list[Benchmark]):
         import secrets
 
         import torch
 
-        self.run_dir, self.recipe, self.datasets = run_dir, recipe, datasets
+        self.run_dir, self.recipe, self.benchmarks = run_dir, recipe, benchmarks
         self.on_gpus = torch.cuda.is_available()
         self.api_key = secrets.token_hex(16)
         self.server: Any = None
@@ -243,7 +263,7 @@ class CheckpointServer:
             self.tokenizer = AutoTokenizer.from_pretrained(str(export))
         config = VLLMServerConfig(  # weight_transfer on (the default): the reload route
             model=str(export), port=free_port(), dtype=serving_dtype(self.recipe, self.on_gpus), api_key=self.api_key,
-            max_model_len=_model_len(self.recipe, self.tokenizer, self.datasets),
+            max_model_len=_model_len(self.recipe, self.tokenizer, self.benchmarks),
             tensor_parallel_size=self.recipe.parallelism.generator_tp, seed=self.recipe.trainer.seed,
             extra_args=("--served-model-name", self.name, *(("--enable-sleep-mode",) if self.on_gpus else ())),
             env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
@@ -272,19 +292,16 @@ def evaluate_checkpoint(serving: CheckpointServer, iteration: int, request: Eval
     hours = gpu_hours_at(run_dir, iteration)
     try:
         url = serving.serve(export)
-        for dataset in serving.datasets:
-            label = _dataset_label(dataset)
-            if (where / label / SUMMARY).is_file():
+        for benchmark in serving.benchmarks:
+            if (where / benchmark.name / SUMMARY).is_file():
                 continue
-            summary = evaluate(EvalRequest(**{**request.__dict__, "endpoint": url, "model": serving.name,
-                                              "api_key": serving.api_key,
-                                              "dataset": dataset, "out": where / label,
-                                              "extra": {"step": iteration}}), recipe, serving.tokenizer)
-            figures = {f"eval/{label}/{k}": v for k, v in summary.items() if isinstance(v, int | float)}
-            figures.update({f"eval/{label}/pass_at_k/{k}": v for k, v in summary["pass_at_k"].items()})
+            summary = evaluate(replace(request, endpoint=url, model=serving.name, api_key=serving.api_key,
+                                       out=where / benchmark.name, extra={"step": iteration}),
+                               benchmark, recipe, serving.tokenizer)
+            figures = metric_figures(benchmark.name, summary)
             metrics.log(iteration, {**figures, **({"gpu_hours": hours} if hours is not None else {})})
             summaries.append(summary)
-            print(f"iter_{iteration:07d} {label}: mean@{summary['samples_per_problem']} "
+            print(f"iter_{iteration:07d} {benchmark.name}: mean@{summary['samples_per_problem']} "
                   f"{summary['mean_at_k']:.3f}, pass@{summary['samples_per_problem']} "
                   f"{summary['pass_at_k'][str(summary['samples_per_problem'])]:.3f}, cons "
                   f"{summary['cons_at_k']:.3f}", flush=True)
@@ -295,24 +312,26 @@ def evaluate_checkpoint(serving: CheckpointServer, iteration: int, request: Eval
     return summaries
 
 
-def watch(run_dir: Path, recipe: Recipe, request: EvalRequest, settings: WatchSettings, *, poll_s: float = 60.0,
-          keep_exports: bool = False) -> int:
-    """Evaluate the due checkpoints of the run in `run_dir` (its `recipe`) with `request`'s samples and grading,
-    until the run's last step is evaluated (or one pass with `settings.once`); how many checkpoints were evaluated."""
+def watch(run_dir: Path, recipe: Recipe, request: EvalRequest, settings: WatchSettings, *, verifier: str | None = None,
+          poll_s: float = 60.0, keep_exports: bool = False) -> int:
+    """Evaluate the due checkpoints of the run in `run_dir` (its `recipe`) with `request`'s samples and grading
+    (`verifier`: instead of each dataset's own), until the run's last step is evaluated (or one pass with
+    `settings.once`); how many checkpoints were evaluated."""
     note = note_once(recipe.model.rope_scaling)  # this job's processes (its vLLM server too) then stay quiet on it
     if note:
         print(note, flush=True)
     print(settings.describe(), flush=True)
     last = recipe.trainer.max_steps
-    datasets = list(settings.datasets)
+    benchmarks = load_benchmarks(recipe, settings, verifier)
+    names = [b.name for b in benchmarks]
     evaluated = 0
-    serving = CheckpointServer(run_dir, evaluated_recipe(recipe, settings), datasets)
+    serving = CheckpointServer(run_dir, evaluated_recipe(recipe, settings), benchmarks)
     try:
         while True:
-            for iteration in pending(run_dir, settings.every, [_dataset_label(d) for d in datasets], last):
+            for iteration in pending(run_dir, settings.every, names, last):
                 evaluate_checkpoint(serving, iteration, request, keep_exports=keep_exports)
                 evaluated += 1
-            done = all((eval_dir(run_dir, last) / _dataset_label(d) / SUMMARY).is_file() for d in datasets)
+            done = all((eval_dir(run_dir, last) / name / SUMMARY).is_file() for name in names)
             if settings.once or done:
                 return evaluated
             time.sleep(poll_s)

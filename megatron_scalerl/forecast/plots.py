@@ -60,14 +60,18 @@ def _draw_run(ax, forecast: Forecast, colour: str, right: float, label: str) -> 
                    f"{forecast.options.level:.0%} interval" if label == "data" else None)
 
 
-def curve_png(curve: Curve) -> bytes:
-    """A run's evaluations as they are: the metric against GPU-hours (linear), no fit (e.g. the demo's own curve)."""
+def curve_png(curve: Curve, *others: Curve) -> bytes:
+    """A run's evaluations as they are: the metric against GPU-hours (linear), no fit (e.g. the demo's own curve);
+    `others`, further metrics of the run (e.g. each domain's pass rate), as further lines with a legend."""
     fig = Figure(figsize=(6.5, 3.8))
     ax = fig.add_subplot()
-    ax.plot(curve.compute, curve.reward, marker="o", color=COLOURS[0])
+    for index, each in enumerate((curve, *others)):
+        ax.plot(each.compute, each.reward, marker="o", color=COLOURS[index % len(COLOURS)], label=each.metric)
     ax.set_xlabel("GPU-hours (wall x every GPU the run holds)")
     ax.set_ylabel(curve.metric)
     ax.set_title(f"{curve.name}: {curve.metric} during RL")
+    if others:
+        ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     return _png(fig)
 

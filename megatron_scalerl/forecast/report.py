@@ -246,21 +246,27 @@ def backtest_document(backtest: Backtest, png: bytes) -> Document:
     return doc
 
 
-def ablation_data(ablation: Ablation, left_out: list[dict] | None = None, warnings: list[str] | None = None) -> dict:
+def ablation_data(ablation: Ablation, left_out: list[dict] | None = None, warnings: list[str] | None = None,
+                  curves: dict[str, Ablation] | None = None) -> dict:
     """ablation.json's content: `Ablation.to_dict()`, with `left_out` (the runs kept out of the ablation, each
-    {"variant", "run", "reason"}) when given, and `warnings` (the report's own, beside each recipe's) when given."""
+    {"variant", "run", "reason"}) when given, `warnings` (the report's own, beside each recipe's) when given, and
+    `curves`: {curve: its own ablation's to_dict()} for each further curve (a domain's `val/<domain>`) when given."""
     data = ablation.to_dict()
     if left_out is not None:
         data["left_out"] = left_out
     if warnings is not None:
         data["warnings"] = warnings
+    if curves:
+        data["curves"] = {curve: domain.to_dict() for curve, domain in curves.items()}
     return data
 
 
-def ablation_document(ablation: Ablation, png: bytes, data: dict | None = None) -> Document:
+def ablation_document(ablation: Ablation, png: bytes, data: dict | None = None,
+                      pngs: dict[str, bytes] | None = None) -> Document:
     """The ablation report: verdicts, the figure, each recipe's fit, the differences to the base, the rule, the runs
-    left out and the warnings. `data`: the ablation's `ablation_data` when the caller has it (default: its
-    `to_dict()`)."""
+    left out and the warnings, then one section per domain curve in `data["curves"]` (its figure in `pngs`).
+    `data`: the ablation's `ablation_data` when the caller has it (default: its `to_dict()`)."""
+    pngs = pngs or {}
     data = ablation.to_dict() if data is None else data
     base, variants, level = data["base"], data["variants"], f"{data['level']:.0%}"
     doc = Document(f"Ablation: {', '.join(v['name'] for v in variants)} vs {base['name']}")
@@ -319,7 +325,23 @@ def ablation_document(ablation: Ablation, png: bytes, data: dict | None = None) 
     if warnings:
         doc.heading("Warnings")
         doc.items(warnings)
+    for curve, domain in data.get("curves", {}).items():
+        _domain_section(doc, curve, domain, pngs.get(curve, b""))
     return doc
+
+
+def _domain_section(doc: Document, curve: str, data: dict, png: bytes) -> None:
+    """One domain's ablation (`data`: its ablation_data) as a section: verdicts, figure, fits."""
+    level = f"{data['level']:.0%}"
+    doc.heading(f"Domain curve {curve}")
+    doc.paragraph(f"{data['curve']} against GPU-hours, fitted and judged as above, its evaluation noise that of the "
+                  f"domain's own {data['options']['eval_draws'] or 0} completions per validation.")
+    doc.image(f"ablation_{curve.replace('/', '_')}.png", png)
+    doc.table(["recipe", "A", f"A {level}", "B", "C_mid (GPU-h)", "dA", f"dA {level}", "verdict"],
+              [[r["name"], f"{r['A']:.4f}", _interval((r["A_lo"], r["A_hi"])), f"{r['B']:.3f}",
+                _gpu_hours_cell(r["C_mid"])] + ([f"{r['dA']:+.4f}", _interval((r["dA_lo"], r["dA_hi"]), "{:+.4f}".format),
+                                                 r["verdict"]] if "verdict" in r else ["", "", "base"])
+               for r in (data["base"], *data["variants"])])
 
 
 def _compute_cell(value: float) -> str:

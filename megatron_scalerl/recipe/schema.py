@@ -12,7 +12,7 @@ import math
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from megatron_scalerl import choices, families
 from megatron_scalerl.fileio import dump_yaml
@@ -222,48 +222,151 @@ class TrainerConfig(Section):
         return self
 
 
+DOMAIN_NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # a domain names metrics (`val/<domain>/pass_rate`)
+
+
 class DataSource(Section):
     """One prompt set. jsonl / parquet: a file (relative paths are read from the working directory) with one problem
-    per row in `problem_field` and its gold answer in `answer_field`; reasoning_gym: `size` problems of `task`
-    generated offline with the recipe's seed and the task's config `options` (e.g. basic_arithmetic's max_terms). `weight`: expected appearances of each of its prompts per epoch
-    (2.0: twice; 0.5: a seeded half of them, a different half each epoch)."""
+    per row in `problem_field`, its gold answer in `answer_field` and, for the code verifier, its tests in
+    `tests_field`; reasoning_gym: `size` problems of `task` generated offline with the recipe's seed and the task's
+    config `options` (e.g. basic_arithmetic's max_terms); synthetic: `size` problems of one of our generated tasks
+    (tasks/synthetic.py, e.g. code_functions), with tests.
 
-    kind: Literal["jsonl", "parquet", "reasoning_gym"]
+    `verifier`: what grades its answers (tasks/verifiers.py: "math", "code", or "package.module:function");
+    `domain`: the name its validation curve and metrics go under (default: the verifier's name); `template`: the
+    prompt's instruction (default: "code" for the code verifier, else "math"). `weight`: expected appearances of
+    each of its prompts per epoch (2.0: twice; 0.5: a seeded half of them, a different half each epoch). `share`:
+    its part of each batch's prompts, relative to the other sources' shares (set on every source or on none; without
+    shares the sources' prompts are shuffled together by weight). `validation_holdout`: prompts held out of this
+    source alone for validation (default: it takes part in the seeded draw of `data.validation_holdout` over the
+    sources without their own)."""
+
+    kind: Literal["jsonl", "parquet", "reasoning_gym", "synthetic"]
     path: str | None = None
     problem_field: str = "problem"
     answer_field: str = "answer"
+    tests_field: str = "tests"
     task: str | None = None
-    size: Pos | None = None  # reasoning_gym: problems generated
+    size: Pos | None = None  # reasoning_gym, synthetic: problems generated
     options: dict[str, int | float | str | bool] = Field(default_factory=dict)  # reasoning_gym: the task's config
     weight: PosFloat = 1.0
+    verifier: str = "math"
+    domain: str | None = None
+    template: Literal["math", "code"] | None = None
+    share: PosFloat | None = None
+    validation_holdout: NonNeg | None = None
 
     @model_validator(mode="after")
     def _needs(self) -> DataSource:
         if self.kind in ("jsonl", "parquet") and not self.path:
             raise ValueError(f"kind {self.kind} needs `path`")
-        if self.kind == "reasoning_gym" and not (self.task and self.size):
-            raise ValueError("kind reasoning_gym needs `task` and `size`")
+        if self.kind in ("reasoning_gym", "synthetic") and not (self.task and self.size):
+            raise ValueError(f"kind {self.kind} needs `task` and `size`")
         if self.options and self.kind != "reasoning_gym":
-            raise ValueError("`options` configure a reasoning_gym task; a file source has none")
+            raise ValueError("`options` configure a reasoning_gym task; other sources have none")
+        if self.domain is None and not DOMAIN_NAME.match(self.verifier):
+            raise ValueError(f"verifier {self.verifier!r} is not a plain name: give the source a `domain` "
+                             "(letters, digits, _ and -) to name its metrics")
+        if self.domain is not None and not DOMAIN_NAME.match(self.domain):
+            raise ValueError(f"domain {self.domain!r}: use letters, digits, _ and - (it names metrics)")
         return self
+
+    @property
+    def domain_name(self) -> str:
+        return self.domain or self.verifier
+
+    @property
+    def template_name(self) -> str:
+        return self.template or ("code" if self.verifier == "code" else "math")
+
+    @property
+    def label(self) -> str:
+        """How errors name the source: its file, or its generated task."""
+        return self.path or f"{self.kind}/{self.task}"
 
 
 class DataConfig(Section):
     train: Annotated[list[DataSource], Field(min_length=1)]
-    validation_holdout: NonNeg  # prompts held out of `train` for the i.i.d. validation curve
+    validation_holdout: NonNeg  # prompts held out of the sources without their own, for the i.i.d. validation curve
     validation_interval: Pos  # steps
     validation_generations: Pos  # samples per validation prompt (mean@N)
+
+    @model_validator(mode="after")
+    def _shares(self) -> DataConfig:
+        shared = [s.share is not None for s in self.train]
+        if any(shared) and not all(shared):
+            missing = ", ".join(f"train[{i}]" for i, has in enumerate(shared) if not has)
+            raise ValueError(f"`share` is set on some sources but not on {missing}: set it on every source or none")
+        return self
+
+    def domains(self) -> list[str]:
+        """The domains of the training sources, in order of first appearance."""
+        return list(dict.fromkeys(s.domain_name for s in self.train))
+
+
+SHIPPED_BENCHMARKS = ("aime24", "aime25")  # evaluation datasets that come with the code (eval/data/<name>.jsonl)
+
+
+class LocalBenchmark(Section):
+    """An evaluation benchmark read from a local JSONL file `path` (relative paths are read from the working
+    directory), its rows read and checked as a `data.train` jsonl source with the same fields, `verifier` and
+    `template` (DataSource; the defaults are DataSource's): `{name: mycode, path: data/code_eval.jsonl, verifier:
+    code}` is a code benchmark graded by running each row's tests. `name` labels its results and metrics
+    (`eval/<name>/mean_at_k`) and names it on the command line (`--dataset mycode`)."""
+
+    name: str
+    path: str
+    verifier: str = "math"
+    problem_field: str = "problem"
+    answer_field: str = "answer"
+    tests_field: str = "tests"
+    template: Literal["math", "code"] | None = None
+
+    @model_validator(mode="after")
+    def _check_name(self) -> LocalBenchmark:
+        if not DOMAIN_NAME.match(self.name):
+            raise ValueError(f"name {self.name!r}: use letters, digits, _ and - (it names metrics)")
+        if self.name in SHIPPED_BENCHMARKS:
+            raise ValueError(f"name {self.name!r} is a shipped benchmark's: list it as `{self.name}`, or rename")
+        return self
+
+    def source(self) -> DataSource:
+        """Its rows' source: a jsonl DataSource with its fields, verifier and template (domain "eval": evaluation
+        problems feed no validation curve)."""
+        return DataSource(kind="jsonl", path=self.path, problem_field=self.problem_field,
+                          answer_field=self.answer_field, tests_field=self.tests_field, verifier=self.verifier,
+                          template=self.template, domain="eval")
+
+
+# an `eval.benchmarks` entry: a name is a shipped benchmark, a mapping a local one (so errors name only that form)
+BenchmarkEntry = Annotated[
+    Annotated[Literal[SHIPPED_BENCHMARKS], Tag("shipped")] | Annotated[LocalBenchmark, Tag("local")],
+    Discriminator(lambda entry: "shipped" if isinstance(entry, str) else "local")]
+
+
+def benchmark_name(benchmark: str | LocalBenchmark) -> str:
+    """The name a benchmark entry goes by: a shipped one's name (or a JSONL file as given), a local one's `name`."""
+    return benchmark.name if isinstance(benchmark, LocalBenchmark) else benchmark
 
 
 class EvalConfig(Section):
     """The downstream evaluation of the run's checkpoints: its watcher's settings (`scalerl eval watch RUN` reads
-    RUN/recipe.yaml; a command-line flag, then a SCALERL_EVAL_* variable, wins over each; evaluation/watch.py)."""
+    RUN/recipe.yaml; a command-line flag, then a SCALERL_EVAL_* variable, wins over each; evaluation/watch.py).
+    `benchmarks`: shipped ones by name and local ones (`LocalBenchmark`), each at most once."""
 
-    benchmarks: list[Literal["aime24", "aime25"]]  # datasets (--dataset, SCALERL_EVAL_DATASETS)
+    benchmarks: Annotated[list[BenchmarkEntry], Field(min_length=1)]  # evaluated (--dataset, SCALERL_EVAL_DATASETS)
     interval_steps: Pos  # checkpoints whose step is a multiple of this, and the last (--every, SCALERL_EVAL_EVERY)
     samples_per_problem: Pos  # k of pass@k / mean@k (--samples, SCALERL_EVAL_SAMPLES)
     temperature: Annotated[float, Field(ge=0)]  # the evaluation's sampling temperature
     max_new_tokens: Pos  # tokens: the evaluation's cap per sample (the length control's budgets fit inside)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> EvalConfig:
+        names = [benchmark_name(b) for b in self.benchmarks]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"benchmarks: {', '.join(map(repr, twice))} listed twice (a name labels its metrics)")
+        return self
 
 
 class LoggingConfig(Section):

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from megatron_scalerl.rollout.groups import RolloutGroup
-from megatron_scalerl.tasks.prompts import Problem
+from megatron_scalerl.tasks.problems import Problem
 
 
 class Admission:

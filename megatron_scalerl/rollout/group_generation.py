@@ -3,7 +3,7 @@ training and for validation alike).
 
 Samples are generated token-in/token-out (`generation.generate_sample`) under the recipe's sampling
 (`rollout.temperature`, `top_p`, `max_new_tokens`) and length control (the forced interruption's policy); each
-completion's text (special tokens kept, EOS dropped) is graded against the prompt's answer (`RewardGrader`), and its
+completion's text (special tokens kept, EOS dropped) is graded by the problem's verifier (`RewardGrader`), and its
 reward is `algorithm.reward_correct` / `reward_incorrect`, plus the length penalty under
 `algorithm.length_control.mode: length_penalty`. Lengths in tokens.
 """
@@ -11,6 +11,7 @@ reward is `algorithm.reward_correct` / `reward_incorrect`, plus the length penal
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from typing import Any
 
 import torch
@@ -21,7 +22,8 @@ from megatron_scalerl.inference.fleet import Fleet, GenerationRequest
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.rollout.generation import generate_sample, length_control_policy
 from megatron_scalerl.rollout.groups import RolloutGroup
-from megatron_scalerl.tasks.prompts import THINK_CLOSE, Problem, render_prompt
+from megatron_scalerl.tasks.problems import Problem
+from megatron_scalerl.tasks.prompts import THINK_CLOSE, render_prompt
 from megatron_scalerl.tasks.rewards import RewardGrader, reward_of
 
 
@@ -35,7 +37,7 @@ class GroupGenerator:
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """The rendered prompt's token ids; UserError past `rollout.max_prompt_tokens`."""
-        ids = self.tokenizer(render_prompt(problem.problem, self.tokenizer)).input_ids
+        ids = self.tokenizer(render_prompt(problem.problem, self.tokenizer, problem.template)).input_ids
         if len(ids) > self.recipe.rollout.max_prompt_tokens:
             raise UserError(f"prompt {problem.key} is {len(ids)} tokens, over rollout.max_prompt_tokens "
                             f"({self.recipe.rollout.max_prompt_tokens})")
@@ -50,8 +52,7 @@ class GroupGenerator:
                                       temperature=rollout.temperature, top_p=rollout.top_p) for i in range(samples)]
         results = await asyncio.gather(*(generate_sample(self.fleet, r, self.policy,
                                                          think_close_ids=self.think_close_ids) for r in requests))
-        grades = await asyncio.gather(*(self.grader.grade(self.text(s.completion_ids), problem.answer)
-                                        for s in results))
+        grades = await asyncio.gather(*(self.grader.grade(self.text(s.completion_ids), problem) for s in results))
         correct = [g.correct for g in grades]
         rewards = [reward_of(g, algorithm.reward_correct, algorithm.reward_incorrect) for g in grades]
         if algorithm.length_control.mode == "length_penalty":
@@ -60,7 +61,8 @@ class GroupGenerator:
                                      max_len=config.penalty_max_len, cache_len=config.penalty_cache_len)
             rewards = [r + float(p) for r, p in zip(rewards, penalty, strict=True)]
         return RolloutGroup(problem=problem, index=-1, admitted_version=admitted_version, samples=list(results),
-                            rewards=rewards, correct=correct, timed_out=sum(g.timed_out for g in grades))
+                            rewards=rewards, correct=correct,
+                            failures=dict(Counter(g.failure for g in grades if g.failure is not None)))
 
     def text(self, ids: list[int]) -> str:
         """The completion's text for grading, special tokens kept (`</think>` may be one) but EOS dropped."""

@@ -26,7 +26,8 @@ from megatron_scalerl.algo.versions import NO_VERSION
 from megatron_scalerl.batches.train_batch import TrainBatch
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.rollout.generation import Sample
-from megatron_scalerl.tasks.prompts import Problem
+from megatron_scalerl.tasks.problems import Problem
+from megatron_scalerl.tasks.rewards import GRADER_TIMEOUT
 
 
 @dataclass
@@ -40,7 +41,7 @@ class RolloutGroup:
     samples: list[Sample] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     correct: list[bool] = field(default_factory=list)
-    timed_out: int = 0  # answers whose grading hit the grader's timeout
+    failures: dict[str, int] = field(default_factory=dict)  # samples not correct, by kind (rewards.Grade.failure)
 
     def token_versions(self, sample: Sample) -> list[int]:
         """Per completion token, the version that produced it (a token without one inherits its predecessor's)."""
@@ -87,6 +88,23 @@ def _pack(groups: list[RolloutGroup], keep: list[list[bool]], advantages: list[l
         group_ids=torch.tensor(group_ids, dtype=torch.int64), truncated=torch.tensor(truncated, dtype=torch.bool))
 
 
+def outcome_figures(groups: list[RolloutGroup], prefix: str, domains: list[str]) -> dict[str, float]:
+    """Samples not correct by kind of failure, `{prefix}/failures/<kind>` (counts), and for a recipe with several
+    domains (`domains`: data.domains()) each domain's `{prefix}/<domain>/pass_rate` and `{prefix}/<domain>/samples`
+    (a domain without samples here has neither)."""
+    failures: Counter[str] = Counter()
+    for group in groups:
+        failures.update(group.failures)
+    figures = {f"{prefix}/failures/{kind}": float(n) for kind, n in sorted(failures.items())}
+    if len(domains) > 1:
+        for domain in domains:
+            correct = [c for g in groups if g.problem.domain == domain for c in g.correct]
+            if correct:
+                figures[f"{prefix}/{domain}/pass_rate"] = sum(correct) / len(correct)
+                figures[f"{prefix}/{domain}/samples"] = float(len(correct))
+    return figures
+
+
 def staleness_figures(groups: list[RolloutGroup], batch_index: int, k: int) -> dict[str, float]:
     """Max staleness of the loss tokens (optimizer steps) and its histogram `staleness/lag_<d>` (token counts)."""
     lags: Counter[int] = Counter()
@@ -126,7 +144,8 @@ def build_train_batch(groups: list[RolloutGroup], *, batch_index: int, recipe: R
         "rollout/filtered_groups": step.metrics["zero_variance_groups"] if algorithm.zero_variance_filter else 0.0,
         "rollout/loss_samples": step.metrics["loss_samples"],
         "rollout/advantage_std": step.metrics["advantage_std"],
-        "rollout/grading_timeouts": float(sum(g.timed_out for g in groups)),
+        "rollout/grading_timeouts": float(sum(g.failures.get(GRADER_TIMEOUT, 0) for g in groups)),
+        **outcome_figures(groups, "rollout", recipe.data.domains()),
         **{f"rollout/{name}": value for name, value in length_metrics(lengths, truncated, interrupted).items()},
     }
     kept_groups = [g for g, kept in zip(groups, keep, strict=True) if any(kept)]

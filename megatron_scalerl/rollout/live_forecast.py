@@ -53,8 +53,8 @@ def _init_fit_process() -> None:
 
 # Further curves the live forecast fits beside the primary `val/pass_rate`, found in metrics.jsonl by their names:
 # a downstream evaluation (the eval watcher's `eval/<dataset>/mean_at_k`) and a domain's validation
-# (`val/<domain>/pass_rate`, for recipes that validate per domain; the orchestrator logs none yet). Curve name: the metric without its last part (`eval/aime24`); keys
-# `forecast/<curve>/...`, report in `RUN/forecast/<curve>/`.
+# (`val/<domain>/pass_rate`, logged for recipes with several domains). Curve name: the metric without its last part
+# (`eval/aime24`, `val/code`); keys `forecast/<curve>/...`, report in `RUN/forecast/<curve>/`.
 FURTHER_CURVE = re.compile(r"^((?:val|eval)/[^/]+)/(?:pass_rate|mean_at_k)$")
 
 

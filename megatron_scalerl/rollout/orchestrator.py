@@ -67,7 +67,8 @@ from megatron_scalerl.run_dir import (
     request_stop,
     write_finished,
 )
-from megatron_scalerl.tasks.prompts import Problem, PromptSampler, load_sources, split_validation
+from megatron_scalerl.tasks.problems import Problem, load_sources
+from megatron_scalerl.tasks.prompts import PromptSampler, split_validation
 from megatron_scalerl.tasks.rewards import RewardGrader
 
 log = logging.getLogger("megatron_scalerl.orchestrator")
@@ -88,7 +89,7 @@ class Orchestrator:
         train, held_out = split_validation(load_sources(recipe.data.train, seed=recipe.trainer.seed),
                                            recipe.data.validation_holdout, seed=recipe.trainer.seed)
         self.sampler = PromptSampler(train, seed=recipe.trainer.seed, resampling=self.resampling)
-        self.admission = Admission({p.key: p for problems, _ in train for p in problems}, self.sampler.next,
+        self.admission = Admission({p.key: p for source in train for p in source.problems}, self.sampler.next,
                                    prompts_per_step=self.batch_size, max_batches=self.max_batches,
                                    bound=staleness_bound(recipe.rollout.off_policy, recipe.rollout.k))
         self.fleet = Fleet(urls, api_key=api_key, on_server_back=self._wait_for_current_weights)
@@ -98,7 +99,8 @@ class Orchestrator:
                                   wandb_project=recipe.logging.wandb_project, run_name=recipe.name)
         self.compute = ComputeMeter(run_dir, recipe.cluster.total_gpus)
         self.live = LiveForecaster(run_dir, recipe.forecast, eval_draws=validation_draws(recipe))
-        self.validation = Validation(held_out, interval=recipe.data.validation_interval,
+        self.validation = Validation(held_out, domains=recipe.data.domains(),
+                                     interval=recipe.data.validation_interval,
                                      samples=recipe.data.validation_generations, last=self.max_batches,
                                      metrics=self.metrics, compute=self.compute, live=self.live)
         self.finished: dict[int, RolloutGroup] = {}  # group index -> finished group, not yet in a batch
@@ -202,8 +204,8 @@ class Orchestrator:
             else:
                 admission.written += 1
                 self._save_state(new_batch=True)
-                self.stream.put(batch, {"groups": [g.index for g in fresh], "prompts": [g.problem.key for g in fresh]},
-                                index=admission.written - 1)
+                self.stream.put(batch, {"groups": [g.index for g in fresh], "prompts": [g.problem.key for g in fresh],
+                                        "domains": [g.problem.domain for g in fresh]}, index=admission.written - 1)
                 figures["rollout/stale_groups_regenerated"] = float(len(stale))
                 self._log_batch(figures)
             async with self.changed:

@@ -21,6 +21,7 @@ files (ablation.json, report.md, report.html, PNG; `forecast.report.emit`) in `S
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,11 +35,13 @@ from megatron_scalerl.sweep.plan import BASE_VARIANT
 from megatron_scalerl.sweep.runs import not_done
 
 if TYPE_CHECKING:
+    from megatron_scalerl.forecast.ablation import Ablation
     from megatron_scalerl.forecast.data import Curve
     from megatron_scalerl.forecast.predict import ForecastOptions
 
 REPORT_DIR = "report"
 FIT_ERRORS = (UserError, ValueError, RuntimeError, FloatingPointError)  # what reading or fitting one run may raise
+DOMAIN_CURVE = re.compile(r"^val/[^/]+/pass_rate$")  # a domain's validation (recipes with several domains)
 
 
 @dataclass(frozen=True)
@@ -181,10 +184,40 @@ def report(base: str, runs: list[ReportRun], left_out: list[dict], out: Path | N
         ablation = make_ablation(base_curves, list(groups.items()), options)
     except (ValueError, RuntimeError, FloatingPointError) as exc:  # a bootstrap refit, past each run's point fit
         raise UserError(f"no ablation report: a bootstrap refit failed ({type(exc).__name__}: {exc})") from None
-    data = documents.ablation_data(ablation, left_out, warnings)
+    domains = domain_ablations(base, runs, options, warnings)
+    data = documents.ablation_data(ablation, left_out, warnings, domains)
     png = plots.ablation_png(ablation) if out is not None else b""
-    return documents.emit(documents.ablation_document(ablation, png, data), "ablation.json", data, out=out,
+    pngs = {curve: plots.ablation_png(a) for curve, a in domains.items()} if out is not None else {}
+    return documents.emit(documents.ablation_document(ablation, png, data, pngs), "ablation.json", data, out=out,
                           as_json=as_json)
+
+
+def domain_ablations(base: str, runs: list[ReportRun], options: ForecastOptions, warnings: list[str]
+                     ) -> dict[str, Ablation]:
+    """{curve: its ablation} for every domain curve (`val/<domain>/pass_rate`, logged by recipes with several
+    domains) that every run has, each judged like the primary curve with the noise of the domain's own validation
+    (its `val/<domain>/samples` in the base's first run). A domain that cannot be fitted gets a warning instead."""
+    from megatron_scalerl.forecast.ablation import make_ablation  # deferred: scipy
+    from megatron_scalerl.forecast.data import MetricsTable
+
+    tables = [MetricsTable.read(r.curve.source) for r in runs]
+    logged = [{key: row for _, row in table.rows for key in row if DOMAIN_CURVE.match(key)} for table in tables]
+    shared = sorted(set.intersection(*(set(keys) for keys in logged))) if logged else []
+    ablations = {}
+    for metric in shared:
+        curve = metric.rsplit("/", 1)[0]
+        samples = logged[next(i for i, r in enumerate(runs) if r.variant == base)][metric].get(f"{curve}/samples")
+        try:
+            curves = [replace(table.curve(metric), name=r.curve.name) for r, table in zip(runs, tables, strict=True)]
+            groups: dict[str, list[Curve]] = {}
+            for run, c in zip(runs, curves, strict=True):
+                groups.setdefault(run.variant, []).append(c)
+            base_curves = groups.pop(base)
+            ablations[curve] = make_ablation(base_curves, list(groups.items()),
+                                             replace(options, eval_draws=int(samples) if samples else None))
+        except FIT_ERRORS as exc:
+            warnings.append(f"{curve}: no ablation of this domain curve ({_failure(exc)})")
+    return ablations
 
 
 def report_sweep(sweep_dir: Path, manifest: dict, out: Path | None = None, as_json: bool = False) -> list[Path]:

@@ -1,52 +1,48 @@
-"""Prompt data: problem sets (JSONL, parquet, reasoning-gym), the held-out validation split, the epoch sampler with
-No-Positive-Resampling, and the prompt template shared by training and evaluation.
+"""Prompts: the template shared by training and evaluation, the held-out validation split, and the epoch sampler with
+No-Positive-Resampling and task mixtures.
 
-    sources = load_sources(recipe.data.train, seed=recipe.trainer.seed)          # [(problems, weight)] per source
+    sources = load_sources(recipe.data.train, seed=recipe.trainer.seed)       # problems.Source per data.train entry
     train, validation = split_validation(sources, recipe.data.validation_holdout, seed=recipe.trainer.seed)
     sampler = PromptSampler(train, seed=recipe.trainer.seed, resampling=npr)
-    problem = sampler.next()                     # a Problem: key, problem text, gold answer
-    text = render_prompt(problem.problem, tokenizer)
-
-A problem's `key` names its source and row ("data/train.jsonl#12": line 12; "reasoning_gym/basic_arithmetic#7"),
-so it is the same in every run over the same data: No-Positive-Resampling and the validation split use it.
+    problem = sampler.next()                     # a Problem: key, problem text, gold answer or tests, domain
+    text = render_prompt(problem.problem, tokenizer, problem.template)
 
 Epochs: epoch e visits, in an order shuffled by (seed, e), every prompt of a source with weight w floor(w) times plus
 a seeded fraction w - floor(w) of them; prompts retired by No-Positive-Resampling are skipped when drawn. The order
 does not depend on which prompts are retired, so the sampler's state is just (epoch, position) and a resumed run
 draws exactly what the uninterrupted one would have.
+
+Mixtures: when the sources have a `share`, each source runs its own epochs (as above) and the draws alternate between
+sources by share: the next draw goes to the source furthest below its share of all draws so far, so any run of draws
+holds each source's share to within one prompt. A source whose prompts are all retired drops out of the mixture.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
-from megatron_scalerl.algo.resampling import NoPositiveResampling
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.recipe import DataSource
+from megatron_scalerl.tasks.problems import Problem, Source
+
+if TYPE_CHECKING:  # the sampler reads only its `retired` set; importing `algo` would load torch into `scalerl grade`
+    from megatron_scalerl.algo.resampling import NoPositiveResampling
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-INSTRUCTION = (f"Think step by step between {THINK_OPEN} and {THINK_CLOSE}, then give the final answer as "
-               "\\boxed{...}.")
+INSTRUCTIONS = {  # by template (a source's `template`)
+    "math": f"Think step by step between {THINK_OPEN} and {THINK_CLOSE}, then give the final answer as \\boxed{{...}}.",
+    "code": f"Think step by step between {THINK_OPEN} and {THINK_CLOSE}, then give your solution as one Python "
+            "program in a ```python fenced code block.",
+}
 
 
-@dataclass(frozen=True)
-class Problem:
-    key: str  # "<source>#<row>", stable across runs
-    problem: str
-    answer: str  # the gold answer, as text
-
-
-def render_prompt(problem: str, tokenizer: Any = None) -> str:
-    """The text the generator continues: the problem and `INSTRUCTION` as the user's message (through the
-    tokenizer's chat template when it has one, else "Problem: ...\\nSolution: "), then the opened thinking block.
+def render_prompt(problem: str, tokenizer: Any = None, template: str = "math") -> str:
+    """The text the generator continues: the problem and the template's instruction as the user's message (through
+    the tokenizer's chat template when it has one, else "Problem: ...\\nSolution: "), then the opened thinking block.
     Everything the model writes up to `THINK_CLOSE` is thinking (`rewards.strip_thinking` drops it)."""
-    message = f"{problem.strip()}\n\n{INSTRUCTION}"
+    message = f"{problem.strip()}\n\n{INSTRUCTIONS[template]}"
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         head = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
                                              add_generation_prompt=True)
@@ -55,114 +51,29 @@ def render_prompt(problem: str, tokenizer: Any = None) -> str:
     return f"{head}{THINK_OPEN}\n"
 
 
-def _as_text(value: Any, where: str, field: str) -> str:
-    if isinstance(value, bool) or not isinstance(value, str | int | float):
-        raise UserError(f"{where}: field '{field}' must be a string or a number, got "
-                        f"{type(value).__name__ if value is not None else 'null'}")
-    text = str(value).strip()
-    if not text:
-        raise UserError(f"{where}: field '{field}' is empty")
-    return text
-
-
-def _row(record: Any, where: str, fields: tuple[str, str], key: str) -> Problem:
-    """The Problem in `record` (a row) whose problem and answer are under `fields`; `where` names the row."""
-    if not isinstance(record, dict):
-        raise UserError(f"{where}: expected an object with '{fields[0]}' and '{fields[1]}', got {type(record).__name__}")
-    for field in fields:
-        if field not in record:
-            raise UserError(f"{where}: no field '{field}' (fields: {', '.join(sorted(record)) or 'none'})")
-    return Problem(key, *(_as_text(record[field], where, field) for field in fields))
-
-
-def _read_jsonl(source: DataSource, path: Path) -> list[Problem]:
-    problems = []
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-            problems.append(_row(record, where, (source.problem_field, source.answer_field),
-                                 f"{source.path}#{line_number}"))
-    return problems
-
-
-def _read_parquet(source: DataSource, path: Path) -> list[Problem]:
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except Exception as exc:  # pyarrow raises several types for unreadable files
-        raise UserError(f"{path}: not a readable parquet file ({exc})") from None
-    columns = set(table.column_names)
-    for field in (source.problem_field, source.answer_field):
-        if field not in columns:
-            raise UserError(f"{path}: no column '{field}' (columns: {', '.join(sorted(columns))})")
-    rows = table.select([source.problem_field, source.answer_field]).to_pylist()
-    return [_row(record, f"{path}: row {index}", (source.problem_field, source.answer_field), f"{source.path}#{index}")
-            for index, record in enumerate(rows)]
-
-
-def _generate_reasoning_gym(source: DataSource, seed: int) -> list[Problem]:
-    import reasoning_gym
-
-    try:
-        dataset = reasoning_gym.create_dataset(source.task, size=source.size, seed=seed, **source.options)
-    except Exception as exc:  # an unknown task or bad arguments: reasoning-gym raises ValueError or others
-        raise UserError(f"data.train: reasoning_gym task '{source.task}': {exc}") from None
-    return [_row(entry, f"reasoning_gym/{source.task}[{i}]", ("question", "answer"), f"reasoning_gym/{source.task}#{i}")
-            for i, entry in enumerate(dataset)]
-
-
-def load_source(source: DataSource, *, seed: int) -> list[Problem]:
-    """The problems of one `data.train` entry, in file order (reasoning_gym: generated with `seed`)."""
-    if source.kind == "reasoning_gym":
-        problems = _generate_reasoning_gym(source, seed)
-    else:
-        path = Path(source.path)
-        if not path.is_file():
-            raise UserError(f"data.train: {source.kind} file {path} does not exist"
-                            + (f" (relative to {Path.cwd()})" if not path.is_absolute() else ""))
-        problems = _read_jsonl(source, path) if source.kind == "jsonl" else _read_parquet(source, path)
-    if not problems:
-        raise UserError(f"data.train: {source.path or source.task} has no problems")
-    return problems
-
-
-def load_sources(sources: Sequence[DataSource], *, seed: int) -> list[tuple[list[Problem], float]]:
-    """(problems, weight) of every source; a key found twice (the same file listed twice) is an error."""
-    loaded = [(load_source(source, seed=seed), source.weight) for source in sources]
-    seen: set[str] = set()
-    for problems, _ in loaded:
-        for problem in problems:
-            if problem.key in seen:
-                raise UserError(f"data.train: problem {problem.key} appears twice (is a source listed twice?)")
-            seen.add(problem.key)
-    return loaded
-
-
-def split_validation(sources: list[tuple[list[Problem], float]], holdout: int, *, seed: int
-                     ) -> tuple[list[tuple[list[Problem], float]], list[Problem]]:
-    """Hold `holdout` problems out of training for the i.i.d. validation curve: a seeded draw over all sources.
-    Returns the sources without them, and the held-out problems in a seeded order."""
-    every = [problem for problems, _ in sources for problem in problems]
-    if holdout >= len(every):
-        raise UserError(f"data.validation_holdout: {holdout} held-out prompts leave none of the {len(every)} "
-                        "training prompts")
-    validation = random.Random(f"validation/{seed}").sample(every, holdout)
+def split_validation(sources: list[Source], holdout: int, *, seed: int) -> tuple[list[Source], list[Problem]]:
+    """Hold problems out of training for the i.i.d. validation curve: a source's own `validation_holdout` from it
+    alone, and `holdout` in one seeded draw over the sources without their own. Returns the sources without them,
+    and the held-out problems (the shared draw first, then each source's own, each in a seeded order)."""
+    pooled = [p for s in sources if s.config.validation_holdout is None for p in s.problems]
+    draws = [("data.validation_holdout", pooled, holdout, f"validation/{seed}")] if pooled else []
+    draws += [(f"data.train ({s.config.label}).validation_holdout", s.problems, s.config.validation_holdout,
+               f"validation/{seed}/{s.config.label}") for s in sources if s.config.validation_holdout is not None]
+    validation: list[Problem] = []
+    for name, problems, count, rng_seed in draws:
+        if count >= len(problems):
+            raise UserError(f"{name}: {count} held-out prompts leave none of the {len(problems)} training prompts")
+        validation += random.Random(rng_seed).sample(problems, count)
     held = {problem.key for problem in validation}
-    return [([p for p in problems if p.key not in held], weight) for problems, weight in sources], validation
+    return [replace(s, problems=[p for p in s.problems if p.key not in held]) for s in sources], validation
 
 
-def epoch_order(sources: list[tuple[list[Problem], float]], *, seed: int, epoch: int) -> list[Problem]:
+def epoch_order(sources: list[Source], *, seed: int, epoch: int) -> list[Problem]:
     """The prompts of `epoch` in the order they are drawn (see the module docstring for weights)."""
     rng = random.Random(f"epoch/{seed}/{epoch}")
     order: list[Problem] = []
-    for problems, weight in sources:
+    for source in sources:
+        weight, problems = source.config.weight, source.problems
         copies = math.floor(weight)
         order.extend(problems * copies)
         order.extend(rng.sample(problems, round((weight - copies) * len(problems))))
@@ -170,25 +81,23 @@ def epoch_order(sources: list[tuple[list[Problem], float]], *, seed: int, epoch:
     return order
 
 
-class PromptSampler:
-    """Draws training prompts epoch after epoch, skipping those No-Positive-Resampling retired."""
+class _Epochs:
+    """Epoch after epoch over some sources (one, in a mixture), skipping retired prompts; seed `seed`."""
 
-    def __init__(self, sources: list[tuple[list[Problem], float]], *, seed: int, resampling: NoPositiveResampling):
-        self.sources = sources
-        self.seed = seed
-        self.resampling = resampling
-        self.keys = {problem.key for problems, _ in sources for problem in problems}
-        self.epoch = 0
-        self.position = 0  # prompts of the epoch's order drawn (retired ones included)
+    def __init__(self, sources: list[Source], *, seed: str | int, resampling: NoPositiveResampling):
+        self.sources, self.seed, self.resampling = sources, seed, resampling
+        self.keys = {problem.key for source in sources for problem in source.problems}
+        self.epoch, self.position = 0, 0  # prompts of the epoch's order drawn (retired ones included)
         self._order = epoch_order(sources, seed=seed, epoch=0)
 
+    def exhausted(self) -> bool:
+        return self.keys <= self.resampling.retired
+
     def next(self) -> Problem:
-        """The next prompt not retired; a new epoch starts when this one is used up."""
+        """The next prompt not retired (a new epoch starts when this one is used up); call only while not
+        `exhausted()`."""
         while True:
             if self.position >= len(self._order):
-                if self.keys <= self.resampling.retired:
-                    raise UserError(f"every one of the {len(self.keys)} training prompts is retired by "
-                                    "No-Positive-Resampling: nothing is left to train on")
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = epoch_order(self.sources, seed=self.seed, epoch=self.epoch)
                 continue
@@ -197,17 +106,71 @@ class PromptSampler:
             if problem.key not in self.resampling.retired:
                 return problem
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a `state_dict` (the retirements come from the resampling state, saved beside it)."""
-        try:
-            epoch, position = int(state["epoch"]), int(state["position"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise UserError(f"prompt sampler state: malformed ({type(exc).__name__}: {exc})") from None
+    def load(self, epoch: int, position: int) -> None:
         order = epoch_order(self.sources, seed=self.seed, epoch=epoch)
         if not 0 <= position <= len(order):
             raise UserError(f"prompt sampler state: position {position} is outside epoch {epoch}'s {len(order)} "
                             "prompts (did the data change?)")
         self.epoch, self.position, self._order = epoch, position, order
+
+
+class PromptSampler:
+    """Draws training prompts epoch after epoch, skipping those No-Positive-Resampling retired; a mixture when the
+    sources have shares (module docstring)."""
+
+    def __init__(self, sources: list[Source], *, seed: int, resampling: NoPositiveResampling):
+        self.mixed = sources[0].config.share is not None
+        if self.mixed:  # one epoch stream per source, seeded apart (the first keeps the unmixed seed)
+            self.streams = [_Epochs([s], seed=seed if i == 0 else f"{seed}/{i}", resampling=resampling)
+                            for i, s in enumerate(sources)]
+            total = sum(s.config.share for s in sources)
+            self.shares = [s.config.share / total for s in sources]
+        else:
+            self.streams, self.shares = [_Epochs(sources, seed=seed, resampling=resampling)], [1.0]
+        self.labels = [s.config.label for s in sources] if self.mixed else ["data.train"]
+        self.draws = [0] * len(self.streams)  # prompts drawn from each stream
+        self.dropped: set[int] = set()  # streams whose prompts are all retired
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed by the stream furthest behind."""
+        return min(stream.epoch for stream in self.streams)
+
+    def next(self) -> Problem:
+        """The next prompt not retired, from the stream furthest below its share (the only stream when unmixed)."""
+        for i, stream in enumerate(self.streams):
+            if i not in self.dropped and stream.exhausted():
+                self.dropped.add(i)
+                if self.mixed:
+                    print(f"prompt sampler: every prompt of {self.labels[i]} is retired by No-Positive-Resampling; "
+                          "the mixture goes on without it", flush=True)
+        active = [i for i in range(len(self.streams)) if i not in self.dropped]
+        if active:
+            total = sum(self.draws) + 1
+            chosen = max(active, key=lambda i: (self.shares[i] * total - self.draws[i], -i))
+            problem = self.streams[chosen].next()  # not None: the stream has a prompt not retired
+            self.draws[chosen] += 1
+            return problem
+        count = sum(len(stream.keys) for stream in self.streams)
+        raise UserError(f"every one of the {count} training prompts is retired by No-Positive-Resampling: "
+                        "nothing is left to train on")
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self.mixed:
+            return {"epoch": self.streams[0].epoch, "position": self.streams[0].position}
+        return {"sources": [{"epoch": stream.epoch, "position": stream.position, "draws": draws}
+                            for stream, draws in zip(self.streams, self.draws, strict=True)]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a `state_dict` (the retirements come from the resampling state, saved beside it)."""
+        try:
+            saved = state["sources"] if self.mixed else [{**state, "draws": 0}]
+            if len(saved) != len(self.streams):
+                raise ValueError(f"{len(saved)} sources saved, the recipe has {len(self.streams)}")
+            positions = [(int(s["epoch"]), int(s["position"]), int(s["draws"])) for s in saved]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"prompt sampler state: malformed or not this recipe's ({type(exc).__name__}: {exc}; "
+                            "did data.train change?)") from None
+        for stream, (epoch, position, _) in zip(self.streams, positions, strict=True):
+            stream.load(epoch, position)
+        self.draws = [draws for _, _, draws in positions]

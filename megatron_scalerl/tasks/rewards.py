@@ -1,11 +1,11 @@
-"""Rewards: grade a completion's answer against the gold answer in worker processes, with a per-answer timeout.
+"""Rewards: grade a completion's answer in worker processes, with a per-answer timeout.
 
 A completion is graded in three steps:
   1. `strip_thinking` keeps the answer part. Our prompt template opens with the model thinking, so everything up to
      the last `</think>` is thinking; a completion with no `</think>` never finished thinking and has no answer ("").
-  2. A verifier `fn(answer_text, gold) -> bool` decides correctness. Verifiers are named: built-in ones through
-     `register_verifier` (the built-in "math" uses math-verify), any other top-level function as
-     "package.module:function". They run in worker processes, which import the function by that path.
+  2. The problem's verifier (tasks/verifiers.py: "math" with math-verify against the gold answer, "code" running the
+     problem's tests in a sandbox, or any "package.module:function") decides correctness. Verifiers run in worker
+     processes, which import the function by its path.
   3. `reward_of` maps the Grade to the scalar reward (recipe: algorithm.reward_correct / reward_incorrect, +1/-1).
 
 `RewardGrader` owns N worker processes (math-verify uses signal.alarm, which works only in a process's main thread),
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import multiprocessing
 import os
 import queue
@@ -32,16 +31,21 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from megatron_scalerl.errors import UserError
+from megatron_scalerl.tasks.problems import Problem
 from megatron_scalerl.tasks.prompts import THINK_CLOSE, THINK_OPEN
-
-
-class VerifierError(UserError):
-    """A verifier name does not resolve to a function; the message lists the known names."""
+from megatron_scalerl.tasks.verifiers import (
+    NO_ANSWER,
+    Verdict,
+    Verifier,
+    call_verifier,
+    import_verifier,
+    resolve_verifier,
+    verify_math,
+)
 
 
 def strip_thinking(completion: str) -> str:
@@ -56,74 +60,11 @@ def strip_thinking(completion: str) -> str:
     return answer.split(THINK_OPEN, 1)[0].strip()
 
 
-# ---- verifier registry: name -> "module:function" path, so a worker process can import the function ----
-
-_REGISTRY: dict[str, str] = {}
-
-
-def register_verifier(name: str) -> Callable[[Callable[[str, str], bool]], Callable[[str, str], bool]]:
-    """Decorator: register a top-level function `fn(answer_text: str, gold: str) -> bool` under `name`.
-
-    The registry stores the function's import path; the worker imports it, so the defining module must be importable
-    in another process (the worker imports it by that path). Functions that cannot be imported by path (nested, lambdas)
-    are refused.
-    """
-
-    def decorate(fn: Callable[[str, str], bool]) -> Callable[[str, str], bool]:
-        if "<" in fn.__qualname__ or "." in fn.__qualname__:
-            raise VerifierError(f"verifier {name!r}: {fn.__qualname__} is not a top-level function; "
-                                "worker processes import verifiers by module path")
-        _REGISTRY[name] = f"{fn.__module__}:{fn.__qualname__}"
-        return fn
-
-    return decorate
-
-
-def known_verifiers() -> list[str]:
-    return sorted(_REGISTRY)  # names; any top-level function also works as "package.module:function"
-
-
-def _import_path(path: str) -> Callable[[str, str], bool]:
-    module, _, attr = path.partition(":")
-    fn = getattr(importlib.import_module(module), attr)
-    if not callable(fn):
-        raise TypeError(f"{path} is not callable")
-    return fn
-
-
-def resolve_verifier(name: str) -> str:
-    """The import path ("module:function") of a verifier given by registered name or by path; checked here, in the
-    caller's process, so a typo fails at once rather than as an error grade per answer."""
-    path = _REGISTRY.get(name, name)
-    if ":" not in path:
-        raise VerifierError(f"unknown verifier {name!r}; known: {', '.join(known_verifiers())} "
-                            "(or name a top-level function as 'package.module:function')")
-    try:
-        _import_path(path)
-    except (ImportError, AttributeError, TypeError, ValueError) as e:
-        raise VerifierError(f"verifier {name!r}: cannot import {path}: {e}") from e
-    return path
-
-
-def _gold_latex(gold: str) -> str:
-    """A bare gold ("33", "\\frac{1}{2}") wrapped in $...$ so math-verify's LaTeX extraction sees it."""
-    gold = gold.strip()
-    if "$" in gold or "\\boxed" in gold or "\\(" in gold or "\\[" in gold:
-        return gold
-    return f"${gold}$"
-
-
-@register_verifier("math")
-def verify_math(answer: str, gold: str) -> bool:
-    """math-verify: gold first (`verify(gold, pred)` is not symmetric). 33 == 033, 1/2 == 0.5 == \\frac{1}{2}."""
-    from math_verify import parse, verify
-
-    return bool(verify(parse(_gold_latex(gold)), parse(answer)))
-
-
 # ---- worker process ----
 
-WORKER_PRELOAD = ["math_verify", "megatron_scalerl.tasks.rewards"]  # imported once, in the forkserver
+GRADER_TIMEOUT = "grader_timeout"  # Grade.failure of an answer whose verifier ran past the grader's timeout
+# imported once, in the forkserver
+WORKER_PRELOAD = ["math_verify", "megatron_scalerl.tasks.rewards", "megatron_scalerl.tasks.code_verifier"]
 
 
 def _worker_context():
@@ -133,7 +74,7 @@ def _worker_context():
 
 
 def _worker_main(conn, lifeline) -> None:
-    """Loop of one worker: receive (verifier path, answer, gold), send ("ok", bool) or ("error", text).
+    """Loop of one worker: receive (verifier path, answer, problem row), send ("ok", Verdict) or ("error", text).
     Exits on pipe EOF, or when the owner goes away, also while a verifier hangs: a watchdog thread waits on
     `lifeline`, a pipe whose only writing end the owner holds. (The forkserver, our parent, outlives the owner while
     any of its workers lives, so the parent cannot tell.)"""
@@ -151,17 +92,17 @@ def _worker_main(conn, lifeline) -> None:
         conn.send(("failed", traceback.format_exc()))
         return
     conn.send(("ready", None))
-    cache: dict[str, Callable[[str, str], bool]] = {}
+    cache: dict[str, Verifier] = {}
     while True:
         try:
-            path, answer, gold = conn.recv()
+            path, answer, row = conn.recv()
         except (EOFError, OSError):
             return
         try:
             fn = cache.get(path)
             if fn is None:
-                fn = cache[path] = _import_path(path)
-            conn.send(("ok", bool(fn(answer, gold))))
+                fn = cache[path] = import_verifier(path)
+            conn.send(("ok", call_verifier(fn, answer, row)))
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
@@ -214,12 +155,17 @@ def _shutdown(workers: list[_Worker], executor: ThreadPoolExecutor, lock: thread
 class Grade:
     """The verdict on one answer. `seconds`: wall seconds on the worker (0 when there was no answer to verify);
     `timed_out`: the verifier passed the grader's timeout and its worker was replaced; `error`: text of the exception
-    the verifier raised (or of a worker that died). Timed out or errored answers are not correct."""
+    the verifier raised (or of a worker that died). Timed out or errored answers are not correct. `fraction`: the
+    share of the problem's tests passed (0 or 1 for a verifier without tests); `failure`: the verifier's kind of
+    failure ("wrong_answer", "no_answer", "grader_timeout", "error", the code verifier's "timeout", "memory", ...),
+    None when correct."""
 
     correct: bool
     timed_out: bool = False
     error: str | None = None
     seconds: float = 0.0
+    fraction: float = 0.0
+    failure: str | None = None
 
 
 def reward_of(grade: Grade, reward_correct: float = 1.0, reward_incorrect: float = -1.0) -> float:
@@ -248,18 +194,27 @@ class RewardGrader:
             self._idle.put(w)
         self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._executor, self._lock)
 
-    async def grade(self, completion: str, gold: str, verifier: str = "math") -> Grade:
-        """Grade one completion (thinking is stripped first); safe to call concurrently from one event loop."""
-        self._check_open()
-        path = resolve_verifier(verifier)
+    async def grade(self, completion: str, problem: Problem | str, verifier: str | None = None) -> Grade:
+        """Grade one completion (thinking is stripped first) on `problem` with its verifier, or on a gold answer
+        string with `verifier` (default "math"); safe to call concurrently from one event loop."""
+        job = self._job(completion, problem, verifier)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._grade_blocking, strip_thinking(completion), gold, path)
+        return await loop.run_in_executor(self._executor, self._grade_blocking, *job)
 
-    def grade_many(self, items: Iterable[tuple[str, str] | tuple[str, str, str]]) -> list[Grade]:
-        """Blocking: grade (completion, gold) or (completion, gold, verifier) tuples in parallel; results in order."""
-        self._check_open()
-        jobs = [(strip_thinking(it[0]), it[1], resolve_verifier(it[2] if len(it) > 2 else "math")) for it in items]
+    def grade_many(self, items: Iterable[tuple[str, Problem | str] | tuple[str, str, str]]) -> list[Grade]:
+        """Blocking: grade (completion, problem or gold) or (completion, gold, verifier) tuples in parallel; results
+        in order."""
+        jobs = [self._job(*item) for item in items]
         return list(self._executor.map(lambda job: self._grade_blocking(*job), jobs))
+
+    def _job(self, completion: str, problem: Problem | str, verifier: str | None = None) -> tuple[str, dict, str]:
+        """(answer, problem row, verifier path) for a worker."""
+        self._check_open()
+        if isinstance(problem, str):
+            row, name = {"key": "", "problem": "", "answer": problem, "tests": None}, verifier or "math"
+        else:
+            row, name = problem.row(), verifier or problem.verifier
+        return strip_thinking(completion), row, resolve_verifier(name)
 
     def counters(self) -> dict[str, int]:
         """Answers graded, timed out and errored since the grader started (for metrics)."""
@@ -273,29 +228,32 @@ class RewardGrader:
             self._counts["errored"] += grade.error is not None
         return grade
 
-    def _grade_blocking(self, answer: str, gold: str, path: str) -> Grade:
+    def _grade_blocking(self, answer: str, row: dict, path: str) -> Grade:
         if not answer:
-            return self._count(Grade(correct=False))
+            return self._count(Grade(correct=False, failure=NO_ANSWER))
         worker = self._take_worker()
         start = time.monotonic()
         try:
             worker.wait_ready(self.startup_timeout_s)
             start = time.monotonic()
-            worker.conn.send((path, answer, gold))
+            worker.conn.send((path, answer, row))
             answered = worker.conn.poll(self.timeout_s)
             seconds = time.monotonic() - start
             if not answered:
                 worker = self._replace(worker)
-                return self._count(Grade(correct=False, timed_out=True, seconds=seconds))
+                return self._count(Grade(correct=False, timed_out=True, seconds=seconds, failure=GRADER_TIMEOUT))
             kind, value = worker.conn.recv()
-            ok = kind == "ok"
-            return self._count(Grade(correct=ok and value, error=None if ok else value, seconds=seconds))
+            if kind != "ok":
+                return self._count(Grade(correct=False, error=value, seconds=seconds, failure="error"))
+            verdict: Verdict = value
+            return self._count(Grade(correct=verdict.correct, seconds=seconds, fraction=verdict.fraction,
+                                     failure=verdict.failure))
         except (EOFError, OSError) as e:  # the worker died under the verifier (or the grader was closed)
             if self._closed:
                 raise RuntimeError("RewardGrader is closed") from e
             dead, worker = worker, self._replace(worker)  # _replace reaps the dead one: its exit code is known
             return self._count(Grade(correct=False, error=f"reward worker died (exit code {dead.proc.exitcode})",
-                                     seconds=time.monotonic() - start))
+                                     seconds=time.monotonic() - start, failure="error"))
         finally:
             if not self._closed:
                 self._idle.put(worker)
