@@ -57,7 +57,7 @@ def read_problems(args: argparse.Namespace) -> dict[str, Problem]:
     source = DataSource(kind="jsonl", path=str(args.problems), verifier=args.verifier, domain="grade",
                         problem_field=args.problem_field, answer_field=args.answer_field,
                         tests_field=args.tests_field)
-    reader, problems = RowReader(source), {}
+    reader, problems = RowReader(source, owner="--problems"), {}
     for where, _, record in jsonl_records(args.problems):
         key = str(_field(record, args.id_field, where))
         if key in problems:

@@ -17,8 +17,7 @@ from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run_dir import read_finished
 from megatron_scalerl.tasks.problems import load_sources
-from megatron_scalerl.tasks.rewards import strip_thinking
-from megatron_scalerl.tasks.verifiers import call_verifier, import_verifier, resolve_verifier
+from megatron_scalerl.tasks.rewards import grade_here, strip_thinking
 
 RECIPE = load_recipe("demo_mix")
 SCALERL = Path(sys.executable).with_name("scalerl")
@@ -54,8 +53,7 @@ def test_worked_completions_pass_their_own_verifier(problems):
     assert solution_text(code).endswith(f"</think>\n```python\n{code.answer}\n```")
     for domain in ("math", "code"):
         for problem in problems[domain][:5]:
-            verifier = import_verifier(resolve_verifier(problem.verifier))
-            assert call_verifier(verifier, strip_thinking(solution_text(problem)), problem.row()).correct, problem
+            assert grade_here(solution_text(problem), problem).correct, problem
             assert strip_thinking(solution_text(problem, close_thinking=False)) == ""  # no answer
 
 

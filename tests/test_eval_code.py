@@ -81,9 +81,9 @@ def test_a_dataset_is_a_recipe_name_a_shipped_name_or_a_file(code_file, tmp_path
                                         r"benchmark of the recipe's eval.benchmarks \(mycode\), nor a JSONL file"):
         load_benchmark("other", entries)
     missing = LocalBenchmark(name="gone", path=str(tmp_path / "gone.jsonl"))
-    with pytest.raises(UserError, match="eval benchmark 'gone': file .*gone.jsonl does not exist"):
+    with pytest.raises(UserError, match="eval benchmark 'gone': jsonl file .*gone.jsonl does not exist"):
         load_benchmark(missing)
-    with pytest.raises(UserError, match="dataset 'mycode': unknown verifier 'kode'"):
+    with pytest.raises(UserError, match=r"eval benchmark 'mycode' \(.*code_eval.jsonl\): unknown verifier 'kode'"):
         load_benchmark("mycode", entries, verifier="kode")
 
 

@@ -246,6 +246,21 @@ def test_synthetic_code_source_carries_its_tests_domain_and_template():
         load_source(DataSource(kind="synthetic", task="nope", size=1), seed=0)
 
 
+def test_code_rows_tests_as_json_strings_and_bad_rows_by_line(tmp_path):
+    asserts = {"asserts": ["assert f(1) == 2"]}
+    path = _jsonl(tmp_path / "code.jsonl", [{"problem": "f", "tests": json.dumps(asserts), "setup": "import math"},
+                                            {"problem": "g", "tests": asserts}])
+    first, second = load_source(DataSource(kind="jsonl", path=path, verifier="code"), seed=0)
+    assert first.tests == {**asserts, "setup": "import math"} and second.tests == asserts  # as some datasets ship them
+    assert first.answer == "" and first.template == "code"  # a code row needs no gold answer
+    for row, message in [({"problem": "f", "tests": "[1, 2"}, "code.jsonl:1: field 'tests' is a string but not JSON"),
+                         ({"problem": "f"}, r"code.jsonl:1: tests: missing .*\(verifier 'code'\)"),
+                         ({"problem": "f", "tests": {"inputs": ["1"]}}, "code.jsonl:1: tests: has 'inputs' but not")]:
+        _jsonl(tmp_path / "code.jsonl", [row])
+        with pytest.raises(UserError, match=message):
+            load_source(DataSource(kind="jsonl", path=path, verifier="code"), seed=0)
+
+
 def test_code_template_asks_for_one_fenced_block():
     text = render_prompt("Write f.", template="code")
     assert text == f"Problem: Write f.\n\n{INSTRUCTIONS['code']}\nSolution: {THINK_OPEN}\n"

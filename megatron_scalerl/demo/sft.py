@@ -30,8 +30,7 @@ from megatron_scalerl.demo.model import solution_text
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.tasks.problems import Problem, load_sources
 from megatron_scalerl.tasks.prompts import render_prompt, split_validation
-from megatron_scalerl.tasks.rewards import strip_thinking
-from megatron_scalerl.tasks.verifiers import call_verifier, import_verifier, resolve_verifier
+from megatron_scalerl.tasks.rewards import grade_here
 
 
 @dataclass(frozen=True)
@@ -70,14 +69,6 @@ def _batch(examples: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Te
     return ids, mask, labels
 
 
-def is_correct(text: str, problem: Problem) -> bool:
-    """A completion graded as the run grades it: thinking stripped, then the problem's verifier (no answer: wrong).
-    In this process, without the run's per-answer timeout (the code verifier bounds its own sandbox)."""
-    answer = strip_thinking(text)
-    return bool(answer) and call_verifier(import_verifier(resolve_verifier(problem.verifier)), answer,
-                                          problem.row()).correct
-
-
 def new_tokens_cap(recipe: Recipe, template: str) -> int:
     """Tokens a warm-start evaluation samples per completion of a `template` problem: the thinking budget's maximum
     (a worked math completion is under 20 tokens), plus the answer budget for code (its fenced solution alone is
@@ -91,15 +82,15 @@ def sampled_pass_rate(model, tokenizer, problems: list[Problem], *, samples: int
                       max_new_tokens: int, seed: int) -> float:
     """Mean correctness of `samples` sampled completions per problem (left-padded batch generation)."""
     tokenizer.padding_side = "left"
-    prompts = [render_prompt(p.problem, tokenizer, p.template) for p in problems for _ in range(samples)]
+    asked = [p for p in problems for _ in range(samples)]  # one entry per completion
+    prompts = [render_prompt(p.problem, tokenizer, p.template) for p in asked]
     encoded = tokenizer(prompts, return_tensors="pt", padding=True)
     torch.manual_seed(seed)
     out = model.generate(**encoded, do_sample=True, temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     texts = tokenizer.batch_decode(out[:, encoded.input_ids.shape[1]:], skip_special_tokens=False)
     texts = [t.replace(tokenizer.eos_token, "").replace(tokenizer.pad_token, "") for t in texts]
-    graded = [is_correct(t, p) for t, p in zip(texts, [p for p in problems for _ in range(samples)], strict=True)]
-    return sum(graded) / len(graded)
+    return sum(grade_here(t, p).correct for t, p in zip(texts, asked, strict=True)) / len(texts)
 
 
 def held_out_by_domain(validation: list[Problem], count: int) -> dict[str, list[Problem]]:

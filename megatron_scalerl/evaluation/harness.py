@@ -47,7 +47,6 @@ from megatron_scalerl.tasks.code_verifier import final_code_block
 from megatron_scalerl.tasks.problems import Problem, load_source
 from megatron_scalerl.tasks.prompts import render_prompt
 from megatron_scalerl.tasks.rewards import RewardGrader, strip_thinking
-from megatron_scalerl.tasks.verifiers import VerifierError, resolve_verifier
 
 EVAL_DATA = Path(__file__).resolve().parents[2] / "eval" / "data"
 DATASETS = {name: EVAL_DATA / f"{name}.jsonl" for name in SHIPPED_BENCHMARKS}
@@ -88,10 +87,6 @@ def load_benchmark(spec: str | LocalBenchmark, entries: Sequence[str | LocalBenc
         spec = next((e for e in entries if isinstance(e, LocalBenchmark) and e.name == spec), spec)
     if isinstance(spec, LocalBenchmark):
         name, source = spec.name, spec.source()
-        path = Path(source.path)
-        if not path.is_file():
-            raise UserError(f"eval benchmark {name!r}: file {path} does not exist"
-                            + (f" (relative to {Path.cwd()})" if not path.is_absolute() else ""))
     else:
         path = DATASETS.get(spec, Path(spec))
         if not path.is_file():
@@ -102,11 +97,7 @@ def load_benchmark(spec: str | LocalBenchmark, entries: Sequence[str | LocalBenc
         source = DataSource(kind="jsonl", path=str(path), domain="eval")  # evaluation feeds no validation curve
     if verifier is not None:
         source = source.model_copy(update={"verifier": verifier})
-    try:
-        resolve_verifier(source.verifier)
-    except VerifierError as exc:
-        raise UserError(f"dataset {name!r}: {exc}") from None
-    return Benchmark(name, source, load_source(source, seed=0))
+    return Benchmark(name, source, load_source(source, seed=0, owner=f"eval benchmark {name!r}"))
 
 
 def sampling_settings(recipe: Recipe, tokenizer: Any) -> SamplingSettings:

@@ -36,7 +36,7 @@ from megatron_scalerl.sweep.runs import not_done
 
 if TYPE_CHECKING:
     from megatron_scalerl.forecast.ablation import Ablation
-    from megatron_scalerl.forecast.data import Curve
+    from megatron_scalerl.forecast.data import Curve, MetricsTable
     from megatron_scalerl.forecast.predict import ForecastOptions
 
 REPORT_DIR = "report"
@@ -46,20 +46,23 @@ DOMAIN_CURVE = re.compile(r"^val/[^/]+/pass_rate$")  # a domain's validation (re
 
 @dataclass(frozen=True)
 class ReportRun:
-    """One run of the report: its variant, its curve, and its recipe (None: it has no RUN/recipe.yaml)."""
+    """One run of the report: its variant, its curve, its recipe (None: it has no RUN/recipe.yaml) and its metrics
+    (the domain curves are read from them)."""
 
     variant: str
     curve: Curve
     recipe: Recipe | None
+    metrics: MetricsTable
 
 
 def _read(variant: str, run_dir: Path, label: str) -> ReportRun:
     """The run in `run_dir`, its curve named `label`."""
-    from megatron_scalerl.forecast.data import load_curve  # deferred, as each below: scipy (`scalerl` imports us)
+    from megatron_scalerl.forecast.data import MetricsTable  # deferred, as each below: scipy (`scalerl` imports us)
 
     recipe_file = run_dir / RECIPE_FILE
     recipe = load_recipe(recipe_file) if recipe_file.is_file() else None
-    return ReportRun(variant, replace(load_curve(run_dir), name=label), recipe)
+    metrics = MetricsTable.read(run_dir)
+    return ReportRun(variant, replace(metrics.curve(), name=label), recipe, metrics)
 
 
 def _left(variant: str, run: Path | str, reason: str) -> dict:
@@ -198,17 +201,15 @@ def domain_ablations(base: str, runs: list[ReportRun], options: ForecastOptions,
     domains) that every run has, each judged like the primary curve with the noise of the domain's own validation
     (its `val/<domain>/samples` in the base's first run). A domain that cannot be fitted gets a warning instead."""
     from megatron_scalerl.forecast.ablation import make_ablation  # deferred: scipy
-    from megatron_scalerl.forecast.data import MetricsTable
 
-    tables = [MetricsTable.read(r.curve.source) for r in runs]
-    logged = [{key: row for _, row in table.rows for key in row if DOMAIN_CURVE.match(key)} for table in tables]
+    logged = [{key: row for _, row in r.metrics.rows for key in row if DOMAIN_CURVE.match(key)} for r in runs]
     shared = sorted(set.intersection(*(set(keys) for keys in logged))) if logged else []
     ablations = {}
     for metric in shared:
         curve = metric.rsplit("/", 1)[0]
         samples = logged[next(i for i, r in enumerate(runs) if r.variant == base)][metric].get(f"{curve}/samples")
         try:
-            curves = [replace(table.curve(metric), name=r.curve.name) for r, table in zip(runs, tables, strict=True)]
+            curves = [replace(r.metrics.curve(metric), name=r.curve.name) for r in runs]
             groups: dict[str, list[Curve]] = {}
             for run, c in zip(runs, curves, strict=True):
                 groups.setdefault(run.variant, []).append(c)

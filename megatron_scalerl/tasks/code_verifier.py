@@ -2,7 +2,8 @@
 
 The program is the answer's LAST fenced code block: ```python, ```py, ```python3 or a bare ``` (blocks in other
 languages, and a block left unclosed, are skipped). It runs with the standard library only (`python -I -S`). A
-problem row's "tests" (an object, or a JSON string of one) holds one of two formats, as common datasets ship them:
+problem row's "tests" (an object: the data loader, tasks/problems.py, has parsed a JSON string already) holds one
+of two formats, as common datasets ship them:
 
   - stdin/stdout: {"inputs": ["1 2\\n", ...], "outputs": ["3\\n", ...]}: one fresh sandboxed run per case with its
     input on stdin. A case passes when the run exits 0 and its stdout equals the expected output up to whitespace
@@ -231,15 +232,10 @@ def _compiles(program: str) -> bool:
 
 
 def _tests_of(problem: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The row's "tests" as an object (parsed from JSON where it is a string)."""
-    if "tests" not in problem:
+    """The row's "tests" object."""
+    tests = problem.get("tests")
+    if tests is None:
         raise ValueError("tests: missing (the code verifier needs the row's tests)")
-    tests = problem["tests"]
-    if isinstance(tests, str):
-        try:
-            tests = json.loads(tests)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"tests: a string that is not JSON ({e})") from None
     if not isinstance(tests, Mapping):
         raise ValueError(f"tests: expected an object, got {type(tests).__name__}")
     return tests

@@ -57,14 +57,15 @@ def _as_text(value: Any, where: str, field_name: str) -> str:
 
 
 class RowReader:
-    """Turns a source's rows (dicts) into Problems, checked against what the source's verifier needs."""
+    """Turns a source's rows (dicts) into Problems, checked against what the source's verifier needs. `owner` names
+    the setting the source comes from in errors ("data.train", an eval benchmark, `--problems`)."""
 
-    def __init__(self, source: DataSource):
+    def __init__(self, source: DataSource, owner: str = "data.train"):
         self.source = source  # its fields, verifier, domain and template
         try:
             verifier = import_verifier(resolve_verifier(source.verifier))
         except VerifierError as exc:
-            raise UserError(f"data.train ({source.label}): {exc}") from None
+            raise UserError(f"{owner} ({source.label}): {exc}") from None
         self.gold_needed = not takes_problem_row(verifier)
         self.check = getattr(verifier, "check_problem", None)
 
@@ -73,8 +74,9 @@ class RowReader:
         return [self.source.problem_field] + ([self.source.answer_field] if self.gold_needed else [])
 
     def fields(self) -> list[str]:
-        """The fields a row may use, the required ones first."""
-        return [*self.required(), *({self.source.answer_field, self.source.tests_field, "setup"} - set(self.required()))]
+        """The fields a row may use."""
+        return list(dict.fromkeys([self.source.problem_field, self.source.answer_field, self.source.tests_field,
+                                   "setup"]))
 
     def read(self, record: Any, where: str, key: str) -> Problem:
         """The Problem in `record`; `where` names the row ("file:line") in errors."""
@@ -152,45 +154,46 @@ def _read_parquet(reader: RowReader, path: Path) -> list[Problem]:
             for index, record in enumerate(rows)]
 
 
-def _generate_reasoning_gym(reader: RowReader, seed: int) -> list[Problem]:
+def _generate_reasoning_gym(reader: RowReader, seed: int, owner: str) -> list[Problem]:
     import reasoning_gym  # deferred: reasoning-gym imports its every task (~1 s); only its sources need it
 
     source = reader.source
     try:
         dataset = reasoning_gym.create_dataset(source.task, size=source.size, seed=seed, **source.options)
     except Exception as exc:  # an unknown task or bad arguments: reasoning-gym raises ValueError or others
-        raise UserError(f"data.train: reasoning_gym task '{source.task}': {exc}") from None
+        raise UserError(f"{owner}: reasoning_gym task '{source.task}': {exc}") from None
     return [reader.read({source.problem_field: entry["question"], source.answer_field: entry["answer"]},
                         f"reasoning_gym/{source.task}[{i}]", f"reasoning_gym/{source.task}#{i}")
             for i, entry in enumerate(dataset)]
 
 
-def _generate_synthetic(reader: RowReader, seed: int) -> list[Problem]:
+def _generate_synthetic(reader: RowReader, seed: int, owner: str) -> list[Problem]:
     source = reader.source
     try:
         rows = synthetic.generate(source.task, size=source.size, seed=seed)
     except ValueError as exc:
-        raise UserError(f"data.train: synthetic task '{source.task}': {exc}") from None
+        raise UserError(f"{owner}: synthetic task '{source.task}': {exc}") from None
     return [reader.read({source.problem_field: row["problem"], source.answer_field: row.get("answer"),
                          source.tests_field: row.get("tests")}, f"synthetic/{source.task}[{i}]",
                         f"synthetic/{source.task}#{i}") for i, row in enumerate(rows)]
 
 
-def load_source(source: DataSource, *, seed: int) -> list[Problem]:
-    """The problems of one `data.train` entry, in file order (generated sources: with `seed`)."""
-    reader = RowReader(source)
+def load_source(source: DataSource, *, seed: int, owner: str = "data.train") -> list[Problem]:
+    """The problems of one source, in file order (generated sources: with `seed`); errors name `owner`, the setting
+    it comes from (a `data.train` entry, an eval benchmark)."""
+    reader = RowReader(source, owner)
     if source.kind == "reasoning_gym":
-        problems = _generate_reasoning_gym(reader, seed)
+        problems = _generate_reasoning_gym(reader, seed, owner)
     elif source.kind == "synthetic":
-        problems = _generate_synthetic(reader, seed)
+        problems = _generate_synthetic(reader, seed, owner)
     else:
         path = Path(source.path)
         if not path.is_file():
-            raise UserError(f"data.train: {source.kind} file {path} does not exist"
+            raise UserError(f"{owner}: {source.kind} file {path} does not exist"
                             + (f" (relative to {Path.cwd()})" if not path.is_absolute() else ""))
         problems = _read_jsonl(reader, path) if source.kind == "jsonl" else _read_parquet(reader, path)
     if not problems:
-        raise UserError(f"data.train: {source.label} has no problems")
+        raise UserError(f"{owner}: {source.label} has no problems")
     return problems
 
 

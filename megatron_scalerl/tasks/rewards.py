@@ -63,6 +63,15 @@ def strip_thinking(completion: str) -> str:
 # ---- worker process ----
 
 GRADER_TIMEOUT = "grader_timeout"  # Grade.failure of an answer whose verifier ran past the grader's timeout
+def grade_here(completion: str, problem: Problem) -> Verdict:
+    """`completion` graded in this process as the workers grade it (thinking stripped; no answer: "no_answer"), but
+    without their per-answer timeout: for a caller grading a few completions of its own (the demo's warm start)."""
+    answer = strip_thinking(completion)
+    if not answer:
+        return Verdict(False, 0.0, NO_ANSWER)
+    return call_verifier(import_verifier(resolve_verifier(problem.verifier)), answer, problem.row())
+
+
 # imported once, in the forkserver
 WORKER_PRELOAD = ["math_verify", "megatron_scalerl.tasks.rewards", "megatron_scalerl.tasks.code_verifier"]
 
