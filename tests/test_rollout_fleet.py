@@ -132,27 +132,36 @@ def test_interruption_lands_at_the_budget_and_keeps_the_answer_budget(fleet_serv
 
 def test_a_weight_sync_in_flight_tags_tokens_with_their_versions(fleet_servers):
     """The product's pause: the sender wraps the update in pause(keep) ... resume on every server (SYNC's
-    `pause_generation`), so samples in flight freeze there and continue on the new weights."""
+    `pause_generation`), so samples in flight freeze there and continue on the new weights. The sender connects
+    before the samples start (its process-group set-up is the slow part), and a round whose samples all ended before
+    the update reached the servers (a fast or loaded machine) is run again, up to three rounds."""
     urls = [s.url for s in fleet_servers["servers"]]
-    requests = _requests(4, 200, prefix="inflight")
+    weights = load_file(f"{fleet_servers['b']}/model.safetensors")
     assert SYNC.pause_generation
+    sender = WeightSender(urls, SYNC).connect()
 
-    async def main():
+    async def one_round(version: int):
         async with Fleet(urls) as fleet:
-            running = [asyncio.create_task(fleet.generate(r)) for r in requests]
-            await asyncio.sleep(0.3)
-            await asyncio.get_running_loop().run_in_executor(None, _push, fleet_servers["b"], urls, 5)
+            running = [asyncio.create_task(fleet.generate(r)) for r in _requests(8, 200, prefix=f"inflight{version}-")]
+            await asyncio.sleep(0.2)
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: sender.send(bucketed(iter(weights.items()), 2**19), version))
             return await asyncio.gather(*running)
 
-    samples = run(main())
-    spans = []
-    for sample in samples:  # a sample may end early (EOS) or be cut at 200 tokens
-        versions = sample.versions
-        changes = [i for i in range(1, len(versions)) if versions[i] != versions[i - 1]]
-        assert len(changes) <= 1 and (not changes or versions[-1] == 5)  # one switch, to the new weights
-        spans.append(changes)
-    assert any(spans), "no sample was in flight across the update"
-    _push(fleet_servers["a"], urls, 6)  # back to checkpoint A for the next test
+    try:
+        spanned = False
+        for version in (5, 6, 7):
+            for sample in run(one_round(version)):  # a sample may end early (EOS) or be cut at 200 tokens
+                versions = sample.versions
+                changes = [i for i in range(1, len(versions)) if versions[i] != versions[i - 1]]
+                assert len(changes) <= 1 and (not changes or versions[-1] == version)  # one switch, to the new weights
+                spanned = spanned or bool(changes)
+            if spanned:
+                break
+    finally:
+        sender.close()
+    assert spanned, "no sample was in flight across the update in three rounds"
+    _push(fleet_servers["a"], urls, 8)  # back to checkpoint A for the next test
 
 
 def test_a_killed_server_loses_no_sample_and_gets_weights_before_work(fleet_servers):
