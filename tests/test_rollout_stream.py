@@ -39,7 +39,8 @@ def test_round_trip_in_order(tmp_path):
         got, meta = stream.read(i, vocab_size=50)
         assert meta["index"] == i and meta["producer"] == "test"
         for f in dataclasses.fields(TrainBatch):
-            assert torch.equal(getattr(got, f.name), getattr(b, f.name))
+            expected = getattr(b, f.name)  # routes: None (tests/test_routing_replay.py has batches with them)
+            assert getattr(got, f.name) is None if expected is None else torch.equal(getattr(got, f.name), expected)
 
 
 def test_offsets_sample_views_and_loss_tokens():

@@ -11,9 +11,15 @@ Per-token tensors (length T = sum of `lengths`):
 Per-sample tensors (length N):
   lengths int64 (tokens of prompt + completion), prompt_lengths int64, advantages float32, rewards float32,
   group_ids int64 (prompt id: samples of one prompt share it), truncated bool (hit the hard length cap).
+Optional, per token (None when absent: a dense model, a run without routing capture, a batch of an older run):
+  routes uint8 [T, n_moe_layers, top_k]: for every token of every sample, packed like input_ids, the global expert
+  ids the generator's router chose at each MoE layer (the model's MoE layers only, in model order; top-k in the
+  router's order). A sample's last token never ran through the generator: its routes repeat the token before's.
+  The trainer replays them (`algorithm.routing_replay`, docs/routing_replay.md). `pack_routes` builds the field
+  from per-sample tensors.
 
-On disk (`encode` / `decode`): one safetensors file; input_ids and weight_versions are stored as int32, the
-metadata as JSON under the key `meta`.
+On disk (`encode` / `decode`): one safetensors file; input_ids and weight_versions are stored as int32, routes (when
+present) as uint8, the metadata as JSON under the key `meta`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ TOKEN_FIELDS = {"input_ids": torch.int64, "loss_mask": torch.bool, "gen_logprobs
                 "weight_versions": torch.int64}
 SAMPLE_FIELDS = {"lengths": torch.int64, "prompt_lengths": torch.int64, "advantages": torch.float32,
                  "rewards": torch.float32, "group_ids": torch.int64, "truncated": torch.bool}
+ROUTES_DTYPE = torch.uint8  # expert ids: up to 256 experts per layer
 
 
 class BatchError(UserError):
@@ -50,6 +57,7 @@ class TrainBatch:
     rewards: torch.Tensor
     group_ids: torch.Tensor
     truncated: torch.Tensor
+    routes: torch.Tensor | None = None  # uint8 [T, n_moe_layers, top_k], see the module docstring
 
     @property
     def num_samples(self) -> int:
@@ -65,17 +73,19 @@ class TrainBatch:
         return torch.cat([torch.zeros(1, dtype=torch.int64), self.lengths.cumsum(0)])
 
     def sample(self, i: int) -> dict[str, torch.Tensor]:
-        """Sample i's token tensors (views)."""
+        """Sample i's token tensors (views), routes included when the batch has them."""
         start, end = self.offsets[i].item(), self.offsets[i + 1].item()
-        return {name: getattr(self, name)[start:end] for name in TOKEN_FIELDS}
+        names = [*TOKEN_FIELDS, *(["routes"] if self.routes is not None else [])]
+        return {name: getattr(self, name)[start:end] for name in names}
 
     def loss_tokens_per_sample(self) -> torch.Tensor:
         """[N] int64: loss tokens of each sample."""
         owner = torch.repeat_interleave(torch.arange(self.num_samples), self.lengths)
         return torch.zeros(self.num_samples, dtype=torch.int64).index_add_(0, owner, self.loss_mask.long())
 
-    def validate(self, source: str, vocab_size: int | None = None) -> TrainBatch:
-        """Check dtypes, shapes and value ranges; raise BatchError naming `source` and the field."""
+    def validate(self, source: str, vocab_size: int | None = None, num_experts: int | None = None) -> TrainBatch:
+        """Check dtypes, shapes and value ranges; raise BatchError naming `source` and the field. Token ids must be
+        below `vocab_size` and expert ids (routes) below `num_experts`, where given."""
 
         def fail(field: str, reason: str) -> None:
             raise BatchError(f"{source}: {field}: {reason}")
@@ -116,7 +126,48 @@ class TrainBatch:
             fail("advantages", "must be finite")
         if ((self.weight_versions < 0) & ~in_prompt).any():
             fail("weight_versions", "every completion token needs the policy version that generated it (>= 0)")
+        if self.routes is not None:
+            problem = routes_problem(self.routes, total, num_experts)
+            if problem:
+                fail("routes", problem)
         return self
+
+
+def routes_problem(routes: object, tokens: int, num_experts: int | None = None) -> str | None:
+    """What is wrong with `routes` as the routes of `tokens` tokens (None: nothing): a uint8 tensor
+    [tokens, n_moe_layers >= 1, top_k >= 1] of expert ids below `num_experts` (when given)."""
+    if not isinstance(routes, torch.Tensor):
+        return f"expected a tensor, got {type(routes).__name__}"
+    if routes.dtype != ROUTES_DTYPE:
+        return f"dtype {routes.dtype}, expected {ROUTES_DTYPE}"
+    if routes.dim() != 3 or routes.shape[1] == 0 or routes.shape[2] == 0:
+        return f"expected [tokens, n_moe_layers, top_k], got shape {tuple(routes.shape)}"
+    if routes.shape[0] != tokens:
+        return f"{routes.shape[0]} entries for {tokens} tokens"
+    if num_experts is not None and routes.numel() and int(routes.max()) >= num_experts:
+        return f"expert id {int(routes.max())} outside [0, {num_experts})"
+    return None
+
+
+def pack_routes(per_sample: list[torch.Tensor | None], lengths: list[int]) -> torch.Tensor | None:
+    """The `routes` field of a batch of samples, packed like input_ids: per_sample[i] is sample i's routes, uint8
+    [lengths[i], n_moe_layers, top_k] (prompt and completion tokens), or None when it has none. None when no sample
+    has routes; BatchError, naming the sample, when only some have, or when one's shape is off."""
+    if len(per_sample) != len(lengths):
+        raise BatchError(f"routes to pack: {len(per_sample)} samples' routes for {len(lengths)} samples")
+    missing = [i for i, routes in enumerate(per_sample) if routes is None]
+    if len(missing) == len(per_sample):
+        return None
+    if missing:
+        raise BatchError(f"routes to pack: sample {missing[0]} has none, others have routes (every sample of a batch "
+                         "needs them, or none)")
+    for i, (routes, length) in enumerate(zip(per_sample, lengths, strict=True)):
+        problem = routes_problem(routes, length)
+        if problem is None and routes.shape[1:] != per_sample[0].shape[1:]:
+            problem = f"shape {tuple(routes.shape)}, sample 0's is {tuple(per_sample[0].shape)}"
+        if problem:
+            raise BatchError(f"routes to pack: sample {i}: {problem}")
+    return torch.cat(per_sample)
 
 
 # Token ids and versions are stored as int32 on disk (they fit; the stream is ~40% smaller) and read back as int64.
@@ -124,7 +175,8 @@ STORED_AS_INT32 = ("input_ids", "weight_versions")
 
 
 def encode(batch: TrainBatch, metadata: dict | None = None) -> bytes:
-    tensors = {f.name: getattr(batch, f.name).contiguous() for f in fields(TrainBatch)}
+    tensors = {f.name: getattr(batch, f.name).contiguous() for f in fields(TrainBatch)
+               if getattr(batch, f.name) is not None}
     for name in STORED_AS_INT32:
         if tensors[name].numel() and int(tensors[name].abs().max()) >= 2**31:
             raise BatchError(f"TrainBatch to write: {name}: values beyond int32")
@@ -139,9 +191,9 @@ def decode(path: Path) -> tuple[TrainBatch, dict]:
             meta = json.loads((handle.metadata() or {}).get("meta", "{}"))
     except (SafetensorError, OSError, ValueError) as exc:
         raise BatchError(f"{path}: unreadable TrainBatch: {exc}") from None
-    missing = [f.name for f in fields(TrainBatch) if f.name not in tensors]
+    missing = [name for name in (*TOKEN_FIELDS, *SAMPLE_FIELDS) if name not in tensors]
     if missing:
         raise BatchError(f"{path}: missing tensors {missing}")
     for name in STORED_AS_INT32:
         tensors[name] = tensors[name].to(torch.int64)
-    return TrainBatch(**{f.name: tensors[f.name] for f in fields(TrainBatch)}), meta
+    return TrainBatch(**{f.name: tensors.get(f.name) for f in fields(TrainBatch)}), meta

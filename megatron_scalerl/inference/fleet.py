@@ -12,6 +12,13 @@ of every completion token (vLLM's weight-version spans, `algo.versions.parse_ver
 pauses the servers themselves (`weight_sync.sender`): in-flight requests freeze there and continue on the new
 weights, so one sample's tokens may carry two versions.
 
+Routes (MoE routing replay, docs/routing_replay.md "Capture"): a request with `route_layers` (the model's MoE
+layers) also gets, for every position the server ran (prompt and completion tokens but the last, from
+`routes_from` on), the global expert ids its router chose at each of those layers: `Generation.routes`, uint8
+[positions, len(route_layers), top-k], from vLLM's `routed_experts` (servers started with `capture_routes`).
+They come with the answer of the server that generated the tokens, so a sample generated again elsewhere after a
+failure carries that server's routes.
+
 Failures: a request whose server fails transiently (`http_json.ServerError.transient`: connection refused or reset,
 HTTP 5xx or 429, no answer in `request_timeout_s`) is generated again whole on another server under the fleet's
 `retry` policy (`http_json.RetryPolicy`: backoff doubling up to a cap); nothing of the failed attempt is kept, so a
@@ -25,12 +32,17 @@ and the servers.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import io
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+import torch
 
 from megatron_scalerl.algo.versions import NO_VERSION, parse_version
 from megatron_scalerl.http_json import AsyncJsonClient, RetryPolicy, ServerError
@@ -48,7 +60,9 @@ class FleetError(RuntimeError):
 @dataclass(frozen=True)
 class GenerationRequest:
     """One sample to generate. `key`: unique id of the sample (e.g. "<prompt key>/<sample index>"); lengths in
-    tokens; `seed`: vLLM's per-request sampling seed (None: unseeded)."""
+    tokens; `seed`: vLLM's per-request sampling seed (None: unseeded); `route_layers`: the decoder layers (0-based,
+    model order: the MoE layers) whose routes come back, none by default; `routes_from`: the first position they
+    come back for (vLLM's `routed_experts_prompt_start`: the caller has those before it, e.g. a second stage)."""
 
     key: str
     prompt_ids: list[int]
@@ -56,12 +70,16 @@ class GenerationRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    route_layers: tuple[int, ...] = ()
+    routes_from: int = 0
 
     def payload(self) -> dict:
         params = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                   "logprobs": 0, "detokenize": False, "skip_special_tokens": False}
         if self.seed is not None:
             params["seed"] = self.seed
+        if self.route_layers:
+            params["routed_experts_prompt_start"] = self.routes_from
         return {"token_ids": self.prompt_ids, "sampling_params": params}
 
 
@@ -69,7 +87,9 @@ class GenerationRequest:
 class Generation:
     """A generated sample. `logprobs[i]` and `versions[i]` belong to `completion_ids[i]` (the policy version that
     sampled it, `algo.versions`; NO_VERSION where the server had none); `finish_reason`: "stop" (EOS or a stop token)
-    or "length"."""
+    or "length"; `routes`: None unless the request asked (`route_layers`), else uint8 [len(prompt_ids) +
+    len(completion_ids) - 1 - routes_from, len(route_layers), top-k]: row i holds the experts position
+    routes_from + i of prompt + completion was routed to (the last token never ran)."""
 
     key: str
     prompt_ids: list[int]
@@ -79,10 +99,32 @@ class Generation:
     finish_reason: str
     server: str
     attempts: int = 1  # servers tried until this one answered
+    routes: torch.Tensor | None = None
+
+
+def parse_routes(request: GenerationRequest, encoded: str | None, completion_tokens: int, server: str) -> torch.Tensor:
+    """`Generation.routes` from vLLM's `routed_experts` (base64 `.npy` of [positions, decoder layers, top-k]), the
+    layers `request.route_layers` kept; ValueError naming the server and the sample when they are missing or their
+    shape or dtype is off."""
+    where = f"{server}: sample {request.key}"
+    if encoded is None:
+        raise ValueError(f"{where}: no routes in the answer (start the server with capture_routes: "
+                         "`scalerl serve --capture-routes`)")
+    routes = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    positions = len(request.prompt_ids) + completion_tokens - 1 - request.routes_from
+    if routes.ndim != 3 or routes.shape[0] != positions:
+        raise ValueError(f"{where}: routes of shape {routes.shape}, expected [{positions}, layers, top-k]")
+    if routes.dtype != np.uint8:
+        raise ValueError(f"{where}: routes as {routes.dtype}: our batches store expert ids as uint8 (at most 256 "
+                         "experts)")
+    if max(request.route_layers) >= routes.shape[1]:
+        raise ValueError(f"{where}: routes of {routes.shape[1]} layers, route_layers {request.route_layers}")
+    return torch.from_numpy(routes[:, list(request.route_layers)].copy())
 
 
 def parse_generation(request: GenerationRequest, answer: dict, server: str, attempts: int = 1) -> Generation:
-    """A Generation from `/inference/v1/generate`'s JSON answer (one choice, log-probs of the sampled tokens)."""
+    """A Generation from `/inference/v1/generate`'s JSON answer (one choice, log-probs of the sampled tokens, the
+    routes when the request asked for them)."""
     choice = answer["choices"][0]
     tokens = list(choice["token_ids"] or [])
     content = (choice.get("logprobs") or {}).get("content") or []
@@ -91,8 +133,10 @@ def parse_generation(request: GenerationRequest, answer: dict, server: str, atte
     versions = [NO_VERSION] * len(tokens)
     for span in choice.get("weight_versions") or []:
         versions[span["start"]:span["end"]] = [parse_version(span["version"])] * (span["end"] - span["start"])
+    routes = (parse_routes(request, choice.get("routed_experts"), len(tokens), server) if request.route_layers
+              else None)
     return Generation(request.key, list(request.prompt_ids), tokens, [float(e["logprob"]) for e in content],
-                      versions, choice.get("finish_reason") or "stop", server, attempts)
+                      versions, choice.get("finish_reason") or "stop", server, attempts, routes)
 
 
 @dataclass

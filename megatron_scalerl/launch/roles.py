@@ -115,12 +115,15 @@ def trainer_command(run_dir: Path, recipe: Recipe, *, rendezvous: str | None = N
 
 
 def generator_command(run_dir: Path, recipe: Recipe, *, port: int, host: str, dtype: str, log: Path) -> list[str]:
-    """`scalerl serve` of the run's model directory with dummy weights (the trainer sends the real ones)."""
+    """`scalerl serve` of the run's model directory with dummy weights (the trainer sends the real ones), capturing
+    routes when the recipe replays the MoE model's routing (`algorithm.routing_replay`)."""
     max_len = recipe.rollout.max_prompt_tokens + recipe.rollout.max_new_tokens
     return [sys.executable, "-m", "megatron_scalerl.cli", "serve", "--model", str(run_dir / MODEL_DIR),
             "--host", host, "--port", str(port), "--tp", str(recipe.parallelism.generator_tp), "--dtype", dtype,
             "--max-model-len", str(max_len), "--seed", str(recipe.trainer.seed), "--log", str(log),
-            *([] if recipe.trainer.fp32_lm_head else ["--no-fp32-lm-head"]), "--", "--load-format", "dummy"]
+            *([] if recipe.trainer.fp32_lm_head else ["--no-fp32-lm-head"]),
+            *(["--capture-routes"] if recipe.algorithm.routing_replay else []),
+            "--", "--load-format", "dummy"]
 
 
 def orchestrator_command(run_dir: Path, *, resume: bool) -> list[str]:

@@ -55,6 +55,9 @@ def transformer_config(
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
             moe_layer_freq=[int(plan.moe) for plan in layers],
+            # each router asks its RouterReplay for its top-k; with no replay action set (the default) it computes
+            # its own, unchanged. The trainer sets the actions (trainer/routing_replay.py).
+            moe_enable_routing_replay=True,
         )
     no_rope = [int(not plan.rope) for plan in layers]
     return ScaleRLTransformerConfig(

@@ -182,6 +182,9 @@ class AlgorithmConfig(Section):
     reward_incorrect: float
     no_positive_resampling: NoPositiveResamplingConfig
     length_control: LengthControlConfig
+    # MoE: the trainer's routers use the experts the generator chose (R3, docs/routing_replay.md); the default lets a
+    # run directory's recipe.yaml written before the key existed load unchanged
+    routing_replay: bool = False
 
 
 class RolloutConfig(Section):

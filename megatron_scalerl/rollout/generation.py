@@ -11,6 +11,13 @@ holds the first part) generates at most the answer budget; thinking closed -> th
 Here the stages are token ids: the phrase tokens carry log-prob 0, policy version NO_VERSION and loss mask False
 (`join_segments`): the loss ignores them. Without a policy (length penalty or none) one request generates up to
 `max_tokens`. A sample that stops on a limit without EOS is truncated.
+
+Routes (MoE routing replay, `algorithm.routing_replay`; `route_layers(recipe)` on the request): a sample's routes
+cover every position of prompt + completion, aligned with the token ids. The first request returns those of its
+prompt and of its tokens but the last; the second stage returns them from the first stage's last token on
+(`routes_from`), the phrase tokens and its own completion included, so each position's routes come from the request
+that ran it, the first stage's from its server even when the second went to another after a failure. The last
+token never ran: it repeats the routes of the one before (the batch contract, `batches.train_batch`).
 """
 
 from __future__ import annotations
@@ -19,8 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from megatron_scalerl.algo.length_control import Continuation, InterruptionPolicy, generate_in_stages, join_segments
 from megatron_scalerl.algo.versions import NO_VERSION
+from megatron_scalerl.families import layer_plan
 from megatron_scalerl.inference.fleet import Fleet, Generation, GenerationRequest
 from megatron_scalerl.recipe import Recipe
 
@@ -28,7 +38,9 @@ from megatron_scalerl.recipe import Recipe
 @dataclass
 class Sample:
     """A finished sample. Per completion token: `logprobs` (generator's), `versions` (policy version that sampled
-    it, `algo.versions`; NO_VERSION for the appended phrase), `loss_mask` (False for the phrase)."""
+    it, `algo.versions`; NO_VERSION for the appended phrase), `loss_mask` (False for the phrase). `routes`: None
+    unless requested, else uint8 [len(prompt_ids) + len(completion_ids), MoE layers, top-k], the generator's expert
+    ids of each position (the last position's repeat the one before; see the module docstring)."""
 
     key: str
     prompt_ids: list[int]
@@ -40,12 +52,31 @@ class Sample:
     interrupted: bool  # the phrase was forced in
     truncated: bool  # stopped on a length limit without EOS
     server: str
+    routes: torch.Tensor | None = None
 
     @classmethod
     def from_generation(cls, generation: Generation) -> Sample:
         return cls(generation.key, generation.prompt_ids, generation.completion_ids, generation.logprobs,
                    generation.versions, [True] * len(generation.completion_ids), generation.finish_reason,
-                   interrupted=False, truncated=generation.finish_reason == "length", server=generation.server)
+                   interrupted=False, truncated=generation.finish_reason == "length", server=generation.server,
+                   routes=_with_last(generation.routes))
+
+
+def _with_last(*parts: torch.Tensor | None) -> torch.Tensor | None:
+    """Routes of consecutive positions joined, the last row repeated for the final token (None: not requested)."""
+    if parts[0] is None:
+        return None
+    routes = torch.cat(parts)
+    return torch.cat([routes, routes[-1:]])
+
+
+def route_layers(recipe: Recipe) -> tuple[int, ...]:
+    """The decoder layers whose routes the recipe's samples carry: the model's MoE layers when it replays routing
+    (`algorithm.routing_replay`, which the recipe allows for MoE models only), none otherwise."""
+    model = recipe.model
+    if not recipe.algorithm.routing_replay:
+        return ()
+    return tuple(i for i in range(model.num_layers) if layer_plan(model, i).moe)
 
 
 def length_control_policy(recipe: Recipe, tokenizer: Any) -> InterruptionPolicy | None:
@@ -75,9 +106,11 @@ async def generate_sample(fleet: Fleet, request: GenerationRequest, policy: Inte
         return await fleet.generate(replace(request, max_tokens=max_tokens, seed=seed))
 
     async def second(head: Generation, continuation: Continuation, seed: int | None) -> Generation:
+        prompt = [*request.prompt_ids, *head.completion_ids, *continuation.append_ids]
+        ran = len(request.prompt_ids) + len(head.completion_ids) - 1  # positions whose routes the head has
         return await fleet.generate(replace(
             request, key=f"{request.key}#answer", max_tokens=continuation.max_new_tokens, seed=seed,
-            prompt_ids=[*request.prompt_ids, *head.completion_ids, *continuation.append_ids]), server=head.server)
+            prompt_ids=prompt, routes_from=ran), server=head.server)
 
     stages = await generate_in_stages(
         policy, request.key, request.max_tokens, request.seed, first=first, second=second,
@@ -89,4 +122,5 @@ async def generate_sample(fleet: Fleet, request: GenerationRequest, policy: Inte
                                         tail.logprobs)
     versions = [*head.versions, *([NO_VERSION] * len(phrase)), *tail.versions]
     return Sample(request.key, list(request.prompt_ids), ids, logprobs, versions, mask, tail.finish_reason,
-                  interrupted=stages.interrupted, truncated=stages.truncated, server=tail.server)
+                  interrupted=stages.interrupted, truncated=stages.truncated, server=tail.server,
+                  routes=_with_last(head.routes, tail.routes))

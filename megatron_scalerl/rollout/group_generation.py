@@ -20,7 +20,7 @@ from megatron_scalerl.algo.length_control import length_penalty
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.inference.fleet import Fleet, GenerationRequest
 from megatron_scalerl.recipe import Recipe
-from megatron_scalerl.rollout.generation import generate_sample, length_control_policy
+from megatron_scalerl.rollout.generation import generate_sample, length_control_policy, route_layers
 from megatron_scalerl.rollout.groups import RolloutGroup
 from megatron_scalerl.tasks.problems import Problem
 from megatron_scalerl.tasks.prompts import THINK_CLOSE, render_prompt
@@ -49,7 +49,8 @@ class GroupGenerator:
         rollout, algorithm = self.recipe.rollout, self.recipe.algorithm
         prompt = self.prompt_ids(problem)
         requests = [GenerationRequest(key=f"{key}/{i}", prompt_ids=prompt, max_tokens=rollout.max_new_tokens,
-                                      temperature=rollout.temperature, top_p=rollout.top_p) for i in range(samples)]
+                                      temperature=rollout.temperature, top_p=rollout.top_p,
+                                      route_layers=route_layers(self.recipe)) for i in range(samples)]
         results = await asyncio.gather(*(generate_sample(self.fleet, r, self.policy,
                                                          think_close_ids=self.think_close_ids) for r in requests))
         grades = await asyncio.gather(*(self.grader.grade(self.text(s.completion_ids), problem) for s in results))

@@ -23,7 +23,7 @@ import torch
 from megatron_scalerl.algo.advantages import step_advantages
 from megatron_scalerl.algo.length_control import length_metrics
 from megatron_scalerl.algo.versions import NO_VERSION
-from megatron_scalerl.batches.train_batch import TrainBatch
+from megatron_scalerl.batches.train_batch import TrainBatch, pack_routes
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.rollout.generation import Sample
 from megatron_scalerl.tasks.problems import Problem
@@ -60,8 +60,9 @@ class RolloutGroup:
 
 
 def _pack(groups: list[RolloutGroup], keep: list[list[bool]], advantages: list[list[float]]) -> TrainBatch:
-    """The kept samples of `groups` as one packed TrainBatch (group ids: the groups' admission indices)."""
-    ids, mask, logprobs, versions = [], [], [], []
+    """The kept samples of `groups` as one packed TrainBatch (group ids: the groups' admission indices; routes when
+    the samples carry them, `batches.train_batch.pack_routes`)."""
+    ids, mask, logprobs, versions, routes = [], [], [], [], []
     lengths, prompt_lengths, adv, rewards, group_ids, truncated = [], [], [], [], [], []
     for group, kept, group_adv in zip(groups, keep, advantages, strict=True):
         for sample, keep_it, advantage, reward in zip(group.samples, kept, group_adv, group.rewards, strict=True):
@@ -73,6 +74,7 @@ def _pack(groups: list[RolloutGroup], keep: list[list[bool]], advantages: list[l
             logprobs += [0.0] * prompt + [lp if m else 0.0 for lp, m in zip(sample.logprobs, sample.loss_mask,
                                                                                strict=True)]
             versions += [NO_VERSION] * prompt + group.token_versions(sample)
+            routes.append(sample.routes)
             lengths.append(prompt + len(sample.completion_ids))
             prompt_lengths.append(prompt)
             adv.append(advantage)
@@ -85,7 +87,8 @@ def _pack(groups: list[RolloutGroup], keep: list[list[bool]], advantages: list[l
         weight_versions=torch.tensor(versions, dtype=torch.int64),
         lengths=torch.tensor(lengths, dtype=torch.int64), prompt_lengths=torch.tensor(prompt_lengths, dtype=torch.int64),
         advantages=torch.tensor(adv, dtype=torch.float32), rewards=torch.tensor(rewards, dtype=torch.float32),
-        group_ids=torch.tensor(group_ids, dtype=torch.int64), truncated=torch.tensor(truncated, dtype=torch.bool))
+        group_ids=torch.tensor(group_ids, dtype=torch.int64), truncated=torch.tensor(truncated, dtype=torch.bool),
+        routes=pack_routes(routes, lengths))
 
 
 def outcome_figures(groups: list[RolloutGroup], prefix: str, domains: list[str]) -> dict[str, float]:

