@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import secrets
 import socket
 import time
 import traceback
@@ -29,11 +30,25 @@ from megatron_scalerl.platform.cpu_compat import silence_cpu_import_warnings
 from megatron_scalerl.platform.distributed import destroy_distributed, init_distributed, resolve_backend
 
 
+# Listening ports are drawn from here: below Linux's ephemeral range (32768-60999 by default), from which every
+# outgoing connection of the machine takes its local port, and below our SLURM jobs' ports (20000 and up). A port the
+# kernel hands out for bind(0) is an ephemeral one: a server starting seconds later (vLLM imports for ~10 s) lost it
+# to some process's outgoing connection ("Address already in use").
+LISTEN_PORTS = range(10000, 20000)
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port of LISTEN_PORTS that was free a moment ago on 127.0.0.1, drawn at random (two launches that draw
+    at once rarely meet)."""
+    for _ in range(200):
+        port = LISTEN_PORTS.start + secrets.randbelow(len(LISTEN_PORTS))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free TCP port in {LISTEN_PORTS.start}-{LISTEN_PORTS.stop - 1} after 200 draws")
 
 
 class WorkerError(RuntimeError):

@@ -331,8 +331,10 @@ class Orchestrator:
         reason, words = self.ended_early or ("max_steps", f"all {self.max_batches} batches written and validated")
         compute = self.compute.figures()
         written = self.admission.written
+        # for a resume that extends the run: the validations since the last batch, and the compute up to here (saved
+        # after `compute` was taken, so the extended run's GPU-hours go on from at least what finished.json says)
+        self._save_state(new_batch=False)
         if self.ended_early is not None:
-            self._save_state(new_batch=False)  # the validations since the last batch, for a resume that extends it
             self.metrics.log(written, {"run/stopped_early": 1.0, "run/stop_reason": f"{reason}: {words}", **compute})
             request_stop(self.run_dir)
         log.info("the run has ended (%s): %s", reason, words)
