@@ -83,6 +83,9 @@ def cross_field_problems(r: Recipe) -> list[tuple[str, str]]:
     if a.routing_replay and not m.is_moe:
         out.append(("algorithm.routing_replay", "needs an MoE model (model.num_experts is 0): a dense model has no "
                                                 "routing to replay"))
+    if ro.capture_routes and not m.is_moe:
+        out.append(("rollout.capture_routes", "needs an MoE model (model.num_experts is 0): a dense model has no "
+                                              "routing to capture"))
     if a.reward_correct <= a.reward_incorrect:
         out.append(("algorithm.reward_correct", "must be greater than algorithm.reward_incorrect"))
     if a.loss in ("ppo_clip", "dapo", "gspo") and a.clip_low >= 1:

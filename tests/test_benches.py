@@ -105,3 +105,12 @@ def test_pipeline_bench():
     assert 1 <= figures["pipeline"]["staleness_max"] <= k and figures["sync"]["staleness_max"] == 0
     for mode in ("pipeline", "sync"):
         assert 0 <= figures[mode]["generator_idle_fraction"] <= 1 and positive(figures[mode]["samples_per_s"])
+
+
+def test_routing_mismatch_bench():
+    """fp32 on both sides: the trainer's log-probs are the generator's, routed itself or replaying (at any size)."""
+    figures = run_bench("routing_mismatch.py", "--precision", "fp32", "--prompts", "2", "--samples", "2",
+                        "--max-tokens", "16")
+    assert figures["samples"] == 4 and figures["completion_tokens"] > 0
+    for arm in ("own_routing", "replay"):
+        assert figures[arm]["routing_agreement"] == 1.0 and figures[arm]["max_abs_dlogprob"] < 1e-4, figures

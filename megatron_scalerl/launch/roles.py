@@ -116,13 +116,13 @@ def trainer_command(run_dir: Path, recipe: Recipe, *, rendezvous: str | None = N
 
 def generator_command(run_dir: Path, recipe: Recipe, *, port: int, host: str, dtype: str, log: Path) -> list[str]:
     """`scalerl serve` of the run's model directory with dummy weights (the trainer sends the real ones), capturing
-    routes when the recipe replays the MoE model's routing (`algorithm.routing_replay`)."""
+    routes when the recipe asks for the MoE model's routing (`Recipe.captures_routes`)."""
     max_len = recipe.rollout.max_prompt_tokens + recipe.rollout.max_new_tokens
     return [sys.executable, "-m", "megatron_scalerl.cli", "serve", "--model", str(run_dir / MODEL_DIR),
             "--host", host, "--port", str(port), "--tp", str(recipe.parallelism.generator_tp), "--dtype", dtype,
             "--max-model-len", str(max_len), "--seed", str(recipe.trainer.seed), "--log", str(log),
             *([] if recipe.trainer.fp32_lm_head else ["--no-fp32-lm-head"]),
-            *(["--capture-routes"] if recipe.algorithm.routing_replay else []),
+            *(["--capture-routes"] if recipe.captures_routes else []),
             "--", "--load-format", "dummy"]
 
 

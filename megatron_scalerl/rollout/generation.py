@@ -71,10 +71,11 @@ def _with_last(*parts: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def route_layers(recipe: Recipe) -> tuple[int, ...]:
-    """The decoder layers whose routes the recipe's samples carry: the model's MoE layers when it replays routing
-    (`algorithm.routing_replay`, which the recipe allows for MoE models only), none otherwise."""
+    """The decoder layers whose routes the recipe's samples carry: the model's MoE layers when it captures routing
+    (`Recipe.captures_routes`: `algorithm.routing_replay` or `rollout.capture_routes`, which the recipe allows for
+    MoE models only), none otherwise."""
     model = recipe.model
-    if not recipe.algorithm.routing_replay:
+    if not recipe.captures_routes:
         return ()
     return tuple(i for i in range(model.num_layers) if layer_plan(model, i).moe)
 

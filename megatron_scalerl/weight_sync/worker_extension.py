@@ -193,20 +193,26 @@ class RouteCapture:
 
 
 def _permuted(compute_routing, table: torch.Tensor):
-    """A router's `_compute_routing` whose expert ids e become table[e] (the weights unchanged)."""
+    """A Llama-4 router's `_compute_routing(hidden_states, router_logits, ...)` whose expert ids e become table[e],
+    each weighted by the router's own score of its new expert (Llama-4's: the sigmoid of its logit)."""
 
-    def permuted(*args, **kwargs):
-        weights, ids = compute_routing(*args, **kwargs)
-        return weights, table.to(ids.device)[ids.long()].to(ids.dtype)
+    def permuted(hidden_states, router_logits, *args, **kwargs):
+        _, ids = compute_routing(hidden_states, router_logits, *args, **kwargs)
+        ids = table.to(ids.device)[ids.long()].to(ids.dtype)
+        return torch.sigmoid(router_logits.float().gather(1, ids.long())), ids
 
     return permuted
 
 
 def permute_experts(model: torch.nn.Module, permutation: list[int] | None) -> int:
-    """Test hook: every MoE router of `model` sends the tokens it routes to expert e to `permutation[e]` instead (the
-    same router weight); `None` restores its own routing. Captures (ours and vLLM's) see the permuted ids, the
-    experts compute them. Returns the routers changed. Python-level: on a CUDA server it needs eager mode (a
-    captured CUDA graph replays the routing it was captured with)."""
+    """Test hook: every MoE router of `model` sends the tokens it routes to expert e to `permutation[e]` instead,
+    weighted by its own score of that expert: the routing a trainer replaying the routes computes (megatron's replay
+    gathers the router's scores at the replayed experts). `None` restores its own routing. Captures (ours and
+    vLLM's) see the permuted ids, the experts compute them. Llama-4 routers only (the score function is theirs).
+    Returns the routers changed. Python-level: on a CUDA server it needs eager mode (a captured CUDA graph replays
+    the routing it was captured with)."""
+    from vllm.model_executor.models.llama4 import Llama4MoE  # deferred: vLLM, in the worker only
+
     routers = [module.router for module in model.modules() if isinstance(module, MoERunner)]
     if not routers:
         raise RuntimeError("permute_experts: the model has no MoE router")
@@ -214,6 +220,9 @@ def permute_experts(model: torch.nn.Module, permutation: list[int] | None) -> in
         router.__dict__.pop("_compute_routing", None)  # the class's own again
         if permutation is None:
             continue
+        if getattr(router, "custom_routing_function", None) != Llama4MoE.custom_routing_function:
+            raise ValueError(f"permute_experts: {type(router).__name__} does not route as Llama-4; the hook knows "
+                             "Llama-4's score function only")
         if sorted(permutation) != list(range(router.global_num_experts)):
             raise ValueError(f"permute_experts: {permutation} is not a permutation of the "
                              f"{router.global_num_experts} experts")
