@@ -2,25 +2,36 @@
 
 Each record has `step` (optimizer steps), `time` (unix seconds) and `role` (trainer, orchestrator, eval, ...) plus
 its figures under slash-separated names (`train/loss`, `val/pass_rate`, `gpu_hours`). Several processes may append
-to the same file: each record is one `write` on a file opened with O_APPEND, so lines never interleave.
-The forecaster reads this file (compute column `gpu_hours`, metric column e.g. `val/pass_rate`).
+to the same file: each record is one `write`, under an exclusive `flock` of the file, on a file opened with
+O_APPEND, so lines never interleave. The forecaster reads this file (compute column `gpu_hours`, metric column e.g.
+`val/pass_rate`).
+
+One record per step: when a run resumes from a checkpoint, the records of the work it lost (`set_aside`, called by
+`rollout.orchestrator_state.rewind_to_checkpoint`) move to `RUN/metrics.rewound.jsonl`, appended there with a
+`rewound` note, never deleted. The move rewrites metrics.jsonl under the same lock; a writer that was waiting for it
+finds the file replaced and appends to the new one, so no record is lost.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megatron_scalerl.fileio import json_safe
+from megatron_scalerl.fileio import atomic_write_text, json_safe
+
+METRICS_FILE = "metrics.jsonl"
+REWOUND_FILE = "metrics.rewound.jsonl"  # records of lost work (`set_aside`)
 
 
 class MetricsLog:
     def __init__(self, run_dir: str | Path, role: str, *, wandb_mode: str = "disabled",
                  wandb_project: str | None = None, run_name: str | None = None, config: dict | None = None):
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.role = role
         self._wandb = None
@@ -40,12 +51,7 @@ class MetricsLog:
     def log(self, step: int, figures: dict[str, Any]) -> dict[str, Any]:
         record = {"step": int(step), "time": time.time(), "role": self.role,
                   **json_safe(figures)}
-        line = (json.dumps(record) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+        _append(self.path, (json.dumps(record) + "\n").encode())
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, int | float)})
             for key, value in figures.items():  # a text figure (e.g. forecast/status): the run's summary holds it
@@ -59,10 +65,59 @@ class MetricsLog:
             self._wandb = None
 
 
-def read_metrics(run_dir: str | Path, role: str | None = None) -> list[dict[str, Any]]:
-    """All records (optionally of one role), in file order."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def _append(path: Path, line: bytes) -> None:
+    """One `write` of `line` at the end of `path`, under its lock; again on the new file when `set_aside` replaced
+    it while we waited for the lock."""
+    while True:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = os.stat(path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current == os.fstat(fd).st_ino:
+                os.write(fd, line)
+                return
+        finally:
+            os.close(fd)  # the lock goes with it
+
+
+def read_metrics(run_dir: str | Path, role: str | None = None, *, rewound: bool = False) -> list[dict[str, Any]]:
+    """All records (optionally of one role), in file order; with `rewound`, those set aside as lost work after them
+    (for what was spent all the same: the run's wall-clock hours)."""
+    records = []
+    for name in (METRICS_FILE, REWOUND_FILE) if rewound else (METRICS_FILE,):
+        path = Path(run_dir) / name
+        if path.exists():
+            records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in records if role is None or r.get("role") == role]
+
+
+def set_aside(run_dir: str | Path, lost: Callable[[dict[str, Any]], bool], note: str) -> int:
+    """Move the records `lost` selects from metrics.jsonl to metrics.rewound.jsonl (appended, each with `"rewound":
+    note`); the number moved. Under the file's lock: appends that come meanwhile wait and land in the new file."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with open(path) as current:
+            lines = [line for line in current.read().splitlines() if line.strip()]
+        kept, moved = [], []
+        for line in lines:
+            record = json.loads(line)
+            if lost(record):
+                moved.append(json.dumps({**record, "rewound": note}))
+            else:
+                kept.append(line)
+        if moved:
+            with open(Path(run_dir) / REWOUND_FILE, "a") as aside:  # first: a move cut short duplicates, never loses
+                aside.write("".join(m + "\n" for m in moved))
+                aside.flush()
+                os.fsync(aside.fileno())
+            atomic_write_text(path, "".join(k + "\n" for k in kept))
+        return len(moved)
+    finally:
+        os.close(fd)

@@ -1,7 +1,7 @@
 """The SLURM launcher's parts that need no cluster: the allocation's roles and checks, the recipe's sbatch options
 and the job's notes on them, preflight's parsers and node check on recorded output, GPU-hours from sacct, the launch's
-wait for its generators (the trainer starting meanwhile) and the supervisor's handling of generators that keep
-dying."""
+wait for its generators (the trainer starting meanwhile), the supervisor's handling of generators that keep dying,
+and its restarts of a failed trainer or orchestrator within the launch's budget."""
 
 import os
 import socket
@@ -16,7 +16,7 @@ from megatron_scalerl.gpu_hours import ComputeMeter, parse_sacct, record_job
 from megatron_scalerl.launch.allocation import Allocation, Group, Node, _per_node_count
 from megatron_scalerl.launch.preflight import node_problems, parse_nccl_tests
 from megatron_scalerl.launch.slurm import cluster_notes, cluster_options, job_roles
-from megatron_scalerl.launch.supervise import LAUNCH_ENV, Role, _supervise, _wait_ready, kill_carrying
+from megatron_scalerl.launch.supervise import LAUNCH_ENV, Restarts, Role, _supervise, _wait_ready, kill_carrying
 from megatron_scalerl.platform import free_port
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run_dir import STOP_FILE, read_generators, stop_requested
@@ -239,3 +239,38 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def test_supervisor_restarts_a_failed_trainer_and_a_resumed_orchestrator_and_the_run_ends(tmp_path, capsys):
+    """The trainer fails once (its first start); the launch restarts it and the orchestrator, whose command becomes
+    the resumed one, after `prepare` (the rewind) said which step the trainer resumes from; the run then ends."""
+    marker = tmp_path / "failed_once"
+    trainer = _role(tmp_path, "trainer", f"import pathlib, sys, time\np = pathlib.Path({str(marker)!r})\n"
+                                         "if not p.exists(): p.touch(); sys.exit(3)\ntime.sleep(2)").start()
+    orchestrator = _role(tmp_path, "orchestrator", "import time; time.sleep(60)").start()
+    calls = []
+    restarts = Restarts(2, 0.0, lambda n, cause: calls.append((n, cause)) or 0,
+                        [sys.executable, "-c", "import time; time.sleep(1); print('resumed')"])
+    try:
+        assert _supervise(trainer, orchestrator, [], [], restarts) == 0
+    finally:
+        orchestrator.stop(timeout_s=5)
+    out = capsys.readouterr().out
+    assert calls == [(1, "trainer failed (exit 3)")] and restarts.done == 1
+    assert "restarting the trainer and the orchestrator from the last checkpoint in 0 s (restart 1 of 2)" in out
+    assert orchestrator.command == restarts.resumed_orchestrator and "resumed" in orchestrator.log.read_text()
+
+
+def test_supervisor_stops_a_failure_that_repeats_once_the_budget_is_spent(tmp_path, capsys):
+    trainer = _role(tmp_path, "trainer", "import sys; print('poisoned batch'); sys.exit(5)").start()
+    orchestrator = _role(tmp_path, "orchestrator", "import time; time.sleep(60)").start()
+    calls = []
+    restarts = Restarts(2, 0.0, lambda n, cause: calls.append(n) or 0, [sys.executable, "-c", "import time; "
+                                                                        "time.sleep(60)"])
+    try:
+        assert _supervise(trainer, orchestrator, [], [], restarts) == 1
+    finally:
+        orchestrator.stop(timeout_s=5)
+    err = capsys.readouterr().err
+    assert calls == [1, 2] and "poisoned batch" in err
+    assert "no restart left (launch.max_restarts 2 spent): the run stops; last cause: trainer failed (exit 5)" in err

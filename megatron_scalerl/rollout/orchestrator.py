@@ -132,7 +132,7 @@ class Orchestrator:
     def _restore(self) -> None:
         """Continue from the saved state after the stream's last batch, once the stream is rewound to the trainer's
         checkpoint (`orchestrator_state.rewind_to_checkpoint`)."""
-        rewind_to_checkpoint(self.run_dir, log.warning)
+        resumed_step = rewind_to_checkpoint(self.run_dir, log.warning)
         self.compute.wall_hours_before = logged_wall_hours(self.run_dir)
         found = load_state(self.run_dir, self.stream.next_index() - 1)
         if found is None:
@@ -144,7 +144,8 @@ class Orchestrator:
         except UserError as exc:
             raise UserError(f"{path}: {exc}") from None
         self.admission.restore(state.batch + 1, state.next_group, state.pending)
-        self.validation.done = set(state.validated)
+        # validations of policies after the trainer's checkpoint were of lost work (their rows are set aside)
+        self.validation.done = {version for version in state.validated if version <= resumed_step}
         self.compute.wall_hours_before = max(state.wall_hours, self.compute.wall_hours_before)
         log.info("resumed from %s: %d batches written, %d prompts to admit again", path.name, self.admission.written,
                  len(self.admission.requeued))

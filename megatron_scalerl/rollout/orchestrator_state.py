@@ -32,8 +32,15 @@ launchers) and again when the orchestrator resumes:
   (the trainer prunes the batches below its oldest kept checkpoint; without batch B the stream would not know that
   it goes on at B + 1).
 
-The orchestrator's wall-clock hours go on from the most it saved or logged (`logged_wall_hours`): time spent on an
-abandoned timeline, or after the last saved state of an orchestrator that was killed, was spent all the same.
+The launchers' rewind (`metrics=True`, before any role starts) also makes `RUN/metrics.jsonl` hold each trainer step
+and each validation once: the records of work the resume redoes (`lost_record`: trainer steps after the checkpoint's
+step N; validations and forecasts of policies after N; the batch rows of batches no longer in the stream; evaluations
+of checkpoints after N) move to `RUN/metrics.rewound.jsonl` (`metrics.set_aside`). A resumed orchestrator forgets the
+validations of policies after N, so they are made again for the new policies of those versions.
+
+The orchestrator's wall-clock hours go on from the most it saved or logged (`logged_wall_hours`, the set-aside records
+included): time spent on an abandoned timeline, or after the last saved state of an orchestrator that was killed,
+was spent all the same; the run's GPU-hours never go back.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +58,7 @@ from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.checkpoint.store import RL_STATE, CheckpointStore, read_rl_state
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text
-from megatron_scalerl.metrics import read_metrics
+from megatron_scalerl.metrics import REWOUND_FILE, read_metrics, set_aside
 from megatron_scalerl.run_dir import CURRICULUM_FILE, PREVIOUS_CURRICULUM_FILE
 
 ABANDONED_DIR = "abandoned"  # under RUN/rollouts/
@@ -119,17 +127,43 @@ def load_state(run_dir: Path, last: int) -> tuple[SavedState, Path] | None:
 
 
 def logged_wall_hours(run_dir: Path) -> float:
-    """The most wall-clock hours the run's orchestrator logged in metrics.jsonl (0 before its first row)."""
-    return max((float(r["wall_hours"]) for r in read_metrics(run_dir, role="orchestrator") if "wall_hours" in r),
-               default=0.0)
+    """The most wall-clock hours the run's orchestrator logged in metrics.jsonl, lost work's records included (0
+    before its first row)."""
+    return max((float(r["wall_hours"]) for r in read_metrics(run_dir, role="orchestrator", rewound=True)
+                if "wall_hours" in r), default=0.0)
 
 
-def rewind_to_checkpoint(run_dir: Path, say: Callable[[str], object]) -> None:
-    """Make the stream and the saved state those of the checkpoint the trainer resumes from (the module docstring);
-    `say` gets one sentence when something was moved, or could not be."""
+def rewind_to_checkpoint(run_dir: Path, say: Callable[[str], object], *, metrics: bool = False) -> int:
+    """Make the stream and the saved state those of the checkpoint the trainer resumes from (the module docstring),
+    and with `metrics` the run's history too (`lost_record`; only while no role runs: the launchers); `say` gets one
+    sentence when something was moved, or could not be. Returns the step the trainer resumes from (0: none)."""
+    latest = CheckpointStore(run_dir, keep=1).latest_valid(checksums=False)
+    _rewind_stream(run_dir, latest, say)
+    step = latest[0] if latest is not None else 0
+    if metrics:
+        last_batch = RolloutStream(run_dir).next_index() - 1
+        where = latest[1].name if latest is not None else "the run's start"
+        moved = set_aside(run_dir, partial(lost_record, step=step, last_batch=last_batch), f"resumed from {where}")
+        if moved:
+            say(f"{moved} metrics records of work lost since {where} (trainer steps after {step}, validations of "
+                f"policies after it, batches after {last_batch}) moved to RUN/{REWOUND_FILE}")
+    return step
+
+
+def lost_record(record: dict, *, step: int, last_batch: int) -> bool:
+    """Whether a metrics record belongs to work a resume from checkpoint `step` redoes, the stream then ending at
+    batch `last_batch`: a trainer step after `step`; an orchestrator batch row (its `step` is the batches written,
+    so batch b's row is at b + 1) or end-of-run row for a batch after `last_batch`; a validation or forecast row of a
+    policy after `step`; an evaluation of a checkpoint after `step`."""
+    role, at = record.get("role"), int(record.get("step", 0))
+    if role == "orchestrator" and ("rollout/policy_version" in record or "run/stop_reason" in record):
+        return at > last_batch + 1
+    return role in ("trainer", "orchestrator", "eval") and at > step
+
+
+def _rewind_stream(run_dir: Path, latest: tuple[int, Path] | None, say: Callable[[str], object]) -> None:
     stream = RolloutStream(run_dir)
     last = stream.next_index() - 1
-    latest = CheckpointStore(run_dir, keep=1).latest_valid(checksums=False)
     if latest is None:
         copy, where = None, "the run's start (no checkpoint yet)"
     else:

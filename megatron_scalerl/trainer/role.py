@@ -78,11 +78,11 @@ def require_trainer_world(recipe: Recipe, world_size: int) -> None:
 
 
 def _wall_hours_so_far(run_dir: Path, rl_state: dict) -> float:
-    """Wall hours the run has used before this process: the later of the checkpoint's figure and the last trainer
-    record (work done after the last checkpoint and lost in a crash was still paid for)."""
-    records = read_metrics(run_dir, role="trainer")
-    logged = records[-1].get("wall_hours") or 0.0 if records else 0.0
-    return max(rl_state.get("wall_hours", 0.0), logged)
+    """Wall hours the run has used before this process: the most of the checkpoint's figure and the trainer's
+    records, those of lost work included (work done after the last checkpoint and lost in a crash was still paid
+    for)."""
+    logged = [r.get("wall_hours") or 0.0 for r in read_metrics(run_dir, role="trainer", rewound=True)]
+    return max([rl_state.get("wall_hours", 0.0), *logged])
 
 
 class Trainer:
