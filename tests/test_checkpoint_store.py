@@ -149,3 +149,11 @@ def test_a_save_sets_aside_newer_checkpoints_of_an_abandoned_timeline(tmp_path):
     store.save(20, _writer(b"h" * 100), {"step": 20})  # the same name set aside twice gets a suffix
     assert store.iterations() == [20, 15, 10]
     assert sorted(p.name for p in aside.iterdir()) == ["iter_0000020", "iter_0000030", "iter_0000030.1"]
+
+
+def test_keep_every_keeps_evaluation_checkpoints_beyond_the_newest_and_only_the_newest_are_resumable(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2, keep_every=20)
+    for it in (10, 20, 30, 40, 50, 60):
+        store.save(it, _writer(bytes([it]) * 100), {"step": it})
+    assert store.iterations() == [60, 50, 40, 20]  # the newest two, and the multiples of 20
+    assert store.resumable() == [60, 50]

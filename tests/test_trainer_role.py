@@ -67,6 +67,25 @@ def test_trainer_role_trains_checkpoints_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
+def test_checkpoints_on_a_clock_beside_the_step_interval(tmp_path):
+    """`trainer.checkpoint_interval_min` at 0.1 s: every step is past it, so every step checkpoints although the step
+    interval (100) never comes; `keep_every: 2` keeps iter_2 beside the newest two, and the stream is pruned behind the
+    oldest resumable checkpoint only."""
+    recipe = tiny_recipe(extra=["trainer.checkpoint_interval=100", "trainer.checkpoint_interval_min=0.0017",
+                                "trainer.keep_checkpoints=2", "trainer.keep_every=2", "logging.wandb_mode=disabled"])
+    (tmp_path / "recipe.yaml").write_text(recipe.to_yaml())
+    stream = RolloutStream(tmp_path)
+    for seed in range(5):
+        stream.put(rl_batch(seed))
+    done = _run_trainer(tmp_path, 1, "--max-steps", "5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("checkpoint ") >= 5, done.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("iter_*")) == ["iter_0000002", "iter_0000004",
+                                                                                  "iter_0000005"]
+    assert sorted(int(p.name[6:14]) for p in (tmp_path / "rollouts").iterdir()) == [3, 4]  # from iter_4's batch 3
+
+
+@pytest.mark.slow
 def test_trainer_role_waits_for_batches_then_names_the_missing_producer(tmp_path):
     _prepare(tmp_path, 1, dp=2)
     proc = _run_trainer(tmp_path, 2, "--max-steps", "2", wait_s=5)

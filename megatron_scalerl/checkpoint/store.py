@@ -120,9 +120,11 @@ def _hint(path: Path) -> str:
 class CheckpointStore:
     """The `checkpoints/` folder of one run. Every rank constructs it; collective methods say so."""
 
-    def __init__(self, run_dir: str | Path, keep: int):
+    def __init__(self, run_dir: str | Path, keep: int, keep_every: int | None = None):
+        """`keep`: the newest checkpoints kept (those a resume uses); `keep_every`: also keep each checkpoint whose
+        iteration is a multiple of it (for evaluation), never pruned."""
         self.dir = Path(run_dir) / "checkpoints"
-        self.keep = keep
+        self.keep, self.keep_every = keep, keep_every
 
     def path(self, iteration: int) -> Path:
         return self.dir / f"iter_{iteration:07d}"
@@ -146,15 +148,22 @@ class CheckpointStore:
         barrier()
         return final
 
+    def resumable(self) -> list[int]:
+        """The iterations a resume may use, newest first: the `keep` newest (a `keep_every` one older than them is
+        for evaluation; the stream's batches behind the oldest resumable one are pruned)."""
+        return self.iterations()[:self.keep]
+
     def _prune(self, saved: int) -> None:
-        """Keep `saved` and the `keep - 1` newest before it; delete older ones; set newer ones aside."""
+        """Keep `saved` and the `keep - 1` newest before it, and every multiple of `keep_every`; delete the other
+        older ones; set newer ones aside."""
         iterations = self.iterations()
         for iteration in iterations:
             if iteration > saved:
                 self.set_aside(iteration, f"newer than iter_{saved:07d}, which the run saved after resuming from an "
                                           f"earlier checkpoint: left by a timeline the run abandoned")
         for iteration in [i for i in iterations if i <= saved][self.keep:]:
-            shutil.rmtree(self.path(iteration), ignore_errors=True)
+            if self.keep_every is None or iteration % self.keep_every:
+                shutil.rmtree(self.path(iteration), ignore_errors=True)
 
     def set_aside(self, iteration: int, reason: str) -> Path:
         """Move checkpoint `iteration` to `unusable/` with a file saying why (never loaded or pruned there)."""

@@ -216,7 +216,10 @@ class TrainerConfig(Section):
     max_steps: Pos
     max_gpu_hours: PosFloat | None = None  # the run also ends once the orchestrator's gpu_hours reach this
     checkpoint_interval: Pos  # steps
-    keep_checkpoints: Pos
+    keep_checkpoints: Pos  # the newest N: the ones a resume uses
+    # minutes: also checkpoint once this long passed since the last checkpoint (the first due wins; None: steps only)
+    checkpoint_interval_min: PosFloat | None = None
+    keep_every: Pos | None = None  # also keep every checkpoint whose step is a multiple of this (for evaluation)
     max_consecutive_nonfinite: Pos  # abort after this many skipped non-finite steps in a row
     seed: int
     init_from: str | None = None  # HF or Megatron checkpoint directory the weights start from (None: random, `seed`)

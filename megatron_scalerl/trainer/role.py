@@ -12,13 +12,15 @@ runs a `Trainer`, read top to bottom:
   checkpoint, else randomly with `trainer.seed`), and opens the run's generators (`RUN/generators.json`, see
   `generator_sync`; a run without that file trains alone), the metrics log and the compute clock;
 - `train_step(batch)`: one optimizer step (the forward/backward passes and the loss: `trainer/step.py`);
-- `checkpoint()`: `RUN/checkpoints/iter_<step>`, then the rollout batches no kept checkpoint needs are pruned;
+- `checkpoint()`: `RUN/checkpoints/iter_<step>`, then the rollout batches no checkpoint a resume may use needs are
+  pruned (`CheckpointStore.resumable`: the `keep_checkpoints` newest; `keep_every` ones are kept for evaluation);
 - `log(metrics)`: a `trainer` record in `RUN/metrics.jsonl` with the compute so far (rank 0);
 - `run()`: sends its weights to the generators once one answers (the launcher starts the trainer beside the
   generators, so their start-ups overlap), then for each step i reads `RUN/rollouts/batch_i`, trains, sends the new
   weights (tagged i + 1: every step under PipelineRL-k, every k-th step under PPO-off-policy-k, whose generators keep
   one policy for k batches), logs every `logging.log_interval` steps and checkpoints every
-  `trainer.checkpoint_interval` steps and at the end. While it waits for a batch it sends the current weights to any
+  `trainer.checkpoint_interval` steps, or once `trainer.checkpoint_interval_min` minutes passed since the last one
+  (by rank 0's clock), and at the end. The save is synchronous: megatron-core's asynchronous save is CUDA-bound. While it waits for a batch it sends the current weights to any
   generator that does not serve them (one that came up later, or restarted). `trainer/idle_fraction` is the share of
   its wall time spent waiting for batches.
 
@@ -103,8 +105,10 @@ class Trainer:
         self.model, self.optimizer = build_model_and_optimizer(recipe)
         self.forward_backward = ForwardBackward(recipe, self.model)
         self.state = StepState()
-        self.store = CheckpointStore(run_dir, keep=recipe.trainer.keep_checkpoints)
+        self.store = CheckpointStore(run_dir, keep=recipe.trainer.keep_checkpoints,
+                                     keep_every=recipe.trainer.keep_every)
         self.saved_step: int | None = None  # the step of the newest checkpoint of this run
+        self.last_checkpoint_s = time.monotonic()  # of the last checkpoint of this process (or its start)
         rl_state = self._resume()
         self.stream: BatchReader = RolloutStream(run_dir)
         self.link = GeneratorLink.from_run_dir(run_dir, recipe, is_rank0=self.is_rank0)  # None: no generators
@@ -169,6 +173,14 @@ class Trainer:
             **({"train/routing_agreement": merged["routing_agreement"]} if "routing_agreement" in merged else {}),
         }
 
+    def _checkpoint_clock_due(self) -> bool:
+        """Whether `trainer.checkpoint_interval_min` minutes have passed since this process's last checkpoint (or its
+        start), by rank 0's clock: collective (every rank checkpoints at the same step); False without the key."""
+        minutes = self.recipe.trainer.checkpoint_interval_min
+        if minutes is None:
+            return False
+        return bool(from_rank0(time.monotonic() - self.last_checkpoint_s >= 60.0 * minutes))
+
     def checkpoint(self) -> None:
         """Publish `RUN/checkpoints/iter_<step>`: model, optimizer, and the RL state (`StepState`, the compute used so
         far, a copy of the orchestrator's `RUN/curriculum.json`); rank 0 then prunes the rollout batches older than
@@ -181,9 +193,11 @@ class Trainer:
         self.saved_step = self.state.step
         if self.is_rank0:
             log.info("checkpoint %s (step %d)", path, self.saved_step)
-            # keep the batch before the oldest kept checkpoint: that checkpoint's copy of the orchestrator state
-            # may end there, and a resume rewound to it goes on after it (rollout/orchestrator_state.py)
-            self.stream.prune(before=min(self.store.iterations()) - 1)
+            # keep the batch before the oldest checkpoint a resume may use: that checkpoint's copy of the
+            # orchestrator state may end there, and a resume rewound to it goes on after it
+            # (rollout/orchestrator_state.py); the `keep_every` ones, for evaluation, hold nothing back
+            self.stream.prune(before=min(self.store.resumable()) - 1)
+        self.last_checkpoint_s = time.monotonic()
 
     def log(self, metrics: dict) -> None:
         """Rank 0: append `metrics` with the compute so far (`ComputeMeter.figures`: wall_hours, gpus, gpu_hours,
@@ -236,7 +250,7 @@ class Trainer:
                             "trainer/batch_wait_s": batch_wait_s})  # seconds this step waited for its batch
             if step % self.recipe.logging.log_interval == 0:
                 self.log(metrics)
-            if step % self.recipe.trainer.checkpoint_interval == 0:
+            if step % self.recipe.trainer.checkpoint_interval == 0 or self._checkpoint_clock_due():
                 self.checkpoint()
         if self.saved_step != self.state.step:
             self.checkpoint()
