@@ -114,3 +114,11 @@ def test_routing_mismatch_bench():
     assert figures["samples"] == 4 and figures["completion_tokens"] > 0
     for arm in ("own_routing", "replay"):
         assert figures[arm]["routing_agreement"] == 1.0 and figures[arm]["max_abs_dlogprob"] < 1e-4, figures
+
+
+def test_checkpoint_stall_bench():
+    figures = run_bench("checkpoint_stall.py", "--ep", "1", "--samples", "8", "--max-len", "48", "--micro-batch", "8",
+                        "--warmup", "1", "--steps", "1")
+    assert positive(figures["step_s"]) and positive(figures["checkpoint_s"]) and positive(figures["checkpoint_mib"])
+    assert figures["ratio_checkpoint_over_step"] == pytest.approx(figures["checkpoint_s"] / figures["step_s"],
+                                                                  rel=0.01)
