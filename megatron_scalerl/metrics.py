@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,8 +30,14 @@ REWOUND_FILE = "metrics.rewound.jsonl"  # records of lost work (`set_aside`)
 
 
 class MetricsLog:
+    """`role`'s records of the run in `run_dir`, mirrored to wandb unless `wandb_mode` is "disabled". One wandb run
+    per run directory and role over every launch (its id in `RUN/logs/wandb_<role>.id`, resumed with "allow"); a
+    process that resumed from checkpoint step N (`resumed_from`) marks it there as `run/resumed_from_step` at step N
+    (wandb's own rewind does not suit our step axis, and metrics.jsonl holds the clean history)."""
+
     def __init__(self, run_dir: str | Path, role: str, *, wandb_mode: str = "disabled",
-                 wandb_project: str | None = None, run_name: str | None = None, config: dict | None = None):
+                 wandb_project: str | None = None, run_name: str | None = None, config: dict | None = None,
+                 resumed_from: int | None = None):
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.role = role
@@ -41,12 +48,15 @@ class MetricsLog:
             wandb_dir = Path(run_dir) / "logs"
             wandb_dir.mkdir(parents=True, exist_ok=True)
             self._wandb = wandb.init(project=wandb_project, name=f"{run_name or Path(run_dir).name}-{role}",
+                                     id=_wandb_run_id(wandb_dir / f"wandb_{role}.id"), resume="allow",
                                      dir=str(wandb_dir), mode=wandb_mode, config=config, reinit="create_new")
             # Every figure is plotted against our `step`, not wandb's own counter: a role's records may come out of
             # step order (the orchestrator logs a validation at policy version v after batches up to v + k), and
             # wandb drops a row whose own step goes backwards.
             self._wandb.define_metric("step", hidden=True)
             self._wandb.define_metric("*", step_metric="step")
+            if resumed_from is not None:
+                self._wandb.log({"step": int(resumed_from), "run/resumed_from_step": float(resumed_from)})
 
     def log(self, step: int, figures: dict[str, Any]) -> dict[str, Any]:
         record = {"step": int(step), "time": time.time(), "role": self.role,
@@ -63,6 +73,21 @@ class MetricsLog:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def _wandb_run_id(path: Path) -> str:
+    """The wandb run id kept in `path`: made (random) by the first process that asks, then read. Linked into place
+    whole, so a reader never sees it half-written."""
+    if not path.exists():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(secrets.token_hex(8))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another process was first: its id holds
+        finally:
+            tmp.unlink()
+    return path.read_text().strip()
 
 
 def _append(path: Path, line: bytes) -> None:

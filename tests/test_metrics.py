@@ -56,6 +56,33 @@ def test_wandb_offline_mirror(tmp_path, monkeypatch):
         (8, None, 0.5), (0, 0.25, None), (9, None, 0.75)]  # nothing dropped, each at its own step
 
 
+def test_a_resumed_role_continues_its_wandb_run_and_marks_the_resume(tmp_path, monkeypatch):
+    """Two launches of one role: one wandb run id (RUN/logs/wandb_trainer.id), and the second, resumed from step 4,
+    logs `run/resumed_from_step` at step 4."""
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
+    first = MetricsLog(tmp_path, "trainer", wandb_mode="offline", wandb_project="t")
+    first.log(5, {"train/loss": 1.0})
+    first.close()
+    second = MetricsLog(tmp_path, "trainer", wandb_mode="offline", wandb_project="t", resumed_from=4)
+    second.log(5, {"train/loss": 0.5})
+    second.close()
+    run_id = (tmp_path / "logs" / "wandb_trainer.id").read_text()
+    runs = sorted((tmp_path / "logs" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(f"-{run_id}" in r.name for r in runs)  # the same id ("-1": the same second)
+    histories = []
+    for run in runs:
+        [data] = [f for f in run.iterdir() if f.suffix == ".wandb"]
+        deadline = time.monotonic() + 30
+        while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(data)):
+            assert time.monotonic() < deadline, f"{data} never got its exit record"
+            time.sleep(0.2)
+        rows = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                for record in _wandb_records(data) if record.WhichOneof("record_type") == "history"]
+        histories.append([(row["step"], row.get("run/resumed_from_step")) for row in rows])
+    assert sorted(histories) == [[(4, 4.0), (5, None)], [(5, None)]]
+
+
 def _wandb_records(path):
     """The records of an offline run's .wandb file: wandb's LevelDB-style log (a 7-byte ":W&B" header, then 32 KiB
     blocks of chunks, each behind a 7-byte header: CRC, length, type FULL=1 / FIRST=2 / MIDDLE=3 / LAST=4), each

@@ -115,7 +115,7 @@ class Trainer:
         self.metrics_log = MetricsLog(run_dir, "trainer",
                                       wandb_mode=recipe.logging.wandb_mode if self.is_rank0 else "disabled",
                                       wandb_project=recipe.logging.wandb_project, run_name=recipe.name,
-                                      config=recipe.to_dict())
+                                      config=recipe.to_dict(), resumed_from=self.saved_step)
         # the run's one compute clock, the orchestrator's too: sacct over the run's SLURM jobs where there is
         # accounting, else wall time (over restarts) x the recipe's GPUs
         self.compute = ComputeMeter(self.run_dir, recipe.cluster.total_gpus,
