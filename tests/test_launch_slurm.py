@@ -16,6 +16,7 @@ from megatron_scalerl.gpu_hours import ComputeMeter, parse_sacct, record_job
 from megatron_scalerl.launch.allocation import Allocation, Group, Node, _per_node_count
 from megatron_scalerl.launch.preflight import node_problems, parse_nccl_tests
 from megatron_scalerl.launch.slurm import cluster_notes, cluster_options, job_roles
+from megatron_scalerl.launch import supervise
 from megatron_scalerl.launch.supervise import LAUNCH_ENV, Restarts, Role, _supervise, _wait_ready, kill_carrying
 from megatron_scalerl.platform import free_port
 from megatron_scalerl.recipe import load_recipe
@@ -274,3 +275,41 @@ def test_supervisor_stops_a_failure_that_repeats_once_the_budget_is_spent(tmp_pa
     err = capsys.readouterr().err
     assert calls == [1, 2] and "poisoned batch" in err
     assert "no restart left (launch.max_restarts 2 spent): the run stops; last cause: trainer failed (exit 5)" in err
+
+
+WEIGHT_INFO = """
+import http.server, json, pathlib, sys
+marker = pathlib.Path(sys.argv[2])
+version = "4" if marker.exists() else "7"  # the first start keeps a lost policy (7); started again it gets 4
+marker.touch()
+class Info(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"weight_version": version}).encode()
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Info).serve_forever()
+"""
+
+
+def test_a_generator_that_never_gets_the_restarted_trainers_weights_is_started_again(tmp_path, capsys, monkeypatch):
+    """After a restart the trainer resumes from step 4; a live generator still serving policy 7 (say, stuck in a
+    receive of the failed trainer's weights) is started again after STUCK_GENERATOR_S, then serves 4, and the
+    orchestrator starts."""
+    monkeypatch.setattr(supervise, "STUCK_GENERATOR_S", 2.0)
+    port = free_port()
+    generator = Role("generator 0", [sys.executable, "-c", WEIGHT_INFO, str(port), str(tmp_path / "started")],
+                     tmp_path / "g.log").start()
+    marker = tmp_path / "failed_once"
+    trainer = _role(tmp_path, "trainer", f"import pathlib, sys, time\np = pathlib.Path({str(marker)!r})\n"
+                                         "if not p.exists(): p.touch(); sys.exit(3)\ntime.sleep(4)").start()
+    orchestrator = _role(tmp_path, "orchestrator", "import time; time.sleep(60)").start()
+    restarts = Restarts(1, 0.0, lambda n, cause: 4, [sys.executable, "-c", "import time; time.sleep(1)"])
+    try:
+        assert _supervise(trainer, orchestrator, [generator], [f"http://127.0.0.1:{port}"], restarts) == 0
+    finally:
+        generator.stop(timeout_s=5)
+        orchestrator.stop(timeout_s=5)
+    out = capsys.readouterr().out
+    assert f"generator 0 (http://127.0.0.1:{port}) did not get policy 4 within 2 s" in out
+    assert "restart 1: the trainer resumed from step 4 and the generators serve it" in out

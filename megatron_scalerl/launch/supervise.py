@@ -14,7 +14,8 @@ rank: torchrun ends them all), the launch heals itself within its restart budget
 trainer still alive checkpoints its current step), waits its backoff (doubling per restart), rewinds the stream and
 the metrics to the checkpoint the trainer will resume from (`Restarts.prepare`), starts the trainer again, waits
 until every live generator serves that checkpoint's weights (the trainer re-sends them; a generator still holding
-a lost policy must not sample for the new orchestrator), then starts the orchestrator with `--resume`. Each
+a lost policy must not sample for the new orchestrator; one that does not get them within STUCK_GENERATOR_S is
+started again), then starts the orchestrator with `--resume`. Each
 restart is a `launcher` record in metrics.jsonl (`launch/restarts`, `launch/restart_cause`). Once the budget is
 spent, the next failure ends the launch (exit 1) with its cause: a failure that repeats at the same step never loops.
 A generator that exits is started again (the trainer re-syncs it, the orchestrator's fleet takes
@@ -56,6 +57,7 @@ QUICK_EXITS = 3  # quick exits in a row after which a generator is given up
 LAUNCH_ENV = "SCALERL_LAUNCH_ID"  # in every role's environment: what a launch started, its children included
 KILL_WAIT_S = 10.0  # how long kill_carrying waits for what it killed to be gone
 MAX_BACKOFF_S = 300.0  # the longest wait before a restart of the trainer and the orchestrator
+STUCK_GENERATOR_S = 300.0  # a live generator without the restarted trainer's weights after this long is restarted
 
 
 @dataclass
@@ -279,8 +281,11 @@ def _supervise(trainer: Role, orchestrator: Role, generators: list[Role], urls: 
 
 def _restart(trainer: Role, orchestrator: Role, generators: list[Role], urls: list[str], restarts: Restarts,
              cause: str, ready_timeout_s: float) -> None:
-    """One restart of the trainer and the orchestrator (the module docstring); UserError when the trainer fails
-    again before the generators have its weights, or they do not get them within `ready_timeout_s` seconds."""
+    """One restart of the trainer and the orchestrator (the module docstring). A live generator that does not serve
+    the resumed policy within STUCK_GENERATOR_S (e.g. stuck receiving the failed trainer's weights until its own
+    timeout) is started again, and gets the weights as any restarted generator does. UserError when the trainer fails
+    again before the generators have its weights, or a restarted generator does not get them within
+    `ready_timeout_s` seconds."""
     restarts.done += 1
     backoff = min(restarts.backoff_s * 2 ** (restarts.done - 1), MAX_BACKOFF_S)
     print(f"{cause}: restarting the trainer and the orchestrator from the last checkpoint in {backoff:.0f} s "
@@ -291,35 +296,41 @@ def _restart(trainer: Role, orchestrator: Role, generators: list[Role], urls: li
     step = restarts.prepare(restarts.done, cause)
     orchestrator.command = restarts.resumed_orchestrator
     trainer.start()
-    alive = [url for role, url in zip(generators, urls, strict=True) if role.process.poll() is None]
-    _wait_version(alive, step, trainer, ready_timeout_s)
+    for role, url in zip(generators, urls, strict=True):
+        if role.process.poll() is not None:
+            continue  # dead: the watch loop starts it again, and the trainer re-syncs it before it gets work
+        if not _wait_version(url, step, trainer, STUCK_GENERATOR_S):
+            print(f"{role.name} ({url}) did not get policy {step} within {STUCK_GENERATOR_S:.0f} s (stuck in a "
+                  "receive of the failed trainer's weights?): starting it again", flush=True)
+            role.stop(timeout_s=10.0)
+            role.start()
+            if not _wait_version(url, step, trainer, ready_timeout_s):
+                raise UserError(f"{role.name} ({url}) did not get the restarted trainer's weights (policy {step}) "
+                                f"within {ready_timeout_s:g} s of its own restart; {role.log}:\n{role.tail()}")
     orchestrator.start()
     print(f"restart {restarts.done}: the trainer resumed from step {step} and the generators serve it; the "
           "orchestrator continues", flush=True)
 
 
-def _wait_version(urls: list[str], version: int, trainer: Role, timeout_s: float) -> None:
-    """Return once every generator of `urls` serves policy `version` (its /weight_info); UserError naming the
-    generator when `timeout_s` seconds pass, or the trainer's log tail when it exits first."""
+def _wait_version(url: str, version: int, trainer: Role, timeout_s: float) -> bool:
+    """Whether the generator at `url` serves policy `version` (its /weight_info) within `timeout_s` seconds;
+    UserError with the trainer's log tail when the trainer exits first without it there."""
     from megatron_scalerl.algo.versions import parse_version  # deferred, as every import of torch's packages here
     from megatron_scalerl.http_json import request_json
     from megatron_scalerl.run_dir import API_KEY_ENV
 
     deadline = time.monotonic() + timeout_s
-    for url in urls:
-        while True:
-            try:
-                answer = request_json(url, "/weight_info", method="GET", timeout_s=10.0,
-                                      api_key=os.environ.get(API_KEY_ENV))
-                serving = parse_version((answer or {}).get("weight_version"))
-            except ServerError as exc:
-                serving = f"no answer ({exc})"
-            if serving == version:
-                break
-            if trainer.process.poll() is not None:
-                raise UserError(f"{trainer.name} exited with code {trainer.process.returncode} before the generators "
-                                f"had its weights; {trainer.log}:\n{trainer.tail()}")
-            if time.monotonic() > deadline:
-                raise UserError(f"generator {url} did not get the restarted trainer's weights (policy {version}) within "
-                                f"{timeout_s:g} s: it serves {serving}")
-            time.sleep(POLL_S)
+    while True:
+        try:
+            answer = request_json(url, "/weight_info", method="GET", timeout_s=10.0,
+                                  api_key=os.environ.get(API_KEY_ENV))
+            if parse_version((answer or {}).get("weight_version")) == version:
+                return True
+        except ServerError:
+            pass  # starting, or busy: asked again
+        if trainer.process.poll() is not None:
+            raise UserError(f"{trainer.name} exited with code {trainer.process.returncode} before the generators "
+                            f"had its weights; {trainer.log}:\n{trainer.tail()}")
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_S)
