@@ -20,7 +20,8 @@ They come with the answer of the server that generated the tokens, so a sample g
 failure carries that server's routes.
 
 Failures: a request whose server fails transiently (`http_json.ServerError.transient`: connection refused or reset,
-HTTP 5xx or 429, no answer in `request_timeout_s`) is generated again whole on another server under the fleet's
+HTTP 5xx or 429, no answer in `request_timeout_s`, or an answer that does not parse: nonsense is the server's fault)
+is generated again whole on another server under the fleet's
 `retry` policy (`http_json.RetryPolicy`: backoff doubling up to a cap); nothing of the failed attempt is kept, so a
 sample is never stitched from two servers, and each request returns exactly one Generation. A server that fails is
 marked down; a background task polls its /health, and once it answers again `on_server_back(url)` (e.g. the
@@ -228,7 +229,12 @@ class Fleet:
                 raise
             finally:
                 chosen.outstanding_tokens -= cost
-            generation = parse_generation(request, answer, chosen.url, attempts=n)
+            try:
+                generation = parse_generation(request, answer, chosen.url, attempts=n)
+            except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:  # nonsense: its server's fault
+                reason = f"{chosen.url}: a malformed answer for sample {request.key} ({type(exc).__name__}: {exc})"
+                await self._mark_down(chosen, reason)
+                raise ServerError(reason, transient=True) from None
             chosen.generated += 1
             return generation
 
