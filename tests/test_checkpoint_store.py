@@ -2,6 +2,7 @@
 
 import json
 import logging
+import subprocess
 
 import pytest
 import torch.distributed as dist
@@ -157,3 +158,32 @@ def test_keep_every_keeps_evaluation_checkpoints_beyond_the_newest_and_only_the_
         store.save(it, _writer(bytes([it]) * 100), {"step": it})
     assert store.iterations() == [60, 50, 40, 20]  # the newest two, and the multiples of 20
     assert store.resumable() == [60, 50]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 512 KiB tmpfs (needs root: mount)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_save_on_a_full_disk_fails_whole_and_frees_its_space(small_disk):
+    """The second checkpoint does not fit: CheckpointError naming it and the cause; no partial copy stays (its space
+    is freed), the first checkpoint is untouched and still the one a resume takes; the next save that fits works."""
+    store = CheckpointStore(small_disk, keep=3)
+    store.save(10, _writer(b"a" * 100_000), {"step": 10})
+    with pytest.raises(CheckpointError, match=r"iter_0000020: could not be written \(rank 0: OSError: .*No space left "
+                                              r"on device.*the earlier checkpoints are untouched"):
+        store.save(20, _writer(b"b" * 2_000_000), {"step": 20})
+    assert sorted(p.name for p in (small_disk / "checkpoints").iterdir()) == ["iter_0000010"]
+    assert store.latest_valid() == (10, store.path(10))
+    store.save(30, _writer(b"c" * 100_000), {"step": 30})
+    assert store.iterations() == [30, 10] and store.latest_valid() == (30, store.path(30))

@@ -13,10 +13,10 @@ import pytest
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.gpu_hours import ComputeMeter, parse_sacct, record_job
+from megatron_scalerl.launch import supervise
 from megatron_scalerl.launch.allocation import Allocation, Group, Node, _per_node_count
 from megatron_scalerl.launch.preflight import node_problems, parse_nccl_tests
 from megatron_scalerl.launch.slurm import cluster_notes, cluster_options, job_roles
-from megatron_scalerl.launch import supervise
 from megatron_scalerl.launch.supervise import LAUNCH_ENV, Restarts, Role, _supervise, _wait_ready, kill_carrying
 from megatron_scalerl.platform import free_port
 from megatron_scalerl.recipe import load_recipe

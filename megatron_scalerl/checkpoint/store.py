@@ -57,22 +57,30 @@ def publish(final: Path, write: Callable[[Path], None], rl_state: dict, manifest
     """Collective. Publish checkpoint directory `final` atomically: every rank calls `write(tmp_dir)` for its files
     in `.<name>.partial` beside it, rank 0 adds `rl_state.json`, the ranks hash the files (split between them), rank 0
     writes the manifest (`manifest_fields` + files) last and renames the directory into place. A directory already at
-    `final` is replaced only once the new one is complete."""
+    `final` is replaced only once the new one is complete. A write that fails on any rank (a full disk) fails the
+    save on every rank alike with CheckpointError naming the rank and the cause; the partial copy is removed (its
+    space freed), earlier checkpoints are untouched."""
     tmp = final.parent / f".{final.name}.partial"
     if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crash mid-save
         tmp.mkdir(parents=True)
     barrier()
-    write(tmp)
-    if rank() == 0:
-        atomic_write_json(tmp / RL_STATE, rl_state)
-    barrier()
+
+    def write_files() -> None:
+        write(tmp)
+        if rank() == 0:
+            atomic_write_json(tmp / RL_STATE, rl_state)
+
+    _agree(final, tmp, write_files)
     files = from_rank0(sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
                         if rank() == 0 else None)
     mine = {rel: {"bytes": (tmp / rel).stat().st_size, "sha256": sha256_file(tmp / rel)}
             for rel in files[rank()::world_size()]}
     gathered = all_gathered(mine)
-    if rank() == 0:
+
+    def finish() -> None:
+        if rank() != 0:
+            return
         entries = {k: v for part in gathered for k, v in part.items()}
         atomic_write_json(tmp / MANIFEST, {**manifest_fields, "created": time.time(),
                                            "files": dict(sorted(entries.items()))})
@@ -82,8 +90,26 @@ def publish(final: Path, write: Callable[[Path], None], rl_state: dict, manifest
             final.rename(replaced)
         tmp.rename(final)
         shutil.rmtree(replaced, ignore_errors=True)
-    barrier()
+
+    _agree(final, tmp, finish)
     return final
+
+
+def _agree(final: Path, tmp: Path, step: Callable[[], object]) -> None:
+    """Collective: run `step` on every rank; when it raised OSError on any, remove `tmp` and raise CheckpointError
+    on every rank (naming `final`, the ranks and their errors)."""
+    try:
+        step()
+        failure = None
+    except OSError as exc:
+        failure = f"rank {rank()}: {type(exc).__name__}: {exc}"
+    failures = [f for f in all_gathered(failure) if f]
+    if failures:
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        barrier()
+        raise CheckpointError(f"{final}: could not be written ({'; '.join(failures[:3])}); its partial copy was "
+                              "removed, the earlier checkpoints are untouched")
 
 
 def checkpoint_problems(path: Path, *, checksums: bool = True, collective: bool = False) -> list[str]:
