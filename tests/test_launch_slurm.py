@@ -14,10 +14,18 @@ import pytest
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.gpu_hours import ComputeMeter, parse_sacct, record_job
 from megatron_scalerl.launch import supervise
-from megatron_scalerl.launch.allocation import Allocation, Group, Node, _per_node_count
+from megatron_scalerl.launch.allocation import Allocation, Group, Node, _per_node_count, lost_nodes
 from megatron_scalerl.launch.preflight import node_problems, parse_nccl_tests
 from megatron_scalerl.launch.slurm import cluster_notes, cluster_options, job_roles
-from megatron_scalerl.launch.supervise import LAUNCH_ENV, Restarts, Role, _supervise, _wait_ready, kill_carrying
+from megatron_scalerl.launch.supervise import (
+    ALLOCATION_LOST,
+    LAUNCH_ENV,
+    Restarts,
+    Role,
+    _supervise,
+    _wait_ready,
+    kill_carrying,
+)
 from megatron_scalerl.platform import free_port
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run_dir import STOP_FILE, read_generators, stop_requested
@@ -313,3 +321,25 @@ def test_a_generator_that_never_gets_the_restarted_trainers_weights_is_started_a
     out = capsys.readouterr().out
     assert f"generator 0 (http://127.0.0.1:{port}) did not get policy 4 within 2 s" in out
     assert "restart 1: the trainer resumed from step 4 and the generators serve it" in out
+
+
+SHOW_NODE = """NodeName=gpu0 Arch=x86_64 CoresPerSocket=1 CPUAlloc=2 CPUTot=2 NodeAddr=10.0.0.0 State=ALLOCATED ThreadsPerCore=1
+NodeName=gpu1 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPUTot=2 NodeAddr=10.0.0.1 State=DOWN+NOT_RESPONDING ThreadsPerCore=1 Reason=Not responding [slurm@2026-11-26T10:00:00]
+NodeName=gpu2 Arch=x86_64 CoresPerSocket=1 CPUAlloc=2 CPUTot=2 NodeAddr=10.0.0.2 State=MIXED+DRAIN ThreadsPerCore=1 Reason=disk check [root@2026-11-26T09:00:00]
+"""
+
+
+def test_a_failure_on_an_allocation_that_lost_a_node_ends_the_launch_for_a_requeue(tmp_path, capsys):
+    """`scontrol -o show node` names the lost node (a draining one still runs its jobs); a role that fails then is
+    not restarted on the same allocation: the launch ends with ALLOCATION_LOST (the job requeues itself)."""
+    assert lost_nodes(SHOW_NODE) == ["gpu1 (DOWN+NOT_RESPONDING: Not responding [slurm@2026-11-26T10:00:00])"]
+    trainer = _role(tmp_path, "trainer", "import sys; sys.exit(1)").start()
+    orchestrator = _role(tmp_path, "orchestrator", "import time; time.sleep(60)").start()
+    calls = []
+    restarts = Restarts(3, 0.0, lambda n, cause: calls.append(n) or 0, [], lambda: "lost node(s): gpu1 (DOWN)")
+    try:
+        assert _supervise(trainer, orchestrator, [], [], restarts) == ALLOCATION_LOST
+    finally:
+        orchestrator.stop(timeout_s=5)
+    assert calls == [] and "trainer failed (exit 1) and this allocation cannot run it again: lost node(s): gpu1" in (
+        capsys.readouterr().err)

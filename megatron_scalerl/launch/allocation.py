@@ -117,6 +117,33 @@ class Allocation:
         return [self.base_port + 2 + i for i in range(servers)]
 
 
+LOST_NODE_STATES = ("DOWN", "FAIL", "NOT_RESPONDING", "POWERED_DOWN", "POWER_DOWN", "REBOOT")  # in SLURM's State=
+
+
+def lost_nodes(show_node: str) -> list[str]:
+    """"NAME (STATE: REASON)" for each node of `scontrol -o show node` output that SLURM reports lost (a state
+    flag of LOST_NODE_STATES, e.g. DOWN+NOT_RESPONDING)."""
+    lost = []
+    for line in show_node.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        state = fields.get("State", "")
+        if "NodeName" in fields and any(flag in state.split("+") for flag in LOST_NODE_STATES):
+            reason = line.split("Reason=", 1)[1].strip() if "Reason=" in line else "no reason given"
+            lost.append(f"{fields['NodeName']} ({state}: {reason})")
+    return lost
+
+
+def allocation_lost(alloc: Allocation) -> str | None:
+    """Why the job's own nodes can no longer run its roles (a node SLURM reports lost), or None; None as well when
+    scontrol does not answer (the restart inside the allocation is tried then)."""
+    names = [n.name for group in (alloc.trainer, alloc.generator) for n in group.nodes]
+    try:
+        lost = lost_nodes(scontrol("-o", "show", "node", ",".join(names)))
+    except UserError:
+        return None
+    return f"lost node(s): {', '.join(lost)}" if lost else None
+
+
 def _node_addresses(names: list[str]) -> dict[str, str]:
     addrs = {}
     for line in scontrol("-o", "show", "node", ",".join(names)).splitlines():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -135,11 +136,13 @@ def orchestrator_command(run_dir: Path, *, resume: bool) -> list[str]:
             *(["--resume"] if resume else [])]
 
 
-def restart_budget(run_dir: Path, recipe: Recipe) -> Restarts:
+def restart_budget(run_dir: Path, recipe: Recipe, allocation_lost: Callable[[], str | None] = lambda: None
+                   ) -> Restarts:
     """The launch's budget for restarting a failed trainer or orchestrator (`recipe.launch`). Each restart rewinds
     the run to the trainer's last checkpoint (stream, orchestrator state, metrics: `rewind_to_checkpoint`), clears
     the stop request the trainer's stop left, and is a `launcher` record in metrics.jsonl at that checkpoint's step
-    (`launch/restarts`: the restarts of this launch so far, `launch/restart_cause`)."""
+    (`launch/restarts`: the restarts of this launch so far, `launch/restart_cause`). `allocation_lost`: see
+    `Restarts`."""
 
     def prepare(restart: int, cause: str) -> int:
         step = rewind_to_checkpoint(run_dir, partial(print, flush=True), metrics=True)
@@ -148,4 +151,4 @@ def restart_budget(run_dir: Path, recipe: Recipe) -> Restarts:
         return step
 
     return Restarts(recipe.launch.max_restarts, recipe.launch.restart_backoff_s, prepare,
-                    orchestrator_command(run_dir, resume=True))
+                    orchestrator_command(run_dir, resume=True), allocation_lost)

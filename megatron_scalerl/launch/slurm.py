@@ -51,6 +51,7 @@ from megatron_scalerl.launch.allocation import (
     GENERATOR_GROUP,
     TRAINER_GROUP,
     Allocation,
+    allocation_lost,
     scontrol,
     srun,
     step_terminator,
@@ -66,7 +67,7 @@ from megatron_scalerl.launch.roles import (
     tokenizer_source,
     trainer_command,
 )
-from megatron_scalerl.launch.supervise import Role, run_roles
+from megatron_scalerl.launch.supervise import ALLOCATION_LOST, Role, run_roles
 from megatron_scalerl.recipe import ClusterConfig, Recipe, load_recipe, slurm_minutes
 from megatron_scalerl.rollout.orchestrator_state import rewind_to_checkpoint
 from megatron_scalerl.run_dir import RECIPE_FILE, clear_stop_request, request_stop, write_generators
@@ -211,9 +212,9 @@ def run_job(env: dict[str, str]) -> int:
         run_preflight(run_dir, recipe, alloc, env, cuda=cuda)
     generators, urls, trainer, orchestrator = job_roles(run_dir, recipe, alloc, resume=resume, cuda=cuda)
     code = run_roles(f"job {alloc.job_id} ({run_dir})", generators, urls, trainer, orchestrator,
-                     restarts=restart_budget(run_dir, recipe),
+                     restarts=restart_budget(run_dir, recipe, partial(allocation_lost, alloc)),
                      stop_signals=(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
-    if code == 128 + signal.SIGUSR1:
+    if code in (128 + signal.SIGUSR1, ALLOCATION_LOST):  # time is up, or a node is lost: go on in a new allocation
         requeue(alloc.job_id)
         return 0
     return code

@@ -18,6 +18,8 @@ a lost policy must not sample for the new orchestrator; one that does not get th
 started again), then starts the orchestrator with `--resume`. Each
 restart is a `launcher` record in metrics.jsonl (`launch/restarts`, `launch/restart_cause`). Once the budget is
 spent, the next failure ends the launch (exit 1) with its cause: a failure that repeats at the same step never loops.
+Under SLURM a failure on an allocation that lost a node (`Restarts.allocation_lost`) ends the launch with
+ALLOCATION_LOST instead, and the job requeues itself.
 A generator that exits is started again (the trainer re-syncs it, the orchestrator's fleet takes
 it back); one that keeps dying within `QUICK_EXIT_S` seconds of its start (its node is gone) is given up after
 `QUICK_EXITS` tries and the fleet goes on without it; with no generator left the run fails.
@@ -57,6 +59,7 @@ QUICK_EXITS = 3  # quick exits in a row after which a generator is given up
 LAUNCH_ENV = "SCALERL_LAUNCH_ID"  # in every role's environment: what a launch started, its children included
 KILL_WAIT_S = 10.0  # how long kill_carrying waits for what it killed to be gone
 MAX_BACKOFF_S = 300.0  # the longest wait before a restart of the trainer and the orchestrator
+ALLOCATION_LOST = 75  # run_roles' exit code when a role failed and its allocation cannot run it again (EX_TEMPFAIL)
 STUCK_GENERATOR_S = 300.0  # a live generator without the restarted trainer's weights after this long is restarted
 
 
@@ -72,6 +75,9 @@ class Restarts:
     backoff_s: float
     prepare: Callable[[int, str], int]
     resumed_orchestrator: list[str]
+    # why this allocation cannot run the roles again (SLURM: a lost node), asked before each restart; a reason ends
+    # the launch with ALLOCATION_LOST instead (the SLURM job then requeues itself onto other nodes)
+    allocation_lost: Callable[[], str | None] = lambda: None
     done: int = 0
 
 
@@ -247,6 +253,10 @@ def _supervise(trainer: Role, orchestrator: Role, generators: list[Role], urls: 
             if code != 0:
                 cause = f"{role.name} failed (exit {code})"
                 print(f"{cause}; {role.log}:\n{role.tail()}", file=sys.stderr, flush=True)
+                lost = restarts.allocation_lost() if restarts is not None else None
+                if lost:
+                    print(f"{cause} and this allocation cannot run it again: {lost}", file=sys.stderr, flush=True)
+                    return ALLOCATION_LOST
                 if restarts is None or restarts.done >= restarts.max_restarts:
                     if restarts is not None and restarts.max_restarts:
                         print(f"no restart left (launch.max_restarts {restarts.max_restarts} spent): the run stops; "
