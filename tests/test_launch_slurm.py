@@ -343,3 +343,13 @@ def test_a_failure_on_an_allocation_that_lost_a_node_ends_the_launch_for_a_reque
         orchestrator.stop(timeout_s=5)
     assert calls == [] and "trainer failed (exit 1) and this allocation cannot run it again: lost node(s): gpu1" in (
         capsys.readouterr().err)
+    trainer = _role(tmp_path, "trainer", "import time; time.sleep(60)").start()
+    orchestrator = _role(tmp_path, "orchestrator", "import time; time.sleep(60)").start()
+    generator = _role(tmp_path, "generator 0", "import sys; sys.exit(9)").start()  # its node died
+    try:
+        assert _supervise(trainer, orchestrator, [generator], ["http://gpu1:20002"], restarts) == ALLOCATION_LOST
+    finally:
+        trainer.stop(timeout_s=5)
+        orchestrator.stop(timeout_s=5)
+    assert "generator 0 exited (code 9) and this allocation cannot run it again" in capsys.readouterr().err
+    assert generator.restarts == 0

@@ -18,8 +18,8 @@ a lost policy must not sample for the new orchestrator; one that does not get th
 started again), then starts the orchestrator with `--resume`. Each
 restart is a `launcher` record in metrics.jsonl (`launch/restarts`, `launch/restart_cause`). Once the budget is
 spent, the next failure ends the launch (exit 1) with its cause: a failure that repeats at the same step never loops.
-Under SLURM a failure on an allocation that lost a node (`Restarts.allocation_lost`) ends the launch with
-ALLOCATION_LOST instead, and the job requeues itself.
+Under SLURM any role's exit (a generator's too) on an allocation that lost a node (`Restarts.allocation_lost`)
+ends the launch with ALLOCATION_LOST instead, and the job requeues itself.
 A generator that exits is started again (the trainer re-syncs it, the orchestrator's fleet takes
 it back); one that keeps dying within `QUICK_EXIT_S` seconds of its start (its node is gone) is given up after
 `QUICK_EXITS` tries and the fleet goes on without it; with no generator left the run fails.
@@ -271,6 +271,11 @@ def _supervise(trainer: Role, orchestrator: Role, generators: list[Role], urls: 
         for role in list(live):
             if role.process.poll() is None:
                 continue
+            lost = restarts.allocation_lost() if restarts is not None else None
+            if lost:
+                print(f"{role.name} exited (code {role.process.returncode}) and this allocation cannot run it again: "
+                      f"{lost}", file=sys.stderr, flush=True)
+                return ALLOCATION_LOST
             quick = time.monotonic() - role.started < QUICK_EXIT_S
             role.quick_exits = role.quick_exits + 1 if quick else 0
             if role.quick_exits >= QUICK_EXITS:
