@@ -325,6 +325,8 @@ def test_a_generator_that_never_gets_the_restarted_trainers_weights_is_started_a
 
 SHOW_NODE = """NodeName=gpu0 Arch=x86_64 CoresPerSocket=1 CPUAlloc=2 CPUTot=2 NodeAddr=10.0.0.0 State=ALLOCATED ThreadsPerCore=1
 NodeName=gpu1 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPUTot=2 NodeAddr=10.0.0.1 State=DOWN+NOT_RESPONDING ThreadsPerCore=1 Reason=Not responding [slurm@2026-11-26T10:00:00]
+NodeName=gpu3 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPUTot=2 NodeAddr=10.0.0.3 State=IDLE* ThreadsPerCore=1
+NodeName=gpu4 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPUTot=2 NodeAddr=10.0.0.4 State=DOWN* ThreadsPerCore=1 Reason=gone
 NodeName=gpu2 Arch=x86_64 CoresPerSocket=1 CPUAlloc=2 CPUTot=2 NodeAddr=10.0.0.2 State=MIXED+DRAIN ThreadsPerCore=1 Reason=disk check [root@2026-11-26T09:00:00]
 """
 
@@ -332,7 +334,8 @@ NodeName=gpu2 Arch=x86_64 CoresPerSocket=1 CPUAlloc=2 CPUTot=2 NodeAddr=10.0.0.2
 def test_a_failure_on_an_allocation_that_lost_a_node_ends_the_launch_for_a_requeue(tmp_path, capsys):
     """`scontrol -o show node` names the lost node (a draining one still runs its jobs); a role that fails then is
     not restarted on the same allocation: the launch ends with ALLOCATION_LOST (the job requeues itself)."""
-    assert lost_nodes(SHOW_NODE) == ["gpu1 (DOWN+NOT_RESPONDING: Not responding [slurm@2026-11-26T10:00:00])"]
+    assert lost_nodes(SHOW_NODE) == ["gpu1 (DOWN+NOT_RESPONDING: Not responding [slurm@2026-11-26T10:00:00])",
+                                     "gpu3 (IDLE*: no reason given)", "gpu4 (DOWN*: gone)"]
     trainer = _role(tmp_path, "trainer", "import sys; sys.exit(1)").start()
     orchestrator = _role(tmp_path, "orchestrator", "import time; time.sleep(60)").start()
     calls = []

@@ -127,7 +127,9 @@ def lost_nodes(show_node: str) -> list[str]:
     for line in show_node.splitlines():
         fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
         state = fields.get("State", "")
-        if "NodeName" in fields and any(flag in state.split("+") for flag in LOST_NODE_STATES):
+        parts = state.split("+")  # "DOWN+NOT_RESPONDING"; sinfo-style suffixes too: "IDLE*" = not responding
+        flags = {part.rstrip("*~#%$@^-!") for part in parts} | {"NOT_RESPONDING" for p in parts if p.endswith("*")}
+        if "NodeName" in fields and flags & set(LOST_NODE_STATES):
             reason = line.split("Reason=", 1)[1].strip() if "Reason=" in line else "no reason given"
             lost.append(f"{fields['NodeName']} ({state}: {reason})")
     return lost
