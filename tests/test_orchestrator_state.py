@@ -11,7 +11,7 @@ import pytest
 from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.checkpoint.store import CheckpointStore, publish
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.metrics import REWOUND_FILE, MetricsLog, read_metrics
+from megatron_scalerl.metrics import REWOUND_FILE, MetricsLog, logged_wall_hours, read_metrics
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.rollout.orchestrator import Orchestrator
 from megatron_scalerl.rollout.orchestrator_state import (
@@ -19,7 +19,6 @@ from megatron_scalerl.rollout.orchestrator_state import (
     ABANDONED_NOTE,
     SavedState,
     load_state,
-    logged_wall_hours,
     rewind_to_checkpoint,
     save_state,
 )
@@ -185,5 +184,5 @@ def test_the_launchers_rewind_leaves_each_step_and_validation_once_and_keeps_the
     aside = [json.loads(line) for line in (tmp_path / REWOUND_FILE).read_text().splitlines()]
     assert len(aside) == 3 + 2 + 1 + 1 + 1 and {r["rewound"] for r in aside} == {"resumed from iter_0000004"}
     assert "8 metrics records of work lost since iter_0000004" in said[-1]
-    assert logged_wall_hours(tmp_path) == pytest.approx(0.8)  # batch 7's row, set aside, was paid for
+    assert logged_wall_hours(tmp_path, "orchestrator") == pytest.approx(0.8)  # batch 7's row, set aside, was paid for
     assert rewind_to_checkpoint(tmp_path, said.append, metrics=True) == 4 and len(said) == 2  # nothing more to move

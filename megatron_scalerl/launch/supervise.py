@@ -80,6 +80,18 @@ class Restarts:
     allocation_lost: Callable[[], str | None] = lambda: None
     done: int = 0
 
+    @classmethod
+    def none(cls) -> Restarts:
+        """No restart: a failure ends the launch."""
+        return cls(0, 0.0, lambda restart, cause: 0, [])
+
+    def lost(self, what: str) -> bool:
+        """Whether the allocation cannot run the roles again (`allocation_lost`); says so, naming `what` happened."""
+        reason = self.allocation_lost()
+        if reason:
+            print(f"{what} and this allocation cannot run it again: {reason}", file=sys.stderr, flush=True)
+        return bool(reason)
+
 
 @dataclass
 class Role:
@@ -177,7 +189,7 @@ def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role
               stop_signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> int:
     """Start and watch the roles (generator i serves `urls[i]`) until the run ends or a stop signal comes; the exit
     code (0, 1, or 128 + the stop signal's number). `label` names the run in progress lines; `restarts`: the budget
-    for restarting a failed trainer or orchestrator (None: none)."""
+    for restarting a failed trainer or orchestrator (default: none)."""
     previous = {sig: signal.signal(sig, _raise_stop) for sig in stop_signals}
     launch_id = uuid.uuid4().hex
     for role in (*generators, trainer, orchestrator):
@@ -243,6 +255,7 @@ def kill_carrying(entry: str) -> list[str]:
 
 def _supervise(trainer: Role, orchestrator: Role, generators: list[Role], urls: list[str] = (),
                restarts: Restarts | None = None, ready_timeout_s: float = 900.0) -> int:
+    restarts = restarts or Restarts.none()
     finished: set[str] = set()
     live = list(generators)
     while True:
@@ -253,12 +266,10 @@ def _supervise(trainer: Role, orchestrator: Role, generators: list[Role], urls: 
             if code != 0:
                 cause = f"{role.name} failed (exit {code})"
                 print(f"{cause}; {role.log}:\n{role.tail()}", file=sys.stderr, flush=True)
-                lost = restarts.allocation_lost() if restarts is not None else None
-                if lost:
-                    print(f"{cause} and this allocation cannot run it again: {lost}", file=sys.stderr, flush=True)
+                if restarts.lost(cause):
                     return ALLOCATION_LOST
-                if restarts is None or restarts.done >= restarts.max_restarts:
-                    if restarts is not None and restarts.max_restarts:
+                if restarts.done >= restarts.max_restarts:
+                    if restarts.max_restarts:
                         print(f"no restart left (launch.max_restarts {restarts.max_restarts} spent): the run stops; "
                               f"last cause: {cause}", file=sys.stderr, flush=True)
                     return 1
@@ -271,10 +282,7 @@ def _supervise(trainer: Role, orchestrator: Role, generators: list[Role], urls: 
         for role in list(live):
             if role.process.poll() is None:
                 continue
-            lost = restarts.allocation_lost() if restarts is not None else None
-            if lost:
-                print(f"{role.name} exited (code {role.process.returncode}) and this allocation cannot run it again: "
-                      f"{lost}", file=sys.stderr, flush=True)
+            if restarts.lost(f"{role.name} exited (code {role.process.returncode})"):
                 return ALLOCATION_LOST
             quick = time.monotonic() - role.started < QUICK_EXIT_S
             role.quick_exits = role.quick_exits + 1 if quick else 0

@@ -34,6 +34,7 @@ class GroupGenerator:
         self.recipe, self.tokenizer, self.fleet, self.grader = recipe, tokenizer, fleet, grader
         self.policy = length_control_policy(recipe, tokenizer)
         self.think_close_ids = tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
+        self.route_layers = route_layers(recipe)  # the MoE layers whose routes each request asks for (or none)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """The rendered prompt's token ids; UserError past `rollout.max_prompt_tokens`."""
@@ -50,7 +51,7 @@ class GroupGenerator:
         prompt = self.prompt_ids(problem)
         requests = [GenerationRequest(key=f"{key}/{i}", prompt_ids=prompt, max_tokens=rollout.max_new_tokens,
                                       temperature=rollout.temperature, top_p=rollout.top_p,
-                                      route_layers=route_layers(self.recipe)) for i in range(samples)]
+                                      route_layers=self.route_layers) for i in range(samples)]
         results = await asyncio.gather(*(generate_sample(self.fleet, r, self.policy,
                                                          think_close_ids=self.think_close_ids) for r in requests))
         grades = await asyncio.gather(*(self.grader.grade(self.text(s.completion_ids), problem) for s in results))

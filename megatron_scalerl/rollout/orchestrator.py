@@ -44,7 +44,7 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.forecast.live import validation_draws
 from megatron_scalerl.gpu_hours import ComputeMeter
 from megatron_scalerl.inference.fleet import Fleet, FleetError
-from megatron_scalerl.metrics import MetricsLog
+from megatron_scalerl.metrics import MetricsLog, logged_wall_hours
 from megatron_scalerl.recipe import Recipe, load_recipe
 from megatron_scalerl.rollout.admission import Admission
 from megatron_scalerl.rollout.group_generation import GroupGenerator
@@ -53,7 +53,6 @@ from megatron_scalerl.rollout.live_forecast import LiveForecaster
 from megatron_scalerl.rollout.orchestrator_state import (
     SavedState,
     load_state,
-    logged_wall_hours,
     rewind_to_checkpoint,
     save_state,
 )
@@ -133,7 +132,7 @@ class Orchestrator:
         """Continue from the saved state after the stream's last batch, once the stream is rewound to the trainer's
         checkpoint (`orchestrator_state.rewind_to_checkpoint`)."""
         resumed_step = rewind_to_checkpoint(self.run_dir, log.warning)
-        self.compute.wall_hours_before = logged_wall_hours(self.run_dir)
+        self.compute.wall_hours_before = logged_wall_hours(self.run_dir, "orchestrator")
         found = load_state(self.run_dir, self.stream.next_index() - 1)
         if found is None:
             return

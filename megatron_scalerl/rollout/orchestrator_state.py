@@ -38,7 +38,7 @@ step N; validations and forecasts of policies after N; the batch rows of batches
 of checkpoints after N) move to `RUN/metrics.rewound.jsonl` (`metrics.set_aside`). A resumed orchestrator forgets the
 validations of policies after N, so they are made again for the new policies of those versions.
 
-The orchestrator's wall-clock hours go on from the most it saved or logged (`logged_wall_hours`, the set-aside records
+The orchestrator's wall-clock hours go on from the most it saved or logged (`metrics.logged_wall_hours`, the set-aside records
 included): time spent on an abandoned timeline, or after the last saved state of an orchestrator that was killed,
 was spent all the same; the run's GPU-hours never go back.
 """
@@ -58,7 +58,7 @@ from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.checkpoint.store import RL_STATE, CheckpointStore, read_rl_state
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text
-from megatron_scalerl.metrics import REWOUND_FILE, read_metrics, set_aside
+from megatron_scalerl.metrics import REWOUND_FILE, set_aside
 from megatron_scalerl.run_dir import CURRICULUM_FILE, PREVIOUS_CURRICULUM_FILE
 
 ABANDONED_DIR = "abandoned"  # under RUN/rollouts/
@@ -124,13 +124,6 @@ def load_state(run_dir: Path, last: int) -> tuple[SavedState, Path] | None:
         raise UserError(f"{run_dir}: the stream's last batch is {last}, but neither {CURRICULUM_FILE} nor "
                         f"{PREVIOUS_CURRICULUM_FILE} is the state after it: cannot resume without repeating prompts")
     return None
-
-
-def logged_wall_hours(run_dir: Path) -> float:
-    """The most wall-clock hours the run's orchestrator logged in metrics.jsonl, lost work's records included (0
-    before its first row)."""
-    return max((float(r["wall_hours"]) for r in read_metrics(run_dir, role="orchestrator", rewound=True)
-                if "wall_hours" in r), default=0.0)
 
 
 def rewind_to_checkpoint(run_dir: Path, say: Callable[[str], object], *, metrics: bool = False) -> int:

@@ -20,9 +20,9 @@ runs a `Trainer`, read top to bottom:
   weights (tagged i + 1: every step under PipelineRL-k, every k-th step under PPO-off-policy-k, whose generators keep
   one policy for k batches), logs every `logging.log_interval` steps and checkpoints every
   `trainer.checkpoint_interval` steps, or once `trainer.checkpoint_interval_min` minutes passed since the last one
-  (by rank 0's clock), and at the end. The save is synchronous: megatron-core's asynchronous save is CUDA-bound. While it waits for a batch it sends the current weights to any
-  generator that does not serve them (one that came up later, or restarted). `trainer/idle_fraction` is the share of
-  its wall time spent waiting for batches.
+  (by rank 0's clock), and at the end (a synchronous save: megatron-core's asynchronous one is CUDA-bound). While
+  it waits for a batch it sends the current weights to any generator that does not serve them (one that came up
+  later, or restarted). `trainer/idle_fraction` is the share of its wall time spent waiting for batches.
 
 SIGTERM, or the launcher's `RUN/stop_requested` (see `run_dir`): the current step finishes, the trainer checkpoints
 it and exits 0; a rank still running `STOP_STACKS_AFTER_S` seconds after the stop writes every thread's stack to its
@@ -50,7 +50,7 @@ from megatron_scalerl.batches.train_batch import TrainBatch
 from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.gpu_hours import ComputeMeter
-from megatron_scalerl.metrics import MetricsLog, read_metrics
+from megatron_scalerl.metrics import MetricsLog, logged_wall_hours
 from megatron_scalerl.platform import destroy_distributed, init_distributed
 from megatron_scalerl.platform.distributed import from_rank0
 from megatron_scalerl.platform.precision import resolve_precision, with_precision
@@ -77,14 +77,6 @@ def require_trainer_world(recipe: Recipe, world_size: int) -> None:
                         f"{p.tp} x {p.pp} x {p.dp_size(recipe.cluster.trainer_gpus)} = {expected} (cluster.trainer_nodes "
                         f"x cluster.gpus_per_node = {recipe.cluster.trainer_gpus}): start {expected} processes "
                         f"(torchrun --nproc-per-node) or change the recipe's cluster / parallelism sections")
-
-
-def _wall_hours_so_far(run_dir: Path, rl_state: dict) -> float:
-    """Wall hours the run has used before this process: the most of the checkpoint's figure and the trainer's
-    records, those of lost work included (work done after the last checkpoint and lost in a crash was still paid
-    for)."""
-    logged = [r.get("wall_hours") or 0.0 for r in read_metrics(run_dir, role="trainer", rewound=True)]
-    return max([rl_state.get("wall_hours", 0.0), *logged])
 
 
 class Trainer:
@@ -118,8 +110,9 @@ class Trainer:
                                       config=recipe.to_dict(), resumed_from=self.saved_step)
         # the run's one compute clock, the orchestrator's too: sacct over the run's SLURM jobs where there is
         # accounting, else wall time (over restarts) x the recipe's GPUs
+        # wall hours before this process: the checkpoint's, or more where work after it was lost (still paid for)
         self.compute = ComputeMeter(self.run_dir, recipe.cluster.total_gpus,
-                                    _wall_hours_so_far(self.run_dir, rl_state))
+                                    max(rl_state.get("wall_hours", 0.0), logged_wall_hours(self.run_dir, "trainer")))
         self.waited_s = 0.0  # seconds spent waiting for batches since this process started
 
     def _resume(self) -> dict:
@@ -169,7 +162,7 @@ class Trainer:
             # PipelineRL-k bounds this by k: how many steps behind this step's policy the batch's oldest token's was
             "train/staleness_max": float(step - batch.weight_versions[batch.loss_mask].min())
             if bool(batch.loss_mask.any()) else 0.0,
-            # a batch with routes (an MoE run that captures routing): `trainer.routing_replay`
+            # a batch with routes (an MoE run that captures routing: `Recipe.captures_routes`)
             **({"train/routing_agreement": merged["routing_agreement"]} if "routing_agreement" in merged else {}),
         }
 
