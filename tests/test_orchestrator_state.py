@@ -4,11 +4,13 @@ after it moved aside, the curriculum of that copy restored). The whole loop on r
 tests/test_pipeline_run.py."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from megatron_scalerl.batches.stream import RolloutStream
+from megatron_scalerl.batches.train_batch import BatchError
 from megatron_scalerl.checkpoint.store import CheckpointStore, publish
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.metrics import REWOUND_FILE, MetricsLog, logged_wall_hours, read_metrics
@@ -186,3 +188,40 @@ def test_the_launchers_rewind_leaves_each_step_and_validation_once_and_keeps_the
     assert "8 metrics records of work lost since iter_0000004" in said[-1]
     assert logged_wall_hours(tmp_path, "orchestrator") == pytest.approx(0.8)  # batch 7's row, set aside, was paid for
     assert rewind_to_checkpoint(tmp_path, said.append, metrics=True) == 4 and len(said) == 2  # nothing more to move
+
+
+def _corrupt(path: Path) -> None:
+    """Flip one bit of a batch file's last tensor byte: it still parses, only its checksum tells."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_an_unreadable_batch_the_trainer_has_yet_to_read_is_set_aside_with_those_after_it_and_written_again(tmp_path):
+    """Batches 0..5 written, the trainer's checkpoint iter_2 holds the state of batch 5, batch 3 was corrupted on disk
+    (and batch 1, trained already, too): the rewind sets batches 3..5 aside, their rows with them, and the
+    orchestrator goes on with the newest state as that of batch 2 (the set-aside batches' prompts count as drawn),
+    so the trainer's next resume does not stop at batch 3 again."""
+    stream = _stream(tmp_path, 6)
+    _checkpoint(tmp_path, 2, json.loads(_state(5).to_json()))
+    save_state(tmp_path, _state(4), new_batch=True)
+    save_state(tmp_path, _state(5), new_batch=True)
+    orchestrator = MetricsLog(tmp_path, "orchestrator")
+    for written in range(1, 7):
+        orchestrator.log(written, {"rollout/policy_version": float(written - 1)})
+    _corrupt(stream.path(1))
+    _corrupt(stream.path(3))
+    with pytest.raises(BatchError, match="batch_00000003.safetensors: corrupt TrainBatch"):
+        stream.read(3)
+    said = []
+    assert rewind_to_checkpoint(tmp_path, said.append, metrics=True) == 2
+    assert stream.next_index() == 3
+    [folder] = _folder(tmp_path)
+    assert folder.name == "from_batch_00000003"
+    assert sorted(p.name for p in folder.glob("batch_*")) == [stream.path(i).name for i in (3, 4, 5)]
+    assert "batch 3 cannot be read" in said[0] and "corrupt TrainBatch" in (folder / ABANDONED_NOTE).read_text()
+    assert load_state(tmp_path, 2) == (replace(_state(5), batch=2), tmp_path / CURRICULUM_FILE)
+    assert json.loads((folder / CURRICULUM_FILE).read_text())["batch"] == 5
+    assert [r["step"] for r in read_metrics(tmp_path) if "rollout/policy_version" in r] == [1, 2, 3]
+    stream.put(make_batch(seed=9), index=3)  # written again where it was
+    assert rewind_to_checkpoint(tmp_path, said.append) == 2 and len(said) == 2  # nothing more to set aside

@@ -19,12 +19,15 @@ Optional, per token (None when absent: a dense model, a run without routing capt
   from per-sample tensors.
 
 On disk (`encode` / `decode`): one safetensors file; input_ids and weight_versions are stored as int32, routes (when
-present) as uint8, the metadata as JSON under the key `meta`.
+present) as uint8, the metadata as JSON under the key `meta`, and a CRC-32 of the tensors' bytes under `crc32`:
+a file whose bytes changed after it was written (a bad disk, a partial copy) is refused as corrupt, not trained on
+(files written before the checksum have none and are read as they are).
 """
 
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -181,16 +184,28 @@ def encode(batch: TrainBatch, metadata: dict | None = None) -> bytes:
         if tensors[name].numel() and int(tensors[name].abs().max()) >= 2**31:
             raise BatchError(f"TrainBatch to write: {name}: values beyond int32")
         tensors[name] = tensors[name].to(torch.int32)
-    return save(tensors, metadata={"meta": json.dumps(metadata or {})})
+    return save(tensors, metadata={"meta": json.dumps(metadata or {}), "crc32": str(_crc32(tensors))})
+
+
+def _crc32(tensors: dict[str, torch.Tensor]) -> int:
+    """CRC-32 of the tensors' bytes as stored, in name order."""
+    crc = 0
+    for name in sorted(tensors):
+        crc = zlib.crc32(tensors[name].contiguous().view(-1).view(torch.uint8).numpy(), crc)
+    return crc
 
 
 def decode(path: Path) -> tuple[TrainBatch, dict]:
     try:
         with safe_open(str(path), "pt") as handle:
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-            meta = json.loads((handle.metadata() or {}).get("meta", "{}"))
+            header = handle.metadata() or {}
+            meta = json.loads(header.get("meta", "{}"))
     except (SafetensorError, OSError, ValueError) as exc:
         raise BatchError(f"{path}: unreadable TrainBatch: {exc}") from None
+    if "crc32" in header and str(_crc32(tensors)) != header["crc32"]:
+        raise BatchError(f"{path}: corrupt TrainBatch: its tensors' CRC-32 is {_crc32(tensors)}, the writer recorded "
+                         f"{header['crc32']}")
     missing = [name for name in (*TOKEN_FIELDS, *SAMPLE_FIELDS) if name not in tensors]
     if missing:
         raise BatchError(f"{path}: missing tensors {missing}")

@@ -32,6 +32,13 @@ launchers) and again when the orchestrator resumes:
   (the trainer prunes the batches below its oldest kept checkpoint; without batch B the stream would not know that
   it goes on at B + 1).
 
+A batch the trainer has yet to read (index N or later) that cannot be read back (corrupt: its checksum or encoding
+does not hold; `batches.train_batch.decode`) would stop every resume at the same step. The rewind therefore moves
+it and every batch after it into `RUN/rollouts/abandoned/from_batch_<C>/` as well (with a note naming the fault),
+and saves the state after the stream's old end with `batch` = C - 1: the orchestrator writes batch C again from
+new prompts. The prompts of the set-aside batches count as drawn (their epoch goes on without them; no prompt is
+drawn twice), and the trainer, which resumes at N <= C, never sees a gap.
+
 The launchers' rewind (`metrics=True`, before any role starts) also makes `RUN/metrics.jsonl` hold each trainer step
 and each validation once: the records of work the resume redoes (`lost_record`: trainer steps after the checkpoint's
 step N; validations and forecasts of policies after N; the batch rows of batches no longer in the stream; evaluations
@@ -49,12 +56,13 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from megatron_scalerl.batches.stream import RolloutStream
+from megatron_scalerl.batches.train_batch import BatchError
 from megatron_scalerl.checkpoint.store import RL_STATE, CheckpointStore, read_rl_state
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text
@@ -133,6 +141,7 @@ def rewind_to_checkpoint(run_dir: Path, say: Callable[[str], object], *, metrics
     latest = CheckpointStore(run_dir, keep=1).latest_valid(checksums=False)
     _rewind_stream(run_dir, latest, say)
     step = latest[0] if latest is not None else 0
+    _set_aside_unreadable(run_dir, step, say)
     if metrics:
         last_batch = RolloutStream(run_dir).next_index() - 1
         where = latest[1].name if latest is not None else "the run's start"
@@ -172,18 +181,44 @@ def _rewind_stream(run_dir: Path, latest: tuple[int, Path] | None, say: Callable
             f"batch {end} was pruned: batches {end + 1}..{last}, maybe sampled by policies the trainer no longer has, "
             "stay in the stream")
         return
-    folder = _free_folder(stream.dir / ABANDONED_DIR / f"from_batch_{end + 1:08d}")
-    folder.mkdir(parents=True)
     batches = f"batch {last} was" if last == end + 1 else f"batches {end + 1}..{last} were"
-    why = (f"{batches} written after the orchestrator state of {where} (batch {end}), by policies the trainer no "
-           f"longer has: the run resumes from {where}")
+    _set_aside_from(run_dir, end + 1, copy, f"{batches} written after the orchestrator state of {where} (batch "
+                    f"{end}), by policies the trainer no longer has: the run resumes from {where}", say)
+
+
+def _set_aside_unreadable(run_dir: Path, step: int, say: Callable[[str], object]) -> None:
+    """The first batch from `step` on that cannot be read back, and every batch after it, moved aside; the state
+    after the stream's old end saved as that of the batch before it (the module docstring)."""
+    stream = RolloutStream(run_dir)
+    last = stream.next_index() - 1
+    for index in range(step, last + 1):
+        try:
+            if stream.ready(index):
+                stream.read(index)
+        except BatchError as exc:
+            state, _ = load_state(run_dir, last)
+            _set_aside_from(run_dir, index, replace(state, batch=index - 1),
+                            f"batch {index} cannot be read ({exc}): batches {index}..{last} set aside; the "
+                            f"orchestrator writes batch {index} again from new prompts (those of the set-aside "
+                            "batches count as drawn)", say)
+            return
+
+
+def _set_aside_from(run_dir: Path, first: int, state: SavedState | None, why: str,
+                    say: Callable[[str], object]) -> None:
+    """Move batches `first`.. (newest first: an interrupted move leaves a shorter stream, never a gap) and the saved
+    state files into `RUN/rollouts/abandoned/from_batch_<first>/` with a note saying `why`; `state` (None: none,
+    the orchestrator starts afresh) becomes the saved state."""
+    stream = RolloutStream(run_dir)
+    folder = _free_folder(stream.dir / ABANDONED_DIR / f"from_batch_{first:08d}")
+    folder.mkdir(parents=True)
     atomic_write_text(folder / ABANDONED_NOTE, f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {why}\n")
     for name in (CURRICULUM_FILE, PREVIOUS_CURRICULUM_FILE):
         if (run_dir / name).is_file():
             os.replace(run_dir / name, folder / name)
-    if copy is not None:
-        save_state(run_dir, copy, new_batch=False)
-    for index in range(last, end, -1):
+    if state is not None:
+        save_state(run_dir, state, new_batch=False)
+    for index in range(stream.next_index() - 1, first - 1, -1):
         if stream.ready(index):
             os.replace(stream.path(index), folder / stream.path(index).name)
     say(f"{why}; they and the orchestrator state they followed are in {folder}")

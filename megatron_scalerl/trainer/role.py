@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from megatron_scalerl.algo.off_policy import pushes_weights_after
 from megatron_scalerl.batches.stream import BatchReader, RolloutStream
-from megatron_scalerl.batches.train_batch import TrainBatch
+from megatron_scalerl.batches.train_batch import BatchError, TrainBatch
 from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.gpu_hours import ComputeMeter
@@ -212,7 +212,11 @@ class Trainer:
             if stop:
                 return None
             if ready:
-                return self.stream.read(index, self.recipe.model.vocab_size)[0]
+                try:
+                    return self.stream.read(index, self.recipe.model.vocab_size)[0]
+                except BatchError as exc:  # the restart's rewind sets an unreadable one aside: it is made again
+                    raise BatchError(f"{exc} (a restart of the launch, or `scalerl train --resume`, sets an unreadable "
+                                     "batch and those after it aside; the orchestrator writes them again)") from None
             if time.monotonic() > deadline:
                 raise self.stream.missing(index, self.batch_timeout_s)
             if self.link is None or not self.link.catch_up(self.model, index):
