@@ -3,8 +3,9 @@
 The real trainer (`trainer.role.Trainer` in a scratch run directory, megatron-core model, distributed optimizer) of
 the tiny Llama-4 MoE on spawned gloo workers (one thread each), at `--ep` (the demo's EP=2 by default), on the same
 batch as bench/train_step.py (`bench_batch`): `--warmup` steps, then `--steps` times one train step followed by one
-`Trainer.checkpoint()` (a synchronous save of model, optimizer and RL state, then the pruning; on CPU megatron-core's
-asynchronous save is not available: its `async_utils` is CUDA-bound). Medians, seconds, of the slowest rank; the
+`Trainer.checkpoint()` (model, optimizer and RL state, then the pruning: on CPU megatron-core's asynchronous save
+runs in place, as its queue that runs it in the background is CUDA-bound; on GPUs the stall is the copy to host memory
+and the writer's start, not measured here). Medians, seconds, of the slowest rank; the
 ratio is checkpoint / step (the baseline: the step itself). The first lines print the CPU capability torch reports
 and whether bf16 is native, to write beside the figures. The last line is one JSON object.
 

@@ -271,7 +271,9 @@ def test_supervisor_restarts_a_failed_trainer_and_a_resumed_orchestrator_and_the
 
 
 def test_supervisor_stops_a_failure_that_repeats_once_the_budget_is_spent(tmp_path, capsys):
-    trainer = _role(tmp_path, "trainer", "import sys; print('poisoned batch'); sys.exit(5)").start()
+    # each start logs the cause of its exit as our roles do (the launch names the last one of the failed start)
+    trainer = _role(tmp_path, "trainer", "import sys, time; print('poisoned batch'); print(f'{time.time()} trainer "
+                                         "ERROR batch 3 is poisoned'); sys.exit(5)").start()
     orchestrator = _role(tmp_path, "orchestrator", "import time; time.sleep(60)").start()
     calls = []
     restarts = Restarts(2, 0.0, lambda n, cause: calls.append(n) or 0, [sys.executable, "-c", "import time; "
@@ -282,31 +284,57 @@ def test_supervisor_stops_a_failure_that_repeats_once_the_budget_is_spent(tmp_pa
         orchestrator.stop(timeout_s=5)
     err = capsys.readouterr().err
     assert calls == [1, 2] and "poisoned batch" in err
-    assert "no restart left (launch.max_restarts 2 spent): the run stops; last cause: trainer failed (exit 5)" in err
+    assert ("no restart left (launch.max_restarts 2 spent): the run stops; last cause: trainer failed (exit 5): batch "
+            "3 is poisoned") in err
 
 
 WEIGHT_INFO = """
 import http.server, json, pathlib, sys
-marker = pathlib.Path(sys.argv[2])
-version = "4" if marker.exists() else "7"  # the first start keeps a lost policy (7); started again it gets 4
+port, marker, mode = int(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
+restarted = marker.exists()
 marker.touch()
-class Info(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        body = json.dumps({"weight_version": version}).encode()
-        self.send_response(200)
+served = {"version": "4" if restarted else "7"}  # the first start holds the failed trainer's 7; started again: 4
+served["open_update"] = mode == "inside_an_update" and not restarted
+class Server(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # /weight_info, /is_paused
+        self.answer(200, {"weight_version": served["version"], "is_paused": served["open_update"]})
+    def do_POST(self):  # /finish_weight_update, /update_weight_version
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/finish_weight_update" and served["open_update"]:
+            served["open_update"] = False
+            return self.answer(200, {})
+        if (mode == "deaf" and not restarted) or served["open_update"] or self.path != "/update_weight_version":
+            return self.answer(500, {"error": "busy"})
+        served["version"] = body["new_version"]
+        if mode in ("trained_on", "inside_an_update"):  # the restarted trainer's pushes come at once
+            served["version"] = "5" if mode == "trained_on" else "4"
+        self.answer(200, {"success": True})
+    def answer(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(body)
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Info).serve_forever()
+        self.wfile.write(data)
+http.server.HTTPServer(("127.0.0.1", port), Server).serve_forever()
 """
 
 
-def test_a_generator_that_never_gets_the_restarted_trainers_weights_is_started_again(tmp_path, capsys, monkeypatch):
-    """After a restart the trainer resumes from step 4; a live generator still serving policy 7 (say, stuck in a
-    receive of the failed trainer's weights) is started again after STUCK_GENERATOR_S, then serves 4, and the
-    orchestrator starts."""
+@pytest.mark.parametrize("mode, said", [
+    ("stuck", "did not get the restarted trainer's weights (policy 4 or later) within 2 s: starting it again"),
+    ("deaf", "cannot be readied for the restarted trainer (stuck in a receive of the failed trainer's weights, or "
+             "inside its update?): starting it again"),
+    ("inside_an_update", None), ("trained_on", None)])
+def test_after_a_restart_a_generator_serves_the_restarted_trainers_weights_before_the_orchestrator_starts(
+        tmp_path, capsys, monkeypatch, mode, said):
+    """After a restart the trainer resumes from step 4; a live generator holds the failed trainer's policy 7. Its
+    weights are tagged lost first; then it must serve policy 4 or later. `stuck`: it takes the tag but never gets
+    the weights: started again after STUCK_GENERATOR_S, it gets 4. `deaf`: it does not take the tag (a receive
+    blocks it): started again at once. `inside_an_update`: the failed trainer died inside a push (the server is
+    paused, an update open): the update is closed, then tagged. `trained_on`: the trainer's next pushes reach it
+    before the supervisor looks (it serves 5): that is the restarted trainer's too, and the orchestrator starts."""
     monkeypatch.setattr(supervise, "STUCK_GENERATOR_S", 2.0)
     port = free_port()
-    generator = Role("generator 0", [sys.executable, "-c", WEIGHT_INFO, str(port), str(tmp_path / "started")],
+    generator = Role("generator 0", [sys.executable, "-c", WEIGHT_INFO, str(port), str(tmp_path / "started"), mode],
                      tmp_path / "g.log").start()
     marker = tmp_path / "failed_once"
     trainer = _role(tmp_path, "trainer", f"import pathlib, sys, time\np = pathlib.Path({str(marker)!r})\n"
@@ -319,7 +347,7 @@ def test_a_generator_that_never_gets_the_restarted_trainers_weights_is_started_a
         generator.stop(timeout_s=5)
         orchestrator.stop(timeout_s=5)
     out = capsys.readouterr().out
-    assert f"generator 0 (http://127.0.0.1:{port}) did not get policy 4 within 2 s" in out
+    assert (f"generator 0 (http://127.0.0.1:{port}) {said}" in out) if said else "starting it again" not in out
     assert "restart 1: the trainer resumed from step 4 and the generators serve it" in out
 
 

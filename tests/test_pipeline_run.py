@@ -15,8 +15,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,14 +24,14 @@ from safetensors import safe_open
 from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.fileio import atomic_write_text, dump_yaml, load_yaml
 from megatron_scalerl.forecast.live import STATUS_CODES
-from megatron_scalerl.launch.supervise import LAUNCH_ENV, processes_with_environment
 from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run_dir import read_finished
+from tests.launch_utils import generator_url, launch, leftovers, pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-SCALERL = Path(sys.executable).with_name("scalerl")
+THIS = "tests/test_pipeline_run.py"
 STEPS = 8
 OVERRIDES = [f"trainer.max_steps={STEPS}", "launch.max_restarts=1", "launch.restart_backoff_s=0",
              "trainer.checkpoint_interval=2", "algorithm.zero_variance_filter=false",
@@ -43,48 +41,8 @@ OVERRIDES = [f"trainer.max_steps={STEPS}", "launch.max_restarts=1", "launch.rest
              "data.validation_generations=2", "forecast.min_compute=0", "forecast.resamples=20"]
 
 
-def _train(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    return subprocess.Popen([str(SCALERL), "train", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, start_new_session=True)
-
-
-def _wait_until(ready, proc: subprocess.Popen, what: str, timeout_s: float = 400) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        assert proc.poll() is None, f"scalerl train exited {proc.returncode}:\n{proc.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, f"not {what} after {timeout_s} s"
-        time.sleep(0.5)
-
-
-def _pids(pattern: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def _leftovers() -> list[tuple[int, str]]:
-    """Processes of this test file's launches still alive (their environment carries a launch id and this file)."""
-    return processes_with_environment(f"{LAUNCH_ENV}=", "PYTEST_CURRENT_TEST=tests/test_pipeline_run.py")
-
-
 def _nice(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])  # field 19 of proc(5)
-
-
-def _launch(args: list[str], faults: list[tuple[str, object, object]]) -> tuple[int, str]:
-    """`scalerl train ARGS`; for each (what, ready, fault) in turn, once `ready()`: `fault()`. Returns the launch's
-    exit code and output (it ends on its own, or because of a fault)."""
-    proc = _train(*args)
-    try:
-        for what, ready, fault in faults:
-            _wait_until(ready, proc, what)
-            fault()
-        out, _ = proc.communicate(timeout=600)
-        return proc.returncode, out
-    finally:
-        if proc.poll() is None:
-            proc.terminate()  # the launcher stops its roles (each in a session of its own)
-            proc.wait(timeout=200)
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +55,13 @@ def run(tmp_path_factory):
     stream = RolloutStream(run_dir)
 
     def kill_generator():
-        port = json.loads((run_dir / "generators.json").read_text())["urls"][0].rsplit(":", 1)[1]
-        [server] = _pids(f"vllm.entrypoints.openai.api_server.*--port {port}")
+        port = generator_url(run_dir).rsplit(":", 1)[1]
+        [server] = pids(f"vllm.entrypoints.openai.api_server.*--port {port}")
         launches["generator_nice"] = _nice(server)
         os.killpg(server, signal.SIGKILL)  # the server's whole group: API server, engine core, worker
 
     def kill(pattern: str):
-        [pid] = _pids(f"{pattern} --run-dir {run_dir}")
+        [pid] = pids(f"{pattern} --run-dir {run_dir}")
         os.kill(pid, signal.SIGKILL)
 
     def batches_beyond(count: int):
@@ -126,17 +84,17 @@ def run(tmp_path_factory):
         restarted = [r["time"] for r in rows if "launch/restarts" in r]
         return bool(restarted) and any(r["role"] == "trainer" and r["time"] > restarted[0] for r in rows)
 
-    launches["first"] = _launch(fresh, [
+    launches["first"] = launch(fresh, [
         ("two batches", batches_beyond(1), lambda: (kill_generator(), killed_at.append(stream.next_index()))),
         ("two batches after the generator kill", lambda: stream.next_index() >= killed_at[0] + 2,
          kill_orchestrator_and_trainer),
         ("a trainer step after the restart", trained_after_the_restart,
          lambda: kill("-u -m megatron_scalerl.trainer"))])
-    launches["left_by_first"] = _leftovers()
+    launches["left_by_first"] = leftovers(THIS)
     # 2: to the end
     launches["second_started"] = time.time()
-    launches["second"] = _launch(resume, [])
-    launches["left_by_second"] = _leftovers()
+    launches["second"] = launch(resume, [])
+    launches["left_by_second"] = leftovers(THIS)
     launches["finished_second"] = read_finished(run_dir)
     # 3: a copy of the finished run, extended (max_steps raised) under a compute budget it has already spent: one
     # more batch, then it ends itself
@@ -145,8 +103,8 @@ def run(tmp_path_factory):
     recipe = load_yaml(extended / "recipe.yaml")
     recipe["trainer"].update(max_steps=STEPS + 4, max_gpu_hours=launches["finished_second"]["gpu_hours"])
     atomic_write_text(extended / "recipe.yaml", dump_yaml(recipe))
-    launches["third"] = _launch(["--run-dir", str(extended), "--resume"], [])
-    launches["left_by_third"] = _leftovers()
+    launches["third"] = launch(["--run-dir", str(extended), "--resume"], [])
+    launches["left_by_third"] = leftovers(THIS)
     return launches
 
 

@@ -12,6 +12,8 @@ On the wire vLLM keeps a version as a string: `version_tag` is what the trainer 
 from __future__ import annotations
 
 NO_VERSION = -1
+LOST_TAG = "lost"  # what a restart of the trainer tags the live generators' weights with: a lost policy's
+# (parse_version: NO_VERSION), so whatever version they serve next came from the restarted trainer
 
 
 def version_tag(version: int) -> str:

@@ -34,11 +34,14 @@ def _strategy(path: Path, *, loading: bool):
     return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group)
 
 
-def save_sharded(sharded_state: dict, path: Path) -> None:
-    """Collective. Write `sharded_state` (megatron ShardedTensors) into the existing directory `path`."""
+def save_sharded(sharded_state: dict, path: Path):
+    """Collective. Prepare writing `sharded_state` (megatron ShardedTensors) into the existing directory `path`:
+    megatron-core's AsyncRequest (its asynchronous save), which the caller runs in place (`execute_sync()`, as
+    megatron's own synchronous save does) or schedules in the background (`AsyncCallsQueue`, CUDA only)."""
     from megatron.core import dist_checkpointing
 
-    dist_checkpointing.save(sharded_state, str(path), sharded_strategy=_strategy(path, loading=False))
+    return dist_checkpointing.save(sharded_state, str(path), sharded_strategy=_strategy(path, loading=False),
+                                   async_sharded_save=True)
 
 
 def load_sharded(sharded_state: dict, path: Path) -> dict:
@@ -47,7 +50,10 @@ def load_sharded(sharded_state: dict, path: Path) -> dict:
 
     try:
         return dist_checkpointing.load(sharded_state, str(path), sharded_strategy=_strategy(path, loading=True))
-    except Exception as exc:  # megatron raises many types for missing/mismatched shards
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # megatron raises many types for missing/mismatched shards (torch's
+        # CheckpointException, for one unreadable shard file, is a BaseException)
         raise CheckpointError(f"{path}: cannot load into this model/layout: {exc}") from exc
 
 

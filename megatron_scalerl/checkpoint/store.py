@@ -53,56 +53,71 @@ def sha256_file(path: Path, block: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def publish(final: Path, write: Callable[[Path], None], rl_state: dict, manifest_fields: dict) -> Path:
-    """Collective. Publish checkpoint directory `final` atomically: every rank calls `write(tmp_dir)` for its files
-    in `.<name>.partial` beside it, rank 0 adds `rl_state.json`, the ranks hash the files (split between them), rank 0
-    writes the manifest (`manifest_fields` + files) last and renames the directory into place. A directory already at
-    `final` is replaced only once the new one is complete. A write that fails on any rank (a full disk) fails the
-    save on every rank alike with CheckpointError naming the rank and the cause; the partial copy is removed (its
-    space freed), earlier checkpoints are untouched."""
-    tmp = final.parent / f".{final.name}.partial"
-    if rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crash mid-save
-        tmp.mkdir(parents=True)
-    barrier()
+class Publication:
+    """One checkpoint on its way into place; every method is collective. `Publication(final, rl_state)` makes
+    `.<name>.partial` beside `final`; `write(step)` runs `step()` on every rank to write their files into `tmp` (at
+    once, or later: megatron-core's asynchronous save finishes a write it started earlier); `complete()` adds
+    `rl_state.json` (rank 0), hashes the files (split between the ranks), writes the manifest (`manifest_fields` +
+    files) last on rank 0 and renames the directory into place. A directory already at `final`
+    is replaced only once the new one is complete. A write that fails on any rank (a full disk) fails the save on
+    every rank alike with CheckpointError naming the rank and the cause; the partial copy is removed (its space
+    freed), earlier checkpoints are untouched."""
 
-    def write_files() -> None:
-        write(tmp)
+    def __init__(self, final: Path, rl_state: dict):
+        self.final, self.tmp, self.rl_state = final, final.parent / f".{final.name}.partial", rl_state
         if rank() == 0:
-            atomic_write_json(tmp / RL_STATE, rl_state)
+            shutil.rmtree(self.tmp, ignore_errors=True)  # leftovers of a crash mid-save
+            self.tmp.mkdir(parents=True)
+        barrier()
 
-    _agree(final, tmp, write_files)
-    files = from_rank0(sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-                        if rank() == 0 else None)
-    mine = {rel: {"bytes": (tmp / rel).stat().st_size, "sha256": sha256_file(tmp / rel)}
-            for rel in files[rank()::world_size()]}
-    gathered = all_gathered(mine)
+    def write(self, step: Callable[[], object]) -> None:
+        _agree(self.final, self.tmp, step)
 
-    def finish() -> None:
-        if rank() != 0:
-            return
-        entries = {k: v for part in gathered for k, v in part.items()}
-        atomic_write_json(tmp / MANIFEST, {**manifest_fields, "created": time.time(),
-                                           "files": dict(sorted(entries.items()))})
-        replaced = final.parent / f".{final.name}.replaced"
-        if final.exists():  # re-saving an iteration (e.g. after a resume): the old copy stays until the new is in
+    def complete(self, manifest_fields: dict) -> Path:
+        tmp, final = self.tmp, self.final
+        self.write(lambda: atomic_write_json(tmp / RL_STATE, self.rl_state) if rank() == 0 else None)
+        files = from_rank0(sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+                           if rank() == 0 else None)
+        mine = {rel: {"bytes": (tmp / rel).stat().st_size, "sha256": sha256_file(tmp / rel)}
+                for rel in files[rank()::world_size()]}
+        gathered = all_gathered(mine)
+
+        def finish() -> None:
+            if rank() != 0:
+                return
+            entries = {k: v for part in gathered for k, v in part.items()}
+            atomic_write_json(tmp / MANIFEST, {**manifest_fields, "created": time.time(),
+                                               "files": dict(sorted(entries.items()))})
+            replaced = final.parent / f".{final.name}.replaced"
+            if final.exists():  # re-saving an iteration (e.g. after a resume): the old copy stays until the new is in
+                shutil.rmtree(replaced, ignore_errors=True)
+                final.rename(replaced)
+            tmp.rename(final)
             shutil.rmtree(replaced, ignore_errors=True)
-            final.rename(replaced)
-        tmp.rename(final)
-        shutil.rmtree(replaced, ignore_errors=True)
 
-    _agree(final, tmp, finish)
-    return final
+        self.write(finish)
+        return final
+
+
+def publish(final: Path, write: Callable[[Path], None], rl_state: dict, manifest_fields: dict) -> Path:
+    """Collective. Publish checkpoint directory `final` atomically (`Publication`): every rank calls `write(tmp_dir)`
+    for its files, in place."""
+    publication = Publication(final, rl_state)
+    publication.write(lambda: write(publication.tmp))
+    return publication.complete(manifest_fields)
 
 
 def _agree(final: Path, tmp: Path, step: Callable[[], object]) -> None:
-    """Collective: run `step` on every rank; when it raised OSError on any, remove `tmp` and raise CheckpointError
-    on every rank (naming `final`, the ranks and their errors)."""
+    """Collective: run `step` on every rank; when it raised on any (an OSError of our own writes; megatron-core's
+    save reports a full disk as torch's CheckpointException), remove `tmp` and raise CheckpointError on every rank
+    (naming `final`, the ranks and their errors)."""
     try:
         step()
         failure = None
-    except OSError as exc:
-        failure = f"rank {rank()}: {type(exc).__name__}: {exc}"
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # torch's CheckpointException is a BaseException; every rank must hear of it
+        failure = f"rank {rank()}: {_describe(exc)}"
     failures = [f for f in all_gathered(failure) if f]
     if failures:
         if rank() == 0:
@@ -110,6 +125,16 @@ def _agree(final: Path, tmp: Path, step: Callable[[], object]) -> None:
         barrier()
         raise CheckpointError(f"{final}: could not be written ({'; '.join(failures[:3])}); its partial copy was "
                               "removed, the earlier checkpoints are untouched")
+
+
+def _describe(exc: BaseException) -> str:
+    """One line per cause: torch's CheckpointException lists each rank's own failure (`failures`), whose text
+    would otherwise be buried in the tracebacks it prints."""
+    causes = getattr(exc, "failures", None)
+    if isinstance(causes, dict) and causes:
+        causes = {r: e[0] if isinstance(e, tuple) else e for r, e in causes.items()}  # (exception, its stack)
+        return "; ".join(f"writer of rank {r}: {type(e).__name__}: {e}" for r, e in sorted(causes.items()))
+    return f"{type(exc).__name__}: {exc}"
 
 
 def checkpoint_problems(path: Path, *, checksums: bool = True, collective: bool = False) -> list[str]:
@@ -168,7 +193,18 @@ class CheckpointStore:
 
     def save(self, iteration: int, write: Callable[[Path], None], rl_state: dict) -> Path:
         """Collective: every rank calls `write(tmp_dir)` for its shards; returns the published directory."""
-        final = publish(self.path(iteration), write, rl_state, {"iteration": iteration})
+        publication = self.start(iteration, rl_state)
+        publication.write(lambda: write(publication.tmp))
+        return self.finish(iteration, publication)
+
+    def start(self, iteration: int, rl_state: dict) -> Publication:
+        """Collective: checkpoint `iteration` begun (`Publication`); its files are written through it, then
+        `finish` publishes it."""
+        return Publication(self.path(iteration), rl_state)
+
+    def finish(self, iteration: int, publication: Publication) -> Path:
+        """Collective: publish checkpoint `iteration`, started by `start`, its files written; then prune (`_prune`)."""
+        final = publication.complete({"iteration": iteration})
         if rank() == 0:
             self._prune(iteration)
         barrier()

@@ -41,11 +41,12 @@ CPU_GENERATOR_PRIORITY = ["nice", "-n", "10"]
 
 
 def start_run(run_dir: Path, recipe: Recipe, tokenizer_dir: Path) -> int:
-    """A new run of `recipe` in `run_dir` (absent or empty) with the tokenizer in `tokenizer_dir`: prepare the run
+    """A new run of `recipe` in `run_dir` (absent, or with no file in it: empty folders, such as a file system
+    mounted at RUN/checkpoints beforehand, are fine) with the tokenizer in `tokenizer_dir`: prepare the run
     directory, then `run_local`; the exit code."""
     import torch
 
-    if run_dir.exists() and any(run_dir.iterdir()):
+    if run_dir.exists() and any(path.is_file() for path in run_dir.rglob("*")):
         raise UserError(f"{run_dir} is not empty: continue it with --resume, or choose another --run-dir")
     recipe = prepare_run_dir(run_dir, recipe, tokenizer_dir, cuda=torch.cuda.is_available())
     return run_local(run_dir, recipe, resume=False)

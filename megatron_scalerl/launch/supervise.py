@@ -12,10 +12,14 @@ The run ends when the trainer and the orchestrator have both finished (exit 0). 
 rank: torchrun ends them all), the launch heals itself within its restart budget (`Restarts`, the recipe's
 `launch.max_restarts`): it prints the cause and the failed role's log tail, stops both (the orchestrator first; a
 trainer still alive checkpoints its current step), waits its backoff (doubling per restart), rewinds the stream and
-the metrics to the checkpoint the trainer will resume from (`Restarts.prepare`), starts the trainer again, waits
-until every live generator serves that checkpoint's weights (the trainer re-sends them; a generator still holding
-a lost policy must not sample for the new orchestrator; one that does not get them within STUCK_GENERATOR_S is
-started again), then starts the orchestrator with `--resume`. Each
+the metrics to the checkpoint the trainer will resume from (`Restarts.prepare`), tags each live generator's weights
+as lost (`algo.versions.LOST_TAG`: a generator still holding a lost policy must not sample for the new
+orchestrator, which takes no work to a server without a version; an update the failed trainer left open is closed
+first; one that does not answer, e.g. stuck in a receive of the failed trainer's weights, is started again at
+once), starts the trainer again, waits until every
+live generator serves a version of the restarted trainer (it re-sends its weights, and may be steps further by
+then; one that does not get them within STUCK_GENERATOR_S is started again), then starts the orchestrator with
+`--resume`. Each
 restart is a `launcher` record in metrics.jsonl (`launch/restarts`, `launch/restart_cause`). Once the budget is
 spent, the next failure ends the launch (exit 1) with its cause: a failure that repeats at the same step never loops.
 Under SLURM any role's exit (a generator's too) on an allocation that lost a node (`Restarts.allocation_lost`)
@@ -61,6 +65,7 @@ KILL_WAIT_S = 10.0  # how long kill_carrying waits for what it killed to be gone
 MAX_BACKOFF_S = 300.0  # the longest wait before a restart of the trainer and the orchestrator
 ALLOCATION_LOST = 75  # run_roles' exit code when a role failed and its allocation cannot run it again (EX_TEMPFAIL)
 STUCK_GENERATOR_S = 300.0  # a live generator without the restarted trainer's weights after this long is restarted
+CONTROL_TIMEOUT_S = 10.0  # a generator's answer to the supervisor's calls (/weight_info, /update_weight_version)
 
 
 @dataclass
@@ -106,11 +111,13 @@ class Role:
     # must get the signal from SLURM: a SIGTERM to srun itself kills them at once)
     process: subprocess.Popen | None = None
     started: float = 0.0  # time.monotonic() of the last start
+    log_start: int = 0  # the log's size (bytes) at the last start: what this run of the role wrote follows it
     restarts: int = 0
     quick_exits: int = 0  # in a row
 
     def start(self) -> Role:
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.log_start = self.log.stat().st_size if self.log.is_file() else 0
         with open(self.log, "ab") as out:  # the child keeps its own descriptor
             self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE if self.echo else out,
                                             stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -132,6 +139,18 @@ class Role:
     def tail(self, lines: int = 20) -> str:
         text = self.log.read_text(errors="replace") if self.log.is_file() else ""
         return "\n".join(text.splitlines()[-lines:])
+
+    def last_error(self, limit: int = 400) -> str | None:
+        """The message of the last ERROR record this run of the role logged (our roles log
+        "<time> <role> ERROR <message>" before they exit on an error: the cause, where a torchrun summary or a
+        traceback ends the log), at most `limit` characters; None without one."""
+        if not self.log.is_file():
+            return None
+        with open(self.log, "rb") as handle:
+            handle.seek(self.log_start)
+            text = handle.read().decode(errors="replace")
+        errors = [line.split(" ERROR ", 1)[1] for line in text.splitlines() if " ERROR " in line]
+        return errors[-1][:limit] if errors else None
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Ask the role to stop (`terminate`, else SIGTERM to its main process, which stops its own children: torchrun
@@ -264,7 +283,8 @@ def _supervise(trainer: Role, orchestrator: Role, generators: list[Role], urls: 
             if code is None or role.name in finished:
                 continue
             if code != 0:
-                cause = f"{role.name} failed (exit {code})"
+                error = role.last_error()
+                cause = f"{role.name} failed (exit {code})" + (f": {error}" if error else "")
                 print(f"{cause}; {role.log}:\n{role.tail()}", file=sys.stderr, flush=True)
                 if restarts.lost(cause):
                     return ALLOCATION_LOST
@@ -318,13 +338,19 @@ def _restart(trainer: Role, orchestrator: Role, generators: list[Role], urls: li
     time.sleep(backoff)
     step = restarts.prepare(restarts.done, cause)
     orchestrator.command = restarts.resumed_orchestrator
+    for role, url in zip(generators, urls, strict=True):
+        if role.process.poll() is None and not _tag_lost(url):
+            print(f"{role.name} ({url}) cannot be readied for the restarted trainer (stuck in a receive of the failed "
+                  "trainer's weights, or inside its update?): starting it again", flush=True)
+            role.stop(timeout_s=10.0)
+            role.start()
     trainer.start()
     for role, url in zip(generators, urls, strict=True):
         if role.process.poll() is not None:
             continue  # dead: the watch loop starts it again, and the trainer re-syncs it before it gets work
         if not _wait_version(url, step, trainer, STUCK_GENERATOR_S):
-            print(f"{role.name} ({url}) did not get policy {step} within {STUCK_GENERATOR_S:.0f} s (stuck in a "
-                  "receive of the failed trainer's weights?): starting it again", flush=True)
+            print(f"{role.name} ({url}) did not get the restarted trainer's weights (policy {step} or later) within "
+                  f"{STUCK_GENERATOR_S:.0f} s: starting it again", flush=True)
             role.stop(timeout_s=10.0)
             role.start()
             if not _wait_version(url, step, trainer, ready_timeout_s):
@@ -335,8 +361,31 @@ def _restart(trainer: Role, orchestrator: Role, generators: list[Role], urls: li
           "orchestrator continues", flush=True)
 
 
+def _tag_lost(url: str) -> bool:
+    """Tag the weights of the generator at `url` as a lost policy's (`algo.versions.LOST_TAG`); when the failed
+    trainer died inside a push (the server is paused: only a push pauses it), first close the update it left open
+    (/finish_weight_update, tagged lost: the restarted trainer's push replaces every weight). Whether all of it
+    answered within CONTROL_TIMEOUT_S each (False: stuck, e.g. in a receive; it is started again)."""
+    from megatron_scalerl.algo.versions import LOST_TAG  # deferred, as every import of torch's packages here
+    from megatron_scalerl.http_json import request_json
+    from megatron_scalerl.run_dir import API_KEY_ENV
+
+    def call(path: str, body: object = None, method: str = "POST") -> object:
+        return request_json(url, path, body, method=method, timeout_s=CONTROL_TIMEOUT_S,
+                            api_key=os.environ.get(API_KEY_ENV))
+
+    try:
+        if (call("/is_paused", method="GET") or {}).get("is_paused"):
+            call("/finish_weight_update", {"weight_version": LOST_TAG})
+        call("/update_weight_version", {"new_version": LOST_TAG})
+        return True
+    except ServerError:
+        return False
+
+
 def _wait_version(url: str, version: int, trainer: Role, timeout_s: float) -> bool:
-    """Whether the generator at `url` serves policy `version` (its /weight_info) within `timeout_s` seconds;
+    """Whether the generator at `url`, its weights tagged lost (`_tag_lost`) or fresh, serves policy `version` or a
+    later one (its /weight_info: the restarted trainer may have trained on by then) within `timeout_s` seconds;
     UserError with the trainer's log tail when the trainer exits first without it there."""
     from megatron_scalerl.algo.versions import parse_version  # deferred, as every import of torch's packages here
     from megatron_scalerl.http_json import request_json
@@ -345,9 +394,9 @@ def _wait_version(url: str, version: int, trainer: Role, timeout_s: float) -> bo
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            answer = request_json(url, "/weight_info", method="GET", timeout_s=10.0,
+            answer = request_json(url, "/weight_info", method="GET", timeout_s=CONTROL_TIMEOUT_S,
                                   api_key=os.environ.get(API_KEY_ENV))
-            if parse_version((answer or {}).get("weight_version")) == version:
+            if parse_version((answer or {}).get("weight_version")) >= version:
                 return True
         except ServerError:
             pass  # starting, or busy: asked again

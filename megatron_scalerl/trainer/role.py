@@ -20,8 +20,9 @@ runs a `Trainer`, read top to bottom:
   weights (tagged i + 1: every step under PipelineRL-k, every k-th step under PPO-off-policy-k, whose generators keep
   one policy for k batches), logs every `logging.log_interval` steps and checkpoints every
   `trainer.checkpoint_interval` steps, or once `trainer.checkpoint_interval_min` minutes passed since the last one
-  (by rank 0's clock), and at the end (a synchronous save: megatron-core's asynchronous one is CUDA-bound). While
-  it waits for a batch it sends the current weights to any generator that does not serve them (one that came up
+  (by rank 0's clock), and at the end (`trainer.state.CheckpointWriter`: megatron-core's asynchronous save, in
+  the background on GPUs, published once written on every rank; in place on CPUs, where megatron-core's queue
+  for it cannot run: it is CUDA-bound). While it waits for a batch it sends the current weights to any generator that does not serve them (one that came up
   later, or restarted). `trainer/idle_fraction` is the share of its wall time spent waiting for batches.
 
 SIGTERM, or the launcher's `RUN/stop_requested` (see `run_dir`): the current step finishes, the trainer checkpoints
@@ -58,7 +59,7 @@ from megatron_scalerl.recipe import Recipe, load_recipe
 from megatron_scalerl.run_dir import CURRICULUM_FILE, RECIPE_FILE, STOP_TIMEOUT_S, stop_requested
 from megatron_scalerl.trainer.generator_sync import GeneratorLink
 from megatron_scalerl.trainer.setup import build_model_and_optimizer
-from megatron_scalerl.trainer.state import load_trainer, save_trainer
+from megatron_scalerl.trainer.state import CheckpointWriter, load_trainer
 from megatron_scalerl.trainer.step import ForwardBackward, NonFiniteError, StepState, clip_and_update, grad_norm, lr_at
 from megatron_scalerl.weight_sync.protocol import WeightSyncError
 
@@ -99,7 +100,8 @@ class Trainer:
         self.state = StepState()
         self.store = CheckpointStore(run_dir, keep=recipe.trainer.keep_checkpoints,
                                      keep_every=recipe.trainer.keep_every)
-        self.saved_step: int | None = None  # the step of the newest checkpoint of this run
+        self.writer = CheckpointWriter(self.store, background=torch.cuda.is_available())
+        self.saved_step: int | None = None  # the step of the newest checkpoint of this run (or being written)
         self.last_checkpoint_s = time.monotonic()  # of the last checkpoint of this process (or its start)
         rl_state = self._resume()
         self.stream: BatchReader = RolloutStream(run_dir)
@@ -182,15 +184,19 @@ class Trainer:
         curriculum = self.run_dir / CURRICULUM_FILE
         if curriculum.is_file():
             extras["curriculum"] = json.loads(curriculum.read_text())
-        path = save_trainer(self.store, self.model, self.optimizer, self.state, self.recipe.model, extras)
         self.saved_step = self.state.step
-        if self.is_rank0:
-            log.info("checkpoint %s (step %d)", path, self.saved_step)
-            # keep the batch before the oldest checkpoint a resume may use: that checkpoint's copy of the
-            # orchestrator state may end there, and a resume rewound to it goes on after it
-            # (rollout/orchestrator_state.py); the `keep_every` ones, for evaluation, hold nothing back
-            self.stream.prune(before=min(self.store.resumable()) - 1)
+        self._published(self.writer.save(self.model, self.optimizer, self.state, self.recipe.model, extras))
         self.last_checkpoint_s = time.monotonic()
+
+    def _published(self, path: Path | None) -> None:
+        """Rank 0, after checkpoint `path` was published (None: nothing was): says so, and prunes the batches."""
+        if path is None or not self.is_rank0:
+            return
+        log.info("checkpoint %s", path)
+        # keep the batch before the oldest checkpoint a resume may use: that checkpoint's copy of the orchestrator
+        # state may end there, and a resume rewound to it goes on after it (rollout/orchestrator_state.py); the
+        # `keep_every` ones, for evaluation, hold nothing back
+        self.stream.prune(before=min(self.store.resumable()) - 1)
 
     def log(self, metrics: dict) -> None:
         """Rank 0: append `metrics` with the compute so far (`ComputeMeter.figures`: wall_hours, gpus, gpu_hours,
@@ -249,11 +255,15 @@ class Trainer:
                 self.log(metrics)
             if step % self.recipe.trainer.checkpoint_interval == 0 or self._checkpoint_clock_due():
                 self.checkpoint()
+            else:
+                self._published(self.writer.poll())  # a checkpoint written in the background
         if self.saved_step != self.state.step:
             self.checkpoint()
+        self._published(self.writer.poll(blocking=True))
 
     def close(self) -> None:
-        """The metrics log (wandb's run) and the weight broadcast group."""
+        """The metrics log (wandb's run), the weight broadcast group and the checkpoint writer."""
+        self.writer.close()
         self.metrics_log.close()
         if self.link is not None:
             self.link.close()

@@ -1,6 +1,7 @@
 """Save and restore the trainer: model + optimizer (Megatron distributed checkpoint) + RL state + RNG states.
 
-Model and optimizer go through `checkpoint.sharded` (megatron-core `dist_checkpointing`, torch_dist format), whose
+Model and optimizer go through `checkpoint.sharded` (megatron-core `dist_checkpointing`, torch_dist format; written
+by `CheckpointWriter`, in the background on GPUs), whose
 sharded state dicts are layout-independent: a checkpoint written at TP2 loads at TP1/PP2/EP2. The optimizer uses the
 `fully_reshardable` layout for the same reason (gathered on DP rank 0 at save; megatron-core 0.16.1 rejects
 the `fully_sharded_model_space` layout's flattened ranges). The RL state (`StepState`, data cursor, compute used) is
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from megatron_scalerl.checkpoint.sharded import load_sharded, save_sharded
-from megatron_scalerl.checkpoint.store import CheckpointStore, read_rl_state
+from megatron_scalerl.checkpoint.store import CheckpointStore, Publication, read_rl_state
 from megatron_scalerl.models.weights import unwrap_model
 from megatron_scalerl.platform.distributed import rank, world_size
 from megatron_scalerl.recipe import ModelConfig
@@ -49,18 +50,75 @@ def _rng_state() -> dict:
     return state
 
 
+class CheckpointWriter:
+    """Writes the trainer's checkpoints into a `CheckpointStore`; `save` and `poll` are collective.
+
+    Model and optimizer go through megatron-core's asynchronous save (`checkpoint.sharded.save_sharded` returns its
+    AsyncRequest). With `background` (CUDA: megatron's AsyncCallsQueue is CUDA-bound) the request runs in a process
+    of its own once the tensors are copied to host memory, the trainer steps on, and `poll` publishes the checkpoint
+    when it finds the write finished on every rank; without it (CPU) the same request runs in place, and `save`
+    returns the checkpoint published. A save waits for the one before it; a failed write raises CheckpointError on
+    every rank from the `save` or `poll` that finds it (`checkpoint.store.Publication`)."""
+
+    def __init__(self, store: CheckpointStore, *, background: bool):
+        self.store = store
+        self.queue = None
+        if background:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.queue = AsyncCallsQueue()
+        self.pending: tuple[int, Publication] | None = None  # the checkpoint being written in the background
+
+    def save(self, model_chunks: list, optimizer, step_state: StepState, model_cfg: ModelConfig,
+             extra_rl_state: dict) -> Path | None:
+        """Start checkpoint `iter_<step>` (step = optimizer steps taken), the architecture (`model_cfg`) recorded in
+        its RL state so tools can rebuild the model from it alone; the published directory, or None while it is
+        written in the background."""
+        self.poll(blocking=True)
+        rl_state = {"step_state": dataclasses.asdict(step_state), "world_size": world_size(),
+                    "model": model_cfg.model_dump(mode="json"), **extra_rl_state}
+        publication = self.store.start(step_state.step, rl_state)
+
+        def write() -> None:
+            request = save_sharded(_sharded_state(model_chunks, optimizer, is_loading=False), publication.tmp)
+            if self.queue is None:
+                request.execute_sync()
+            else:
+                self.queue.schedule_async_request(request)
+            (publication.tmp / "rng").mkdir(exist_ok=True)
+            torch.save(_rng_state(), publication.tmp / "rng" / f"rank_{rank():05d}.pt")
+
+        publication.write(write)
+        if self.queue is not None:
+            self.pending = (step_state.step, publication)
+            return None
+        return self.store.finish(step_state.step, publication)
+
+    def poll(self, *, blocking: bool = False) -> Path | None:
+        """The checkpoint written in the background, published once its write finished on every rank (`blocking`:
+        wait for it); None when there is none, or it is not finished."""
+        if self.pending is None:
+            return None
+        step, publication = self.pending
+        done: list[int] = []
+        publication.write(lambda: done.extend(self.queue.maybe_finalize_async_calls(blocking=blocking)))
+        if not done:
+            return None
+        self.pending = None
+        return self.store.finish(step, publication)
+
+    def close(self) -> None:
+        """Stop the background writer; a write still unfinished (the trainer failed) is abandoned: its partial
+        directory is never published, and the next save replaces it."""
+        if self.queue is not None:
+            self.queue.close(abort=True)
+
+
 def save_trainer(store: CheckpointStore, model_chunks: list, optimizer, step_state: StepState,
                  model_cfg: ModelConfig, extra_rl_state: dict) -> Path:
-    """Collective. Publishes `checkpoints/iter_<step>` (step = optimizer steps taken). The architecture
-    (`model_cfg`) is recorded in the RL state so tools can rebuild the model from the checkpoint alone."""
-    def write(tmp: Path) -> None:
-        save_sharded(_sharded_state(model_chunks, optimizer, is_loading=False), tmp)
-        (tmp / "rng").mkdir(exist_ok=True)
-        torch.save(_rng_state(), tmp / "rng" / f"rank_{rank():05d}.pt")
-
-    rl_state = {"step_state": dataclasses.asdict(step_state), "world_size": world_size(),
-                "model": model_cfg.model_dump(mode="json"), **extra_rl_state}
-    return store.save(step_state.step, write, rl_state)
+    """Collective. `CheckpointWriter.save` in place: publishes `checkpoints/iter_<step>` before it returns."""
+    return CheckpointWriter(store, background=False).save(model_chunks, optimizer, step_state, model_cfg,
+                                                          extra_rl_state)
 
 
 def load_trainer(path: Path, model_chunks: list, optimizer) -> tuple[StepState, dict]:

