@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from megatron_scalerl.launch.supervise import LAUNCH_ENV, processes_with_environment
+from megatron_scalerl.metrics import read_metrics
 
 SCALERL = Path(sys.executable).with_name("scalerl")
 
@@ -75,3 +76,16 @@ def generator_url(run_dir: Path, index: int = 0) -> str:
 def leftovers(test_file: str) -> list[tuple[int, str]]:
     """Processes of `test_file`'s launches still alive (their environment carries a launch id and that file)."""
     return processes_with_environment(f"{LAUNCH_ENV}=", f"PYTEST_CURRENT_TEST={test_file}")
+
+
+def stepped_after_restarts(run_dir: Path, restarts: int):
+    """A `ready` for `launch`: once the launch has restarted `restarts` times (0: from its start) and the trainer
+    logged a step since the last of them."""
+    def ready() -> bool:
+        rows = read_metrics(run_dir)
+        times = [r["time"] for r in rows if "launch/restarts" in r]
+        if len(times) < restarts:
+            return False
+        since = times[restarts - 1] if restarts else 0.0
+        return any(r["role"] == "trainer" and "train/loss" in r and r["time"] > since for r in rows)
+    return ready

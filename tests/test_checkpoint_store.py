@@ -175,15 +175,24 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(disk)], check=False)
 
 
-def test_a_save_on_a_full_disk_fails_whole_and_frees_its_space(small_disk):
-    """The second checkpoint does not fit: CheckpointError naming it and the cause; no partial copy stays (its space
-    is freed), the first checkpoint is untouched and still the one a resume takes; the next save that fits works."""
+@pytest.mark.parametrize("first, second, message", [
+    # the write runs out of room: its partial copy is removed, its space freed
+    (100_000, 2_000_000, r"iter_0000020: could not be written \(rank 0: OSError: .*No space left on device.*the earlier "
+                         r"checkpoints are untouched"),
+    # less room than the newest checkpoint took: refused before anything is written (megatron-core writes some files
+    # on rank 0 alone between collectives, where a full disk would leave the other ranks waiting)
+    (300_000, 1_000, r"iter_0000020: not written: 0\.\d MiB free in .*, the newest checkpoint \(iter_0000010\) took "
+                     r"0\.3 MiB; the earlier checkpoints are untouched"),
+])
+def test_a_save_that_does_not_fit_fails_whole_and_the_earlier_checkpoint_stays(small_disk, first, second, message):
+    """CheckpointError naming the checkpoint and the cause; no partial copy stays, the first checkpoint is untouched
+    and still the one a resume takes."""
     store = CheckpointStore(small_disk, keep=3)
-    store.save(10, _writer(b"a" * 100_000), {"step": 10})
-    with pytest.raises(CheckpointError, match=r"iter_0000020: could not be written \(rank 0: OSError: .*No space left "
-                                              r"on device.*the earlier checkpoints are untouched"):
-        store.save(20, _writer(b"b" * 2_000_000), {"step": 20})
+    store.save(10, _writer(b"a" * first), {"step": 10})
+    with pytest.raises(CheckpointError, match=message):
+        store.save(20, _writer(b"b" * second), {"step": 20})
     assert sorted(p.name for p in (small_disk / "checkpoints").iterdir()) == ["iter_0000010"]
     assert store.latest_valid() == (10, store.path(10))
-    store.save(30, _writer(b"c" * 100_000), {"step": 30})
-    assert store.iterations() == [30, 10] and store.latest_valid() == (30, store.path(30))
+    if first < 200_000:  # room is left: the next save that fits works
+        store.save(30, _writer(b"c" * 100_000), {"step": 30})
+        assert store.iterations() == [30, 10] and store.latest_valid() == (30, store.path(30))

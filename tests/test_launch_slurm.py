@@ -321,8 +321,8 @@ http.server.HTTPServer(("127.0.0.1", port), Server).serve_forever()
 
 @pytest.mark.parametrize("mode, said", [
     ("stuck", "did not get the restarted trainer's weights (policy 4 or later) within 2 s: starting it again"),
-    ("deaf", "cannot be readied for the restarted trainer (stuck in a receive of the failed trainer's weights, or "
-             "inside its update?): starting it again"),
+    ("deaf", "cannot be readied for the restarted trainer (stuck in a receive of the failed trainer's weights?): "
+             "starting it again"),
     ("inside_an_update", None), ("trained_on", None)])
 def test_after_a_restart_a_generator_serves_the_restarted_trainers_weights_before_the_orchestrator_starts(
         tmp_path, capsys, monkeypatch, mode, said):
@@ -348,7 +348,7 @@ def test_after_a_restart_a_generator_serves_the_restarted_trainers_weights_befor
         orchestrator.stop(timeout_s=5)
     out = capsys.readouterr().out
     assert (f"generator 0 (http://127.0.0.1:{port}) {said}" in out) if said else "starting it again" not in out
-    assert "restart 1: the trainer resumed from step 4 and the generators serve it" in out
+    assert "restart 1: the trainer resumed from step 4 and the generators serve its weights" in out
 
 
 SHOW_NODE = """NodeName=gpu0 Arch=x86_64 CoresPerSocket=1 CPUAlloc=2 CPUTot=2 NodeAddr=10.0.0.0 State=ALLOCATED ThreadsPerCore=1

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_scalerl.batches.stream import RolloutStream
-from megatron_scalerl.batches.train_batch import BatchError
+from megatron_scalerl.batches.train_batch import CorruptBatchError
 from megatron_scalerl.checkpoint.store import CheckpointStore, publish
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.metrics import REWOUND_FILE, MetricsLog, logged_wall_hours, read_metrics
@@ -211,7 +211,7 @@ def test_an_unreadable_batch_the_trainer_has_yet_to_read_is_set_aside_with_those
         orchestrator.log(written, {"rollout/policy_version": float(written - 1)})
     _corrupt(stream.path(1))
     _corrupt(stream.path(3))
-    with pytest.raises(BatchError, match="batch_00000003.safetensors: corrupt TrainBatch"):
+    with pytest.raises(CorruptBatchError, match="batch_00000003.safetensors: corrupt TrainBatch"):
         stream.read(3)
     said = []
     assert rewind_to_checkpoint(tmp_path, said.append, metrics=True) == 2
@@ -225,3 +225,19 @@ def test_an_unreadable_batch_the_trainer_has_yet_to_read_is_set_aside_with_those
     assert [r["step"] for r in read_metrics(tmp_path) if "rollout/policy_version" in r] == [1, 2, 3]
     stream.put(make_batch(seed=9), index=3)  # written again where it was
     assert rewind_to_checkpoint(tmp_path, said.append) == 2 and len(said) == 2  # nothing more to set aside
+
+
+def test_a_set_aside_cut_short_is_done_again_from_where_it_stopped(tmp_path):
+    """The set-aside of unreadable batch 3 was cut short after the new state (that of batch 2) was saved and batch 5
+    moved: the next rewind moves batches 3..4 too and keeps that state."""
+    stream = _stream(tmp_path, 6)
+    _checkpoint(tmp_path, 2, json.loads(_state(5).to_json()))
+    save_state(tmp_path, replace(_state(5), batch=2), new_batch=False)
+    _corrupt(stream.path(3))
+    (tmp_path / "rollouts" / ABANDONED_DIR / "from_batch_00000003").mkdir(parents=True)
+    stream.path(5).rename(tmp_path / "rollouts" / ABANDONED_DIR / "from_batch_00000003" / stream.path(5).name)
+    said = []
+    assert rewind_to_checkpoint(tmp_path, said.append) == 2
+    assert stream.next_index() == 3 and load_state(tmp_path, 2)[0] == replace(_state(5), batch=2)
+    assert [p.name for p in _folder(tmp_path)] == ["from_batch_00000003", "from_batch_00000003.1"]
+    assert "batches 3..4 set aside" in said[0]

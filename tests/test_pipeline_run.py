@@ -27,7 +27,7 @@ from megatron_scalerl.forecast.live import STATUS_CODES
 from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run_dir import read_finished
-from tests.launch_utils import generator_url, launch, leftovers, pids
+from tests.launch_utils import generator_url, launch, leftovers, pids, stepped_after_restarts
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -79,16 +79,11 @@ def run(tmp_path_factory):
         kill("megatron_scalerl.rollout.orchestrator")
         kill("-u -m megatron_scalerl.trainer")
 
-    def trained_after_the_restart():
-        rows = read_metrics(run_dir)
-        restarted = [r["time"] for r in rows if "launch/restarts" in r]
-        return bool(restarted) and any(r["role"] == "trainer" and r["time"] > restarted[0] for r in rows)
-
     launches["first"] = launch(fresh, [
         ("two batches", batches_beyond(1), lambda: (kill_generator(), killed_at.append(stream.next_index()))),
         ("two batches after the generator kill", lambda: stream.next_index() >= killed_at[0] + 2,
          kill_orchestrator_and_trainer),
-        ("a trainer step after the restart", trained_after_the_restart,
+        ("a trainer step after the restart", stepped_after_restarts(run_dir, 1),
          lambda: kill("-u -m megatron_scalerl.trainer"))])
     launches["left_by_first"] = leftovers(THIS)
     # 2: to the end

@@ -55,7 +55,7 @@ def _checks(rank, run_dir):
         patch_torch_adam_checkpoint_load,
     )
     from megatron_scalerl.trainer.setup import build_model_chunks, head_weight, optimizer_config
-    from megatron_scalerl.trainer.state import load_trainer, save_trainer
+    from megatron_scalerl.trainer.state import CheckpointWriter, load_trainer
     from megatron_scalerl.trainer.step import ForwardBackward, StepState
 
     recipe = tiny_recipe("tiny_moe", extra=BF16)
@@ -91,7 +91,7 @@ def _checks(rank, run_dir):
         optimizer.step()
     trained = _adam_state(chunks, optimizer)
     store = CheckpointStore(run_dir, keep=1)
-    save_trainer(store, chunks, optimizer, StepState(step=2, updates=2), recipe.model, {})
+    CheckpointWriter(store, background=False).save(chunks, optimizer, StepState(step=2, updates=2), recipe.model, {})
 
     def load_into_fresh():
         chunks, optimizer = build()

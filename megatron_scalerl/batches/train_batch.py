@@ -19,9 +19,9 @@ Optional, per token (None when absent: a dense model, a run without routing capt
   from per-sample tensors.
 
 On disk (`encode` / `decode`): one safetensors file; input_ids and weight_versions are stored as int32, routes (when
-present) as uint8, the metadata as JSON under the key `meta`, and a CRC-32 of the tensors' bytes under `crc32`:
-a file whose bytes changed after it was written (a bad disk, a partial copy) is refused as corrupt, not trained on
-(files written before the checksum have none and are read as they are).
+present) as uint8, the metadata as JSON under the key `meta`, and a CRC-32 of the tensors' bytes and the metadata
+under `crc32`: a file whose bytes changed after it was written (a bad disk, a partial copy) is refused as corrupt
+(CorruptBatchError), not trained on (files written before the checksum have none and are read as they are).
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ ROUTES_DTYPE = torch.uint8  # expert ids: up to 256 experts per layer
 
 class BatchError(UserError):
     """A TrainBatch is malformed; the message names the source and the field."""
+
+
+class CorruptBatchError(BatchError):
+    """A batch file that does not read back as it was written (unreadable, or its checksum differs)."""
 
 
 @dataclass(frozen=True)
@@ -184,15 +188,16 @@ def encode(batch: TrainBatch, metadata: dict | None = None) -> bytes:
         if tensors[name].numel() and int(tensors[name].abs().max()) >= 2**31:
             raise BatchError(f"TrainBatch to write: {name}: values beyond int32")
         tensors[name] = tensors[name].to(torch.int32)
-    return save(tensors, metadata={"meta": json.dumps(metadata or {}), "crc32": str(_crc32(tensors))})
+    meta = json.dumps(metadata or {})
+    return save(tensors, metadata={"meta": meta, "crc32": str(_crc32(tensors, meta))})
 
 
-def _crc32(tensors: dict[str, torch.Tensor]) -> int:
-    """CRC-32 of the tensors' bytes as stored, in name order."""
+def _crc32(tensors: dict[str, torch.Tensor], meta: str) -> int:
+    """CRC-32 of the tensors' bytes as stored, in name order, then of the metadata's JSON."""
     crc = 0
     for name in sorted(tensors):
         crc = zlib.crc32(tensors[name].contiguous().view(-1).view(torch.uint8).numpy(), crc)
-    return crc
+    return zlib.crc32(meta.encode(), crc)
 
 
 def decode(path: Path) -> tuple[TrainBatch, dict]:
@@ -202,10 +207,12 @@ def decode(path: Path) -> tuple[TrainBatch, dict]:
             header = handle.metadata() or {}
             meta = json.loads(header.get("meta", "{}"))
     except (SafetensorError, OSError, ValueError) as exc:
-        raise BatchError(f"{path}: unreadable TrainBatch: {exc}") from None
-    if "crc32" in header and str(_crc32(tensors)) != header["crc32"]:
-        raise BatchError(f"{path}: corrupt TrainBatch: its tensors' CRC-32 is {_crc32(tensors)}, the writer recorded "
-                         f"{header['crc32']}")
+        raise CorruptBatchError(f"{path}: unreadable TrainBatch: {exc}") from None
+    if "crc32" in header:
+        crc = str(_crc32(tensors, header.get("meta", "{}")))
+        if crc != header["crc32"]:
+            raise CorruptBatchError(f"{path}: corrupt TrainBatch: its CRC-32 is {crc}, the writer recorded "
+                                    f"{header['crc32']}")
     missing = [name for name in (*TOKEN_FIELDS, *SAMPLE_FIELDS) if name not in tensors]
     if missing:
         raise BatchError(f"{path}: missing tensors {missing}")

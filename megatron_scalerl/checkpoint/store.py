@@ -199,8 +199,31 @@ class CheckpointStore:
 
     def start(self, iteration: int, rl_state: dict) -> Publication:
         """Collective: checkpoint `iteration` begun (`Publication`); its files are written through it, then
-        `finish` publishes it."""
+        `finish` publishes it. CheckpointError on every rank, before anything is written, when the disk has less
+        room than the newest checkpoint took (`_space_problem`)."""
+        problem = from_rank0(self._space_problem(iteration) if rank() == 0 else None)
+        if problem:
+            raise CheckpointError(problem)
         return Publication(self.path(iteration), rl_state)
+
+    def _space_problem(self, iteration: int) -> str | None:
+        """Rank 0: why checkpoint `iteration` would not fit (free space below the size of the newest checkpoint, by
+        its manifest), or None. Checked first because megatron-core writes some files on rank 0 alone, between
+        collectives: a write failing there would leave the other ranks waiting until the collective timeout."""
+        newest = next(iter(self.iterations()), None)
+        if newest is None:
+            return None
+        try:
+            files = json.loads((self.path(newest) / MANIFEST).read_text())["files"]
+            size = sum(int(entry["bytes"]) for entry in files.values())
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # no manifest to go by (a corrupt newest checkpoint): the write's own failure tells
+        free = shutil.disk_usage(self.dir).free
+        if free >= size:
+            return None
+        return (f"{self.path(iteration)}: not written: {free / 2**20:.1f} MiB free in {self.dir}, the newest "
+                f"checkpoint ({self.path(newest).name}) took {size / 2**20:.1f} MiB; the earlier checkpoints are "
+                "untouched (free space there, or lower trainer.keep_checkpoints)")
 
     def finish(self, iteration: int, publication: Publication) -> Path:
         """Collective: publish checkpoint `iteration`, started by `start`, its files written; then prune (`_prune`)."""

@@ -146,8 +146,8 @@ class Role:
         traceback ends the log), at most `limit` characters; None without one."""
         if not self.log.is_file():
             return None
-        with open(self.log, "rb") as handle:
-            handle.seek(self.log_start)
+        with open(self.log, "rb") as handle:  # its last MiB: a log of days is large, its end is what counts
+            handle.seek(max(self.log_start, self.log.stat().st_size - 2**20))
             text = handle.read().decode(errors="replace")
         errors = [line.split(" ERROR ", 1)[1] for line in text.splitlines() if " ERROR " in line]
         return errors[-1][:limit] if errors else None
@@ -324,11 +324,12 @@ def _supervise(trainer: Role, orchestrator: Role, generators: list[Role], urls: 
 
 def _restart(trainer: Role, orchestrator: Role, generators: list[Role], urls: list[str], restarts: Restarts,
              cause: str, ready_timeout_s: float) -> None:
-    """One restart of the trainer and the orchestrator (the module docstring). A live generator that does not serve
-    the resumed policy within STUCK_GENERATOR_S (e.g. stuck receiving the failed trainer's weights until its own
-    timeout) is started again, and gets the weights as any restarted generator does. UserError when the trainer fails
-    again before the generators have its weights, or a restarted generator does not get them within
-    `ready_timeout_s` seconds."""
+    """One restart of the trainer and the orchestrator (the module docstring). Each live generator's weights are
+    tagged lost first (`_tag_lost`); one that cannot be (stuck in a receive of the failed trainer's weights) is started
+    again at once. A generator that then does not serve a policy of the restarted trainer within STUCK_GENERATOR_S
+    (ready_timeout_s for one started again) is started (again), and gets the weights as any restarted generator
+    does. UserError when the trainer fails again before the generators have its weights, or a generator started
+    again does not get them within `ready_timeout_s` seconds."""
     restarts.done += 1
     backoff = min(restarts.backoff_s * 2 ** (restarts.done - 1), MAX_BACKOFF_S)
     print(f"{cause}: restarting the trainer and the orchestrator from the last checkpoint in {backoff:.0f} s "
@@ -338,34 +339,40 @@ def _restart(trainer: Role, orchestrator: Role, generators: list[Role], urls: li
     time.sleep(backoff)
     step = restarts.prepare(restarts.done, cause)
     orchestrator.command = restarts.resumed_orchestrator
+    started_again = set()
     for role, url in zip(generators, urls, strict=True):
         if role.process.poll() is None and not _tag_lost(url):
             print(f"{role.name} ({url}) cannot be readied for the restarted trainer (stuck in a receive of the failed "
-                  "trainer's weights, or inside its update?): starting it again", flush=True)
+                  "trainer's weights?): starting it again", flush=True)
             role.stop(timeout_s=10.0)
             role.start()
+            started_again.add(role.name)
     trainer.start()
     for role, url in zip(generators, urls, strict=True):
         if role.process.poll() is not None:
             continue  # dead: the watch loop starts it again, and the trainer re-syncs it before it gets work
-        if not _wait_version(url, step, trainer, STUCK_GENERATOR_S):
+        fresh = role.name in started_again
+        if not _wait_version(url, step, trainer, ready_timeout_s if fresh else STUCK_GENERATOR_S):
+            if fresh:
+                raise UserError(f"{role.name} ({url}) did not get the restarted trainer's weights (policy {step} or "
+                                f"later) within {ready_timeout_s:g} s of its own restart; {role.log}:\n{role.tail()}")
             print(f"{role.name} ({url}) did not get the restarted trainer's weights (policy {step} or later) within "
                   f"{STUCK_GENERATOR_S:.0f} s: starting it again", flush=True)
             role.stop(timeout_s=10.0)
             role.start()
             if not _wait_version(url, step, trainer, ready_timeout_s):
-                raise UserError(f"{role.name} ({url}) did not get the restarted trainer's weights (policy {step}) "
-                                f"within {ready_timeout_s:g} s of its own restart; {role.log}:\n{role.tail()}")
+                raise UserError(f"{role.name} ({url}) did not get the restarted trainer's weights (policy {step} or "
+                                f"later) within {ready_timeout_s:g} s of its own restart; {role.log}:\n{role.tail()}")
     orchestrator.start()
-    print(f"restart {restarts.done}: the trainer resumed from step {step} and the generators serve it; the "
+    print(f"restart {restarts.done}: the trainer resumed from step {step} and the generators serve its weights; the "
           "orchestrator continues", flush=True)
 
 
 def _tag_lost(url: str) -> bool:
     """Tag the weights of the generator at `url` as a lost policy's (`algo.versions.LOST_TAG`); when the failed
-    trainer died inside a push (the server is paused: only a push pauses it), first close the update it left open
-    (/finish_weight_update, tagged lost: the restarted trainer's push replaces every weight). Whether all of it
-    answered within CONTROL_TIMEOUT_S each (False: stuck, e.g. in a receive; it is started again)."""
+    trainer died inside a push (the server is paused: only a push pauses it), first close the update it may have left
+    open (/finish_weight_update, tagged lost: the restarted trainer's push replaces every weight). Whether the tag
+    was taken within CONTROL_TIMEOUT_S (False: stuck, e.g. in a receive; it is started again)."""
     from megatron_scalerl.algo.versions import LOST_TAG  # deferred, as every import of torch's packages here
     from megatron_scalerl.http_json import request_json
     from megatron_scalerl.run_dir import API_KEY_ENV
@@ -376,7 +383,10 @@ def _tag_lost(url: str) -> bool:
 
     try:
         if (call("/is_paused", method="GET") or {}).get("is_paused"):
-            call("/finish_weight_update", {"weight_version": LOST_TAG})
+            try:
+                call("/finish_weight_update", {"weight_version": LOST_TAG})
+            except ServerError:
+                pass  # paused outside an update (before its start, after its finish): nothing open to close
         call("/update_weight_version", {"new_version": LOST_TAG})
         return True
     except ServerError:

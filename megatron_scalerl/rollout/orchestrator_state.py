@@ -32,8 +32,8 @@ launchers) and again when the orchestrator resumes:
   (the trainer prunes the batches below its oldest kept checkpoint; without batch B the stream would not know that
   it goes on at B + 1).
 
-A batch the trainer has yet to read (index N or later) that cannot be read back (corrupt: its checksum or encoding
-does not hold; `batches.train_batch.decode`) would stop every resume at the same step. The rewind therefore moves
+A batch the trainer has yet to read (index N or later) that cannot be read back (CorruptBatchError: its checksum or
+encoding does not hold; `batches.train_batch.decode`) would stop every resume at the same step. The rewind therefore moves
 it and every batch after it into `RUN/rollouts/abandoned/from_batch_<C>/` as well (with a note naming the fault),
 and saves the state after the stream's old end with `batch` = C - 1: the orchestrator writes batch C again from
 new prompts. The prompts of the set-aside batches count as drawn (their epoch goes on without them; no prompt is
@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_scalerl.batches.stream import RolloutStream
-from megatron_scalerl.batches.train_batch import BatchError
+from megatron_scalerl.batches.train_batch import CorruptBatchError
 from megatron_scalerl.checkpoint.store import RL_STATE, CheckpointStore, read_rl_state
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text
@@ -187,37 +187,51 @@ def _rewind_stream(run_dir: Path, latest: tuple[int, Path] | None, say: Callable
 
 
 def _set_aside_unreadable(run_dir: Path, step: int, say: Callable[[str], object]) -> None:
-    """The first batch from `step` on that cannot be read back, and every batch after it, moved aside; the state
-    after the stream's old end saved as that of the batch before it (the module docstring)."""
+    """The first batch from `step` on that does not read back (CorruptBatchError), and every batch after it, moved
+    aside; the state after the stream's old end saved as that of the batch before it (the module docstring)."""
     stream = RolloutStream(run_dir)
     last = stream.next_index() - 1
     for index in range(step, last + 1):
         try:
             if stream.ready(index):
                 stream.read(index)
-        except BatchError as exc:
-            state, _ = load_state(run_dir, last)
-            _set_aside_from(run_dir, index, replace(state, batch=index - 1),
+        except CorruptBatchError as exc:
+            _set_aside_from(run_dir, index, _state_before(run_dir, index, last),
                             f"batch {index} cannot be read ({exc}): batches {index}..{last} set aside; the "
                             f"orchestrator writes batch {index} again from new prompts (those of the set-aside "
                             "batches count as drawn)", say)
             return
 
 
+def _state_before(run_dir: Path, index: int, last: int) -> SavedState:
+    """The state to go on from at batch `index`: the newest saved one (after batch `last`), as that of batch
+    `index` - 1; or the saved one as it is when it is that already (an earlier set-aside was cut short)."""
+    saved = run_dir / CURRICULUM_FILE
+    if saved.is_file():
+        state = SavedState.parse(json.loads(saved.read_text()), str(saved))
+        if state.batch == index - 1:
+            return state
+    return replace(load_state(run_dir, last)[0], batch=index - 1)
+
+
 def _set_aside_from(run_dir: Path, first: int, state: SavedState | None, why: str,
                     say: Callable[[str], object]) -> None:
-    """Move batches `first`.. (newest first: an interrupted move leaves a shorter stream, never a gap) and the saved
-    state files into `RUN/rollouts/abandoned/from_batch_<first>/` with a note saying `why`; `state` (None: none,
-    the orchestrator starts afresh) becomes the saved state."""
+    """Move batches `first`.. and the saved state files into `RUN/rollouts/abandoned/from_batch_<first>/` with a note
+    saying `why`; `state` (None: none, the orchestrator starts afresh) becomes the saved state. In an order that a
+    cut-short move can be done again from: the state files are copied aside, the new state replaces them, then the
+    batches move newest first (a shorter stream, never a gap)."""
     stream = RolloutStream(run_dir)
     folder = _free_folder(stream.dir / ABANDONED_DIR / f"from_batch_{first:08d}")
     folder.mkdir(parents=True)
     atomic_write_text(folder / ABANDONED_NOTE, f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {why}\n")
     for name in (CURRICULUM_FILE, PREVIOUS_CURRICULUM_FILE):
         if (run_dir / name).is_file():
-            os.replace(run_dir / name, folder / name)
+            atomic_write_text(folder / name, (run_dir / name).read_text())
     if state is not None:
         save_state(run_dir, state, new_batch=False)
+    else:
+        (run_dir / CURRICULUM_FILE).unlink(missing_ok=True)
+    (run_dir / PREVIOUS_CURRICULUM_FILE).unlink(missing_ok=True)
     for index in range(stream.next_index() - 1, first - 1, -1):
         if stream.ready(index):
             os.replace(stream.path(index), folder / stream.path(index).name)

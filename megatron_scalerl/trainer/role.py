@@ -22,8 +22,8 @@ runs a `Trainer`, read top to bottom:
   `trainer.checkpoint_interval` steps, or once `trainer.checkpoint_interval_min` minutes passed since the last one
   (by rank 0's clock), and at the end (`trainer.state.CheckpointWriter`: megatron-core's asynchronous save, in
   the background on GPUs, published once written on every rank; in place on CPUs, where megatron-core's queue
-  for it cannot run: it is CUDA-bound). While it waits for a batch it sends the current weights to any generator that does not serve them (one that came up
-  later, or restarted). `trainer/idle_fraction` is the share of its wall time spent waiting for batches.
+  for it cannot run: it is CUDA-bound). While it waits for a batch it sends the current weights to any generator
+  that does not serve them (one that came up later, or restarted). `trainer/idle_fraction` is the share of its wall time spent waiting for batches.
 
 SIGTERM, or the launcher's `RUN/stop_requested` (see `run_dir`): the current step finishes, the trainer checkpoints
 it and exits 0; a rank still running `STOP_STACKS_AFTER_S` seconds after the stop writes every thread's stack to its
@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from megatron_scalerl.algo.off_policy import pushes_weights_after
 from megatron_scalerl.batches.stream import BatchReader, RolloutStream
-from megatron_scalerl.batches.train_batch import BatchError, TrainBatch
+from megatron_scalerl.batches.train_batch import CorruptBatchError, TrainBatch
 from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.gpu_hours import ComputeMeter
@@ -184,6 +184,7 @@ class Trainer:
         curriculum = self.run_dir / CURRICULUM_FILE
         if curriculum.is_file():
             extras["curriculum"] = json.loads(curriculum.read_text())
+        self._published(self.writer.poll(blocking=True))  # the one before, if it is still written in the background
         self.saved_step = self.state.step
         self._published(self.writer.save(self.model, self.optimizer, self.state, self.recipe.model, extras))
         self.last_checkpoint_s = time.monotonic()
@@ -220,9 +221,9 @@ class Trainer:
             if ready:
                 try:
                     return self.stream.read(index, self.recipe.model.vocab_size)[0]
-                except BatchError as exc:  # the restart's rewind sets an unreadable one aside: it is made again
-                    raise BatchError(f"{exc} (a restart of the launch, or `scalerl train --resume`, sets an unreadable "
-                                     "batch and those after it aside; the orchestrator writes them again)") from None
+                except CorruptBatchError as exc:  # the restart's rewind sets it aside: it is made again
+                    raise CorruptBatchError(f"{exc} (a restart of the launch, or `scalerl train --resume`, sets it and "
+                                            "the batches after it aside; the orchestrator writes them again)") from None
             if time.monotonic() > deadline:
                 raise self.stream.missing(index, self.batch_timeout_s)
             if self.link is None or not self.link.catch_up(self.model, index):

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from megatron_scalerl.checkpoint.sharded import load_sharded, save_sharded
-from megatron_scalerl.checkpoint.store import CheckpointStore, Publication, read_rl_state
+from megatron_scalerl.checkpoint.store import CheckpointError, CheckpointStore, Publication, read_rl_state
 from megatron_scalerl.models.weights import unwrap_model
 from megatron_scalerl.platform.distributed import rank, world_size
 from megatron_scalerl.recipe import ModelConfig
@@ -57,8 +57,10 @@ class CheckpointWriter:
     AsyncRequest). With `background` (CUDA: megatron's AsyncCallsQueue is CUDA-bound) the request runs in a process
     of its own once the tensors are copied to host memory, the trainer steps on, and `poll` publishes the checkpoint
     when it finds the write finished on every rank; without it (CPU) the same request runs in place, and `save`
-    returns the checkpoint published. A save waits for the one before it; a failed write raises CheckpointError on
-    every rank from the `save` or `poll` that finds it (`checkpoint.store.Publication`)."""
+    returns the checkpoint published. One checkpoint is written at a time: publish the one in the background
+    (`poll(blocking=True)`) before the next `save`. A failed write raises CheckpointError on every rank from the
+    `save` or `poll` that finds it (`checkpoint.store.Publication`); what was written in the background is then
+    stopped and nothing is published."""
 
     def __init__(self, store: CheckpointStore, *, background: bool):
         self.store = store
@@ -67,58 +69,69 @@ class CheckpointWriter:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
             self.queue = AsyncCallsQueue()
-        self.pending: tuple[int, Publication] | None = None  # the checkpoint being written in the background
+        self.pending: tuple[int, int, Publication] | None = None  # (step, megatron's call index, its publication)
 
     def save(self, model_chunks: list, optimizer, step_state: StepState, model_cfg: ModelConfig,
              extra_rl_state: dict) -> Path | None:
         """Start checkpoint `iter_<step>` (step = optimizer steps taken), the architecture (`model_cfg`) recorded in
         its RL state so tools can rebuild the model from it alone; the published directory, or None while it is
         written in the background."""
-        self.poll(blocking=True)
+        if self.pending is not None:
+            raise RuntimeError(f"checkpoint of step {self.pending[0]} still written in the background: "
+                               "poll(blocking=True) publishes it before the next save")
         rl_state = {"step_state": dataclasses.asdict(step_state), "world_size": world_size(),
                     "model": model_cfg.model_dump(mode="json"), **extra_rl_state}
         publication = self.store.start(step_state.step, rl_state)
+        scheduled: list[int] = []
 
-        def write() -> None:
+        def write() -> None:  # megatron's files first: it warns of a directory that already holds some
             request = save_sharded(_sharded_state(model_chunks, optimizer, is_loading=False), publication.tmp)
             if self.queue is None:
                 request.execute_sync()
             else:
-                self.queue.schedule_async_request(request)
+                scheduled.append(self.queue.schedule_async_request(request))
             (publication.tmp / "rng").mkdir(exist_ok=True)
             torch.save(_rng_state(), publication.tmp / "rng" / f"rank_{rank():05d}.pt")
 
-        publication.write(write)
-        if self.queue is not None:
-            self.pending = (step_state.step, publication)
-            return None
-        return self.store.finish(step_state.step, publication)
+        try:
+            publication.write(write)
+        except CheckpointError:
+            self._abort()
+            raise
+        if self.queue is None:
+            return self.store.finish(step_state.step, publication)
+        self.pending = (step_state.step, scheduled[0], publication)
+        return None
 
     def poll(self, *, blocking: bool = False) -> Path | None:
         """The checkpoint written in the background, published once its write finished on every rank (`blocking`:
         wait for it); None when there is none, or it is not finished."""
         if self.pending is None:
             return None
-        step, publication = self.pending
+        step, call, publication = self.pending
         done: list[int] = []
-        publication.write(lambda: done.extend(self.queue.maybe_finalize_async_calls(blocking=blocking)))
-        if not done:
+        try:
+            publication.write(lambda: done.extend(self.queue.maybe_finalize_async_calls(blocking=blocking)))
+        except CheckpointError:
+            self.pending = None
+            self._abort()
+            raise
+        if call not in done:
             return None
         self.pending = None
         return self.store.finish(step, publication)
 
-    def close(self) -> None:
-        """Stop the background writer; a write still unfinished (the trainer failed) is abandoned: its partial
-        directory is never published, and the next save replaces it."""
+    def _abort(self) -> None:
+        """Kill what megatron's queue still writes (its partial directory is gone or never published)."""
         if self.queue is not None:
-            self.queue.close(abort=True)
+            for active in self.queue.async_calls:
+                active.async_caller.close(abort=True)
+            self.queue.async_calls.clear()
 
-
-def save_trainer(store: CheckpointStore, model_chunks: list, optimizer, step_state: StepState,
-                 model_cfg: ModelConfig, extra_rl_state: dict) -> Path:
-    """Collective. `CheckpointWriter.save` in place: publishes `checkpoints/iter_<step>` before it returns."""
-    return CheckpointWriter(store, background=False).save(model_chunks, optimizer, step_state, model_cfg,
-                                                          extra_rl_state)
+    def close(self) -> None:
+        """Stop the background writer: a write still unfinished (the trainer failed) is abandoned, its partial
+        directory never published (the next save replaces it)."""
+        self._abort()
 
 
 def load_trainer(path: Path, model_chunks: list, optimizer) -> tuple[StepState, dict]:
