@@ -221,7 +221,7 @@ def test_a_lost_node_ends_the_allocation_and_the_job_requeues_itself_naming_it(c
     """The generator's node is lost mid-run: its slurmd and everything started there SIGKILLed. The launcher starts
     the generator again, srun cannot reach the node, and the job, finding the node NOT_RESPONDING in its allocation,
     ends its roles and requeues itself (it runs again once the node is declared DOWN and others are free: here the
-    cluster has none to spare, so the requeued job stays pending). Last in this file: the node stays lost."""
+    cluster has none to spare, so the requeued job stays pending). The node is brought back at the end."""
     run_dir, out = tmp_path / "run", tmp_path / "job.out"
     job = _sbatch(cluster, jobs, "slurm/scalerl_moe.sbatch", out, MOE_SIZES,
                   _run_settings(run_dir, models["tiny_moe"], 20, "rollout.k=2"))
@@ -231,8 +231,8 @@ def test_a_lost_node_ends_the_allocation_and_the_job_requeues_itself_naming_it(c
     [node] = [line.split()[1] for line in listing.splitlines() if line.startswith(f"{job}+1 ")]  # the generators'
     state = Path(cluster["SLURM_CONF"]).parent
     os.kill(int((state / f"slurmd-{node}.pid").read_text()), signal.SIGKILL)
-    for pid, _ in processes_with_environment(f"SLURMD_NODENAME={node}"):
-        os.kill(pid, signal.SIGKILL)
+    for pid, _ in processes_with_environment(f"SLURMD_NODENAME={node}", f"SLURM_CONF={cluster['SLURM_CONF']}"):
+        os.kill(pid, signal.SIGKILL)  # this cluster's only: another test's cluster may run beside it
     try:
         _wait("requeued", lambda: "requeueing" in out.read_text() and "PENDING" in _squeue(cluster, job), 300, out,
               cluster, poll_s=1.0)
@@ -240,6 +240,17 @@ def test_a_lost_node_ends_the_allocation_and_the_job_requeues_itself_naming_it(c
         assert f"this allocation cannot run it again: lost node(s): {node} (" in text, text[-3000:]
         assert "NOT_RESPONDING" in text.split("lost node(s):")[1].splitlines()[0]
         assert len(_trainer_steps(run_dir)) < 20  # it did not get to finish before the loss
-    finally:  # what a health check would do, so that the job's component there can complete and be cancelled
+    finally:  # the node down (as a health check would do: the job's component there completes), the job cancelled,
+        # then the node back for the tests after this one (the vllm ones run first, in any order)
         subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=lost in a test"], env=cluster,
                        capture_output=True)
+        subprocess.run(["scancel", str(job)], env=cluster, capture_output=True)
+        _wait("the job gone", lambda: not _squeue(cluster, job), 180, out, cluster)
+        subprocess.run([shutil.which("slurmd", path="/usr/sbin:/usr/bin"), "-N", node], env=cluster, check=True)
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], env=cluster, check=True)
+        _wait(f"{node} back", lambda: _node_state(cluster, node) == "idle", 120, out, cluster)
+
+
+def _node_state(env, node: str) -> str:
+    return subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], capture_output=True, text=True,
+                          env=env).stdout.strip()

@@ -204,8 +204,9 @@ def _failure(returncode: int, stderr: str, bwrap: bool) -> str | None:
         return "filesystem"
     if returncode < 0:
         return "runtime_error"
-    lines = [line for line in stderr.splitlines() if line and not line[0].isspace()]
-    return (exception_kind(lines[-1]) if lines else None) or "runtime_error"
+    # the last exception line that names a kind: a program that forks may leave several tracebacks, interleaved
+    kinds = [exception_kind(line) for line in stderr.splitlines() if line and not line[0].isspace()]
+    return next((kind for kind in reversed(kinds) if kind), "runtime_error")
 
 
 def _run(command: list[str], stdin_fd: int, limits: Limits, bwrap: bool, **popen) -> RunResult:
