@@ -237,7 +237,7 @@ def test_a_set_aside_cut_short_is_done_again_from_where_it_stopped(tmp_path):
     (tmp_path / "rollouts" / ABANDONED_DIR / "from_batch_00000003").mkdir(parents=True)
     stream.path(5).rename(tmp_path / "rollouts" / ABANDONED_DIR / "from_batch_00000003" / stream.path(5).name)
     said = []
-    assert rewind_to_checkpoint(tmp_path, said.append) == 2
+    assert rewind_to_checkpoint(tmp_path, said.append, metrics=True) == 2
     assert stream.next_index() == 3 and load_state(tmp_path, 2)[0] == replace(_state(5), batch=2)
     assert [p.name for p in _folder(tmp_path)] == ["from_batch_00000003", "from_batch_00000003.1"]
     assert "batches 3..4 set aside" in said[0]

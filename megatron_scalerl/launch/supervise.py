@@ -351,21 +351,27 @@ def _restart(trainer: Role, orchestrator: Role, generators: list[Role], urls: li
     for role, url in zip(generators, urls, strict=True):
         if role.process.poll() is not None:
             continue  # dead: the watch loop starts it again, and the trainer re-syncs it before it gets work
-        fresh = role.name in started_again
-        if not _wait_version(url, step, trainer, ready_timeout_s if fresh else STUCK_GENERATOR_S):
-            if fresh:
-                raise UserError(f"{role.name} ({url}) did not get the restarted trainer's weights (policy {step} or "
-                                f"later) within {ready_timeout_s:g} s of its own restart; {role.log}:\n{role.tail()}")
+        if role.name not in started_again and not _wait_version(url, step, trainer, STUCK_GENERATOR_S):
             print(f"{role.name} ({url}) did not get the restarted trainer's weights (policy {step} or later) within "
                   f"{STUCK_GENERATOR_S:.0f} s: starting it again", flush=True)
             role.stop(timeout_s=10.0)
             role.start()
-            if not _wait_version(url, step, trainer, ready_timeout_s):
-                raise UserError(f"{role.name} ({url}) did not get the restarted trainer's weights (policy {step} or "
-                                f"later) within {ready_timeout_s:g} s of its own restart; {role.log}:\n{role.tail()}")
+            started_again.add(role.name)
+        if role.name in started_again and not _wait_version(url, step, trainer, ready_timeout_s):
+            raise UserError(f"{role.name} ({url}) did not get the restarted trainer's weights (policy {step} or "
+                            f"later) within {ready_timeout_s:g} s of its own restart; {role.log}:\n{role.tail()}")
     orchestrator.start()
     print(f"restart {restarts.done}: the trainer resumed from step {step} and the generators serve its weights; the "
           "orchestrator continues", flush=True)
+
+
+def _control(url: str, path: str, body: object = None, method: str = "POST") -> object:
+    """One supervisor call to the generator at `url`, bounded by CONTROL_TIMEOUT_S; ServerError when it fails."""
+    from megatron_scalerl.http_json import request_json  # deferred, as every import of torch's packages here
+    from megatron_scalerl.run_dir import API_KEY_ENV
+
+    return request_json(url, path, body, method=method, timeout_s=CONTROL_TIMEOUT_S,
+                        api_key=os.environ.get(API_KEY_ENV))
 
 
 def _tag_lost(url: str) -> bool:
@@ -373,21 +379,15 @@ def _tag_lost(url: str) -> bool:
     trainer died inside a push (the server is paused: only a push pauses it), first close the update it may have left
     open (/finish_weight_update, tagged lost: the restarted trainer's push replaces every weight). Whether the tag
     was taken within CONTROL_TIMEOUT_S (False: stuck, e.g. in a receive; it is started again)."""
-    from megatron_scalerl.algo.versions import LOST_TAG  # deferred, as every import of torch's packages here
-    from megatron_scalerl.http_json import request_json
-    from megatron_scalerl.run_dir import API_KEY_ENV
-
-    def call(path: str, body: object = None, method: str = "POST") -> object:
-        return request_json(url, path, body, method=method, timeout_s=CONTROL_TIMEOUT_S,
-                            api_key=os.environ.get(API_KEY_ENV))
+    from megatron_scalerl.algo.versions import LOST_TAG
 
     try:
-        if (call("/is_paused", method="GET") or {}).get("is_paused"):
+        if (_control(url, "/is_paused", method="GET") or {}).get("is_paused"):
             try:
-                call("/finish_weight_update", {"weight_version": LOST_TAG})
+                _control(url, "/finish_weight_update", {"weight_version": LOST_TAG})
             except ServerError:
                 pass  # paused outside an update (before its start, after its finish): nothing open to close
-        call("/update_weight_version", {"new_version": LOST_TAG})
+        _control(url, "/update_weight_version", {"new_version": LOST_TAG})
         return True
     except ServerError:
         return False
@@ -397,15 +397,12 @@ def _wait_version(url: str, version: int, trainer: Role, timeout_s: float) -> bo
     """Whether the generator at `url`, its weights tagged lost (`_tag_lost`) or fresh, serves policy `version` or a
     later one (its /weight_info: the restarted trainer may have trained on by then) within `timeout_s` seconds;
     UserError with the trainer's log tail when the trainer exits first without it there."""
-    from megatron_scalerl.algo.versions import parse_version  # deferred, as every import of torch's packages here
-    from megatron_scalerl.http_json import request_json
-    from megatron_scalerl.run_dir import API_KEY_ENV
+    from megatron_scalerl.algo.versions import parse_version
 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            answer = request_json(url, "/weight_info", method="GET", timeout_s=CONTROL_TIMEOUT_S,
-                                  api_key=os.environ.get(API_KEY_ENV))
+            answer = _control(url, "/weight_info", method="GET")
             if parse_version((answer or {}).get("weight_version")) >= version:
                 return True
         except ServerError:

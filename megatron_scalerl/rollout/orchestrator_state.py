@@ -33,7 +33,8 @@ launchers) and again when the orchestrator resumes:
   it goes on at B + 1).
 
 A batch the trainer has yet to read (index N or later) that cannot be read back (CorruptBatchError: its checksum or
-encoding does not hold; `batches.train_batch.decode`) would stop every resume at the same step. The rewind therefore moves
+encoding does not hold; `batches.train_batch.decode`) would stop every resume at the same step. The launchers'
+rewind (`metrics=True`: it reads every such batch once, before any role starts) therefore moves
 it and every batch after it into `RUN/rollouts/abandoned/from_batch_<C>/` as well (with a note naming the fault),
 and saves the state after the stream's old end with `batch` = C - 1: the orchestrator writes batch C again from
 new prompts. The prompts of the set-aside batches count as drawn (their epoch goes on without them; no prompt is
@@ -141,7 +142,8 @@ def rewind_to_checkpoint(run_dir: Path, say: Callable[[str], object], *, metrics
     latest = CheckpointStore(run_dir, keep=1).latest_valid(checksums=False)
     _rewind_stream(run_dir, latest, say)
     step = latest[0] if latest is not None else 0
-    _set_aside_unreadable(run_dir, step, say)
+    if metrics:  # the launchers' rewind reads the batches once; the orchestrator's resume, after it, need not again
+        _set_aside_unreadable(run_dir, step, say)
     if metrics:
         last_batch = RolloutStream(run_dir).next_index() - 1
         where = latest[1].name if latest is not None else "the run's start"
