@@ -54,8 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.http_json import ServerError
-from megatron_scalerl.run_dir import STOP_TIMEOUT_S
+from megatron_scalerl.http_json import ServerError, request_json
+from megatron_scalerl.run_dir import API_KEY_ENV, STOP_TIMEOUT_S
 
 POLL_S = 1.0
 QUICK_EXIT_S = 60.0  # a generator that exits this soon after its start counts as a quick exit
@@ -367,9 +367,6 @@ def _restart(trainer: Role, orchestrator: Role, generators: list[Role], urls: li
 
 def _control(url: str, path: str, body: object = None, method: str = "POST") -> object:
     """One supervisor call to the generator at `url`, bounded by CONTROL_TIMEOUT_S; ServerError when it fails."""
-    from megatron_scalerl.http_json import request_json  # deferred, as every import of torch's packages here
-    from megatron_scalerl.run_dir import API_KEY_ENV
-
     return request_json(url, path, body, method=method, timeout_s=CONTROL_TIMEOUT_S,
                         api_key=os.environ.get(API_KEY_ENV))
 
@@ -379,7 +376,7 @@ def _tag_lost(url: str) -> bool:
     trainer died inside a push (the server is paused: only a push pauses it), first close the update it may have left
     open (/finish_weight_update, tagged lost: the restarted trainer's push replaces every weight). Whether the tag
     was taken within CONTROL_TIMEOUT_S (False: stuck, e.g. in a receive; it is started again)."""
-    from megatron_scalerl.algo.versions import LOST_TAG
+    from megatron_scalerl.algo.versions import LOST_TAG  # deferred: the algo package imports torch
 
     try:
         if (_control(url, "/is_paused", method="GET") or {}).get("is_paused"):
@@ -397,7 +394,7 @@ def _wait_version(url: str, version: int, trainer: Role, timeout_s: float) -> bo
     """Whether the generator at `url`, its weights tagged lost (`_tag_lost`) or fresh, serves policy `version` or a
     later one (its /weight_info: the restarted trainer may have trained on by then) within `timeout_s` seconds;
     UserError with the trainer's log tail when the trainer exits first without it there."""
-    from megatron_scalerl.algo.versions import parse_version
+    from megatron_scalerl.algo.versions import parse_version  # deferred: the algo package imports torch
 
     deadline = time.monotonic() + timeout_s
     while True:
