@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -363,7 +362,7 @@ NodeName=gpu2 Arch=x86_64 CoresPerSocket=1 CPUAlloc=2 CPUTot=2 NodeAddr=10.0.0.2
 
 def test_a_failure_on_an_allocation_that_lost_a_node_ends_the_launch_for_a_requeue(tmp_path, capsys):
     """`scontrol -o show node` names the lost node (a draining one still runs its jobs); a role that fails then is
-    not restarted on the same allocation: the launch ends with ALLOCATION_LOST (the job requeues itself)."""
+    not restarted on the same allocation: the launch ends with ALLOCATION_LOST (the job is requeued)."""
     assert lost_nodes(SHOW_NODE) == ["gpu1 (DOWN+NOT_RESPONDING: Not responding [slurm@2026-11-26T10:00:00])",
                                      "gpu3 (IDLE*: no reason given)", "gpu4 (DOWN*: gone)"]
     assert nodes_not_yet_gone(SHOW_NODE) == ["gpu3"]  # not answering, SlurmdTimeout not yet over: the job waits
@@ -389,49 +388,74 @@ def test_a_failure_on_an_allocation_that_lost_a_node_ends_the_launch_for_a_reque
     assert generator.restarts == 0
 
 
-def _scontrol_answering(node_states: list[str], said: list[tuple[str, ...]], requeue_error: str = ""):
-    """`scontrol` as SLURM answers a job that lost gpu1: SlurmdTimeout 1 s; gpu1's state, call by call, from
-    `node_states` (its last one from then on); `requeue` recorded in `said` (or failing with `requeue_error`)."""
+
+def _scontrol_answering(node_states: list[str], calls: list[tuple[str, ...]], *, slurmd_timeout_s: int = 1,
+                        signal_at_poll: tuple[int, int] | None = None, requeue_error: str = "", restarts: int = 0):
+    """`scontrol` as SLURM answers a job that lost gpu1: SlurmdTimeout `slurmd_timeout_s`; gpu1's state, poll by poll,
+    from `node_states` (its last one from then on); `signal_at_poll` (signal, poll): that signal raised at that
+    `show node` poll; `requeue` failing with `requeue_error` if given; the job's `Restarts=` count `restarts`. Each
+    call is recorded in `calls`."""
     def scontrol(*args: str) -> str:
-        said.append(args)
+        calls.append(args)
         if args[:2] == ("show", "config"):
-            return "SlurmctldTimeout        = 120 sec\nSlurmdTimeout           = 1 sec\n"
-        if args[:2] == ("-o", "show"):
-            state = node_states.pop(0) if len(node_states) > 1 else node_states[0]
+            return f"SlurmctldTimeout        = 120 sec\nSlurmdTimeout           = {slurmd_timeout_s} sec\n"
+        if args[:3] == ("-o", "show", "node"):
+            polls = sum(call[:3] == ("-o", "show", "node") for call in calls)
+            if signal_at_poll and polls == signal_at_poll[1]:
+                signal.raise_signal(signal_at_poll[0])
+            state = node_states[min(polls, len(node_states)) - 1]
             return (f"NodeName=gpu0 NodeAddr=10.0.0.0 State=ALLOCATED\nNodeName=gpu1 NodeAddr=10.0.0.1 State={state}\n"
                     "NodeName=gpu2 NodeAddr=10.0.0.2 State=ALLOCATED\n")
+        if args[:3] == ("-o", "show", "job"):
+            return f"JobId=4321 HetJobOffset=0 JobState=PENDING Restarts={restarts}\n"
         if args[0] == "requeue" and requeue_error:
             raise UserError(f"scontrol requeue failed (exit 1): {requeue_error}")
         return ""
     return scontrol
 
 
-@pytest.mark.parametrize("states, signum, requeue_error, said, code", [
-    (["ALLOCATED*", "DOWN*"], None, "", "the lost node(s) are DOWN, or answer again", 0),
-    (["ALLOCATED*", "ALLOCATED"], None, "", "the lost node(s) are DOWN, or answer again", 0),  # it came back
-    (["ALLOCATED*"], None, "", "SLURM did not declare the lost node(s) DOWN within 1 s", 0),
-    (["ALLOCATED*"], signal.SIGUSR1, "", "its time is up first", 0),
-    (["ALLOCATED*"], signal.SIGTERM, "", "ended by SLURM (SIGTERM", 128 + signal.SIGTERM),
-    (["DOWN*"], None, "Job is pending execution", "SLURM has requeued it already", 0),
+@pytest.mark.parametrize("states, settings, message, code, polls", [
+    # DOWN in two polls in a row (SLURM's own requeue has had its chance), then requeued here
+    (["ALLOCATED*", "DOWN*", "ALLOCATED*", "DOWN*", "DOWN*"], {}, "the lost node(s) are DOWN, or answer again", 0, 5),
+    (["ALLOCATED*", "ALLOCATED", "ALLOCATED"], {}, "the lost node(s) are DOWN, or answer again", 0, 3),  # it is back
+    (["ALLOCATED*"], {}, "SLURM did not declare the lost node(s) DOWN within 1 s", 0, None),
+    (["ALLOCATED*"], {"signal_at_poll": (signal.SIGUSR1, 2)}, "its time is up first", 0, 2),
+    (["ALLOCATED*", "DOWN*"], {"signal_at_poll": (signal.SIGTERM, 2)}, "stopped by SIGTERM (SLURM's requeue",
+     128 + signal.SIGTERM, 2),
+    (["ALLOCATED*"], {"slurmd_timeout_s": 0}, "SlurmdTimeout 0: SLURM does not declare a node DOWN", 0, 0),
+    (["DOWN*"], {"requeue_error": "Job is pending execution", "restarts": 1}, "SLURM has requeued it already", 0, 2),
 ])
 def test_a_job_that_lost_a_node_waits_for_slurm_to_declare_it_down_before_a_requeue(
-        monkeypatch, capsys, states, signum, requeue_error, said, code):
+        monkeypatch, capsys, states, settings, message, code, polls):
     """After a lost node the job requeues only once SLURM has declared the node DOWN (or it answers again), else at
-    the time-limit warning or after SlurmdTimeout + the margin; SLURM's own requeue (SIGTERM) ends the wait."""
+    the time-limit warning, after SlurmdTimeout + the margin, or at once with SlurmdTimeout 0; SLURM's own requeue
+    (SIGTERM) ends the wait, and a requeue SLURM made already is recognised."""
     from megatron_scalerl.launch import allocation, slurm
 
     calls: list[tuple[str, ...]] = []
-    scontrol = _scontrol_answering(list(states), calls, requeue_error)
+    scontrol = _scontrol_answering(states, calls, **settings)
     monkeypatch.setattr(slurm, "scontrol", scontrol)
     monkeypatch.setattr(allocation, "scontrol", scontrol)
-    monkeypatch.setattr(slurm, "NODE_LOSS_POLL_S", 0.05)
+    monkeypatch.setattr(slurm, "NODE_LOSS_POLL_S", 0.01)
     monkeypatch.setattr(slurm, "NODE_LOSS_MARGIN_S", 0.0)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
-    if signum:
-        threading.Timer(0.2, os.kill, (os.getpid(), signum)).start()
     assert slurm.requeue_after_node_loss(_alloc()) == code
-    out = capsys.readouterr().out
-    assert "job 4321: waiting up to 1 s for SLURM to declare the lost node(s) DOWN (SlurmdTimeout 1 s)" in out
-    assert said in out
-    assert (("requeue", "4321") in calls) == (code == 0)
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # the handlers given back
+    out = capsys.readouterr().out
+    assert message in out
+    assert ("waiting up to 1 s for SLURM to declare the lost node(s) DOWN (SlurmdTimeout 1 s)" in out) == (
+        settings.get("slurmd_timeout_s", 1) == 1)
+    assert (("requeue", "4321") in calls) == (code == 0)
+    if polls is not None:
+        assert sum(call[:3] == ("-o", "show", "node") for call in calls) == polls
+
+
+def test_a_requeue_that_fails_for_another_reason_is_not_taken_for_slurms(monkeypatch):
+    from megatron_scalerl.launch import allocation, slurm
+
+    scontrol = _scontrol_answering(["DOWN*"], [], requeue_error="Access/permission denied")
+    monkeypatch.setattr(slurm, "scontrol", scontrol)
+    monkeypatch.setattr(allocation, "scontrol", scontrol)
+    monkeypatch.setattr(slurm, "NODE_LOSS_POLL_S", 0.01)
+    with pytest.raises(UserError, match="Access/permission denied"):
+        slurm.requeue_after_node_loss(_alloc())

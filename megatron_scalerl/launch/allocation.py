@@ -118,7 +118,7 @@ class Allocation:
 
 
 LOST_NODE_STATES = ("DOWN", "FAIL", "NOT_RESPONDING", "POWERED_DOWN", "POWER_DOWN", "REBOOT")  # in SLURM's State=
-GONE_NODE_STATES = ("DOWN", "POWERED_DOWN", "POWER_DOWN")  # SLURM has taken the node out of its jobs
+GONE_NODE_STATES = ("DOWN", "POWERED_DOWN")  # SLURM has taken the node out of its jobs
 
 
 def _lost(show_node: str) -> list[tuple[str, str, set[str]]]:
@@ -138,13 +138,14 @@ def _lost(show_node: str) -> list[tuple[str, str, set[str]]]:
 
 def lost_nodes(show_node: str) -> list[str]:
     """"NAME (STATE: REASON)" for each node of `scontrol -o show node` output that SLURM reports lost."""
-    return [f"{name} ({said})" for name, said, _ in _lost(show_node)]
+    return [f"{name} ({state_reason})" for name, state_reason, _ in _lost(show_node)]
 
 
 def nodes_not_yet_gone(show_node: str) -> list[str]:
-    """The lost nodes of `scontrol -o show node` output that SLURM has not declared DOWN yet (NOT_RESPONDING only:
+    """The nodes of `scontrol -o show node` output that do not answer and that SLURM has not declared DOWN yet (its
     SlurmdTimeout has not run out)."""
-    return [name for name, _, flags in _lost(show_node) if not flags & set(GONE_NODE_STATES)]
+    return [name for name, _, flags in _lost(show_node)
+            if "NOT_RESPONDING" in flags and not flags & set(GONE_NODE_STATES)]
 
 
 def _show_nodes(alloc: Allocation) -> str:
@@ -163,8 +164,8 @@ def allocation_lost(alloc: Allocation) -> str | None:
 
 
 def lost_nodes_settled(alloc: Allocation) -> bool:
-    """Whether every node of the job that SLURM reported lost is now DOWN (or answers again); False as well when
-    scontrol does not answer."""
+    """Whether no node of the job is left that does not answer and is not DOWN yet (`nodes_not_yet_gone`); False as
+    well when scontrol does not answer."""
     try:
         return not nodes_not_yet_gone(_show_nodes(alloc))
     except UserError:

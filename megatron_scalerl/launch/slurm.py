@@ -208,7 +208,8 @@ def requeue_after_node_loss(alloc: Allocation) -> int:
     """After a lost node ended the roles: hold the allocation until SLURM declares the node DOWN (SlurmdTimeout after
     it stopped answering) and requeues the whole job itself (its node-failure requeue of a `--requeue` job, which
     ends this process with SIGTERM). The job requeues itself instead where the node answers again, at the time-limit
-    warning (USR1), or when SLURM has not acted within SlurmdTimeout + NODE_LOSS_MARGIN_S. The batch step's exit code.
+    warning (USR1), when SLURM has not acted within SlurmdTimeout + NODE_LOSS_MARGIN_S, or at once with SlurmdTimeout
+    0. The batch step's exit code.
 
     Why wait rather than `scontrol requeue` at once: the job's part on the lost node cannot end before the node is
     DOWN, and when slurmctld then takes the node out of a job that is requeued already, it leaves that het group's GPU
@@ -216,29 +217,32 @@ def requeue_after_node_loss(alloc: Allocation) -> int:
     generic resource (gres) specification"; slurmctld: "_step_get_gres_cnt ... node offset invalid (0 >= 0)"). For
     the same reason the sbatch files leave out `--no-kill` (with it, slurmctld takes a DOWN node out of the running
     job and requeues only the het group that held it)."""
-    timeout_s = slurmd_timeout_s()
-    wait_s = timeout_s + NODE_LOSS_MARGIN_S if timeout_s else 0  # 0: SLURM never declares a silent node DOWN
-    print(f"job {alloc.job_id}: waiting up to {wait_s:g} s for SLURM to declare the lost node(s) DOWN (SlurmdTimeout "
-          f"{timeout_s} s), then requeueing", flush=True)
-    received: list[int] = []
+    received: list[int] = []  # first thing: SIGUSR1's default action would end the process
     previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum))
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     try:
-        deadline, settled = time.monotonic() + wait_s, 0
-        while not received and time.monotonic() < deadline and settled < 2:
+        timeout_s = slurmd_timeout_s()
+        wait_s = timeout_s + NODE_LOSS_MARGIN_S if timeout_s else 0.0  # 0: SLURM never declares a silent node DOWN
+        if wait_s:
+            print(f"job {alloc.job_id}: waiting up to {wait_s:g} s for SLURM to declare the lost node(s) DOWN "
+                  f"(SlurmdTimeout {timeout_s} s) and requeue the job", flush=True)
+        deadline, settled_polls = time.monotonic() + wait_s, 0
+        while not received and time.monotonic() < deadline and settled_polls < 2:
             time.sleep(NODE_LOSS_POLL_S)  # a signal's handler runs within it; the sleep then goes on (PEP 475)
-            # seen settled twice: SLURM's own requeue, made as it declares the node DOWN, has had a poll's time to end us
-            settled = settled + 1 if lost_nodes_settled(alloc) else 0
+            # settled in two polls in a row: SLURM's own requeue, made as it declares the node DOWN, has had a poll's
+            # time to end this process
+            settled_polls = settled_polls + 1 if lost_nodes_settled(alloc) else 0
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if received and received[0] != signal.SIGUSR1:
-        print(f"job {alloc.job_id}: ended by SLURM ({signal.Signals(received[0]).name}: requeued as it declared the "
-              "node DOWN, or cancelled)", flush=True)
-        return 128 + received[0]
+    stops = [sig for sig in received if sig != signal.SIGUSR1]
+    if stops:
+        print(f"job {alloc.job_id}: stopped by {signal.Signals(stops[0]).name} (SLURM's requeue as it declares the "
+              "node DOWN, or a cancel)", flush=True)
+        return 128 + stops[0]
     if received:
         why = "its time is up first"
-    elif settled >= 2:
+    elif settled_polls >= 2:
         why = "the lost node(s) are DOWN, or answer again"
     elif not wait_s:
         why = "SlurmdTimeout 0: SLURM does not declare a node DOWN when it stops answering"
@@ -248,10 +252,19 @@ def requeue_after_node_loss(alloc: Allocation) -> int:
     try:
         requeue(alloc.job_id)
     except UserError as exc:
-        if "pending" not in str(exc).lower():
+        if not requeued_since_start(alloc):
             raise
         print(f"job {alloc.job_id}: SLURM has requeued it already ({exc})", flush=True)
     return 0
+
+
+def requeued_since_start(alloc: Allocation) -> bool:
+    """Whether SLURM has requeued the job since this start (its `Restarts=` count above SLURM_RESTART_COUNT)."""
+    try:
+        counts = re.findall(r"\bRestarts=(\d+)", scontrol("-o", "show", "job", str(alloc.job_id)))
+    except UserError:
+        return False
+    return any(int(count) > alloc.restarts for count in counts)
 
 
 def run_job(env: dict[str, str]) -> int:

@@ -23,9 +23,9 @@ then; one that does not get them within STUCK_GENERATOR_S is started again), the
 restart is a `launcher` record in metrics.jsonl (`launch/restarts`, `launch/restart_cause`). Once the budget is
 spent, the next failure ends the launch (exit 1) with its cause: a failure that repeats at the same step never loops.
 Under SLURM any role's exit (a generator's too) on an allocation that lost a node (`Restarts.allocation_lost`)
-ends the launch with ALLOCATION_LOST instead, and the job requeues itself.
+ends the launch with ALLOCATION_LOST instead, and the job goes on in a new allocation (`launch/slurm.py`).
 A generator that exits is started again (the trainer re-syncs it, the orchestrator's fleet takes
-it back); one that keeps dying within `QUICK_EXIT_S` seconds of its start (its node is gone) is given up after
+it back); one that keeps dying within `QUICK_EXIT_S` seconds of its start (on a node that answers) is given up after
 `QUICK_EXITS` tries and the fleet goes on without it; with no generator left the run fails.
 
 A stop signal (`stop_signals`: Ctrl-C, SIGTERM, SLURM's time-limit warning) stops the roles in order: the
