@@ -414,6 +414,18 @@ def _scontrol_answering(node_states: list[str], calls: list[tuple[str, ...]], *,
     return scontrol
 
 
+def _slurm_answering(monkeypatch, scontrol):
+    """launch.slurm with its scontrol calls (and launch.allocation's) answered by `scontrol`, polling every 10 ms and
+    waiting no margin past SlurmdTimeout."""
+    from megatron_scalerl.launch import allocation, slurm
+
+    monkeypatch.setattr(slurm, "scontrol", scontrol)
+    monkeypatch.setattr(allocation, "scontrol", scontrol)
+    monkeypatch.setattr(slurm, "NODE_LOSS_POLL_S", 0.01)
+    monkeypatch.setattr(slurm, "NODE_LOSS_MARGIN_S", 0.0)
+    return slurm
+
+
 @pytest.mark.parametrize("states, settings, message, code, polls", [
     # DOWN in two polls in a row (SLURM's own requeue has had its chance), then requeued here
     (["ALLOCATED*", "DOWN*", "ALLOCATED*", "DOWN*", "DOWN*"], {}, "the lost node(s) are DOWN, or answer again", 0, 5),
@@ -430,14 +442,8 @@ def test_a_job_that_lost_a_node_waits_for_slurm_to_declare_it_down_before_a_requ
     """After a lost node the job requeues only once SLURM has declared the node DOWN (or it answers again), else at
     the time-limit warning, after SlurmdTimeout + the margin, or at once with SlurmdTimeout 0; SLURM's own requeue
     (SIGTERM) ends the wait, and a requeue SLURM made already is recognised."""
-    from megatron_scalerl.launch import allocation, slurm
-
     calls: list[tuple[str, ...]] = []
-    scontrol = _scontrol_answering(states, calls, **settings)
-    monkeypatch.setattr(slurm, "scontrol", scontrol)
-    monkeypatch.setattr(allocation, "scontrol", scontrol)
-    monkeypatch.setattr(slurm, "NODE_LOSS_POLL_S", 0.01)
-    monkeypatch.setattr(slurm, "NODE_LOSS_MARGIN_S", 0.0)
+    slurm = _slurm_answering(monkeypatch, _scontrol_answering(states, calls, **settings))
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     assert slurm.requeue_after_node_loss(_alloc()) == code
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # the handlers given back
@@ -451,11 +457,6 @@ def test_a_job_that_lost_a_node_waits_for_slurm_to_declare_it_down_before_a_requ
 
 
 def test_a_requeue_that_fails_for_another_reason_is_not_taken_for_slurms(monkeypatch):
-    from megatron_scalerl.launch import allocation, slurm
-
-    scontrol = _scontrol_answering(["DOWN*"], [], requeue_error="Access/permission denied")
-    monkeypatch.setattr(slurm, "scontrol", scontrol)
-    monkeypatch.setattr(allocation, "scontrol", scontrol)
-    monkeypatch.setattr(slurm, "NODE_LOSS_POLL_S", 0.01)
+    slurm = _slurm_answering(monkeypatch, _scontrol_answering(["DOWN*"], [], requeue_error="Access/permission denied"))
     with pytest.raises(UserError, match="Access/permission denied"):
         slurm.requeue_after_node_loss(_alloc())

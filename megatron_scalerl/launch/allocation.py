@@ -81,8 +81,9 @@ class Allocation:
                             f"{env.get('SLURM_HET_SIZE')}): group 0 must be the trainer nodes, group 1 the "
                             "generator nodes, as in slurm/scalerl_moe.sbatch")
         names = [scontrol("show", "hostnames", env[f"SLURM_JOB_NODELIST_HET_GROUP_{g}"]).split() for g in (0, 1)]
-        addrs = _node_addresses([n for group in names for n in group])
-        groups = [Group([Node(n, addrs[n]) for n in names[g]],
+        addrs = {fields["NodeName"]: fields.get("NodeAddr") or fields["NodeName"]
+                 for fields in _node_fields(_show_nodes([n for group in names for n in group]))}
+        groups = [Group([Node(n, addrs.get(n, n)) for n in names[g]],
                         _per_node_count(env.get(f"SLURM_GPUS_PER_NODE_HET_GROUP_{g}")),
                         _per_node_count(env.get(f"SLURM_JOB_CPUS_PER_NODE_HET_GROUP_{g}"))) for g in (0, 1)]
         components = tuple(env.get(f"SLURM_JOB_ID_HET_GROUP_{g}", env["SLURM_JOB_ID"]) for g in (0, 1))
@@ -105,6 +106,11 @@ class Allocation:
                             "section)")
 
     @property
+    def node_names(self) -> list[str]:
+        """Every node of the job: the trainer group's, then the generator group's."""
+        return [n.name for group in (self.trainer, self.generator) for n in group.nodes]
+
+    @property
     def base_port(self) -> int:
         return 20000 + 100 * (self.job_id % 400)
 
@@ -121,18 +127,33 @@ LOST_NODE_STATES = ("DOWN", "FAIL", "NOT_RESPONDING", "POWERED_DOWN", "POWER_DOW
 GONE_NODE_STATES = ("DOWN", "POWERED_DOWN")  # SLURM has taken the node out of its jobs
 
 
+def _show_nodes(names: list[str]) -> str:
+    return scontrol("-o", "show", "node", ",".join(names))
+
+
+def _node_fields(show_node: str) -> list[dict[str, str]]:
+    """The KEY=VALUE fields of each node of `scontrol -o show node` output (one line per node); `Reason` the rest of
+    the line after it (a reason may hold spaces)."""
+    nodes = []
+    for line in show_node.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        if "Reason" in fields:
+            fields["Reason"] = line.split("Reason=", 1)[1].strip()
+        if "NodeName" in fields:
+            nodes.append(fields)
+    return nodes
+
+
 def _lost(show_node: str) -> list[tuple[str, str, set[str]]]:
     """(name, "STATE: REASON", state flags) of each node of `scontrol -o show node` output that SLURM reports lost (a
     state flag of LOST_NODE_STATES, e.g. DOWN+NOT_RESPONDING)."""
     lost = []
-    for line in show_node.splitlines():
-        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+    for fields in _node_fields(show_node):
         state = fields.get("State", "")
         parts = state.split("+")  # "DOWN+NOT_RESPONDING"; sinfo-style suffixes too: "IDLE*" = not responding
         flags = {part.rstrip("*~#%$@^-!") for part in parts} | {"NOT_RESPONDING" for p in parts if p.endswith("*")}
-        if "NodeName" in fields and flags & set(LOST_NODE_STATES):
-            reason = line.split("Reason=", 1)[1].strip() if "Reason=" in line else "no reason given"
-            lost.append((fields["NodeName"], f"{state}: {reason}", flags))
+        if flags & set(LOST_NODE_STATES):
+            lost.append((fields["NodeName"], f"{state}: {fields.get('Reason') or 'no reason given'}", flags))
     return lost
 
 
@@ -148,16 +169,11 @@ def nodes_not_yet_gone(show_node: str) -> list[str]:
             if "NOT_RESPONDING" in flags and not flags & set(GONE_NODE_STATES)]
 
 
-def _show_nodes(alloc: Allocation) -> str:
-    names = [n.name for group in (alloc.trainer, alloc.generator) for n in group.nodes]
-    return scontrol("-o", "show", "node", ",".join(names))
-
-
 def allocation_lost(alloc: Allocation) -> str | None:
     """Why the job's own nodes can no longer run its roles (a node SLURM reports lost), or None; None as well when
     scontrol does not answer (the restart inside the allocation is tried then)."""
     try:
-        lost = lost_nodes(_show_nodes(alloc))
+        lost = lost_nodes(_show_nodes(alloc.node_names))
     except UserError:
         return None
     return f"lost node(s): {', '.join(lost)}" if lost else None
@@ -167,18 +183,9 @@ def lost_nodes_settled(alloc: Allocation) -> bool:
     """Whether no node of the job is left that does not answer and is not DOWN yet (`nodes_not_yet_gone`); False as
     well when scontrol does not answer."""
     try:
-        return not nodes_not_yet_gone(_show_nodes(alloc))
+        return not nodes_not_yet_gone(_show_nodes(alloc.node_names))
     except UserError:
         return False
-
-
-def _node_addresses(names: list[str]) -> dict[str, str]:
-    addrs = {}
-    for line in scontrol("-o", "show", "node", ",".join(names)).splitlines():
-        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-        if "NodeName" in fields:
-            addrs[fields["NodeName"]] = fields.get("NodeAddr") or fields["NodeName"]
-    return {n: addrs.get(n, n) for n in names}
 
 
 def srun(group: int, *, nodes: int, ntasks_per_node: int = 1, nodelist: str | None = None,

@@ -144,7 +144,6 @@ def rewind_to_checkpoint(run_dir: Path, say: Callable[[str], object], *, metrics
     step = latest[0] if latest is not None else 0
     if metrics:  # the launchers' rewind reads the batches once; the orchestrator's resume, after it, need not again
         _set_aside_unreadable(run_dir, step, say)
-    if metrics:
         last_batch = RolloutStream(run_dir).next_index() - 1
         where = latest[1].name if latest is not None else "the run's start"
         moved = set_aside(run_dir, partial(lost_record, step=step, last_batch=last_batch), f"resumed from {where}")
