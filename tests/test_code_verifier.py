@@ -119,7 +119,9 @@ def test_two_of_three_asserts():
 def test_the_first_failing_assert_names_the_failure():
     program = "def add(a, b):\n    if a == 2:\n        raise KeyError(a)\n    return a + b if a > 0 else 7"
     assert verify_code(answer(program), ADD_ASSERTS) == Verdict(False, 1 / 3, "runtime_error")
-    memory_hog = "def add(a, b):\n    if a == 2:\n        return len(bytearray(8 << 30))\n    return a + b"
+    # the kind is what the sandbox observed: a runner whose resident memory grew to its limit
+    memory_hog = ("def add(a, b):\n    if a == 2:\n        blocks = []\n        while True:\n"
+                  "            blocks.append(bytearray(1 << 20))\n    return a + b")
     assert verify_code(answer(memory_hog), ADD_ASSERTS) == Verdict(False, 2 / 3, "memory")
 
 

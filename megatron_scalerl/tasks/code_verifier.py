@@ -9,34 +9,30 @@ of two formats, as common datasets ship them:
     input on stdin. A case passes when the run exits 0 and its stdout equals the expected output up to whitespace
     at the ends of lines and empty lines at the end.
   - function asserts: {"asserts": ["assert f(1) == 2", ...], "setup": "code run before the asserts (optional)"}: one
-    sandboxed run of a harness that executes the program as module "solution" (so its `if __name__ == "__main__":`
-    block does not run), then the setup, then each assert in turn, and reports each outcome.
+    sandboxed run of the program as module "solution" (so its `if __name__ == "__main__":` block does not run), which
+    only answers calls: the setup and the asserts run in the sandbox's trusted judge, on the plain-data values the
+    program's functions return (tasks/judge/asserts.py). A value that is not plain data (an object that claims to
+    equal anything, say) never equals anything there.
 
 Verdict: correct when every test passes; `fraction`: tests passed / tests; `failure`: None when correct, else the
 kind of the first failing test: "wrong_answer" (it ran, but the output differs or the assert is false), one of the
-sandbox's kinds ("timeout", "memory", "output_limit", "processes", "network", "filesystem", "runtime_error",
-"syntax_error", "sandbox_error"; see tasks/sandbox.py), "no_code" (no code block) or "no_answer" (an empty answer).
+sandbox's kinds ("timeout", "memory", "output_limit", "processes", "filesystem", "runtime_error", "syntax_error",
+"sandbox_error"; observed by the sandbox, see tasks/sandbox.py), "no_code" (no code block) or "no_answer" (an empty
+answer).
 `FAILURE_KINDS` lists them all. A program that does not compile fails every test as "syntax_error" without a run.
 
 Limits: each run gets `LIMITS` (2 CPU seconds, 4 s wall, 512 MiB address space per process, 32 tasks, 1 MiB of
 output, 16 MiB files); the answer as a whole gets `ANSWER_DEADLINE_S` (8 s, below the grader's 10 s per answer): no
-run outlasts it, and tests not started by then fail as "timeout". The sandbox is bubblewrap where it works, else the
-weaker rlimits fallback (`sandbox.sandbox_kind()`; docs/code_verifier.md).
+run outlasts it, and tests not started by then fail as "timeout". The sandbox is bubblewrap; the weaker rlimits one
+runs only where the recipe names it (`data.code_sandbox`; `sandbox.sandbox_kind()`; docs/code_verifier.md).
 
-How the harness reports: before running the program it reads its job (the program, setup, asserts and a random token)
-from stdin and puts /dev/null there; it then writes one line per test, "<token> <test> pass" or "<token> <test> fail
-<exception>", to a copy of stdout it keeps. Printing cannot fake a pass (the program does not know the token), and
-an assert the harness never reported (the program exited early, was killed) fails. The program runs in the harness's
-interpreter, though: code written to attack the harness (reading the token from its frames or from the sandbox's
-stdin, patching builtins, returning objects that equal anything) can fake passes. The sandbox bounds what a program
-can do, not what it claims.
+Nothing the program prints or does can forge a pass: outputs are compared here, asserts evaluated by the judge, and
+neither the expected outputs nor the judge's memory, fds or channel are within the program's reach (tasks/sandbox.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import secrets
 import textwrap
 import time
 from collections.abc import Mapping
@@ -52,45 +48,6 @@ SYNTAX_ERROR = "syntax_error"
 FAILURE_KINDS = (NO_ANSWER, NO_CODE, WRONG_ANSWER, *sandbox.FAILURE_KINDS)
 _PYTHON_FENCES = ("", "python", "py", "python3")
 _TEST_FIELDS = ("inputs", "outputs", "asserts", "setup")
-
-_HARNESS = """\
-import json, os, sys
-
-
-def main():
-    job = json.loads(sys.stdin.read())
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the job, and its token, cannot be read from stdin again
-    out, write, token = os.dup(1), os.write, job["token"]  # ours: the program may close or replace its stdout
-
-    def report(test, outcome):
-        write(out, f"\\n{token} {test} {outcome}\\n".encode("utf-8", "replace"))
-
-    def failed(test, error):
-        try:
-            text = f"{type(error).__name__}: {error}"
-        except BaseException:  # an exception of the program's that cannot print itself
-            text = type(error).__name__
-        report(test, "fail " + " ".join(text.split())[:300])
-
-    namespace = {"__name__": "solution"}
-    for test, source, filename in (("program", job["program"], "solution.py"), ("setup", job["setup"], "<setup>")):
-        try:
-            exec(compile(source, filename, "exec"), namespace)
-        except BaseException as error:
-            failed(test, error)
-            return
-    for i, test in enumerate(job["asserts"]):
-        try:
-            exec(compile(test, f"<assert {i}>", "exec"), namespace)
-        except BaseException as error:
-            failed(i, error)
-        else:
-            report(i, "pass")
-
-
-main()
-"""
-
 
 def final_code_block(answer: str) -> str | None:
     """The answer's last closed fenced Python code block (see the module docstring), None if it has none."""
@@ -159,51 +116,22 @@ def verify_code(answer: str, problem: dict) -> Verdict:
 
 
 def _run_cases(program: str, inputs: list[str], outputs: list[str], deadline: float) -> list[str | None]:
-    """Each stdin/stdout case's outcome: None (passed) or its failure kind."""
-    outcomes = []
-    for stdin, expected in zip(inputs, outputs, strict=True):
-        limits = _limits_until(deadline)
-        if limits is None:
-            outcomes.append("timeout")
-            continue
-        run = sandbox.run_python(program, stdin, limits)
-        outcomes.append(run.failure or (None if _normalized(run.stdout) == _normalized(expected) else WRONG_ANSWER))
-    return outcomes
+    """Each stdin/stdout case's outcome: None (passed) or its failure kind. One sandbox runs them all, each case a
+    fresh run of the program; cases not run by `deadline` (monotonic seconds) are timeouts."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return ["timeout"] * len(inputs)
+    runs = sandbox.run_cases(program, inputs, LIMITS, deadline_s=left)
+    return [run.failure or (None if _normalized(run.stdout) == _normalized(expected) else WRONG_ANSWER)
+            for run, expected in zip(runs, outputs, strict=True)]
 
 
 def _run_asserts(program: str, asserts: list[str], setup: str, deadline: float) -> list[str | None]:
-    """Each assert's outcome: None (passed) or its failure kind. An assert the harness did not report takes the kind
-    of the program's or the setup's failure, else the run's, else "runtime_error" (the program exited early)."""
+    """Each assert's outcome: None (passed) or its failure kind (tasks/judge/asserts.py)."""
     limits = _limits_until(deadline)
     if limits is None:
         return ["timeout"] * len(asserts)
-    token = secrets.token_hex(16)
-    job = json.dumps({"token": token, "program": program, "setup": setup, "asserts": asserts})
-    run = sandbox.run_python(_HARNESS, job, limits)
-    reports: dict[str, str] = {}
-    for line in run.stdout.splitlines():
-        parts = line.split(" ", 2)
-        if len(parts) == 3 and parts[0] == token:
-            reports.setdefault(parts[1], parts[2])
-    unreported = _kind(reports.get("program")) or _kind(reports.get("setup")) or run.failure or "runtime_error"
-    outcomes = []
-    for i in range(len(asserts)):
-        report = reports.get(str(i))
-        if report is None:
-            outcomes.append(unreported)
-        else:
-            outcomes.append(None if report == "pass" else _kind(report))
-    return outcomes
-
-
-def _kind(outcome: str | None) -> str | None:
-    """The failure kind of a harness report "fail <Type>: <message>" (None for no report)."""
-    if outcome is None:
-        return None
-    error = outcome.removeprefix("fail ")
-    if error.split(":", 1)[0] == "AssertionError":
-        return WRONG_ANSWER
-    return sandbox.exception_kind(error) or "runtime_error"
+    return sandbox.run_asserts(program, setup, asserts, limits)
 
 
 def _verdict(outcomes: list[str | None]) -> Verdict:

@@ -1,48 +1,51 @@
-"""Run one untrusted Python program in a sandbox, with limits on CPU, wall time, memory, processes and output.
+"""Run an untrusted Python program in a sandbox, with limits on CPU, wall time, memory, processes, files and output.
 
-`run_python(source, stdin, limits)` starts a fresh interpreter on the program (`python -I -S`: isolated mode, no
-site-packages, so only the standard library imports), gives it `stdin`, and returns what it printed, how it ended and,
-unless it exited 0, the kind of failure. The run ends when the program's process exits (or a limit stops it); what it
-left running is killed then (but see the fallback's gap below).
+The program never judges itself. A trusted judge (tasks/judge/judge.py) runs inside the sandbox, reads its job (the
+inputs, or the asserts with their expected values) from a file descriptor it then closes, makes itself non-dumpable
+(no process of the same user can read its memory, fds or environment through /proc, nor ptrace it) and starts the
+program as a fresh interpreter (`python -I -S`: standard library only) with nothing but its own input. It reports to
+its stdout, of which the program holds no descriptor, one JSON record per result; what the program printed is data in
+those records, never a record itself. Two kinds of job:
 
-Two sandboxes; `sandbox_kind()` says which one runs here (SCALERL_SANDBOX=bwrap or =rlimits forces one):
+- `run_cases(source, inputs)`: a run of the program per input (stdin); each run's stdout and how it ended. The
+  caller compares the output: the expected outputs never enter the sandbox. `run_python(source, stdin)`: one run.
+- `run_asserts(source, setup, asserts)`: the program runs once as module "solution" in a process that only answers
+  calls; the judge executes the setup and the asserts in its own interpreter, on the plain-data values the program
+  returns (tasks/judge/asserts.py). An object that is not plain data is never a value: an assert that needs it fails.
 
-- bwrap (bubblewrap; used where it is installed and works): the program has its own user, PID, network, IPC and UTS
-  namespaces. It sees the host's files read-only, a fresh /dev and /proc, an empty /run (no host sockets), and a
-  writable /tmp of `file_mb` MiB in memory, its working directory (the program is /tmp/main.py): nothing it writes
-  reaches the host's disk. Its network is a loopback device of its own, so no connection leaves the sandbox. All its
-  processes live in its PID namespace, which dies with it.
-- rlimits (the fallback, weaker: no network or filesystem isolation): the same limits, a new session, a private
-  working directory on the host's disk (removed afterwards; as root, TMPDIR must be open to uid 65534), a clean
-  environment, and the program's process dies with ours. It does not stop the program from connecting anywhere the
-  host can, reading what its user can read, or writing where its user can write (when we are not root that is our
-  own user, who owns our files); and its children can outlive the call: one that calls os.setsid() escapes the kill
-  of the process group, and all do when our process is killed mid-run.
+How a run ended is what the judge observed (judge.py's `observed_failure`): "timeout" (its wall time passed or it
+used its CPU seconds), "output_limit", "memory" (its peak resident memory reached 3/4 of the limit), "processes"
+(its tasks reached the limit), "filesystem" (it filled its scratch space or wrote a file of the largest size),
+"runtime_error" (any other failure); "sandbox_error" when the sandbox did not start or the judge reported nothing.
+Never from text the program printed or an exit status it chose: a program can only make its own failure look like
+"runtime_error". (A syntax error is the caller's to find: tasks/code_verifier.py compiles the program first.)
 
-When we are root, the program runs as uid/gid 65534 ("nobody"), never as root: the kernel does not enforce
-RLIMIT_NPROC for root, and root owns the files. That user must be able to run the interpreter: ours
-(`sys.executable`) where it can, else the system's python3.X of the same version (a pyenv Python under /root, mode
-0700, it cannot).
+Two sandboxes, chosen by name (`sandbox_kind(choice)`; recipes: `data.code_sandbox`; SCALERL_SANDBOX sets the choice
+of a process): `bwrap`, the default, and `rlimits`, used only when named, never as a silent fallback:
 
-Limits (`Limits`) are rlimits of each of the program's processes: CPU seconds (SIGXCPU, SIGKILL one second later),
-address space, file size, no core files, and tasks (processes and threads); plus the wall time and the output we read,
-both enforced here. Memory is capped per process, not per sandbox. RLIMIT_NPROC counts a user's tasks: under bwrap
-within the sandbox's own user namespace, so per sandbox; in the fallback machine-wide, so there the limit is the tasks
-that user has when the program starts plus `processes` (concurrent sandboxes share that headroom).
+- bwrap (bubblewrap): the judge is PID 1 of its own user, PID, network, IPC, UTS and cgroup namespaces (PID 1 cannot
+  be killed from inside; every process of the run dies with it). The sandbox's root is empty but for what the
+  interpreter needs, read-only: its executable, its standard library, the directories of the shared libraries it and
+  its extension modules load, the loader's cache; a minimal /dev, its own /proc, and a writable /tmp of `file_mb` MiB
+  in memory (the working directory; the program is /tmp/main.py). No host file outside those is visible: no data,
+  no run directory, no home, no /etc. Its network is a loopback device of its own.
+- rlimits (weaker: no network or filesystem isolation): the same judge and limits, a new session, a private working
+  directory on the host's disk, a clean environment; as root the judge and the program run as uid/gid 65534
+  ("nobody"). The program can connect anywhere the host can and read what its user can read (as our own user, when
+  we are not root, our files and processes too; the grader's workers hold no secrets in their environment and are
+  non-dumpable, tasks/rewards.py), and a child that calls setsid() can outlive the run.
 
-How a run ended, in order: our wall timer fired -> "timeout"; the output passed its cap -> "output_limit"; bwrap
-itself failed -> "sandbox_error"; exit 0 -> no failure; killed by SIGXCPU, or by a SIGKILL we did not send (the CPU
-hard limit; the kernel's OOM killer also sends one) -> "timeout"; by SIGXFSZ -> "filesystem"; otherwise by the text of
-the last exception line in stderr (`exception_kind`): "memory", "processes", "network", "filesystem",
-"syntax_error", else "runtime_error". The last is judged by text only: a program can print a traceback it did not
-raise, which changes only the kind of its own failure.
+Limits (`Limits`) are rlimits of each of the program's processes (CPU seconds, address space, file size, open files,
+no core files, tasks: processes and threads, counted per sandbox under bwrap and per user, machine-wide, in the
+fallback) plus the wall time and the output cap, which the judge enforces.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import os
-import re
 import selectors
 import shutil
 import signal
@@ -52,47 +55,33 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_scalerl.errors import UserError
 
-FAILURE_KINDS = ("timeout", "memory", "output_limit", "processes", "network", "filesystem", "runtime_error",
-                 "syntax_error", "sandbox_error")
+FAILURE_KINDS = ("timeout", "memory", "output_limit", "processes", "filesystem", "runtime_error", "syntax_error",
+                 "sandbox_error")
+SANDBOXES = ("bwrap", "rlimits")
 BWRAP = "bwrap"
 RLIMITS = "rlimits (weaker: no network or filesystem isolation)"
 NOBODY = 65534  # uid and gid the program runs as when we are root
 STDERR_KEEP = 8000  # characters of stderr kept in a RunResult: its end, where the traceback is
-_READ_BYTES = 1 << 16
+STARTUP_GRACE_S = 2.0  # wall seconds the sandbox and the judge get to start, beyond the program's own wall time
+JUDGE_DIR = Path(__file__).resolve().parent / "judge"  # bound read-only at /sandbox under bwrap
+_JUDGE_FILES = ("judge.py", "asserts.py")
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
-
-# The first code run in the sandbox, as the program's user: it sets the limits on itself (under bwrap only from inside
-# is RLIMIT_NPROC counted per sandbox), then becomes the program's interpreter. argv: cpu_s, address space bytes,
-# tasks, file bytes, the pid to die with (0: none; bwrap kills the sandbox itself), the program's file.
-_LAUNCHER = """\
-import os, resource, sys
-cpu, memory, tasks, file_bytes, parent = map(int, sys.argv[1:6])
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-resource.setrlimit(resource.RLIMIT_NPROC, (tasks, tasks))
-resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
-if parent:
-    import ctypes
-    ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    if os.getppid() != parent:
-        os._exit(1)
-os.execv(sys.executable, [sys.executable, "-I", "-S", sys.argv[6]])
-"""
 
 
 class SandboxError(UserError):
-    """The sandbox cannot be used as asked (SCALERL_SANDBOX names one that does not work here, no usable Python)."""
+    """The sandbox cannot be used as asked: the chosen one does not work here, or no Python can run in it."""
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Limits on one run. `cpu_s`: CPU seconds of each process; `wall_s`: wall seconds of the whole run; `memory_mb`:
-    address space of each process, MiB; `processes`: tasks (processes and threads) at once; `output_bytes`: stdout
-    and stderr together, bytes; `file_mb`: the largest file it may write, MiB (under bwrap also the size of /tmp)."""
+    """Limits on one run. `cpu_s`: CPU seconds of each process; `wall_s`: wall seconds of a run (a case, or all the
+    asserts); `memory_mb`: address space of each process, MiB; `processes`: tasks (processes and threads) at once;
+    `output_bytes`: stdout and stderr together, bytes; `file_mb`: the largest file it may write, MiB (under bwrap
+    also the size of /tmp); `files`: open file descriptors of each process."""
 
     cpu_s: int = 2
     wall_s: float = 4.0
@@ -100,9 +89,10 @@ class Limits:
     processes: int = 32
     output_bytes: int = 1 << 20
     file_mb: int = 16
+    files: int = 64
 
     def __post_init__(self):
-        for name in ("cpu_s", "wall_s", "memory_mb", "processes", "output_bytes", "file_mb"):
+        for name in ("cpu_s", "wall_s", "memory_mb", "processes", "output_bytes", "file_mb", "files"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Limits.{name} must be positive, got {getattr(self, name)!r}")
         if int(self.cpu_s) != self.cpu_s:
@@ -112,8 +102,8 @@ class Limits:
 @dataclass(frozen=True)
 class RunResult:
     """How one run ended. `stdout`: all of it, up to the output cap; `stderr`: its last STDERR_KEEP characters;
-    `returncode`: the exit status, -N when killed by signal N (under bwrap its exit status 128+N reads as signal N);
-    `seconds`: wall seconds; `failure`: None when it exited 0, else one of FAILURE_KINDS (see the module docstring)."""
+    `returncode`: the exit status, -N when killed by signal N (-1 when the run never happened); `seconds`: wall
+    seconds; `failure`: None when it exited 0, else one of FAILURE_KINDS (see the module docstring)."""
 
     stdout: str
     stderr: str
@@ -122,147 +112,147 @@ class RunResult:
     failure: str | None
 
 
-def sandbox_kind() -> str:
-    """The sandbox `run_python` uses here: BWRAP, or RLIMITS (with the reason when bwrap is installed but fails).
-    SCALERL_SANDBOX=bwrap where bwrap does not work raises SandboxError."""
-    choice = os.environ.get("SCALERL_SANDBOX", "")
-    if choice not in ("", "bwrap", "rlimits"):
-        raise SandboxError(f"SCALERL_SANDBOX={choice!r}: expected 'bwrap' or 'rlimits' (unset: bwrap where it works)")
+def chosen_sandbox() -> str:
+    """The sandbox this process is set to use: SCALERL_SANDBOX ("bwrap" or "rlimits"), "bwrap" when unset."""
+    choice = os.environ.get("SCALERL_SANDBOX", "") or "bwrap"
+    if choice not in SANDBOXES:
+        raise SandboxError(f"SCALERL_SANDBOX={choice!r}: expected one of {', '.join(SANDBOXES)}")
+    return choice
+
+
+def sandbox_kind(choice: str | None = None) -> str:
+    """The sandbox that runs programs for `choice` (default: `chosen_sandbox()`): BWRAP, or RLIMITS when named.
+    SandboxError when bwrap is chosen and does not work here, naming why and the opt-in to the weaker one."""
+    choice = choice or chosen_sandbox()
+    if choice not in SANDBOXES:
+        raise SandboxError(f"code sandbox {choice!r}: expected one of {', '.join(SANDBOXES)}")
     if choice == "rlimits":
         return RLIMITS
-    bwrap = shutil.which("bwrap")
-    problem = _bwrap_problem(bwrap)
-    if choice == "bwrap" and problem:
-        raise SandboxError(f"SCALERL_SANDBOX=bwrap, but {problem}")
-    if problem is None:
-        return BWRAP
-    return RLIMITS if bwrap is None else f"{RLIMITS}; {problem}"
+    problem = _bwrap_problem(shutil.which("bwrap"))
+    if problem:
+        raise SandboxError(f"the code sandbox is bwrap, but {problem}. The weaker rlimits sandbox (no network or "
+                           "filesystem isolation) runs only when asked for by name: data.code_sandbox: rlimits in "
+                           "the recipe, --sandbox rlimits, or SCALERL_SANDBOX=rlimits")
+    return BWRAP
+
+
+def run_cases(source: str, inputs: list[str], limits: Limits = Limits(), deadline_s: float | None = None
+              ) -> list[RunResult]:
+    """Run the program `source` once per input (on its stdin), each within `limits`, all within `deadline_s` wall
+    seconds (default: as many wall limits as inputs); a run not started by then is a "timeout"."""
+    deadline_s = len(inputs) * limits.wall_s if deadline_s is None else deadline_s
+    records, stderr, timed_out = _judge(source, {"mode": "cases", "inputs": inputs}, limits, deadline_s)
+    by_case = {record.get("case"): record for record in records}
+    results = []
+    for index in range(len(inputs)):
+        record = by_case.get(index)
+        if record is None:
+            results.append(RunResult("", stderr, -1, 0.0, "timeout" if timed_out else "sandbox_error"))
+            continue
+        results.append(RunResult(str(record["stdout"]), str(record["stderr"]), int(record["status"]),
+                                 float(record["seconds"]), record["failure"]))
+    return results
 
 
 def run_python(source: str, stdin: str = "", limits: Limits = Limits()) -> RunResult:
-    """Run the Python program `source` in the sandbox (`sandbox_kind()`) with `stdin` as its input, within
-    `limits`; see the module docstring. Raises SandboxError only when no sandbox can be set up here."""
-    kind = sandbox_kind()
-    command = [_interpreter(), "-I", "-S", "-c", _LAUNCHER, str(limits.cpu_s), str(limits.memory_mb << 20)]
-    stdin_fd = _memory_file("stdin", stdin.encode())
-    program_fd = workdir = None
+    """Run the program `source` once with `stdin` as its input, within `limits`."""
+    return run_cases(source, [stdin], limits)[0]
+
+
+def run_asserts(source: str, setup: str, asserts: list[str], limits: Limits = Limits(),
+                deadline_s: float | None = None) -> list[str | None]:
+    """Judge `asserts` (Python assert statements, after the `setup` code) on the program `source`, run once as module
+    "solution" within `limits` and `deadline_s` wall seconds; each assert's outcome: None when it held, else its
+    failure kind (tasks/judge/asserts.py)."""
+    deadline_s = limits.wall_s if deadline_s is None else deadline_s
+    job = {"mode": "asserts", "setup": setup, "asserts": asserts}
+    records, _, timed_out = _judge(source, job, limits, deadline_s)
+    by_assert = {record.get("assert"): record.get("failure") for record in records if "assert" in record}
+    missing = "timeout" if timed_out else "sandbox_error"
+    return [by_assert[i] if i in by_assert else missing for i in range(len(asserts))]
+
+
+def _judge(source: str, job: dict, limits: Limits, deadline_s: float) -> tuple[list[dict], str, bool]:
+    """Run the judge on `job` in the sandbox; its records, the end of its stderr (for a sandbox error's message) and
+    whether our wall timer (`deadline_s` + STARTUP_GRACE_S) ended it."""
+    kind, python = sandbox_kind(), _interpreter()
+    limits_record = dataclasses.asdict(limits)
+    job = {**job, "limits": limits_record, "python": python, "deadline_s": deadline_s}
+    workdir = program_fd = None
     try:
         if kind == BWRAP:
             program_fd = _memory_file("program", source.encode())
-            command = [*_bwrap_options(shutil.which("bwrap"), limits),
+            job.update(workdir="/tmp", program="/tmp/main.py", pid_namespace=True, nproc=limits.processes + 1,
+                       env={**_ENV, "HOME": "/tmp", "TMPDIR": "/tmp"})
+            job_fd = _memory_file("job", json.dumps(job).encode())
+            command = [*_bwrap_options(shutil.which("bwrap"), python, limits),
                        "--ro-bind-data", str(program_fd), "/tmp/main.py", "--chdir", "/tmp",
-                       *command, str(limits.processes), str(limits.file_mb << 20), "0", "main.py"]
-            return _run(command, stdin_fd, limits, bwrap=True, pass_fds=(program_fd,), cwd="/", env=_ENV)
-        workdir = _private_dir(source)
-        tasks = _tasks_of(NOBODY if os.geteuid() == 0 else os.getuid()) + limits.processes
-        command += [str(tasks), str(limits.file_mb << 20), str(os.getpid()), "main.py"]
-        env = {**_ENV, "HOME": workdir, "TMPDIR": workdir}
-        return _run(command, stdin_fd, limits, bwrap=False, cwd=workdir, env=env)
+                       python, "-I", "-S", "/sandbox/judge.py", "--job-fd", str(job_fd)]
+            popen = {"pass_fds": (program_fd, job_fd), "cwd": "/"}
+        else:
+            workdir = _private_dir(source)
+            tasks = _tasks_of(NOBODY if os.geteuid() == 0 else os.getuid()) + limits.processes + 1
+            job.update(workdir=workdir, program=os.path.join(workdir, "main.py"), pid_namespace=False, nproc=tasks,
+                       env={**_ENV, "HOME": workdir, "TMPDIR": workdir}, keep=list(_JUDGE_FILES))
+            job_fd = _memory_file("job", json.dumps(job).encode())
+            command = [python, "-I", "-S", os.path.join(workdir, "judge.py"), "--job-fd", str(job_fd)]
+            popen = {"pass_fds": (job_fd,), "cwd": workdir}
+        try:
+            return _read_judge(command, deadline_s + STARTUP_GRACE_S, limits, env=job["env"], **popen)
+        finally:
+            os.close(job_fd)
     finally:
-        os.close(stdin_fd)
         if program_fd is not None:
             os.close(program_fd)
         if workdir is not None:
             _remove_tree(workdir)
 
 
-_EXCEPTION_LINE = re.compile(r"([A-Za-z_][\w.]*)(?::\s?(.*))?")
-
-
-def exception_kind(line: str) -> str | None:
-    """The failure kind of a Python exception from the last line of its traceback ("Type: message"), by its text;
-    None when it is none of the kinds the sandbox tells apart (a plain runtime error)."""
-    match = _EXCEPTION_LINE.fullmatch(line.strip())
-    if not match:
-        return None
-    name, message = match.group(1).rsplit(".", 1)[-1], match.group(2) or ""
-    if name == "MemoryError":
-        return "memory"
-    if name in ("SyntaxError", "IndentationError", "TabError"):
-        return "syntax_error"
-    if (name == "BlockingIOError" and "Resource temporarily unavailable" in message
-            or "can't start new thread" in message):
-        return "processes"  # fork or thread creation refused: RLIMIT_NPROC
-    if (name in ("gaierror", "herror", "ConnectionRefusedError", "ConnectionResetError", "ConnectionAbortedError")
-            or "Network is unreachable" in message or "No route to host" in message):
-        return "network"
-    if (name == "PermissionError" or "Read-only file system" in message or "File too large" in message
-            or "No space left on device" in message):
-        return "filesystem"
-    return None
-
-
-def _failure(returncode: int, stderr: str, bwrap: bool) -> str | None:
-    """The failure kind of a run that ended by itself (see the module docstring)."""
-    if bwrap and returncode == 1 and stderr.startswith("bwrap: "):
-        return "sandbox_error"
-    if returncode == 0:
-        return None
-    if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
-        return "timeout"
-    if returncode == -signal.SIGXFSZ:
-        return "filesystem"
-    if returncode < 0:
-        return "runtime_error"
-    # the last exception line that names a kind: a program that forks may leave several tracebacks, interleaved
-    kinds = [exception_kind(line) for line in stderr.splitlines() if line and not line[0].isspace()]
-    return next((kind for kind in reversed(kinds) if kind), "runtime_error")
-
-
-def _run(command: list[str], stdin_fd: int, limits: Limits, bwrap: bool, **popen) -> RunResult:
-    """Start `command` in a new session, read its output until it is done, within the wall limit and the output cap,
-    then kill its process group (under bwrap that takes the sandbox's PID namespace with it)."""
-    start = time.monotonic()
+def _read_judge(command: list[str], wall_s: float, limits: Limits, **popen) -> tuple[list[dict], str, bool]:
+    """Start the judge in a new session, read its records until it is done or `wall_s` passes, then kill its process
+    group (under bwrap that takes the sandbox's PID namespace with it). A judge that did not say it was ready is a
+    sandbox error: its stderr (bwrap's or the interpreter's) is returned."""
     try:
-        proc = subprocess.Popen(command, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, **_sandbox_user(), **popen)
     except OSError as e:
-        return RunResult("", f"could not start the sandbox: {e}", -1, time.monotonic() - start, "sandbox_error")
+        return [], f"could not start the sandbox: {e}", False
+    cap = 2 * limits.output_bytes + (1 << 20)  # a case's stdout and stderr as JSON, worst case; or many asserts
     try:
-        out, err, stopped = _collect(proc, start + limits.wall_s, limits.output_bytes)
+        out, err, timed_out = _collect(proc, time.monotonic() + wall_s, cap)
     finally:
         _kill_group(proc)
-    returncode = proc.returncode
-    if bwrap and returncode > 128:
-        returncode = 128 - returncode  # bwrap exits 128+N when the program died of signal N
-    stderr = err.decode(errors="replace")
-    return RunResult(out.decode(errors="replace"), stderr[-STDERR_KEEP:], returncode, time.monotonic() - start,
-                     stopped or _failure(returncode, stderr, bwrap))
+    records = []
+    for line in out.splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            break  # cut at our cap or by the kill: the records before it stand
+    stderr = err.decode(errors="replace")[-STDERR_KEEP:]
+    if not records or records[0] != {"ready": True}:
+        return [], stderr or f"the judge exited with status {proc.returncode} before it was ready", timed_out
+    return records[1:], stderr, timed_out
 
 
-def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, str | None]:
-    """Read the process's stdout and stderr until it has exited and they hold no more (what it left running may keep
-    them open), keeping at most `cap` bytes of the two together. Stops early at `deadline` (monotonic seconds;
-    returns "timeout") or past `cap` ("output_limit"); else returns None as the third item. (pidfd: Linux 5.3+.)"""
+def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, bool]:
+    """The judge's stdout and stderr until both close or `deadline` (monotonic) passes (then True); at most `cap`
+    bytes of stdout (the judge is ours: it caps what it reports, this is a bound on a bug)."""
     buffers = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
-    out, err = buffers.values()
-    pidfd = os.pidfd_open(proc.pid)  # readable once the process has exited; unlike wait(), it does not reap it
-    exited = False
-    try:
-        with selectors.DefaultSelector() as selector:
-            for fd in (*buffers, pidfd):
-                selector.register(fd, selectors.EVENT_READ)
-            while selector.get_map():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 and not exited:
-                    return bytes(out), bytes(err), "timeout"
-                # once it has exited, take what the pipes hold now: what it left running may keep them open
-                events = selector.select(0 if exited else remaining)
-                if exited and (not events or remaining <= 0):
-                    break
-                for key, _ in events:
-                    data = b"" if key.fd == pidfd else os.read(key.fd, _READ_BYTES)
-                    exited = exited or key.fd == pidfd
-                    if not data:
-                        selector.unregister(key.fd)
-                        continue
-                    room = cap - len(out) - len(err)
-                    buffers[key.fd] += data[:room]
-                    if len(data) > room:
-                        return bytes(out), bytes(err), "output_limit"
-    finally:
-        os.close(pidfd)
-    return bytes(out), bytes(err), None
+    with selectors.DefaultSelector() as selector:
+        for fd in buffers:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return bytes(buffers[proc.stdout.fileno()]), bytes(buffers[proc.stderr.fileno()]), True
+            for key, _ in selector.select(remaining):
+                data = os.read(key.fd, 1 << 16)
+                if not data:
+                    selector.unregister(key.fd)
+                    continue
+                buffer = buffers[key.fd]
+                buffer += data[:max(0, (cap if key.fd == proc.stdout.fileno() else STDERR_KEEP * 4) - len(buffer))]
+    return bytes(buffers[proc.stdout.fileno()]), bytes(buffers[proc.stderr.fileno()]), False
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -280,16 +270,76 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.stderr.close()
 
 
-def _bwrap_options(bwrap: str, limits: Limits) -> list[str]:
-    """The bwrap command (`bwrap`: its path) up to the program's file and working directory (see the module
-    docstring)."""
+def _bwrap_options(bwrap: str, python: str, limits: Limits) -> list[str]:
+    """The bwrap command (`bwrap`: its path) up to the program's file and working directory: namespaces, a clean
+    environment, the interpreter's files read-only (`_runtime_binds`), the judge at /sandbox, /proc, a minimal /dev
+    and a /tmp of file_mb MiB, the root read-only (see the module docstring)."""
     scratch = str(limits.file_mb << 20)
     env = [word for name, value in {**_ENV, "HOME": "/tmp", "TMPDIR": "/tmp"}.items()
            for word in ("--setenv", name, value)]
     return [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-            "--clearenv", *env, "--ro-bind", "/", "/", "--proc", "/proc",
-            "--dev", "/dev", "--size", scratch, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-            "--tmpfs", "/run", "--remount-ro", "/run", "--size", scratch, "--tmpfs", "/tmp"]
+            "--as-pid-1", "--clearenv", *env, *_runtime_binds(python), "--ro-bind", str(JUDGE_DIR), "/sandbox",
+            "--proc", "/proc", "--dev", "/dev", "--size", scratch, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+            "--size", scratch, "--tmpfs", "/tmp", "--remount-ro", "/"]
+
+
+@functools.cache
+def _runtime_binds(python: str) -> tuple[str, ...]:
+    """bwrap options that make the interpreter `python` run in an empty root: its executable, standard library and
+    shared library, the directories of the libraries it and its extension modules load (from `ldd`) and the
+    loader's cache, each read-only at its own path, with the host's symlinks on the way (/lib -> usr/lib)."""
+    query = ("import sys, sysconfig; c = sysconfig.get_config_var; "
+             "print(sysconfig.get_path('stdlib')); print(sysconfig.get_path('platstdlib')); "
+             "print(c('LIBDIR') or ''); print(c('LDLIBRARY') or '')")
+    try:
+        info = subprocess.run([python, "-I", "-S", "-c", query], capture_output=True, text=True, timeout=30,
+                              check=True, env=_ENV).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SandboxError(f"cannot ask {python} where its files are: {e}") from None
+    stdlib, platstdlib, libdir, ldlibrary = (info + ["", "", "", ""])[:4]
+    files = [python, stdlib, platstdlib, os.path.join(libdir, ldlibrary) if libdir and ldlibrary else "",
+             "/etc/ld.so.cache"]
+    extensions = sorted(str(p) for p in Path(platstdlib, "lib-dynload").glob("*.so"))
+    for library in _shared_libraries([python, *extensions]):
+        files.append(os.path.dirname(library))
+    ops: dict[str, tuple[str, ...]] = {}
+    for path in files:
+        if path and os.path.exists(path):
+            _expose(os.path.abspath(path), ops)
+    return tuple(word for op in ops.values() for word in op)
+
+
+def _shared_libraries(binaries: list[str]) -> list[str]:
+    """The paths of the shared libraries `ldd` finds for `binaries` (the loader included)."""
+    try:
+        listing = subprocess.run(["ldd", *binaries], capture_output=True, text=True, timeout=60, env=_ENV).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []  # a static interpreter, or no ldd: nothing more to bind
+    libraries = set()
+    for line in listing.splitlines():
+        words = line.replace("=>", " ").split()
+        paths = [w for w in words if w.startswith("/")]
+        if paths:
+            libraries.add(paths[0])
+    return sorted(libraries)
+
+
+def _expose(path: str, ops: dict[str, tuple[str, ...]], depth: int = 0) -> None:
+    """Add to `ops` (keyed by the path inside) what makes the host's `path` resolve to the same file inside: bwrap
+    `--symlink` for each symlink on the way, `--ro-bind` of the real path."""
+    if depth > 40:
+        raise SandboxError(f"too many symlinks on the way to {path}")
+    current = "/"
+    parts = Path(path).parts[1:]
+    for i, part in enumerate(parts):
+        current = os.path.join(current, part)
+        if os.path.islink(current):
+            target = os.readlink(current)
+            ops.setdefault(current, ("--symlink", target, current))
+            resolved = os.path.normpath(os.path.join(os.path.dirname(current), target))
+            _expose(os.path.join(resolved, *parts[i + 1:]), ops, depth + 1)
+            return
+    ops.setdefault(path, ("--ro-bind", path, path))
 
 
 @functools.cache
@@ -298,9 +348,10 @@ def _bwrap_problem(bwrap: str | None) -> str | None:
     where user namespaces are not allowed, e.g. in a default Docker container). Tried once per process."""
     if bwrap is None:
         return "bwrap is not installed (Debian/Ubuntu package: bubblewrap)"
+    python = _interpreter()
     try:
-        trial = subprocess.run([*_bwrap_options(bwrap, Limits()), "true"], capture_output=True, text=True, timeout=30,
-                               cwd="/", env=_ENV, **_sandbox_user())
+        trial = subprocess.run([*_bwrap_options(bwrap, python, Limits()), python, "-I", "-S", "-c", "import json"],
+                               capture_output=True, text=True, timeout=30, cwd="/", env=_ENV, **_sandbox_user())
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"bwrap is installed but does not run: {e}"
     if trial.returncode != 0:
@@ -349,13 +400,16 @@ def _memory_file(name: str, data: bytes) -> int:
 
 
 def _private_dir(source: str) -> str:
-    """A new directory holding the program as main.py, owned by the program's user (the fallback's working dir)."""
+    """A new directory holding the program as main.py and the judge, owned by the program's user (the fallback's
+    working directory)."""
     if os.geteuid() == 0 and not _open_to_others(tempfile.gettempdir()):
         raise SandboxError(f"the temporary directory {tempfile.gettempdir()} is closed to uid {NOBODY}, which runs "
                            "sandboxed programs when we are root; set TMPDIR to one other users can enter (/tmp)")
     path = tempfile.mkdtemp(prefix="scalerl-sandbox-")
     with open(os.path.join(path, "main.py"), "w", encoding="utf-8") as f:
         f.write(source)
+    for name in _JUDGE_FILES:
+        shutil.copyfile(JUDGE_DIR / name, os.path.join(path, name))
     if os.geteuid() == 0:
         os.chown(path, NOBODY, NOBODY)
     return path

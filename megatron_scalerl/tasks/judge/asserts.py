@@ -1,0 +1,380 @@
+"""Function asserts judged on values: the program answers calls, the judge evaluates the asserts.
+
+Two sides, two processes (see judge.py for how the judge is kept out of the program's reach):
+
+- the runner (`python -I -S asserts.py serve PROGRAM REQUESTS_FD REPLIES_FD`, the program's process): executes the
+  program as module "solution", lists the names it defines, then answers call requests, one JSON line each way.
+  Its stdin, stdout and stderr are /dev/null: what the program prints goes nowhere.
+- the judge (`judge_asserts`): executes the test's setup and each assert in its own interpreter, where every name the
+  program defines is a proxy (`Remote`) and `import solution` gives a module of proxies. Calling a proxy sends the
+  arguments, as plain data, to the runner and takes back the result as plain data (`encode`/`decode`); a result that
+  is not plain data stays in the runner and comes back as a `Handle`, whose methods may be called but which is
+  neither true, false, equal, hashable nor usable as a value: an assert that needs it as a value fails.
+
+Outcome of an assert: None (it held); "wrong_answer" (false, or it raised while evaluating the program's values, or
+needed a value that is not plain data); "runtime_error" (the program raised, or a name is missing; "memory" when the
+runner's peak resident memory reached its share of the limit); the kind observed when the runner died (judge.py's
+`observed_failure`; an early exit is "runtime_error") or was stopped ("timeout", "output_limit"), for that assert and
+every one after it; "sandbox_error" when the test passes the program something that is not plain data (our limit: such
+tests cannot be judged this way). Arguments are copies: a program that mutates its argument in place is not seen to.
+"""
+
+from __future__ import annotations
+
+import base64
+import builtins
+import json
+import math
+import os
+import select
+import sys
+import time
+import types
+
+MAX_DEPTH = 100  # nesting of plain data
+REPLY_TIMEOUT_TICK_S = 0.05
+
+
+# ---- plain data: the only values that cross between the program and the judge ----
+
+class NotPlainData(Exception):
+    """A value that is not plain data, or data that is not a well-formed encoding of one."""
+
+
+_FLOAT_TAGS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_SEQUENCE_TAGS = {list: "l", tuple: "t", set: "s", frozenset: "z"}
+_SEQUENCE_TYPES = {tag: kind for kind, tag in _SEQUENCE_TAGS.items()}
+
+
+def encode(value, depth: int = 0):
+    """`value` as JSON-able data that `decode` turns back into an equal value of the same types. Plain data is None,
+    bool, int, float, str, bytes, complex, list, tuple, set, frozenset and dict of plain data, of exactly those types
+    (a subclass can override ==); NotPlainData for anything else."""
+    if depth > MAX_DEPTH:
+        raise NotPlainData("nested too deeply")
+    kind = type(value)
+    if value is None or kind is bool or kind is str:
+        return value
+    if kind is int:
+        if value.bit_length() > 4096:
+            raise NotPlainData("an int of more than 4096 bits")
+        return value
+    if kind is float:
+        return value if math.isfinite(value) else {"f": repr(value)}
+    if kind in _SEQUENCE_TAGS:
+        return {_SEQUENCE_TAGS[kind]: [encode(item, depth + 1) for item in value]}
+    if kind is dict:
+        return {"d": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
+    if kind is bytes:
+        return {"b": base64.b64encode(value).decode()}
+    if kind is complex:
+        return {"c": [value.real, value.imag]}
+    raise NotPlainData(f"a {kind.__name__} is not plain data")
+
+
+def decode(data, depth: int = 0):
+    """The value `encode` turned into `data`; NotPlainData when `data` is not such an encoding."""
+    if depth > MAX_DEPTH:
+        raise NotPlainData("nested too deeply")
+    if data is None or type(data) in (bool, int, float, str):
+        return data
+    if type(data) is not dict or len(data) != 1:
+        raise NotPlainData(f"not an encoded value: a {type(data).__name__}")
+    (tag, body), = data.items()
+    try:
+        if tag == "f":
+            return _FLOAT_TAGS[body]
+        if tag == "b":
+            return base64.b64decode(body, validate=True)
+        if tag == "c":
+            real, imag = body
+            if type(real) is not float and type(real) is not int or type(imag) is not float and type(imag) is not int:
+                raise TypeError("complex parts")
+            return complex(real, imag)
+        if tag == "d":
+            return {decode(k, depth + 1): decode(v, depth + 1) for k, v in body}
+        return _SEQUENCE_TYPES[tag](decode(item, depth + 1) for item in body)
+    except NotPlainData:
+        raise
+    except Exception as error:  # an unknown tag, an unhashable key, a malformed body
+        raise NotPlainData(f"malformed encoded value ({type(error).__name__})") from None
+
+
+# ---- the runner: the program's process ----
+
+def serve(program: str, requests_fd: int, replies_fd: int) -> None:
+    """Execute the program as module "solution", send what it defines, then answer call requests until EOF."""
+
+    def reply(message: dict) -> None:
+        view = memoryview((json.dumps(message) + "\n").encode())
+        while view:
+            view = view[os.write(replies_fd, view):]
+
+    objects: list = []
+
+    def result(value) -> dict:
+        try:
+            return {"value": encode(value)}
+        except NotPlainData:
+            objects.append(value)
+            return {"handle": len(objects) - 1, "type": type(value).__name__}
+
+    def argument(data):
+        if type(data) is dict and set(data) == {"h"}:
+            return objects[data["h"]]
+        return decode(data)
+
+    module = types.ModuleType("solution")
+    sys.modules["solution"] = module
+    with open(program, encoding="utf-8") as f:
+        source = f.read()
+    try:
+        exec(compile(source, "solution.py", "exec"), module.__dict__)
+    except BaseException as error:
+        reply({"raised": type(error).__name__})
+        return
+    defined = {name: {"callable": True} if callable(value) else result(value)
+               for name, value in list(module.__dict__.items())
+               if not name.startswith("__") and not isinstance(value, types.ModuleType)}
+    reply({"defined": defined})
+    with os.fdopen(requests_fd, "rb") as requests:
+        for line in requests:
+            try:
+                request = json.loads(line)
+                target = (module.__dict__[request["name"]] if "name" in request
+                          else getattr(objects[request["handle"]], request["method"]))
+                args = [argument(a) for a in request["args"]]
+                kwargs = {str(k): argument(v) for k, v in request["kwargs"].items()}
+            except Exception as error:
+                reply({"bad_request": type(error).__name__})
+                continue
+            try:
+                value = target(*args, **kwargs)
+            except BaseException as error:
+                reply({"raised": type(error).__name__})
+                continue
+            reply(result(value))
+
+
+# ---- the judge's side ----
+
+class ProgramRaised(Exception):
+    """The program raised an exception in a call (its type's name, as the runner said: it only names the failure)."""
+
+
+class Stopped(Exception):
+    """The runner is gone: `kind` is how it ended (observed by the judge)."""
+
+    def __init__(self, kind: str):
+        super().__init__(kind)
+        self.kind = kind
+
+
+class UnsupportedTest(Exception):
+    """The test passes the program a value that is not plain data: it cannot be judged on values."""
+
+
+class Runner:
+    """The judge's end of the runner: sends requests, reads replies within the deadline, watches the process."""
+
+    def __init__(self, judge, deadline: float):
+        self.judge, self.deadline = judge, deadline
+        requests_r, self.requests = os.pipe()
+        self.replies, replies_w = os.pipe()
+        self.process = judge.start([os.path.abspath(__file__), "serve", judge.program, str(requests_r),
+                                    str(replies_w)], stdin=subprocess_devnull(), quiet=True,
+                                   pass_fds=(requests_r, replies_w))
+        os.close(requests_r)
+        os.close(replies_w)
+        os.set_blocking(self.requests, False)
+        self.buffer, self.peak_tasks, self.kind = bytearray(), 0, None
+
+    def call(self, request: dict) -> dict:
+        data = memoryview((json.dumps(request) + "\n").encode())
+        while data:
+            _, writable, _ = select.select([], [self.requests], [], self._wait())
+            if writable:
+                try:
+                    data = data[os.write(self.requests, data):]
+                except BrokenPipeError:
+                    self.stop(None)
+        return self.receive()
+
+    def receive(self) -> dict:
+        """The runner's next reply line, parsed; Stopped when it dies, passes the deadline or the output cap."""
+        while b"\n" not in self.buffer:
+            readable, _, _ = select.select([self.replies], [], [], self._wait())
+            if not readable:
+                continue
+            chunk = os.read(self.replies, 1 << 16)
+            if not chunk:
+                self.stop(None)
+            self.buffer += chunk
+            if len(self.buffer) > self.judge.limits["output_bytes"]:
+                self.stop("output_limit")
+        line, _, rest = bytes(self.buffer).partition(b"\n")
+        self.buffer = bytearray(rest)
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            raise NotPlainData("a reply that is not JSON") from None
+        if type(reply) is not dict:
+            raise NotPlainData("a reply that is not an object")
+        return reply
+
+    def _wait(self) -> float:
+        """Seconds to wait before looking again; stops the runner past the deadline."""
+        now = time.monotonic()
+        if now >= self.deadline:
+            self.stop("timeout")
+        self.peak_tasks = max(self.peak_tasks, self.judge.tasks(self.process))
+        return min(REPLY_TIMEOUT_TICK_S, self.deadline - now)
+
+    def stop(self, kind: str | None) -> None:
+        """End the runner; raise Stopped with `kind`, or (None) with the kind observed of its end."""
+        if self.kind is None:
+            if kind is not None:
+                self.process.kill()
+            status, cpu_s, rss_mb = self.judge.end(self.process)
+            observed = self.judge.observed(status, cpu_s, rss_mb, self.peak_tasks)
+            self.kind = kind or observed or "runtime_error"  # exit 0 before the asserts were done: an early exit
+        raise Stopped(self.kind)
+
+    def peak_memory_mb(self) -> float:
+        """The runner's peak resident memory so far (MiB), from /proc."""
+        try:
+            with open(f"/proc/{self.process.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024
+        except (OSError, ValueError):
+            pass
+        return 0.0
+
+
+def subprocess_devnull() -> int:
+    return os.open(os.devnull, os.O_RDONLY)
+
+
+class Handle:
+    """An object of the program's that is not plain data: it stays in the runner; only its methods can be called."""
+
+    __slots__ = ("_runner", "_id", "_type")
+
+    def __init__(self, runner: Runner, handle: int, type_name: str):
+        object.__setattr__(self, "_runner", runner)
+        object.__setattr__(self, "_id", handle)
+        object.__setattr__(self, "_type", type_name)
+
+    def __getattr__(self, name: str) -> Remote:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return Remote(self._runner, {"handle": self._id, "method": name})
+
+    def _not_a_value(self, *_):
+        raise NotPlainData(f"a {self._type} is not plain data")
+
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = __hash__ = __len__ = __iter__ = _not_a_value
+    __contains__ = __getitem__ = __int__ = __float__ = __index__ = __str__ = _not_a_value
+
+    def __repr__(self) -> str:
+        return f"<{self._type} of the program>"
+
+
+class Remote:
+    """A callable of the program's (a function, a class, a method of a Handle): calls go to the runner."""
+
+    def __init__(self, runner: Runner, target: dict):
+        self.runner, self.target = runner, target
+
+    def __call__(self, *args, **kwargs):
+        request = {**self.target, "args": [self._argument(a) for a in args],
+                   "kwargs": {k: self._argument(v) for k, v in kwargs.items()}}
+        reply = self.runner.call(request)
+        if "raised" in reply:
+            raise ProgramRaised(str(reply["raised"])[:100])
+        if "bad_request" in reply:
+            raise NotPlainData(f"the program could not take the call ({str(reply['bad_request'])[:100]})")
+        if "handle" in reply:
+            if type(reply["handle"]) is not int:
+                raise NotPlainData("a malformed handle")
+            return Handle(self.runner, reply["handle"], str(reply.get("type"))[:100])
+        if "value" not in reply:
+            raise NotPlainData("a reply without a value")
+        return decode(reply["value"])
+
+    def _argument(self, value):
+        if type(value) is Handle:
+            if value._runner is not self.runner:
+                raise UnsupportedTest("a handle of another run")
+            return {"h": value._id}
+        try:
+            return encode(value)
+        except NotPlainData as error:
+            raise UnsupportedTest(f"the test passes the program {error}") from None
+
+
+def _namespace(runner: Runner, defined: dict) -> dict:
+    """The judge's globals for setup and asserts: builtins, and the program's names as proxies and values."""
+    module = types.ModuleType("solution")
+    for name, entry in defined.items():
+        if not isinstance(name, str) or not name.isidentifier() or type(entry) is not dict:
+            raise NotPlainData("a malformed list of names")
+        if entry.get("callable") is True:
+            value = Remote(runner, {"name": name})
+        elif "handle" in entry and type(entry["handle"]) is int:
+            value = Handle(runner, entry["handle"], str(entry.get("type"))[:100])
+        else:
+            value = decode(entry.get("value"))
+        setattr(module, name, value)
+    sys.modules["solution"] = module
+    return {"__name__": "__test__", "__builtins__": builtins, **vars(module)}
+
+
+def _outcome(error: BaseException | None, runner: Runner) -> str | None:
+    """The outcome of one assert (or of the setup) that ended with `error` (see the module docstring)."""
+    if error is None:
+        return None
+    if isinstance(error, Stopped):
+        return error.kind
+    if isinstance(error, UnsupportedTest):
+        return "sandbox_error"
+    if isinstance(error, ProgramRaised):
+        share = runner.judge.limits["memory_mb"] * runner.judge.memory_share
+        return "memory" if runner.peak_memory_mb() >= share else "runtime_error"
+    if isinstance(error, NameError):
+        return "runtime_error"  # the program does not define a name the test uses
+    return "wrong_answer"  # false, not plain data, or an error evaluating the program's values
+
+
+def judge_asserts(judge) -> None:
+    """Judge the job's asserts (judge.py's `Judge`, in "asserts" mode) and report one record per assert."""
+    job = judge.job
+    runner = Runner(judge, time.monotonic() + min(judge.limits["wall_s"], job["deadline_s"]))
+    asserts, failed = job["asserts"], None  # failed: the kind every remaining assert gets (the setup or runner failed)
+    try:
+        hello = runner.receive()
+        if "defined" not in hello:
+            runner.stop(None)  # the program raised on import: the runner exits
+        namespace = _namespace(runner, hello["defined"])
+        exec(compile(job["setup"], "<setup>", "exec"), namespace)
+    except BaseException as error:  # noqa: BLE001 -- the setup is the test's code, run on the program's values
+        failed = _outcome(error, runner)
+    for index, test in enumerate(asserts):
+        outcome = failed
+        if failed is None:
+            try:
+                exec(compile(test, f"<assert {index}>", "exec"), namespace)
+                outcome = None
+            except Stopped as error:
+                outcome = failed = error.kind
+            except BaseException as error:  # noqa: BLE001 -- as the setup's
+                outcome = _outcome(error, runner)
+        judge.report({"assert": index, "failure": outcome})
+    if runner.kind is None:
+        runner.process.kill()
+        judge.end(runner.process)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
+    serve(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

@@ -1,0 +1,286 @@
+"""The trusted side of a sandboxed run: the judge, which runs the untrusted program and decides what happened.
+
+This file is a standalone script (standard library only) that `tasks/sandbox.py` starts inside the sandbox as
+`python -I -S judge.py --job-fd N`; the host side also imports it for `encode`/`decode` and `observed_failure`.
+
+The judge reads its job (JSON: the mode, the limits, the inputs or the asserts with their expected values) from fd N
+and closes it, then makes itself non-dumpable (`PR_SET_DUMPABLE` 0): a process of the same user can then read none of
+its memory, fds, environment or stack through /proc and cannot ptrace it. Under bwrap it is the sandbox's PID 1, which
+no process inside can kill. It starts the program as a child (a fresh interpreter: nothing of the judge's memory
+survives the exec), with only the fds it needs, its own limits and a clean environment, and reports to its stdout, a
+channel the program holds no fd of, one JSON line per result:
+
+- "cases" mode (stdin/stdout tests): a run of the program per input, the input on its stdin; the record holds what it
+  printed (up to the output cap) and the failure kind the judge observed. The host compares the output: the expected
+  outputs never enter the sandbox.
+- "asserts" mode: the program runs once, as module "solution", in a runner child (`judge.py serve`) that only answers
+  calls: the judge executes the test's setup and asserts itself, in its own interpreter, with every name the program
+  defines standing for a proxy that forwards the call (arguments as plain data) to the runner and takes back plain data
+  (`encode`/`decode`: None, bool, int, float, str, bytes, complex, list, tuple, set, frozenset, dict, exactly those
+  types). A value that is not plain data is a wrong answer; an instance of a class the program defines stays in the
+  runner, seen by the judge only as a handle whose methods it may call. So `==`, builtins and `assert` itself run in
+  the judge, on values, where the program cannot patch or fake them.
+
+Failure kinds are decided from what the judge observed of the program's processes, never from text they printed or an
+exit status they chose (`observed_failure`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import selectors
+import signal
+import subprocess
+import sys
+import time
+
+PR_SET_DUMPABLE, PR_SET_PDEATHSIG = 4, 1
+STDERR_KEEP = 8000  # characters of a run's stderr kept in its record (the end, where a traceback is)
+TICK_S = 0.05  # seconds between looks at the program's task count while it runs
+MEMORY_SHARE = 0.75  # a failed run whose peak resident memory reached this share of its limit failed on memory
+
+
+# ---- what the judge observed of a program's processes ----
+
+def observed_failure(status: int, cpu_s: float, peak_rss_mb: float, peak_tasks: int, files_full: bool,
+                     limits: dict) -> str | None:
+    """The failure kind of a run of the program's main process, from what the judge observed: None when it exited 0;
+    "timeout" when it used its CPU seconds; "processes" when its tasks reached the limit; "memory" when its peak
+    resident memory reached MEMORY_SHARE of the limit; "filesystem" when it filled its scratch space or wrote a file
+    of the largest size; else "runtime_error" (any other exit status or signal). `status`: os.waitstatus_to_exitcode."""
+    if status == 0:
+        return None
+    if cpu_s >= limits["cpu_s"] - 0.05:
+        return "timeout"
+    if peak_tasks >= limits["processes"]:
+        return "processes"
+    if peak_rss_mb >= MEMORY_SHARE * limits["memory_mb"]:
+        return "memory"
+    if files_full:
+        return "filesystem"
+    return "runtime_error"
+
+
+# ---- the judge ----
+
+def _prctl(option: int, value: int) -> None:
+    import ctypes  # deferred: only the judge and the program's children call prctl (the host imports this module)
+
+    if ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option})")
+
+
+def _report(record: dict) -> None:
+    data = (json.dumps(record) + "\n").encode()
+    view = memoryview(data)
+    while view:
+        view = view[os.write(1, view):]
+
+
+class Judge:
+    """Runs the program's processes for one job (see the module docstring) and watches them."""
+
+    def __init__(self, job: dict):
+        self.job, self.limits = job, job["limits"]
+        self.workdir, self.program = job["workdir"], job["program"]
+        self.own_namespace = job["pid_namespace"]  # the judge is PID 1 of a PID namespace of its own
+
+    memory_share = MEMORY_SHARE
+    report = staticmethod(_report)
+
+    def start(self, argv: list[str], stdin: int, pass_fds: tuple[int, ...] = (), quiet: bool = False
+              ) -> subprocess.Popen:
+        """Start a child process of the program (a fresh interpreter running `argv`) with its limits, a clean
+        environment and only the fds `pass_fds` besides stdin (closed here) and its stdout and stderr: pipes, or
+        /dev/null when `quiet`."""
+        limits = self.limits
+        parent = os.getpid()
+
+        def confine() -> None:  # in the child, before its exec: the judge is single-threaded, so fork-safe
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
+            resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] << 20,) * 2)
+            resource.setrlimit(resource.RLIMIT_NPROC, (self.job["nproc"],) * 2)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_mb"] << 20,) * 2)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limits["files"],) * 2)
+            if not self.own_namespace:
+                _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+                if os.getppid() != parent:
+                    os._exit(1)
+
+        output = subprocess.DEVNULL if quiet else subprocess.PIPE
+        try:
+            return subprocess.Popen([self.job["python"], "-I", "-S", *argv], stdin=stdin, stdout=output,
+                                    stderr=output, pass_fds=pass_fds, cwd=self.workdir, env=self.job["env"],
+                                    start_new_session=True, preexec_fn=confine)
+        finally:
+            os.close(stdin)
+
+    def observed(self, status: int, cpu_s: float, rss_mb: float, peak_tasks: int) -> str | None:
+        """`observed_failure` of a run that has ended, with this job's limits and working directory."""
+        return observed_failure(status, cpu_s, rss_mb, peak_tasks, status != 0 and self.files_full(), self.limits)
+
+    def tasks(self, child: subprocess.Popen) -> int:
+        """Tasks (processes and threads) of the program now: in our own PID namespace every one but ours; else those of
+        the child's session."""
+        count = 0
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # exited meanwhile
+            if self.own_namespace or int(fields[3]) == child.pid:  # fields[3]: the session id
+                count += int(fields[17])  # num_threads
+        return count
+
+    def end(self, child: subprocess.Popen) -> tuple[int, float, float]:
+        """Wait for the child (it has exited or been killed), then kill and reap what it left running. Returns its
+        status (os.waitstatus_to_exitcode), its CPU seconds and its peak resident memory (MiB)."""
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        if self.own_namespace:
+            try:
+                os.kill(-1, signal.SIGKILL)  # from PID 1: every other process of the namespace
+            except ProcessLookupError:
+                pass  # none left
+            while True:
+                try:
+                    os.wait()
+                except ChildProcessError:
+                    break
+        else:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pipe in (child.stdout, child.stderr):
+            if pipe is not None:
+                pipe.close()
+        return child.returncode, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+
+    def files_full(self) -> bool:
+        """Whether the program filled its scratch space (under bwrap a tmpfs of file_mb) or wrote a file of the
+        largest size it may."""
+        largest = self.limits["file_mb"] << 20
+        if self.own_namespace:
+            stats = os.statvfs(self.workdir)
+            if stats.f_bavail * stats.f_frsize < 64 << 10:
+                return True
+        for parent, _, names in os.walk(self.workdir):
+            for name in names:
+                try:
+                    if os.lstat(os.path.join(parent, name)).st_size >= largest:
+                        return True
+                except OSError:
+                    pass
+        return False
+
+    def clear_workdir(self) -> None:
+        """Remove what the program wrote in its working directory (the next run starts clean)."""
+        keep = {os.path.basename(self.program), *self.job.get("keep", [])}
+        for name in os.listdir(self.workdir):
+            if name in keep:
+                continue
+            path = os.path.join(self.workdir, name)
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    import shutil  # deferred: only a program that made directories needs it
+
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
+            except OSError:
+                pass
+
+    def run_case(self, index: int, stdin: str, deadline: float) -> dict:
+        """Run the program on one input until it exits, its wall time (`deadline`, monotonic) passes or its output
+        passes the cap; the record of what it printed and how it ended."""
+        start = time.monotonic()
+        memfd = os.memfd_create("stdin")
+        os.write(memfd, stdin.encode())
+        os.lseek(memfd, 0, os.SEEK_SET)
+        child = self.start([self.program], stdin=memfd)
+        out, err, stopped, peak_tasks = self.collect(child, deadline)
+        status, cpu_s, rss_mb = self.end(child)
+        failure = stopped or self.observed(status, cpu_s, rss_mb, peak_tasks)
+        self.clear_workdir()
+        return {"case": index, "stdout": out.decode(errors="replace"),
+                "stderr": err.decode(errors="replace")[-STDERR_KEEP:], "status": status, "failure": failure,
+                "seconds": time.monotonic() - start}
+
+    def collect(self, child: subprocess.Popen, deadline: float) -> tuple[bytes, bytes, str | None, int]:
+        """Read the child's stdout and stderr until it has exited and they hold no more (what it left running may keep
+        them open: once it has exited, what they hold then is all), killing it at `deadline` (monotonic) or past the
+        output cap. Returns (stdout, stderr, "timeout" | "output_limit" | None, the peak task count seen)."""
+        cap, out, err = self.limits["output_bytes"], bytearray(), bytearray()
+        buffers = {child.stdout.fileno(): out, child.stderr.fileno(): err}
+        stopped, exited, peak_tasks, next_look = None, False, 0, time.monotonic() + TICK_S
+        pidfd = os.pidfd_open(child.pid)  # readable once the child has exited; unlike wait(), it does not reap it
+        try:
+            with selectors.DefaultSelector() as selector:
+                for fd in (*buffers, pidfd):
+                    selector.register(fd, selectors.EVENT_READ)
+                while selector.get_map() and stopped is None:
+                    now = time.monotonic()
+                    if now >= deadline and not exited:
+                        stopped = "timeout"
+                        break
+                    if now >= next_look and not exited:
+                        peak_tasks, next_look = max(peak_tasks, self.tasks(child)), now + TICK_S
+                    events = selector.select(0 if exited else max(0.0, min(deadline, next_look) - now))
+                    if exited and not events:
+                        break
+                    for key, _ in events:
+                        if key.fd == pidfd:
+                            exited = True
+                            selector.unregister(pidfd)
+                            continue
+                        data = os.read(key.fd, 1 << 16)
+                        if not data:
+                            selector.unregister(key.fd)
+                            continue
+                        room = cap - len(out) - len(err)
+                        buffers[key.fd] += data[:room]
+                        if len(data) > room:
+                            stopped = "output_limit"
+        finally:
+            os.close(pidfd)
+        if stopped:
+            os.kill(child.pid, signal.SIGKILL)
+        return bytes(out), bytes(err), stopped, peak_tasks
+
+    def run_cases(self) -> None:
+        start = time.monotonic()
+        for index, stdin in enumerate(self.job["inputs"]):
+            left = self.job["deadline_s"] - (time.monotonic() - start)
+            if left <= 0:
+                break  # the host counts the cases not reported as timeouts
+            _report(self.run_case(index, stdin, time.monotonic() + min(self.limits["wall_s"], left)))
+
+
+
+def main() -> None:
+    job_fd = int(sys.argv[sys.argv.index("--job-fd") + 1])
+    with os.fdopen(job_fd, "rb") as f:
+        job = json.loads(f.read())
+    _prctl(PR_SET_DUMPABLE, 0)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    judge = Judge(job)
+    _report({"ready": True})
+    if job["mode"] == "cases":
+        judge.run_cases()
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I left the script's directory out
+        import asserts  # deferred: only the asserts mode needs it; a sibling file, not a package module, in here
+
+        asserts.judge_asserts(judge)
+    _report({"done": True})
+
+
+if __name__ == "__main__":
+    main()
