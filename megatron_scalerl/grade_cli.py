@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from megatron_scalerl.recipe import DataSource
 from megatron_scalerl.tasks.problems import Problem, RowReader, jsonl_records
 from megatron_scalerl.tasks.prompts import THINK_CLOSE
 from megatron_scalerl.tasks.rewards import Grade, RewardGrader
-from megatron_scalerl.tasks.sandbox import sandbox_kind
+from megatron_scalerl.tasks.sandbox import SANDBOXES, chosen_sandbox, require_sandbox, sandbox_kind
 from megatron_scalerl.tasks.verifiers import known_verifiers
 
 
@@ -41,6 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--tests-field", default="tests")
     parser.add_argument("--workers", type=int, default=None, help="grader processes (default: cores, at most 8)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per completion (default: 10)")
+    parser.add_argument("--sandbox", choices=SANDBOXES, default=None,
+                        help="the code verifier's sandbox (default: $SCALERL_SANDBOX, else bwrap; rlimits is weaker)")
     parser.set_defaults(func=_grade)
 
 
@@ -85,7 +88,12 @@ def _grade(args: argparse.Namespace) -> int:
     problems = read_problems(args)
     completions = read_completions(args.completions, problems)
     prefix = THINK_CLOSE if args.no_thinking else ""
-    with RewardGrader(num_workers=args.workers, timeout_s=args.timeout) as grader:
+    args.sandbox = args.sandbox or chosen_sandbox()
+    if args.verifier == "code":
+        warning = require_sandbox(args.sandbox, "scalerl grade")
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+    with RewardGrader(num_workers=args.workers, timeout_s=args.timeout, code_sandbox=args.sandbox) as grader:
         grades = grader.grade_many([(prefix + text, problems[key]) for key, text in completions])
     if args.json:
         for (key, _), grade in zip(completions, grades, strict=True):
@@ -94,7 +102,7 @@ def _grade(args: argparse.Namespace) -> int:
                               "seconds": round(grade.seconds, 3)}))
         return 0
     print(table(completions, grades))
-    print(summary(grades, len(problems), len({key for key, _ in completions}), args.verifier))
+    print(summary(grades, len(problems), len({key for key, _ in completions}), args.verifier, args.sandbox))
     return 0
 
 
@@ -106,7 +114,7 @@ def table(completions: list[tuple[str, str]], grades: list[Grade]) -> str:
     return "\n".join(lines)
 
 
-def summary(grades: list[Grade], problems: int, answered: int, verifier: str) -> str:
+def summary(grades: list[Grade], problems: int, answered: int, verifier: str, sandbox: str = "bwrap") -> str:
     """Pass rate, mean fraction and failures by kind of `grades`; the sandbox, for the code verifier."""
     n = max(len(grades), 1)
     failures = Counter(g.failure for g in grades if g.failure is not None)
@@ -115,5 +123,5 @@ def summary(grades: list[Grade], problems: int, answered: int, verifier: str) ->
              f"{sum(g.fraction for g in grades) / n:.3f}",
              "failures: " + (", ".join(f"{kind} {count}" for kind, count in failures.most_common()) or "none")]
     if verifier == "code":
-        lines.append(f"sandbox: {sandbox_kind()}")
+        lines.append(f"sandbox: {sandbox_kind(sandbox)}")
     return "\n".join(lines)

@@ -47,6 +47,7 @@ from megatron_scalerl.tasks.code_verifier import final_code_block
 from megatron_scalerl.tasks.problems import Problem, load_source
 from megatron_scalerl.tasks.prompts import render_prompt
 from megatron_scalerl.tasks.rewards import RewardGrader, strip_thinking
+from megatron_scalerl.tasks.sandbox import require_sandbox
 
 EVAL_DATA = Path(__file__).resolve().parents[2] / "eval" / "data"
 DATASETS = {name: EVAL_DATA / f"{name}.jsonl" for name in SHIPPED_BENCHMARKS}
@@ -162,7 +163,12 @@ def evaluate(request: EvalRequest, benchmark: Benchmark, recipe: Recipe, tokeniz
         raise UserError(f"--samples must be at least 1 (got {request.samples})")
     settings = sampling_settings(recipe, tokenizer)
     start = time.monotonic()
-    with RewardGrader(num_workers=request.grader_workers, timeout_s=request.grader_timeout_s) as grader:
+    if benchmark.source.verifier == "code":
+        warning = require_sandbox(recipe.data.code_sandbox, f"the evaluation of {benchmark.name}")
+        if warning:
+            print(warning, flush=True)
+    with RewardGrader(num_workers=request.grader_workers, timeout_s=request.grader_timeout_s,
+                      code_sandbox=recipe.data.code_sandbox) as grader:
         results = asyncio.run(_evaluate(request, benchmark, settings, tokenizer, grader))
     samples = [s for r in results for s in r["samples"]]
     figures = summarize([{"correct": [s["correct"] for s in r["samples"]],

@@ -299,6 +299,9 @@ class DataConfig(Section):
     validation_holdout: NonNeg  # prompts held out of the sources without their own, for the i.i.d. validation curve
     validation_interval: Pos  # steps
     validation_generations: Pos  # samples per validation prompt (mean@N)
+    # the sandbox that runs the code verifier's programs (tasks/sandbox.py): bwrap, or the weaker rlimits only when
+    # named here; a run or evaluation with code sources refuses to start when bwrap does not work and this says bwrap
+    code_sandbox: Literal["bwrap", "rlimits"] = "bwrap"
 
     @model_validator(mode="after")
     def _shares(self) -> DataConfig:

@@ -69,6 +69,7 @@ from megatron_scalerl.run_dir import (
 from megatron_scalerl.tasks.problems import Problem, load_sources
 from megatron_scalerl.tasks.prompts import PromptSampler, split_validation
 from megatron_scalerl.tasks.rewards import RewardGrader
+from megatron_scalerl.tasks.sandbox import require_sandbox
 
 log = logging.getLogger("megatron_scalerl.orchestrator")
 
@@ -92,7 +93,12 @@ class Orchestrator:
                                    prompts_per_step=self.batch_size, max_batches=self.max_batches,
                                    bound=staleness_bound(recipe.rollout.off_policy, recipe.rollout.k))
         self.fleet = Fleet(urls, api_key=api_key, on_server_back=self._wait_for_current_weights)
-        self.grader = RewardGrader(num_workers=grader_workers)
+        # a run with code sources refuses to start on a sandbox that does not work; the weaker one warns every step
+        uses_code = any(source.verifier == "code" for source in recipe.data.train)
+        self.sandbox_warning = require_sandbox(recipe.data.code_sandbox, "this run") if uses_code else None
+        if self.sandbox_warning:
+            print(self.sandbox_warning, flush=True)
+        self.grader = RewardGrader(num_workers=grader_workers, code_sandbox=recipe.data.code_sandbox)
         self.groups = GroupGenerator(recipe, tokenizer, self.fleet, self.grader)
         self.metrics = MetricsLog(run_dir, "orchestrator", wandb_mode=recipe.logging.wandb_mode,
                                   wandb_project=recipe.logging.wandb_project, run_name=recipe.name)
@@ -229,7 +235,8 @@ class Orchestrator:
               f"pass {figures['rollout/pass_rate']:.3f} | filtered {figures['rollout/filtered_groups']:.0f} | "
               f"staleness {figures['staleness/max']:.0f} | generator idle "
               f"{100 * figures['rollout/generator_idle_fraction']:.0f}% | {figures['rollout/tokens_per_s']:.0f} tok/s"
-              + (f" | {self.live.words}" if self.live.words else ""), flush=True)
+              + (f" | {self.live.words}" if self.live.words else "")
+              + (f" | {self.sandbox_warning}" if self.sandbox_warning else ""), flush=True)
         budget = self.recipe.trainer.max_gpu_hours
         if budget is not None and figures["gpu_hours"] >= budget:
             self._end_early("max_gpu_hours", f"the run's compute reached {figures['gpu_hours']:.4g} GPU-h "

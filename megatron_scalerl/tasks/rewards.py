@@ -26,6 +26,7 @@ import contextlib
 import multiprocessing
 import os
 import queue
+import re
 import signal
 import threading
 import time
@@ -82,11 +83,28 @@ def _worker_context():
     return ctx
 
 
-def _worker_main(conn, lifeline) -> None:
+# Environment variables a worker drops when it starts (API keys, tokens, passwords): a program the code verifier runs
+# must find no secret in its grader, whatever the sandbox.
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
+
+
+def _hide_secrets(code_sandbox: str) -> None:
+    """Drop every secret from this process's environment, make it non-dumpable (no process of the same user can
+    read its memory, fds or initial environment through /proc, nor ptrace it) and set the code sandbox it uses."""
+    import ctypes  # deferred: only grader workers call prctl
+
+    for name in [name for name in os.environ if SECRET_NAME.search(name)]:
+        del os.environ[name]
+    os.environ["SCALERL_SANDBOX"] = code_sandbox
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+
+
+def _worker_main(conn, lifeline, code_sandbox: str) -> None:
     """Loop of one worker: receive (verifier path, answer, problem row), send ("ok", Verdict) or ("error", text).
     Exits on pipe EOF, or when the owner goes away, also while a verifier hangs: a watchdog thread waits on
     `lifeline`, a pipe whose only writing end the owner holds. (The forkserver, our parent, outlives the owner while
-    any of its workers lives, so the parent cannot tell.)"""
+    any of its workers lives, so the parent cannot tell.) It first hides its secrets (`_hide_secrets`)."""
+    _hide_secrets(code_sandbox)
 
     def watchdog() -> None:
         with contextlib.suppress(EOFError, OSError):
@@ -119,10 +137,11 @@ def _worker_main(conn, lifeline) -> None:
 class _Worker:
     """Parent-side handle of one worker process; used by one thread at a time."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, code_sandbox: str):
         self.conn, child = ctx.Pipe(duplex=True)
         lifeline, self._lifeline = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=_worker_main, args=(child, lifeline), daemon=True, name="reward-worker")
+        self.proc = ctx.Process(target=_worker_main, args=(child, lifeline, code_sandbox), daemon=True,
+                                name="reward-worker")
         self.proc.start()
         child.close()  # only the worker holds these ends: our death reads as EOF there
         lifeline.close()
@@ -185,10 +204,13 @@ def reward_of(grade: Grade, reward_correct: float = 1.0, reward_incorrect: float
 class RewardGrader:
     """A pool of `num_workers` verifier processes; `timeout_s` is the wall-clock limit per answer, in seconds, counted
     from when a worker receives the answer (waiting for a free worker is not counted). `startup_timeout_s` bounds a
-    (re)started worker's import of math-verify. Use as a context manager or call `close()`."""
+    (re)started worker's import of math-verify. `code_sandbox`: the sandbox the code verifier uses in the workers
+    ("bwrap" or "rlimits", recipe: data.code_sandbox). Use as a context manager or call `close()`."""
 
-    def __init__(self, num_workers: int | None = None, timeout_s: float = 10.0, startup_timeout_s: float = 120.0):
+    def __init__(self, num_workers: int | None = None, timeout_s: float = 10.0, startup_timeout_s: float = 120.0,
+                 code_sandbox: str = "bwrap"):
         self.num_workers = num_workers or max(1, min(8, os.cpu_count() or 1))
+        self.code_sandbox = code_sandbox
         self.timeout_s = float(timeout_s)
         self.startup_timeout_s = float(startup_timeout_s)
         self._ctx = _worker_context()
@@ -197,7 +219,7 @@ class RewardGrader:
         self._counts = {"graded": 0, "timed_out": 0, "errored": 0}
         # one thread per worker process drives it: the blocking pipe waits stay off the caller's event loop
         self._executor = ThreadPoolExecutor(self.num_workers, thread_name_prefix="reward-grader")
-        self._workers = [_Worker(self._ctx) for _ in range(self.num_workers)]
+        self._workers = [_Worker(self._ctx, code_sandbox) for _ in range(self.num_workers)]
         self._idle: queue.Queue[_Worker] = queue.Queue()
         for w in self._workers:
             self._idle.put(w)
@@ -283,7 +305,7 @@ class RewardGrader:
         with self._lock:
             if self._closed:
                 return worker
-            fresh = _Worker(self._ctx)
+            fresh = _Worker(self._ctx, self.code_sandbox)
             self._workers[self._workers.index(worker)] = fresh
         return fresh
 

@@ -136,6 +136,16 @@ def sandbox_kind(choice: str | None = None) -> str:
     return BWRAP
 
 
+def require_sandbox(choice: str, who: str) -> str | None:
+    """The start-up check of a run or evaluation that grades code (`who` names it in messages): SandboxError when
+    `choice` is bwrap and bwrap does not work here; for rlimits, the warning to print at start and with every step."""
+    kind = sandbox_kind(choice)
+    if kind == BWRAP:
+        return None
+    return (f"WARNING: {who} grades code in the {kind} sandbox, chosen by data.code_sandbox: programs under test can "
+            "read what its user can read and reach the network")
+
+
 def run_cases(source: str, inputs: list[str], limits: Limits = Limits(), deadline_s: float | None = None
               ) -> list[RunResult]:
     """Run the program `source` once per input (on its stdin), each within `limits`, all within `deadline_s` wall

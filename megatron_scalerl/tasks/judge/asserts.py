@@ -231,10 +231,9 @@ class Runner:
         return min(REPLY_TIMEOUT_TICK_S, self.deadline - now)
 
     def stop(self, kind: str | None) -> None:
-        """End the runner; raise Stopped with `kind`, or (None) with the kind observed of its end."""
+        """End the runner (killed if it still runs); raise Stopped with `kind`, or (None) with the kind observed."""
         if self.kind is None:
-            if kind is not None:
-                self.process.kill()
+            self.process.kill()  # a zombie already: no effect
             status, cpu_s, rss_mb = self.judge.end(self.process)
             observed = self.judge.observed(status, cpu_s, rss_mb, self.peak_tasks)
             self.kind = kind or observed or "runtime_error"  # exit 0 before the asserts were done: an early exit
@@ -355,7 +354,7 @@ def judge_asserts(judge) -> None:
     try:
         hello = runner.receive()
         if "defined" not in hello:
-            runner.stop(None)  # the program raised on import: the runner exits
+            runner.stop(None)  # the program raised on import (or wrote something else on its channel)
         namespace = _namespace(runner, hello["defined"])
         exec(compile(job["setup"], "<setup>", "exec"), namespace)
     except BaseException as error:  # noqa: BLE001 -- the setup is the test's code, run on the program's values

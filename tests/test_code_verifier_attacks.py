@@ -1,0 +1,130 @@
+"""The code verifier against programs written to game it, through the real `scalerl grade --verifier code`: each
+attack below passed (graded correct) before the judge (tasks/judge/); now each is graded wrong under bwrap, while the
+right programs still pass. Also: the weaker sandbox is refused unless named, and warns when it is."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_scalerl.tasks.sandbox import SandboxError, sandbox_kind
+
+ASSERTS = {"id": "asserts", "problem": "Write add(a, b).",
+           "tests": {"setup": "import math",
+                     "asserts": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]}}
+BUILTINS = {"id": "builtins", "problem": "Write order(xs) returning xs sorted.",
+            "tests": {"asserts": ["assert sorted(order([3, 1, 2])) == [1, 2, 3]",
+                                  "assert isinstance(order([2, 1]), list) and order([2, 1]) == [1, 2]"]}}
+STDIN = {"id": "stdin", "problem": "Print the square of the integer on stdin.",
+         "tests": {"inputs": ["7\n", "12\n"], "outputs": ["49\n", "144\n"]}}
+
+RIGHT = [("asserts", "def add(a, b):\n    return a + b"),
+         ("builtins", "def order(xs):\n    return sorted(xs)"),
+         ("stdin", "n = int(input())\nprint(n * n)")]
+
+_FORGED = ('{"ready": true}\\n{"assert": 0, "failure": null}\\n{"assert": 1, "failure": null}\\n'
+           '{"assert": 2, "failure": null}\\n{"case": 0, "stdout": "49\\\\n", "stderr": "", "status": 0, '
+           '"failure": null, "seconds": 0}\\n{"done": true}\\n')
+ATTACKS = {
+    # an object equal to anything, and an int subclass that says so
+    "equal to anything": ("asserts", "class Yes:\n    def __eq__(self, other):\n        return True\n"
+                                     "    __hash__ = None\n\ndef add(a, b):\n    return Yes()"),
+    "int subclass": ("asserts", "class I(int):\n    def __eq__(self, other):\n        return True\n"
+                                "    __hash__ = int.__hash__\n\ndef add(a, b):\n    return I(0)"),
+    # patched builtins: the asserts run in the judge, whose builtins the program never touches
+    "patched builtins": ("builtins", "import builtins\nbuiltins.sorted = lambda xs: [1, 2, 3]\n"
+                                     "builtins.isinstance = lambda *a: True\ndef order(xs):\n    return xs"),
+    # the harness's frames: walk up the stack for a token or a verdict fd, then write verdicts everywhere
+    "stack walk": ("asserts", "import os, sys\ndef add(a, b):\n    frame = sys._getframe()\n    found = []\n"
+                              "    while frame is not None:\n        found += [str(v) for v in frame.f_locals.values()]\n"
+                              "        frame = frame.f_back\n    for fd in range(3, 64):\n        try:\n"
+                              f"            os.write(fd, ('\\n'.join(found) + '{_FORGED}').encode())\n"
+                              "        except OSError:\n            pass\n    os._exit(0)"),
+    # /proc: PID 1's stdin, fds, memory and environment; every process's fds
+    "proc of pid 1": ("asserts", "import os\nstolen = ''\nfor path in ['/proc/1/fd/0', '/proc/1/fd/3', '/proc/1/fd/4',"
+                                 " '/proc/1/environ', '/proc/1/mem']:\n    try:\n"
+                                 "        stolen += open(path, 'rb').read(4096).decode(errors='replace')\n"
+                                 "    except OSError:\n        pass\nfor pid in os.listdir('/proc'):\n"
+                                 "    for fd in range(0, 16):\n        try:\n"
+                                 f"            fd_out = os.open(f'/proc/{{pid}}/fd/{{fd}}', os.O_WRONLY)\n"
+                                 f"            os.write(fd_out, '{_FORGED}'.encode())\n        except OSError:\n"
+                                 "            pass\ndef add(a, b):\n    return 3 if 'add(1, 2) == 3' in stolen else None"),
+    # fd games: write forged records to every fd, close the standard ones, then exit early
+    "fd games": ("asserts", "import os\nfor fd in range(0, 256):\n    try:\n"
+                            f"        os.write(fd, '{_FORGED}'.encode())\n    except OSError:\n        pass\n"
+                            "os.close(1)\nos.close(2)\ndef add(a, b):\n    os._exit(0)"),
+    "early exit": ("asserts", "import os\nos._exit(0)"),
+    "sys.exit in the call": ("asserts", "import sys\ndef add(a, b):\n    sys.exit(0)"),
+    "printed verdicts": ("asserts", f"import sys\nprint('{_FORGED}')\nsys.stderr.write('{_FORGED}')\n"
+                                    "def add(a, b):\n    print('PASS')\n    return None"),
+    # killing the judge (PID 1 of the sandbox) or the whole group
+    "kill the judge": ("asserts", "import os, signal\nfor target in (1, os.getppid()):\n    try:\n"
+                                  "        os.kill(target, signal.SIGKILL)\n    except OSError:\n        pass\n"
+                                  "os.killpg(0, signal.SIGKILL)"),
+    # the tests on disk: search the filesystem for JSONL rows that hold our input, print their output
+    "search the filesystem": ("stdin", "import json, os\nstdin = input() + '\\n'\n"
+                                       "for root, dirs, files in os.walk('/'):\n    for name in files:\n"
+                                       "        if name.endswith('.jsonl'):\n            try:\n"
+                                       "                for line in open(os.path.join(root, name)):\n"
+                                       "                    row = json.loads(line)\n"
+                                       "                    tests = row.get('tests') or {}\n"
+                                       "                    if stdin in tests.get('inputs', []):\n"
+                                       "                        i = tests['inputs'].index(stdin)\n"
+                                       "                        print(tests['outputs'][i], end='')\n"
+                                       "                        raise SystemExit(0)\n"
+                                       "            except (OSError, ValueError):\n                pass\n"),
+    # spoofed failure kinds (only metrics, but still: never from the program's own words or exit status)
+    "spoofed sandbox error": ("stdin", "import sys\nsys.stderr.write('bwrap: Can\\'t mount proc\\n')\nsys.exit(1)"),
+    "spoofed timeout": ("stdin", "import os\nos._exit(137)"),
+}
+SPOOFED = {"spoofed sandbox error", "spoofed timeout"}
+
+
+@pytest.fixture(scope="module")
+def bwrap():
+    try:
+        sandbox_kind("bwrap")
+    except SandboxError as e:
+        pytest.skip(str(e))
+
+
+def _fence(code: str) -> str:
+    return f"Here it is.</think>\n```python\n{code}\n```"
+
+
+def _grade(tmp_path, completions: list[tuple[str, str]], *flags: str, env: dict | None = None):
+    problems, answers = tmp_path / "problems.jsonl", tmp_path / "completions.jsonl"
+    problems.write_text("".join(json.dumps(p) + "\n" for p in (ASSERTS, BUILTINS, STDIN)))
+    answers.write_text("".join(json.dumps({"id": key, "completion": _fence(code)}) + "\n" for key, code in completions))
+    return subprocess.run([sys.executable, "-m", "megatron_scalerl.cli", "grade", "--verifier", "code", "--problems",
+                           str(problems), "--completions", str(answers), "--json", "--workers", "2", *flags],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_attacks_are_graded_wrong_and_right_programs_pass(bwrap, tmp_path):
+    names = list(ATTACKS)
+    out = _grade(tmp_path, RIGHT + [ATTACKS[name] for name in names])
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(r["correct"], r["fraction"]) for r in rows[:len(RIGHT)]] == [(True, 1.0)] * len(RIGHT)
+    graded = dict(zip(names, rows[len(RIGHT):], strict=True))
+    passed = {name: row for name, row in graded.items() if row["correct"] or row["fraction"] > 0}
+    assert passed == {}, f"attacks that scored: {passed}"
+    assert {graded[name]["failure"] for name in SPOOFED} == {"runtime_error"}
+    assert graded["equal to anything"]["failure"] == graded["int subclass"]["failure"] == "wrong_answer"
+
+
+def test_the_weaker_sandbox_only_when_named(tmp_path):
+    """Without a working bwrap (none on PATH), grading code fails with the opt-in named; `--sandbox rlimits` runs
+    and warns."""
+    no_bwrap = {**os.environ, "PATH": str(tmp_path)}
+    no_bwrap.pop("SCALERL_SANDBOX", None)
+    refused = _grade(tmp_path, RIGHT[:1], env=no_bwrap)
+    assert refused.returncode != 0 and "data.code_sandbox: rlimits" in refused.stderr
+    assert "bwrap is not installed" in refused.stderr
+    weaker = _grade(tmp_path, RIGHT[:1], "--sandbox", "rlimits", env=no_bwrap)
+    assert weaker.returncode == 0, weaker.stderr
+    assert json.loads(weaker.stdout.splitlines()[0])["correct"] is True
+    assert "WARNING: scalerl grade grades code in the rlimits" in weaker.stderr
