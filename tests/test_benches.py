@@ -122,3 +122,9 @@ def test_checkpoint_stall_bench():
     assert positive(figures["step_s"]) and positive(figures["checkpoint_s"]) and positive(figures["checkpoint_mib"])
     assert figures["ratio_checkpoint_over_step"] == pytest.approx(figures["checkpoint_s"] / figures["step_s"],
                                                                   rel=0.01)
+
+
+def test_code_verifier_bench():
+    figures = run_bench("code_verifier.py", "--cases", "2", "--repeats", "1")
+    assert figures["sandbox"] == "bwrap" and figures["cases"] == 2
+    assert all(figures[key] > 0 for key in ("bare_ms_per_case", "cases_ms_per_case", "asserts_ms_per_case"))
