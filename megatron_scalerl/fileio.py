@@ -1,11 +1,15 @@
 """Small file helpers shared by every tool: atomic writes and a YAML loader that reads `1e-6` as a float.
 
-Every file in a run directory is written through `atomic_write_*` (temp file in the same folder, fsync, rename), so a
-crash leaves either the old content or the new one, never a torn file.
+Every file in a run directory is written through `atomic_write_*` (temp file in the same folder, fsync, rename, fsync
+of the folder), so a crash leaves either the old content or the new one, never a torn file. A rename lives in its
+folder's entries, which reach the disk on their own schedule: `fsync_dir` makes a rename (or a new file) durable, and
+`replace_durably` is the rename + folder fsync that every publication by rename in the package goes through (whole
+directories too, their contents fsynced first with `fsync_tree`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -79,8 +83,50 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush folder `path`'s entries to disk: after it, the files renamed into it, created or removed there stay so
+    through a crash (fsync of a file covers its content, not its name). A filesystem that cannot fsync a folder
+    (EINVAL or ENOTSUP: some network and FUSE ones) has no stronger promise to give, and is left at that."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush the content of file `path`, written by this process or another one, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every file and folder under `root` (itself included): before a directory is renamed into place, so that
+    what the rename publishes is on disk whole."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fsync_file(os.path.join(folder, name))
+        fsync_dir(folder)
+
+
+def replace_durably(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """`os.replace(src, dst)`, then fsync of the folder(s) involved, so that the rename survives a crash. `src` (a
+    file or a directory) must already be on disk itself (`atomic_write_bytes` fsyncs its file, `fsync_tree` a
+    directory)."""
+    os.replace(src, dst)
+    fsync_dir(Path(dst).parent)
+    if Path(src).parent != Path(dst).parent:
+        fsync_dir(Path(src).parent)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` via a temp file in the same folder + fsync + rename."""
+    """Write `data` to `path` via a temp file in the same folder + fsync + rename + fsync of the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -90,7 +136,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        replace_durably(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -8,10 +8,14 @@ TRES), it is wall time x the recipe's GPUs, the wall time summed over the orches
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
 import subprocess
 import time
 from pathlib import Path
+
+from megatron_scalerl.fileio import atomic_write_text
 
 JOBS_FILE = "slurm_jobs.txt"
 SACCT_FIELDS = "JobID,ElapsedRaw,AllocTRES"
@@ -21,12 +25,22 @@ _GPU_TRES = re.compile(r"(?:^|,)gres/gpu=(\d+)(?:,|$)")
 
 
 def record_job(run_dir: Path, job_id: int) -> None:
-    """Add `job_id` to the run's job list (once)."""
+    """Add `job_id` to the run's job list (once).
+
+    The list is read, extended and written back whole by an atomic replace (`atomic_write_text`), under an exclusive
+    `flock` of `.slurm_jobs.txt.lock` beside it: a reader sees the old list or the new one, never a torn line (an
+    append cut short by a crash, or on a network filesystem, where O_APPEND is not atomic, could leave one), and two
+    jobs recording at once both stay (the lock orders their read-modify-writes). The lock is a file of its own since
+    the list's inode changes at each replace; the kernel releases it when the descriptor closes."""
     path = run_dir / JOBS_FILE
-    known = path.read_text().split() if path.is_file() else []
-    if str(job_id) not in known:
-        with open(path, "a") as out:
-            out.write(f"{job_id}\n")
+    fd = os.open(run_dir / f".{JOBS_FILE}.lock", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        known = run_jobs(run_dir)
+        if str(job_id) not in known:
+            atomic_write_text(path, "".join(f"{job}\n" for job in [*known, str(job_id)]))
+    finally:
+        os.close(fd)
 
 
 def run_jobs(run_dir: Path) -> list[str]:

@@ -1,5 +1,7 @@
 """`scalerl train` before any process starts: the run directory it prepares, the roles' commands, bad input."""
 
+import os
+
 import pytest
 
 from megatron_scalerl.cli import main
@@ -22,10 +24,15 @@ def tokenizer_dir(tmp_path_factory):
     return out
 
 
-def test_run_dir_holds_the_recipe_and_a_servable_model_dir(tmp_path, tokenizer_dir):
+def test_run_dir_holds_the_recipe_and_a_servable_model_dir(tmp_path, tokenizer_dir, monkeypatch):
     from transformers import AutoConfig, AutoTokenizer
 
+    fsynced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsynced.append(os.fstat(fd).st_ino), fsync(fd)))
     written = prepare_run_dir(tmp_path, RECIPE, tokenizer_dir, cuda=False)
+    # model/config.json: written atomically (a temp file fsynced, renamed into place, its folder fsynced after)
+    assert fsynced.index((tmp_path / "model" / "config.json").stat().st_ino) < fsynced.index(
+        (tmp_path / "model").stat().st_ino)
     assert RECIPE.trainer.precision == "auto"  # the presets' default, resolved for this machine in the run's record
     assert written == load_recipe(tmp_path / "recipe.yaml")
     assert written == with_resolved_precision(RECIPE, cuda=False)[0] and written.trainer.precision in ("bf16", "fp32")

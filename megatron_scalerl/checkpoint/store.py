@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.fileio import atomic_write_json, atomic_write_text
+from megatron_scalerl.fileio import atomic_write_json, atomic_write_text, fsync_dir, fsync_file, replace_durably
 from megatron_scalerl.platform.distributed import all_gathered, barrier, from_rank0, rank, world_size
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,9 @@ class Publication:
     """One checkpoint on its way into place; every method is collective. `Publication(final, rl_state)` makes
     `.<name>.partial` beside `final`; `write(step)` runs `step()` on every rank to write their files into `tmp` (at
     once, or later: megatron-core's asynchronous save finishes a write it started earlier); `complete()` adds
-    `rl_state.json` (rank 0), hashes the files (split between the ranks), writes the manifest (`manifest_fields` +
-    files) last on rank 0 and renames the directory into place. A directory already at `final`
+    `rl_state.json` (rank 0), fsyncs and hashes the files (split between the ranks), writes the manifest
+    (`manifest_fields` + files) last on rank 0, fsyncs the folders and renames the directory into place (then fsyncs
+    `checkpoints/`: the checkpoint published survives a crash whole). A directory already at `final`
     is replaced only once the new one is complete. A write that fails on any rank (a full disk) fails the save on
     every rank alike with CheckpointError naming the rank and the cause; the partial copy is removed (its space
     freed), earlier checkpoints are untouched."""
@@ -78,8 +79,7 @@ class Publication:
         self.write(lambda: atomic_write_json(tmp / RL_STATE, self.rl_state) if rank() == 0 else None)
         files = from_rank0(sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
                            if rank() == 0 else None)
-        mine = {rel: {"bytes": (tmp / rel).stat().st_size, "sha256": sha256_file(tmp / rel)}
-                for rel in files[rank()::world_size()]}
+        mine = {rel: _settled_entry(tmp / rel) for rel in files[rank()::world_size()]}
         gathered = all_gathered(mine)
 
         def finish() -> None:
@@ -88,15 +88,24 @@ class Publication:
             entries = {k: v for part in gathered for k, v in part.items()}
             atomic_write_json(tmp / MANIFEST, {**manifest_fields, "created": time.time(),
                                                "files": dict(sorted(entries.items()))})
+            for folder in (tmp, *(p for p in tmp.rglob("*") if p.is_dir())):  # the files: in `_settled_entry`
+                fsync_dir(folder)
             replaced = final.parent / f".{final.name}.replaced"
             if final.exists():  # re-saving an iteration (e.g. after a resume): the old copy stays until the new is in
                 shutil.rmtree(replaced, ignore_errors=True)
-                final.rename(replaced)
-            tmp.rename(final)
+                replace_durably(final, replaced)
+            replace_durably(tmp, final)
             shutil.rmtree(replaced, ignore_errors=True)
 
         self.write(finish)
         return final
+
+
+def _settled_entry(path: Path) -> dict:
+    """The manifest entry of `path` (bytes, sha256), its content fsynced first: whichever rank wrote it, the file is
+    on disk before the manifest vouches for it."""
+    fsync_file(path)
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def publish(final: Path, write: Callable[[Path], None], rl_state: dict, manifest_fields: dict) -> Path:
@@ -258,7 +267,7 @@ class CheckpointStore:
             n += 1
             target = target.with_name(f"{self.path(iteration).name}.{n}")
         target.parent.mkdir(parents=True, exist_ok=True)
-        self.path(iteration).rename(target)
+        replace_durably(self.path(iteration), target)
         atomic_write_text(target / UNUSABLE_REASON, f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {reason}\n")
         log.warning("set aside %s as %s: %s", self.path(iteration).name, target, reason)
         return target

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.fileio import atomic_write_json
+from megatron_scalerl.fileio import atomic_write_json, fsync_tree, replace_durably
 from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import changed_fields, load_recipe
 
@@ -127,7 +127,8 @@ def warm_started_model(recipe, model_root: Path) -> Path:
           f"{WARM_START_TARGET}{' in every domain: ' + ', '.join(domains) if len(domains) > 1 else ''})", flush=True)
     tmp = model_root / "warm_start.tmp"
     result = warm_start(recipe, random_dir, tmp, target=WARM_START_TARGET, unclosed_fraction=UNCLOSED_FRACTION)
-    tmp.rename(warm)
+    fsync_tree(tmp)
+    replace_durably(tmp, warm)
     (model_root / "warm_start.json").write_text(json.dumps(result.__dict__, indent=1) + "\n")
     atomic_write_json(model_root / BUILD_RECORD, settings)  # last: a build cut short is never taken for a finished one
     return warm

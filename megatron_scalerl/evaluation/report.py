@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.fileio import atomic_write_text
+from megatron_scalerl.fileio import atomic_write_bytes, atomic_write_text
 from megatron_scalerl.metrics import read_metrics
 
 _MEAN = re.compile(r"^eval/([^/]+)/mean_at_k$")
@@ -96,7 +96,5 @@ def write_report(run_dir: Path, datasets: Sequence[str] | None = None) -> str:
     out = run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "report.md", tables)
-    tmp = out / ".report.png.partial"
-    tmp.write_bytes(report_png(curves, run_dir.name))
-    tmp.replace(out / "report.png")
+    atomic_write_bytes(out / "report.png", report_png(curves, run_dir.name))
     return tables

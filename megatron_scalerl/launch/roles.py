@@ -66,7 +66,7 @@ def prepare_run_dir(run_dir: Path, recipe: Recipe, tokenizer_dir: Path, *, cuda:
         if (tokenizer_dir / name).is_file():
             shutil.copy2(tokenizer_dir / name, model_dir / name)
     config = {**hf_config_dict(recipe.model), **special_token_ids(tokenizer)}
-    (model_dir / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    atomic_write_text(model_dir / "config.json", json.dumps(config, indent=1) + "\n")
     return recipe
 
 

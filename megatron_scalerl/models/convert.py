@@ -35,7 +35,7 @@ from megatron_scalerl.checkpoint.sharded import checkpoint_model_config, load_mo
 from megatron_scalerl.checkpoint.store import publish, read_rl_state, require_complete, sha256_file
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.families import hf_config_dict
-from megatron_scalerl.fileio import DEFAULT_FILE_MODE, load_yaml
+from megatron_scalerl.fileio import DEFAULT_FILE_MODE, fsync_tree, load_yaml, replace_durably
 from megatron_scalerl.models.arch import check_model_layout
 from megatron_scalerl.models.hf_io import INDEX_FILE, LazyHFState, hf_tensor_shapes
 from megatron_scalerl.models.mapping import hf_parameter_names
@@ -261,7 +261,8 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, parallelism: ParallelismCo
                         parallelism.model_dump_json(), dtypes, out_dtypes, str(tmp), shard_bytes, timeout_s=timeout_s)
         _finish_hf_dir(tmp, [f for files in per_rank for f in files], model_cfg, dtype or dtypes[0],
                        hf_extras_source(ckpt))
-        tmp.rename(out)
+        fsync_tree(tmp)
+        replace_durably(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -276,7 +277,7 @@ def _finish_hf_dir(tmp: Path, files: list[tuple[str, list[str], str]], model_cfg
     weight_map, checksums = {}, []
     for index, (name, tensor_names, sha) in enumerate(files, start=1):
         final = f"model-{index:05d}-of-{count:05d}.safetensors"
-        (tmp / name).rename(tmp / final)
+        replace_durably(tmp / name, tmp / final)
         weight_map.update(dict.fromkeys(tensor_names, final))
         checksums.append(f"{sha}  {final}")
     total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))

@@ -29,6 +29,26 @@ def _safe_open(path: Path):
         raise UserError(f"{path}: unreadable safetensors file ({exc})") from None
 
 
+def _indexed_file(directory: Path, index: Path, name: str, file: object) -> Path:
+    """The path of safetensors file `file`, which `index`'s weight_map gives for tensor `name`; UserError naming both
+    unless it stays inside `directory`: a relative name without `..`, which is no link to somewhere outside either.
+    Only the Hugging Face hub cache's own layout links out: `<repo>/snapshots/<revision>/` holds links into
+    `<repo>/blobs/`, which are accepted there."""
+    where = f"{index}: weight_map entry {name!r}"
+    if not isinstance(file, str) or not file:
+        raise UserError(f"{where}: {file!r} is not a file name")
+    if Path(file).is_absolute() or ".." in Path(file).parts:
+        raise UserError(f"{where} names {file!r}, outside {directory}: refused (an index lists only files of its own "
+                        "directory)")
+    root = directory.resolve()
+    target = (directory / file).resolve()
+    inside = [root, root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [root]
+    if not any(target.is_relative_to(folder) for folder in inside):
+        raise UserError(f"{where} names {file!r}, a link to {target}, outside {directory}: refused (an index lists "
+                        "only files of its own directory)")
+    return directory / file
+
+
 class LazyHFState(Mapping[str, Tensor]):
     """HF tensor name -> tensor, read from the directory's safetensors files when asked for."""
 
@@ -40,7 +60,8 @@ class LazyHFState(Mapping[str, Tensor]):
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as exc:
                 raise UserError(f"{index}: not a safetensors index ({exc})") from None
-            self._file_of = {name: directory / file for name, file in weight_map.items()}
+            files = {file: _indexed_file(directory, index, name, file) for name, file in weight_map.items()}
+            self._file_of = {name: files[file] for name, file in weight_map.items()}
         elif (directory / SINGLE_FILE).is_file():
             with _safe_open(directory / SINGLE_FILE) as handle:
                 self._file_of = {name: directory / SINGLE_FILE for name in handle.keys()}  # noqa: SIM118

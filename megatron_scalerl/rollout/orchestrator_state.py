@@ -54,7 +54,6 @@ was spent all the same; the run's GPU-hours never go back.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
@@ -66,7 +65,7 @@ from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.batches.train_batch import CorruptBatchError
 from megatron_scalerl.checkpoint.store import RL_STATE, CheckpointStore, read_rl_state
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.fileio import atomic_write_text
+from megatron_scalerl.fileio import atomic_write_text, replace_durably
 from megatron_scalerl.metrics import REWOUND_FILE, set_aside
 from megatron_scalerl.run_dir import CURRICULUM_FILE, PREVIOUS_CURRICULUM_FILE
 
@@ -235,7 +234,7 @@ def _set_aside_from(run_dir: Path, first: int, state: SavedState | None, why: st
     (run_dir / PREVIOUS_CURRICULUM_FILE).unlink(missing_ok=True)
     for index in range(stream.next_index() - 1, first - 1, -1):
         if stream.ready(index):
-            os.replace(stream.path(index), folder / stream.path(index).name)
+            replace_durably(stream.path(index), folder / stream.path(index).name)  # durable in this order
     say(f"{why}; they and the orchestrator state they followed are in {folder}")
 
 

@@ -6,13 +6,17 @@ sharded state dicts are layout-independent: a checkpoint written at TP2 loads at
 `fully_reshardable` layout for the same reason (gathered on DP rank 0 at save; megatron-core 0.16.1 rejects
 the `fully_sharded_model_space` layout's flattened ranges). The RL state (`StepState`, data cursor, compute used) is
 JSON written by rank 0; RNG states are per rank and restored only when the world size is unchanged (our models have
-no dropout, so they do not affect the loss; they are kept for completeness).
+no dropout, so they do not affect the loss; they are kept for completeness). An RNG file holds tensors only (torch's
+CPU and CUDA states, megatron's tracker states by name) and is read with `torch.load(weights_only=True)`, which
+unpickles no object but tensors and plain values: a file that holds anything else (a checkpoint of another writer) is not restored, with a
+warning, and the resume goes on from it, exact in all but the random draws.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 from pathlib import Path
 
 import torch
@@ -42,12 +46,43 @@ def _sharded_state(model_chunks: list, optimizer, *, is_loading: bool) -> dict:
 
 
 def _rng_state() -> dict:
+    """This rank's RNG states, tensors only: {"torch": CPU state, "tracker": {name: state}, "cuda": state (on GPUs)}."""
     from megatron.core import tensor_parallel
 
     state = {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def read_rng_state(file: Path) -> dict | None:
+    """The RNG states in `file` (as `_rng_state` gives them), read with `torch.load(weights_only=True)`: tensors and
+    plain values (torch's allowlist), no other object unpickled. None, with a warning naming the file, when it holds
+    anything else or another layout: then the checkpoint loads without them."""
+    try:
+        state = torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        why = str(exc).splitlines()[0]
+        state = None
+    else:
+        why = _rng_layout_problem(state)
+    if why is None:
+        return state
+    log.warning("%s: RNG states not restored, the file holds what this version does not write (%s); the resume "
+                "goes on without them: exact in all but random draws (our models have no dropout)", file, why)
+    return None
+
+
+def _rng_layout_problem(state: object) -> str | None:
+    """Why `state` is not the layout `_rng_state` writes, or None."""
+    if not isinstance(state, dict) or not isinstance(state.get("torch"), torch.Tensor):
+        return "no tensor 'torch'"
+    if not isinstance(state.get("tracker"), dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state["tracker"].items()):
+        return "'tracker' is no dict of tensors by name"
+    if "cuda" in state and not isinstance(state["cuda"], torch.Tensor):
+        return "'cuda' is no tensor"
+    return None
 
 
 class CheckpointWriter:
@@ -145,11 +180,12 @@ def load_trainer(path: Path, model_chunks: list, optimizer) -> tuple[StepState, 
         optimizer.load_state_dict(loaded["optimizer"])
     rng_file = path / "rng" / f"rank_{rank():05d}.pt"
     if rl_state.get("world_size") == world_size() and rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+        rng = read_rng_state(rng_file)
+        if rng is not None:
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+            tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
     else:
         log.info("%s: written by %s ranks, loading on %s: RNG states not restored", path.name,
                  rl_state.get("world_size"), world_size())
