@@ -1,11 +1,16 @@
-"""The code verifier against programs written to game it, through the real `scalerl grade --verifier code`: each
-attack below passed (graded correct) before the judge (tasks/judge/); now each is graded wrong under bwrap, while the
-right programs still pass. Also: the weaker sandbox is refused unless named, and warns when it is."""
+"""The code verifier against programs written to game it, through the real `scalerl grade --verifier code`. Each
+is graded wrong under bwrap, while the right programs still pass. Before the judge (tasks/judge/; at 4f89bce), the
+first six scored full marks (objects equal to anything, patched builtins, the stack walk to the harness's reporter,
+the job read from bwrap's PID 1, the filesystem search for the tests), the rest failed with kinds the program chose
+or by chance. Also: the weaker sandbox is refused unless named, and warns when it is."""
 
 import json
 import os
+import secrets
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,8 +20,8 @@ ASSERTS = {"id": "asserts", "problem": "Write add(a, b).",
            "tests": {"setup": "import math",
                      "asserts": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]}}
 BUILTINS = {"id": "builtins", "problem": "Write order(xs) returning xs sorted.",
-            "tests": {"asserts": ["assert sorted(order([3, 1, 2])) == [1, 2, 3]",
-                                  "assert isinstance(order([2, 1]), list) and order([2, 1]) == [1, 2]"]}}
+            "tests": {"asserts": ["assert order([3, 1, 2]) == sorted([3, 1, 2])",
+                                  "assert isinstance(order([2, 1]), list) and order([2, 1]) == sorted([2, 1])"]}}
 STDIN = {"id": "stdin", "problem": "Print the square of the integer on stdin.",
          "tests": {"inputs": ["7\n", "12\n"], "outputs": ["49\n", "144\n"]}}
 
@@ -34,23 +39,22 @@ ATTACKS = {
     "int subclass": ("asserts", "class I(int):\n    def __eq__(self, other):\n        return True\n"
                                 "    __hash__ = int.__hash__\n\ndef add(a, b):\n    return I(0)"),
     # patched builtins: the asserts run in the judge, whose builtins the program never touches
-    "patched builtins": ("builtins", "import builtins\nbuiltins.sorted = lambda xs: [1, 2, 3]\n"
-                                     "builtins.isinstance = lambda *a: True\ndef order(xs):\n    return xs"),
-    # the harness's frames: walk up the stack for a token or a verdict fd, then write verdicts everywhere
-    "stack walk": ("asserts", "import os, sys\ndef add(a, b):\n    frame = sys._getframe()\n    found = []\n"
-                              "    while frame is not None:\n        found += [str(v) for v in frame.f_locals.values()]\n"
-                              "        frame = frame.f_back\n    for fd in range(3, 64):\n        try:\n"
-                              f"            os.write(fd, ('\\n'.join(found) + '{_FORGED}').encode())\n"
-                              "        except OSError:\n            pass\n    os._exit(0)"),
-    # /proc: PID 1's stdin, fds, memory and environment; every process's fds
-    "proc of pid 1": ("asserts", "import os\nstolen = ''\nfor path in ['/proc/1/fd/0', '/proc/1/fd/3', '/proc/1/fd/4',"
-                                 " '/proc/1/environ', '/proc/1/mem']:\n    try:\n"
-                                 "        stolen += open(path, 'rb').read(4096).decode(errors='replace')\n"
-                                 "    except OSError:\n        pass\nfor pid in os.listdir('/proc'):\n"
-                                 "    for fd in range(0, 16):\n        try:\n"
-                                 f"            fd_out = os.open(f'/proc/{{pid}}/fd/{{fd}}', os.O_WRONLY)\n"
-                                 f"            os.write(fd_out, '{_FORGED}'.encode())\n        except OSError:\n"
-                                 "            pass\ndef add(a, b):\n    return 3 if 'add(1, 2) == 3' in stolen else None"),
+    "patched builtins": ("builtins", "import builtins\nbuiltins.sorted = lambda xs: list(xs)\n"
+                                     "def order(xs):\n    return list(xs)"),
+    # the harness's frames: walk up the stack to the code that reports verdicts and call it
+    "stack walk": ("asserts", "import os, sys\ndef add(a, b):\n    frame = sys._getframe()\n"
+                              "    while frame is not None:\n        report = frame.f_locals.get('report')\n"
+                              "        if callable(report):\n            for i in range(3):\n"
+                              "                report(i, 'pass')\n            os._exit(0)\n"
+                              "        frame = frame.f_back\n    return None"),
+    # /proc: bwrap's PID 1 held the job (its token included) on its stdin; then print the verdicts it would
+    "proc of pid 1": ("asserts", "import json, os\ntry:\n    job = json.loads(open('/proc/1/fd/0').read())\n"
+                                 "    for i in range(3):\n"
+                                 "        os.write(1, f\"\\n{job['token']} {i} pass\\n\".encode())\n"
+                                 "    os._exit(0)\nexcept (OSError, ValueError, KeyError):\n    pass\n"
+                                 "for path in ['/proc/1/environ', '/proc/1/mem', '/proc/1/fd/3']:\n    try:\n"
+                                 "        open(path, 'rb').read(16)\n    except OSError:\n        pass\n"
+                                 "def add(a, b):\n    return None"),
     # fd games: write forged records to every fd, close the standard ones, then exit early
     "fd games": ("asserts", "import os\nfor fd in range(0, 256):\n    try:\n"
                             f"        os.write(fd, '{_FORGED}'.encode())\n    except OSError:\n        pass\n"
@@ -65,16 +69,18 @@ ATTACKS = {
                                   "os.killpg(0, signal.SIGKILL)"),
     # the tests on disk: search the filesystem for JSONL rows that hold our input, print their output
     "search the filesystem": ("stdin", "import json, os\nstdin = input() + '\\n'\n"
-                                       "for root, dirs, files in os.walk('/'):\n    for name in files:\n"
+                                       "skip = {'proc', 'sys', 'dev', 'usr', '.venv', '.git', 'site-packages'}\n"
+                                       "for root, dirs, files in os.walk('/'):\n"
+                                       "    dirs[:] = [d for d in dirs if d not in skip]\n    for name in files:\n"
                                        "        if name.endswith('.jsonl'):\n            try:\n"
                                        "                for line in open(os.path.join(root, name)):\n"
-                                       "                    row = json.loads(line)\n"
-                                       "                    tests = row.get('tests') or {}\n"
+                                       "                    tests = json.loads(line).get('tests') or {}\n"
                                        "                    if stdin in tests.get('inputs', []):\n"
                                        "                        i = tests['inputs'].index(stdin)\n"
                                        "                        print(tests['outputs'][i], end='')\n"
                                        "                        raise SystemExit(0)\n"
-                                       "            except (OSError, ValueError):\n                pass\n"),
+                                       "            except (OSError, ValueError, AttributeError):\n"
+                                       "                pass\n"),
     # spoofed failure kinds (only metrics, but still: never from the program's own words or exit status)
     "spoofed sandbox error": ("stdin", "import sys\nsys.stderr.write('bwrap: Can\\'t mount proc\\n')\nsys.exit(1)"),
     "spoofed timeout": ("stdin", "import os\nos._exit(137)"),
@@ -94,6 +100,16 @@ def _fence(code: str) -> str:
     return f"Here it is.</think>\n```python\n{code}\n```"
 
 
+@pytest.fixture
+def data_dir():
+    """Where the problems file lies: in the checkout, not under /tmp (a sandbox's /tmp was always its own), so a
+    program that searches the host's filesystem would find it if the sandbox showed it."""
+    path = Path(__file__).parent / f".attack-data-{secrets.token_hex(4)}"
+    path.mkdir()
+    yield path
+    shutil.rmtree(path)
+
+
 def _grade(tmp_path, completions: list[tuple[str, str]], *flags: str, env: dict | None = None):
     problems, answers = tmp_path / "problems.jsonl", tmp_path / "completions.jsonl"
     problems.write_text("".join(json.dumps(p) + "\n" for p in (ASSERTS, BUILTINS, STDIN)))
@@ -103,9 +119,9 @@ def _grade(tmp_path, completions: list[tuple[str, str]], *flags: str, env: dict 
                           capture_output=True, text=True, timeout=300, env=env)
 
 
-def test_attacks_are_graded_wrong_and_right_programs_pass(bwrap, tmp_path):
+def test_attacks_are_graded_wrong_and_right_programs_pass(bwrap, data_dir):
     names = list(ATTACKS)
-    out = _grade(tmp_path, RIGHT + [ATTACKS[name] for name in names])
+    out = _grade(data_dir, RIGHT + [ATTACKS[name] for name in names])
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [(r["correct"], r["fraction"]) for r in rows[:len(RIGHT)]] == [(True, 1.0)] * len(RIGHT)

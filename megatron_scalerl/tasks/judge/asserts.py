@@ -4,7 +4,9 @@ Two sides, two processes (see judge.py for how the judge is kept out of the prog
 
 - the runner (`python -I -S asserts.py serve PROGRAM REQUESTS_FD REPLIES_FD`, the program's process): executes the
   program as module "solution", lists the names it defines, then answers call requests, one JSON line each way.
-  Its stdin, stdout and stderr are /dev/null: what the program prints goes nowhere.
+  Its stdin, stdout and stderr are /dev/null: what the program prints goes nowhere. Requests come as marshal data
+  (the judge's, trusted), length-prefixed; replies go as JSON lines (`json_text`), which the judge parses with `json`
+  (marshal is not safe to load from the program). The runner imports nothing heavy: it starts in ~15 ms.
 - the judge (`judge_asserts`): executes the test's setup and each assert in its own interpreter, where every name the
   program defines is a proxy (`Remote`) and `import solution` gives a module of proxies. Calling a proxy sends the
   arguments, as plain data, to the runner and takes back the result as plain data (`encode`/`decode`); a result that
@@ -21,15 +23,13 @@ tests cannot be judged this way). Arguments are copies: a program that mutates i
 
 from __future__ import annotations
 
-import base64
 import builtins
-import json
-import math
+import marshal
 import os
 import select
 import sys
 import time
-import types
+from _json import encode_basestring_ascii  # the C half of json: the runner starts without importing json (and re)
 
 MAX_DEPTH = 100  # nesting of plain data
 REPLY_TIMEOUT_TICK_S = 0.05
@@ -41,7 +41,8 @@ class NotPlainData(Exception):
     """A value that is not plain data, or data that is not a well-formed encoding of one."""
 
 
-_FLOAT_TAGS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_FLOAT_TAGS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+ModuleType = type(sys)
 _SEQUENCE_TAGS = {list: "l", tuple: "t", set: "s", frozenset: "z"}
 _SEQUENCE_TYPES = {tag: kind for kind, tag in _SEQUENCE_TAGS.items()}
 
@@ -60,13 +61,13 @@ def encode(value, depth: int = 0):
             raise NotPlainData("an int of more than 4096 bits")
         return value
     if kind is float:
-        return value if math.isfinite(value) else {"f": repr(value)}
+        return value if value - value == 0.0 else {"f": repr(value)}  # inf - inf and nan - nan are nan
     if kind in _SEQUENCE_TAGS:
         return {_SEQUENCE_TAGS[kind]: [encode(item, depth + 1) for item in value]}
     if kind is dict:
         return {"d": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
     if kind is bytes:
-        return {"b": base64.b64encode(value).decode()}
+        return {"b": value.hex()}
     if kind is complex:
         return {"c": [value.real, value.imag]}
     raise NotPlainData(f"a {kind.__name__} is not plain data")
@@ -85,7 +86,7 @@ def decode(data, depth: int = 0):
         if tag == "f":
             return _FLOAT_TAGS[body]
         if tag == "b":
-            return base64.b64decode(body, validate=True)
+            return bytes.fromhex(body)
         if tag == "c":
             real, imag = body
             if type(real) is not float and type(real) is not int or type(imag) is not float and type(imag) is not int:
@@ -100,13 +101,41 @@ def decode(data, depth: int = 0):
         raise NotPlainData(f"malformed encoded value ({type(error).__name__})") from None
 
 
+def json_text(data) -> str:
+    """`data` (what `encode` returns, or a reply made of such data, str keys, lists and dicts) as JSON text."""
+    if data is None:
+        return "null"
+    if data is True or data is False:
+        return "true" if data else "false"
+    if type(data) is int:
+        return str(data)
+    if type(data) is float:
+        return repr(data)  # finite here: `encode` tags the others
+    if type(data) is str:
+        return encode_basestring_ascii(data)
+    if type(data) is list:
+        return "[" + ",".join(json_text(item) for item in data) + "]"
+    return "{" + ",".join(f"{encode_basestring_ascii(key)}:{json_text(value)}" for key, value in data.items()) + "}"
+
+
 # ---- the runner: the program's process ----
+
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    """`size` bytes from `fd`, None at EOF."""
+    data = bytearray()
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return bytes(data)
+
 
 def serve(program: str, requests_fd: int, replies_fd: int) -> None:
     """Execute the program as module "solution", send what it defines, then answer call requests until EOF."""
 
     def reply(message: dict) -> None:
-        view = memoryview((json.dumps(message) + "\n").encode())
+        view = memoryview((json_text(message) + "\n").encode())
         while view:
             view = view[os.write(replies_fd, view):]
 
@@ -124,7 +153,7 @@ def serve(program: str, requests_fd: int, replies_fd: int) -> None:
             return objects[data["h"]]
         return decode(data)
 
-    module = types.ModuleType("solution")
+    module = ModuleType("solution")
     sys.modules["solution"] = module
     with open(program, encoding="utf-8") as f:
         source = f.read()
@@ -135,25 +164,28 @@ def serve(program: str, requests_fd: int, replies_fd: int) -> None:
         return
     defined = {name: {"callable": True} if callable(value) else result(value)
                for name, value in list(module.__dict__.items())
-               if not name.startswith("__") and not isinstance(value, types.ModuleType)}
+               if not name.startswith("__") and not isinstance(value, ModuleType)}
     reply({"defined": defined})
-    with os.fdopen(requests_fd, "rb") as requests:
-        for line in requests:
-            try:
-                request = json.loads(line)
-                target = (module.__dict__[request["name"]] if "name" in request
-                          else getattr(objects[request["handle"]], request["method"]))
-                args = [argument(a) for a in request["args"]]
-                kwargs = {str(k): argument(v) for k, v in request["kwargs"].items()}
-            except Exception as error:
-                reply({"bad_request": type(error).__name__})
-                continue
-            try:
-                value = target(*args, **kwargs)
-            except BaseException as error:
-                reply({"raised": type(error).__name__})
-                continue
-            reply(result(value))
+    while True:
+        head = _read_exactly(requests_fd, 4)
+        body = None if head is None else _read_exactly(requests_fd, int.from_bytes(head, "little"))
+        if body is None:
+            return
+        try:
+            request = marshal.loads(body)
+            target = (module.__dict__[request["name"]] if "name" in request
+                      else getattr(objects[request["handle"]], request["method"]))
+            args = [argument(a) for a in request["args"]]
+            kwargs = {str(k): argument(v) for k, v in request["kwargs"].items()}
+        except Exception as error:
+            reply({"bad_request": type(error).__name__})
+            continue
+        try:
+            value = target(*args, **kwargs)
+        except BaseException as error:
+            reply({"raised": type(error).__name__})
+            continue
+        reply(result(value))
 
 
 # ---- the judge's side ----
@@ -182,7 +214,7 @@ class Runner:
         requests_r, self.requests = os.pipe()
         self.replies, replies_w = os.pipe()
         self.process = judge.start([os.path.abspath(__file__), "serve", judge.program, str(requests_r),
-                                    str(replies_w)], stdin=subprocess_devnull(), quiet=True,
+                                    str(replies_w)], stdin=_devnull(), quiet=True,
                                    pass_fds=(requests_r, replies_w))
         os.close(requests_r)
         os.close(replies_w)
@@ -191,7 +223,8 @@ class Runner:
         self.next_look = time.monotonic() + REPLY_TIMEOUT_TICK_S  # when to count the program's tasks again
 
     def call(self, request: dict) -> dict:
-        data = memoryview((json.dumps(request) + "\n").encode())
+        body = marshal.dumps(request)
+        data = memoryview(len(body).to_bytes(4, "little") + body)
         while data:
             _, writable, _ = select.select([], [self.requests], [], self._wait())
             if writable:
@@ -215,9 +248,11 @@ class Runner:
                 self.stop("output_limit")
         line, _, rest = bytes(self.buffer).partition(b"\n")
         self.buffer = bytearray(rest)
+        import json  # deferred: the judge's side only; the runner must start light
+
         try:
             reply = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise NotPlainData("a reply that is not JSON") from None
         if type(reply) is not dict:
             raise NotPlainData("a reply that is not an object")
@@ -236,6 +271,7 @@ class Runner:
     def stop(self, kind: str | None) -> None:
         """End the runner (killed if it still runs); raise Stopped with `kind`, or (None) with the kind observed."""
         if self.kind is None:
+            self.peak_tasks = max(self.peak_tasks, self.judge.tasks(self.process))  # its leftovers count too
             self.process.kill()  # a zombie already: no effect
             status, cpu_s, rss_mb = self.judge.end(self.process)
             observed = self.judge.observed(status, cpu_s, rss_mb, self.peak_tasks)
@@ -254,7 +290,7 @@ class Runner:
         return 0.0
 
 
-def subprocess_devnull() -> int:
+def _devnull() -> int:
     return os.open(os.devnull, os.O_RDONLY)
 
 
@@ -318,7 +354,7 @@ class Remote:
 
 def _namespace(runner: Runner, defined: dict) -> dict:
     """The judge's globals for setup and asserts: builtins, and the program's names as proxies and values."""
-    module = types.ModuleType("solution")
+    module = ModuleType("solution")
     for name, entry in defined.items():
         if not isinstance(name, str) or not name.isidentifier() or type(entry) is not dict:
             raise NotPlainData("a malformed list of names")

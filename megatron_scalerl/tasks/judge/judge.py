@@ -32,9 +32,9 @@ import os
 import resource
 import selectors
 import signal
-import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 PR_SET_DUMPABLE, PR_SET_PDEATHSIG = 4, 1
 STDERR_KEEP = 8000  # characters of a run's stderr kept in its record (the end, where a traceback is)
@@ -79,6 +79,22 @@ def _report(record: dict) -> None:
         view = view[os.write(1, view):]
 
 
+@dataclass(frozen=True)
+class Child:
+    """A process of the program's that the judge started: its pid and the read ends of its stdout and stderr pipes
+    (None: they go to /dev/null)."""
+
+    pid: int
+    stdout: int | None
+    stderr: int | None
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 class Judge:
     """Runs the program's processes for one job (see the module docstring) and watches them."""
 
@@ -90,39 +106,59 @@ class Judge:
     memory_share = MEMORY_SHARE
     report = staticmethod(_report)
 
-    def start(self, argv: list[str], stdin: int, pass_fds: tuple[int, ...] = (), quiet: bool = False
-              ) -> subprocess.Popen:
-        """Start a child process of the program (a fresh interpreter running `argv`) with its limits, a clean
-        environment and only the fds `pass_fds` besides stdin (closed here) and its stdout and stderr: pipes, or
-        /dev/null when `quiet`."""
-        limits = self.limits
-        parent = os.getpid()
+    def start(self, argv: list[str], stdin: int, pass_fds: tuple[int, ...] = (), quiet: bool = False) -> Child:
+        """Start a child process of the program (a fresh interpreter running `argv`) in a session of its own, with its
+        limits, a clean environment and no fd but its stdin (`stdin`, closed here), its stdout and stderr (pipes to
+        us, or /dev/null when `quiet`) and `pass_fds`. (A plain fork and exec: the judge is single-threaded.)"""
+        outputs = [os.pipe(), os.pipe()] if not quiet else []
+        devnull = os.open(os.devnull, os.O_WRONLY) if quiet else -1
+        pid = os.fork()
+        if pid == 0:
+            try:
+                self._become_program(argv, stdin, [w for _, w in outputs] or [devnull, devnull], pass_fds)
+            finally:
+                os._exit(127)
+        os.close(stdin)
+        if quiet:
+            os.close(devnull)
+            return Child(pid, None, None)
+        for _, write in outputs:
+            os.close(write)
+        return Child(pid, outputs[0][0], outputs[1][0])
 
-        def confine() -> None:  # in the child, before its exec: the judge is single-threaded, so fork-safe
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
-            resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] << 20,) * 2)
-            resource.setrlimit(resource.RLIMIT_NPROC, (self.job["nproc"],) * 2)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_mb"] << 20,) * 2)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (limits["files"],) * 2)
-            if not self.own_namespace:
-                _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-                if os.getppid() != parent:
-                    os._exit(1)
-
-        output = subprocess.DEVNULL if quiet else subprocess.PIPE
-        try:
-            return subprocess.Popen([self.job["python"], "-I", "-S", *argv], stdin=stdin, stdout=output,
-                                    stderr=output, pass_fds=pass_fds, cwd=self.workdir, env=self.job["env"],
-                                    start_new_session=True, preexec_fn=confine)
-        finally:
-            os.close(stdin)
+    def _become_program(self, argv: list[str], stdin: int, outputs: list[int], pass_fds: tuple[int, ...]) -> None:
+        """In the forked child: its standard fds, nothing else open but `pass_fds`, its limits, then the exec."""
+        limits, parent = self.limits, os.getppid()
+        os.setsid()
+        for fd, source in zip((0, 1, 2), (stdin, *outputs), strict=True):
+            os.dup2(source, fd)
+        keep = {0, 1, 2, *pass_fds}
+        for name in os.listdir("/proc/self/fd"):
+            if int(name) not in keep:
+                try:
+                    os.close(int(name))
+                except OSError:
+                    pass  # the directory's own fd, closed by listdir
+        for fd in pass_fds:
+            os.set_inheritable(fd, True)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] << 20,) * 2)
+        resource.setrlimit(resource.RLIMIT_NPROC, (self.job["nproc"],) * 2)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_mb"] << 20,) * 2)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limits["files"],) * 2)
+        if not self.own_namespace:
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != parent:
+                os._exit(1)
+        os.chdir(self.workdir)
+        os.execve(self.job["python"], [self.job["python"], "-I", "-S", *argv], self.job["env"])
 
     def observed(self, status: int, cpu_s: float, rss_mb: float, peak_tasks: int) -> str | None:
         """`observed_failure` of a run that has ended, with this job's limits and working directory."""
         return observed_failure(status, cpu_s, rss_mb, peak_tasks, status != 0 and self.files_full(), self.limits)
 
-    def tasks(self, child: subprocess.Popen) -> int:
+    def tasks(self, child: Child) -> int:
         """Tasks (processes and threads) of the program now: in our own PID namespace every one but ours; else those of
         the child's session."""
         count = 0
@@ -135,14 +171,13 @@ class Judge:
             except OSError:
                 continue  # exited meanwhile
             if self.own_namespace or int(fields[3]) == child.pid:  # fields[3]: the session id
-                count += int(fields[17])  # num_threads
+                count += max(1, int(fields[17]))  # num_threads; a zombie (0) still counts against RLIMIT_NPROC
         return count
 
-    def end(self, child: subprocess.Popen) -> tuple[int, float, float]:
+    def end(self, child: Child) -> tuple[int, float, float]:
         """Wait for the child (it has exited or been killed), then kill and reap what it left running. Returns its
         status (os.waitstatus_to_exitcode), its CPU seconds and its peak resident memory (MiB)."""
         _, status, usage = os.wait4(child.pid, 0)
-        child.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
         if self.own_namespace:
             try:
                 os.kill(-1, signal.SIGKILL)  # from PID 1: every other process of the namespace
@@ -158,10 +193,10 @@ class Judge:
                 os.killpg(child.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for pipe in (child.stdout, child.stderr):
-            if pipe is not None:
-                pipe.close()
-        return child.returncode, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+        for fd in (child.stdout, child.stderr):
+            if fd is not None:
+                os.close(fd)
+        return os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
     def files_full(self) -> bool:
         """Whether the program filled its scratch space (under bwrap a tmpfs of file_mb) or wrote a file of the
@@ -213,12 +248,12 @@ class Judge:
                 "stderr": err.decode(errors="replace")[-STDERR_KEEP:], "status": status, "failure": failure,
                 "seconds": time.monotonic() - start}
 
-    def collect(self, child: subprocess.Popen, deadline: float) -> tuple[bytes, bytes, str | None, int]:
+    def collect(self, child: Child, deadline: float) -> tuple[bytes, bytes, str | None, int]:
         """Read the child's stdout and stderr until it has exited and they hold no more (what it left running may keep
         them open: once it has exited, what they hold then is all), killing it at `deadline` (monotonic) or past the
         output cap. Returns (stdout, stderr, "timeout" | "output_limit" | None, the peak task count seen)."""
         cap, out, err = self.limits["output_bytes"], bytearray(), bytearray()
-        buffers = {child.stdout.fileno(): out, child.stderr.fileno(): err}
+        buffers = {child.stdout: out, child.stderr: err}
         stopped, exited, peak_tasks, next_look = None, False, 0, time.monotonic() + TICK_S
         pidfd = os.pidfd_open(child.pid)  # readable once the child has exited; unlike wait(), it does not reap it
         try:
@@ -239,6 +274,7 @@ class Judge:
                         if key.fd == pidfd:
                             exited = True
                             selector.unregister(pidfd)
+                            peak_tasks = max(peak_tasks, self.tasks(child))  # what it leaves running counts too
                             continue
                         data = os.read(key.fd, 1 << 16)
                         if not data:
