@@ -1,7 +1,7 @@
 """The trusted side of a sandboxed run: the judge, which runs the untrusted program and decides what happened.
 
 This file is a standalone script (standard library only) that `tasks/sandbox.py` starts inside the sandbox as
-`python -I -S judge.py --job-fd N`; the host side also imports it for `encode`/`decode` and `observed_failure`.
+`python -I -S judge.py --job-fd N`, beside asserts.py (the asserts mode).
 
 The judge reads its job (JSON: the mode, the limits, the inputs or the asserts with their expected values) from fd N
 and closes it, then makes itself non-dumpable (`PR_SET_DUMPABLE` 0): a process of the same user can then read none of
@@ -13,7 +13,7 @@ channel the program holds no fd of, one JSON line per result:
 - "cases" mode (stdin/stdout tests): a run of the program per input, the input on its stdin; the record holds what it
   printed (up to the output cap) and the failure kind the judge observed. The host compares the output: the expected
   outputs never enter the sandbox.
-- "asserts" mode: the program runs once, as module "solution", in a runner child (`judge.py serve`) that only answers
+- "asserts" mode (asserts.py): the program runs once, as module "solution", in a runner child that only answers
   calls: the judge executes the test's setup and asserts itself, in its own interpreter, with every name the program
   defines standing for a proxy that forwards the call (arguments as plain data) to the runner and takes back plain data
   (`encode`/`decode`: None, bool, int, float, str, bytes, complex, list, tuple, set, frozenset, dict, exactly those
