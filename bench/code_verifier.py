@@ -29,7 +29,7 @@ PROGRAM = "def square(n):\n    return n * n\n\nif __name__ == '__main__':\n    p
 
 def _bare(inputs: list[str]) -> None:
     for stdin in inputs:
-        subprocess.run([sandbox._interpreter(), "-I", "-S", "-c", PROGRAM], input=stdin, capture_output=True,
+        subprocess.run([sandbox.interpreter(), "-I", "-S", "-c", PROGRAM], input=stdin, capture_output=True,
                        text=True, check=True, timeout=30)
 
 

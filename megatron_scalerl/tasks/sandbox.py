@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.tasks.sandbox_root import ENV, interpreter_binds
 
 FAILURE_KINDS = ("timeout", "memory", "output_limit", "processes", "filesystem", "runtime_error", "syntax_error",
                  "sandbox_error")
@@ -69,7 +70,6 @@ STDERR_KEEP = 8000  # characters of stderr kept in a RunResult: its end, where t
 STARTUP_GRACE_S = 2.0  # wall seconds the sandbox and the judge get to start, beyond the program's own wall time
 JUDGE_DIR = Path(__file__).resolve().parent / "judge"  # bound read-only at /sandbox under bwrap
 _JUDGE_FILES = ("judge.py", "asserts.py")
-_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 
 
 class SandboxError(UserError):
@@ -185,7 +185,7 @@ def run_asserts(source: str, setup: str, asserts: list[str], limits: Limits = Li
 def _judge(source: str, job: dict, limits: Limits, deadline_s: float) -> tuple[list[dict], str, bool]:
     """Run the judge on `job` in the sandbox; its records, the end of its stderr (for a sandbox error's message) and
     whether our wall timer (`deadline_s` + STARTUP_GRACE_S) ended it."""
-    kind, python = sandbox_kind(), _interpreter()
+    kind, python = sandbox_kind(), interpreter()
     limits_record = dataclasses.asdict(limits)
     job = {**job, "limits": limits_record, "python": python, "deadline_s": deadline_s}
     workdir = program_fd = None
@@ -193,7 +193,7 @@ def _judge(source: str, job: dict, limits: Limits, deadline_s: float) -> tuple[l
         if kind == BWRAP:
             program_fd = _memory_file("program", source.encode())
             job.update(workdir="/tmp", program="/tmp/main.py", pid_namespace=True, nproc=limits.processes + 1,
-                       env={**_ENV, "HOME": "/tmp", "TMPDIR": "/tmp"})
+                       env={**ENV, "HOME": "/tmp", "TMPDIR": "/tmp"})
             job_fd = _memory_file("job", json.dumps(job).encode())
             command = [*_bwrap_options(shutil.which("bwrap"), python, limits),
                        "--ro-bind-data", str(program_fd), "/tmp/main.py", "--chdir", "/tmp",
@@ -203,7 +203,7 @@ def _judge(source: str, job: dict, limits: Limits, deadline_s: float) -> tuple[l
             workdir = _private_dir(source)
             tasks = _tasks_of(NOBODY if os.geteuid() == 0 else os.getuid()) + limits.processes + 1
             job.update(workdir=workdir, program=os.path.join(workdir, "main.py"), pid_namespace=False, nproc=tasks,
-                       env={**_ENV, "HOME": workdir, "TMPDIR": workdir}, keep=list(_JUDGE_FILES))
+                       env={**ENV, "HOME": workdir, "TMPDIR": workdir}, keep=list(_JUDGE_FILES))
             job_fd = _memory_file("job", json.dumps(job).encode())
             command = [python, "-I", "-S", os.path.join(workdir, "judge.py"), "--job-fd", str(job_fd)]
             popen = {"pass_fds": (job_fd,), "cwd": workdir}
@@ -282,74 +282,22 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _bwrap_options(bwrap: str, python: str, limits: Limits) -> list[str]:
     """The bwrap command (`bwrap`: its path) up to the program's file and working directory: namespaces, a clean
-    environment, the interpreter's files read-only (`_runtime_binds`), the judge at /sandbox, /proc, a minimal /dev
+    environment, the interpreter's files read-only (`sandbox_root`), the judge at /sandbox, /proc, a minimal /dev
     and a /tmp of file_mb MiB, the root read-only (see the module docstring)."""
     scratch = str(limits.file_mb << 20)
-    env = [word for name, value in {**_ENV, "HOME": "/tmp", "TMPDIR": "/tmp"}.items()
+    env = [word for name, value in {**ENV, "HOME": "/tmp", "TMPDIR": "/tmp"}.items()
            for word in ("--setenv", name, value)]
     return [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-            "--as-pid-1", "--clearenv", *env, *_runtime_binds(python), "--ro-bind", str(JUDGE_DIR), "/sandbox",
+            "--as-pid-1", "--clearenv", *env, *_interpreter_binds(python), "--ro-bind", str(JUDGE_DIR), "/sandbox",
             "--proc", "/proc", "--dev", "/dev", "--size", scratch, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
             "--size", scratch, "--tmpfs", "/tmp", "--remount-ro", "/"]
 
 
-@functools.cache
-def _runtime_binds(python: str) -> tuple[str, ...]:
-    """bwrap options that make the interpreter `python` run in an empty root: its executable, standard library and
-    shared library, the directories of the libraries it and its extension modules load (from `ldd`) and the
-    loader's cache, each read-only at its own path, with the host's symlinks on the way (/lib -> usr/lib)."""
-    query = ("import sys, sysconfig; c = sysconfig.get_config_var; "
-             "print(sysconfig.get_path('stdlib')); print(sysconfig.get_path('platstdlib')); "
-             "print(c('LIBDIR') or ''); print(c('LDLIBRARY') or '')")
+def _interpreter_binds(python: str) -> tuple[str, ...]:
     try:
-        info = subprocess.run([python, "-I", "-S", "-c", query], capture_output=True, text=True, timeout=30,
-                              check=True, env=_ENV).stdout.splitlines()
+        return interpreter_binds(python)
     except (OSError, subprocess.SubprocessError) as e:
-        raise SandboxError(f"cannot ask {python} where its files are: {e}") from None
-    stdlib, platstdlib, libdir, ldlibrary = (info + ["", "", "", ""])[:4]
-    files = [python, stdlib, platstdlib, os.path.join(libdir, ldlibrary) if libdir and ldlibrary else "",
-             "/etc/ld.so.cache"]
-    extensions = sorted(str(p) for p in Path(platstdlib, "lib-dynload").glob("*.so"))
-    for library in _shared_libraries([python, *extensions]):
-        files.append(os.path.dirname(library))
-    ops: dict[str, tuple[str, ...]] = {}
-    for path in files:
-        if path and os.path.exists(path):
-            _expose(os.path.abspath(path), ops)
-    return tuple(word for op in ops.values() for word in op)
-
-
-def _shared_libraries(binaries: list[str]) -> list[str]:
-    """The paths of the shared libraries `ldd` finds for `binaries` (the loader included)."""
-    try:
-        listing = subprocess.run(["ldd", *binaries], capture_output=True, text=True, timeout=60, env=_ENV).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []  # a static interpreter, or no ldd: nothing more to bind
-    libraries = set()
-    for line in listing.splitlines():
-        words = line.replace("=>", " ").split()
-        paths = [w for w in words if w.startswith("/")]
-        if paths:
-            libraries.add(paths[0])
-    return sorted(libraries)
-
-
-def _expose(path: str, ops: dict[str, tuple[str, ...]], depth: int = 0) -> None:
-    """Add to `ops` (keyed by the path inside) what makes the host's `path` resolve to the same file inside: bwrap
-    `--symlink` for each symlink on the way, `--ro-bind` of the real path."""
-    if depth > 40:
-        raise SandboxError(f"too many symlinks on the way to {path}")
-    current = "/"
-    parts = Path(path).parts[1:]
-    for i, part in enumerate(parts):
-        current = os.path.join(current, part)
-        if os.path.islink(current):
-            target = os.readlink(current)
-            ops.setdefault(current, ("--symlink", target, current))
-            resolved = os.path.normpath(os.path.join(os.path.dirname(current), target))
-            _expose(os.path.join(resolved, *parts[i + 1:]), ops, depth + 1)
-            return
-    ops.setdefault(path, ("--ro-bind", path, path))
+        raise SandboxError(f"cannot find the files {python} needs in the sandbox: {e}") from None
 
 
 @functools.cache
@@ -358,10 +306,10 @@ def _bwrap_problem(bwrap: str | None) -> str | None:
     where user namespaces are not allowed, e.g. in a default Docker container). Tried once per process."""
     if bwrap is None:
         return "bwrap is not installed (Debian/Ubuntu package: bubblewrap)"
-    python = _interpreter()
+    python = interpreter()
     try:
         trial = subprocess.run([*_bwrap_options(bwrap, python, Limits()), python, "-I", "-S", "-c", "import json"],
-                               capture_output=True, text=True, timeout=30, cwd="/", env=_ENV, **_sandbox_user())
+                               capture_output=True, text=True, timeout=30, cwd="/", env=ENV, **_sandbox_user())
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"bwrap is installed but does not run: {e}"
     if trial.returncode != 0:
@@ -375,7 +323,7 @@ def _sandbox_user() -> dict:
 
 
 @functools.cache
-def _interpreter() -> str:
+def interpreter() -> str:
     """The Python that runs programs: ours, or when we are root and NOBODY cannot run ours, the system's of the same
     version."""
     ours = os.path.realpath(sys.executable)
@@ -393,7 +341,7 @@ def _interpreter() -> str:
 def _runs_as_nobody(python: str) -> bool:
     try:  # a trial run: the interpreter, its shared library and its standard library must all be open to NOBODY
         trial = subprocess.run([python, "-I", "-S", "-c", "import encodings, json"], capture_output=True, timeout=30,
-                               cwd="/", env=_ENV, **_sandbox_user())
+                               cwd="/", env=ENV, **_sandbox_user())
     except (OSError, subprocess.TimeoutExpired):
         return False
     return trial.returncode == 0
