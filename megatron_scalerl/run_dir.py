@@ -9,13 +9,23 @@
     RUN/finished.json     {"reason", "step", "gpu_hours"}: written by the orchestrator when the run has ended on its
                           own (`max_steps`, `max_gpu_hours` or `stop_at_fraction`), never on a stop from outside;
                           what tells a sweep (or a script) that the run is done. Removed when the run is resumed.
+    RUN/api_key           the run's own API key (`secrets.token_urlsafe(32)`, 256 random bits), mode 0600, made by
+                          the run's first launch that finds no `$SCALERL_API_KEY` and read again by every later one
+                          (`--resume`, a requeued job): `run_api_key`.
 
-Every role takes the servers' API key from `$SCALERL_API_KEY` (never from a file or a command line).
+Every launch has an API key: the user's (`$SCALERL_API_KEY` in the launcher's environment, never written anywhere)
+or the run's own (`RUN/api_key`). The launcher hands it to every role in `$SCALERL_API_KEY` (never on a command line,
+which `ps` shows to every user of the machine); generators ask for it on every route but /health, the trainer,
+orchestrator and supervisor present it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
@@ -32,6 +42,7 @@ CURRICULUM_FILE, PREVIOUS_CURRICULUM_FILE = "curriculum.json", "curriculum.prev.
 STOP_TIMEOUT_S = 120.0  # seconds a role gets to stop cleanly (the trainer's last checkpoint) before SIGKILL
 FINISH_REASONS = ("max_steps", "max_gpu_hours", "stop_at_fraction")
 API_KEY_ENV = "SCALERL_API_KEY"
+API_KEY_FILE = "api_key"
 SERVING_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -102,3 +113,49 @@ def read_finished(run_dir: str | Path) -> dict | None:
 
 def clear_finished(run_dir: str | Path) -> None:
     (Path(run_dir) / FINISHED_FILE).unlink(missing_ok=True)
+
+
+def run_api_key(run_dir: str | Path, env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """(key, where it came from) for a launch of the run in `run_dir`: `$SCALERL_API_KEY` of `env` (default: this
+    process's environment) when set, else the run's own `RUN/api_key`, created here on the run's first launch
+    (O_EXCL-style: written to a 0600 temp file, then linked into place, so two launchers never see two keys or a torn
+    one)."""
+    env = os.environ if env is None else env
+    if env.get(API_KEY_ENV):
+        return env[API_KEY_ENV], f"${API_KEY_ENV}"
+    path = Path(run_dir) / API_KEY_FILE
+    if not path.exists():
+        _create_key_file(path)
+    return read_api_key_file(path), str(path)
+
+
+def _create_key_file(path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_urlsafe(32) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(tmp, path)  # atomic, and never replaces a key another launcher made meanwhile
+        except FileExistsError:
+            pass
+    finally:
+        os.unlink(tmp)
+
+
+def read_api_key_file(path: str | Path) -> str:
+    """The API key in file `path` (its first line, whitespace stripped). UserError naming the file when it cannot be
+    read, is empty, or is readable by other users than its owner (group or other permission bits: `chmod 600` it)."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode & 0o777
+        text = path.read_text()
+    except OSError as exc:
+        raise UserError(f"API key file {path}: {exc.strerror or exc}") from None
+    if mode & 0o077:
+        raise UserError(f"API key file {path}: other users may read it (mode {mode:03o}); chmod 600 {path}")
+    key = (text.strip().splitlines() or [""])[0].strip()
+    if not key:
+        raise UserError(f"API key file {path} is empty")
+    return key

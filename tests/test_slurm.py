@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.launch.supervise import processes_with_environment
 from megatron_scalerl.metrics import read_metrics
 
@@ -141,6 +143,11 @@ def test_moe_job_requeues_on_time_limit_and_finishes_the_run(cluster, jobs, mode
                   _run_settings(run_dir, models["tiny_moe"], steps, "rollout.k=2"))
     _wait("two trainer steps", lambda: len(_trainer_steps(run_dir)) >= 2, 600, out, cluster,
           job_alive=lambda: bool(_squeue(cluster, job)), poll_s=0.5)
+    # the generator drives only for the run's own key (RUN/api_key, private): its worker-RPC route refuses a stranger
+    [url] = json.loads((run_dir / "generators.json").read_text())["urls"]
+    with pytest.raises(ServerError, match="HTTP 401"):
+        request_json(url, "/collective_rpc", {"method": "scalerl_weight_checksums"}, timeout_s=10)
+    assert stat.S_IMODE((run_dir / "api_key").stat().st_mode) == 0o600
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True, env=cluster)  # time is up
     _wait("requeued", lambda: "requeueing" in out.read_text() and _squeue(cluster, job)[:1] == ["PENDING"], 300, out, cluster)
     # this cluster's scheduler may leave a requeued het-job pending ~2 min after it is eligible: start it now (asked

@@ -73,7 +73,7 @@ def test_server_command_enables_weight_transfer():
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     # the key guards every route (our middleware) and is not on the command line
     assert env["VLLM_API_KEY"] == "k" and "k" not in cmd and "--api-key" not in cmd
-    assert cmd[cmd.index("--middleware") + 1] == "megatron_scalerl.inference.server_auth.require_api_key"
+    assert cmd[cmd.index("--middleware") + 1] == "megatron_scalerl.inference.server_auth.RequireApiKey"
     assert (find_tcmalloc() or "none") in env.get("LD_PRELOAD", "none")
     plain = VLLMServerConfig(model="/m", port=1, weight_transfer=False)
     assert "--weight-transfer-config" not in plain.command() and "VLLM_SERVER_DEV_MODE" not in plain.environment({})

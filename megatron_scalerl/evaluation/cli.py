@@ -1,17 +1,19 @@
 """`scalerl eval`: downstream evaluations (AIME, local benchmarks) of any endpoint, and of a run's checkpoints as
 they appear.
 
-    scalerl eval aime --endpoint URL --model NAME --dataset aime24 --samples K --out DIR [--api-key KEY]
+    scalerl eval aime --endpoint URL --model NAME --dataset aime24 --samples K --out DIR [--api-key-file PATH]
                       [--recipe R] [--tokenizer DIR] [--concurrency N] [--grader-timeout S] [--verifier V]
     scalerl eval watch RUN_DIR [--every N] [--dataset aime24 ...] [--samples K] [--once]
     scalerl eval report RUN_DIR [--dataset aime24 ...]
 
 A dataset (`--dataset`) is a shipped benchmark (aime24, aime25), the name of a local benchmark of the recipe's
 `eval.benchmarks` (`aime`: --recipe's; `watch`: the run's), or a JSONL file (`--verifier code` for a code benchmark;
-evaluation/harness.py `load_benchmark`). `aime` prints the summary as one JSON object on its last line. The API key
-may also come from $SCALERL_API_KEY. `watch` takes what its flags leave open from SCALERL_EVAL_EVERY,
-SCALERL_EVAL_DATASETS, SCALERL_EVAL_SAMPLES and SCALERL_EVAL_ONCE, then from the run's recipe (its `eval:` section;
-evaluation/watch.py). `report` covers every dataset evaluated unless `--dataset` names some.
+evaluation/harness.py `load_benchmark`). `aime` prints the summary as one JSON object on its last line. The
+endpoint's API key comes from `--api-key-file PATH` or $SCALERL_API_KEY (`--api-key KEY` works but warns: `ps` shows
+a command line to every user); `watch` serves each checkpoint behind a key of its own, in its server's environment.
+`watch` takes what its flags leave open from SCALERL_EVAL_EVERY, SCALERL_EVAL_DATASETS, SCALERL_EVAL_SAMPLES and
+SCALERL_EVAL_ONCE, then from the run's recipe (its `eval:` section; evaluation/watch.py). `report` covers every
+dataset evaluated unless `--dataset` names some.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from pathlib import Path
 
 from megatron_scalerl.command_line import command_group
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.inference.serve_cli import add_api_key_arguments, api_key_from
 
 
 def _add_sampling(parser: argparse.ArgumentParser, samples: int | None, default: str | None = None) -> None:
     parser.add_argument("--samples", type=int, default=samples,
                         help=f"completions per problem (K; default: {default or samples})")
-    parser.add_argument("--api-key", help="the endpoint's API key (default: $SCALERL_API_KEY)")
+    add_api_key_arguments(parser, "the endpoint's API key")
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight")
     parser.add_argument("--grader-timeout", type=float, default=10.0, help="seconds per answer before it counts "
                         "as wrong")
@@ -77,7 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _request(args: argparse.Namespace, **fields):
     from megatron_scalerl.evaluation.harness import EvalRequest  # deferred: a command module stays light
 
-    return EvalRequest(api_key=args.api_key or os.environ.get("SCALERL_API_KEY"),
+    return EvalRequest(api_key=api_key_from(args, os.environ),
                        concurrency=args.concurrency, grader_timeout_s=args.grader_timeout, **fields)
 
 

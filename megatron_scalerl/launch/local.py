@@ -10,6 +10,9 @@ have both finished; a role that fails ends it with exit 1 and its log's tail.
 Ctrl-C or SIGTERM: the orchestrator stops first (its state is that of its last batch), then the trainer, which
 checkpoints its current step, then the generators (launch/supervise.py); exit 130 or 143. `--resume` continues from
 the checkpoints, the rollout stream and the orchestrator's state.
+
+The generators listen on 127.0.0.1 only, behind the run's API key (`$SCALERL_API_KEY`, else `RUN/api_key`:
+`run_dir.run_api_key`), which every role gets in its environment, never on its command line.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from megatron_scalerl.launch.supervise import Role, run_roles
 from megatron_scalerl.platform.local_workers import free_port
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.rollout.orchestrator_state import rewind_to_checkpoint
-from megatron_scalerl.run_dir import clear_stop_request, request_stop, write_generators
+from megatron_scalerl.run_dir import clear_stop_request, request_stop, run_api_key, write_generators
 
 # On CPU every role shares the machine's cores. The trainer's ranks run in lock-step (one that loses its core stalls
 # the others at the next collective) and the trainer is the slower side there, so the generators yield to it
@@ -106,7 +109,9 @@ def run_local(run_dir: Path, recipe: Recipe, *, resume: bool, ready_timeout_s: f
 
     if resume:  # before any role starts: the trainer must not read a batch of a timeline it left
         rewind_to_checkpoint(run_dir, partial(print, flush=True), metrics=True)
+    api_key, key_source = run_api_key(run_dir)
+    print(f"the generators' API key: {key_source}", flush=True)
     generators, urls, trainer, orchestrator = local_roles(run_dir, recipe, resume=resume,
                                                           cuda=torch.cuda.is_available())
-    return run_roles(f"run {run_dir}", generators, urls, trainer, orchestrator,
+    return run_roles(f"run {run_dir}", generators, urls, trainer, orchestrator, api_key=api_key,
                      restarts=restart_budget(run_dir, recipe), ready_timeout_s=ready_timeout_s)

@@ -7,13 +7,17 @@ first trainer node of a het-job (group 0: trainer nodes, group 1: generator node
 The roles are the local launcher's (`launch/roles.py` command lines, `launch/supervise.py` watching them), each
 started through `srun` on its nodes:
 
-    generator i   srun --het-group=1 -w NODE --ntasks=1 ... scalerl serve --host 0.0.0.0 --port BASE+2+i ...
+    generator i   srun --het-group=1 -w NODE --ntasks=1 ... scalerl serve --host NODE_IP --port BASE+2+i ...
     trainer       srun --het-group=0 --ntasks-per-node=1 ... torchrun --nnodes=N --master-addr=TRAINER0 ...
     orchestrator  a plain child of this process (the batch step runs on the first trainer node)
 
 Addresses come from the allocation (`scontrol show node`'s NodeAddr), ports from the job id (BASE = 20000 + 100 x
-(job id mod 400)), so two jobs on shared nodes do not meet. Settings (the sbatch file's defaults, or
-`sbatch --export=ALL,NAME=VALUE`):
+(job id mod 400)), so two jobs on shared nodes do not meet. A generator listens on its node's address as this node
+resolves it (`generator_address`; the trainer and the orchestrator, both on this node, reach it there), not on every
+interface, and asks for the run's API key on every route but /health (`run_dir.run_api_key`: `$SCALERL_API_KEY`,
+else `RUN/api_key`), which every role gets in its environment through srun, never on a command line.
+
+Settings (the sbatch file's defaults, or `sbatch --export=ALL,NAME=VALUE`):
 
     SCALERL_RUN_DIR     the run directory (required); one that holds recipe.yaml is continued, never restarted
     SCALERL_RECIPE      preset or recipe YAML of a new run;  SCALERL_MODEL: model preset or hf:DIR
@@ -42,6 +46,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -74,7 +79,7 @@ from megatron_scalerl.launch.roles import (
 from megatron_scalerl.launch.supervise import ALLOCATION_LOST, Role, run_roles
 from megatron_scalerl.recipe import ClusterConfig, Recipe, load_recipe, slurm_minutes
 from megatron_scalerl.rollout.orchestrator_state import rewind_to_checkpoint
-from megatron_scalerl.run_dir import RECIPE_FILE, clear_stop_request, request_stop, write_generators
+from megatron_scalerl.run_dir import RECIPE_FILE, clear_stop_request, request_stop, run_api_key, write_generators
 
 # The recipe's fields that are sbatch options: (the option's long and short spelling, its SBATCH_* input variable,
 # the field of `scontrol show job`)
@@ -134,6 +139,17 @@ def cluster_notes(cluster: ClusterConfig, job: str) -> list[str]:
     return notes
 
 
+def generator_address(node_addr: str, node_name: str) -> str:
+    """The IPv4 address generator node `node_name` (NodeAddr `node_addr`) serves on: `node_addr` as this node (where
+    the trainer's rank 0 and the orchestrator run) resolves it, so the server binds the one interface its clients
+    reach it on. A generator whose node does not hold that address fails to bind and says so in its log."""
+    try:
+        return socket.gethostbyname(node_addr)
+    except OSError as exc:
+        raise UserError(f"generator node {node_name}: its address {node_addr!r} (scontrol's NodeAddr) does not "
+                        f"resolve here: {exc}") from None
+
+
 def _share(total: int | None, parts: int) -> int | None:
     return None if total is None else max(1, total // parts)
 
@@ -150,12 +166,13 @@ def job_roles(run_dir: Path, recipe: Recipe, alloc: Allocation, *, resume: bool,
     generators, urls = [], []
     for i, port in enumerate(alloc.generator_ports(servers)):
         node = alloc.generator.nodes[i // per_node]
-        urls.append(f"http://{node.addr}:{port}")
+        host = generator_address(node.addr, node.name)
+        urls.append(f"http://{host}:{port}")
         step = srun(GENERATOR_GROUP, nodes=1, nodelist=node.name, name=f"generator_{i}",
                     gpus_per_task=tp if alloc.generator.gpus_per_node else None,
                     cpus_per_task=_share(alloc.generator.cpus_per_node, per_node))
         generators.append(Role(f"generator {i} ({node.name})", step + generator_command(
-            run_dir, recipe, port=port, host="0.0.0.0", dtype=dtype, log=logs / f"vllm_{i}.log"),
+            run_dir, recipe, port=port, host=host, dtype=dtype, log=logs / f"vllm_{i}.log"),
             logs / f"generator_{i}.log", env, terminate=step_terminator(alloc, f"generator_{i}")))
     write_generators(run_dir, urls, dtype)
     step = srun(TRAINER_GROUP, nodes=recipe.cluster.trainer_nodes, name="trainer",
@@ -290,8 +307,10 @@ def run_job(env: dict[str, str]) -> int:
     record_job(run_dir, alloc.job_id)
     if env.get("SCALERL_PREFLIGHT", "1") != "0":
         run_preflight(run_dir, recipe, alloc, env, cuda=cuda)
+    api_key, key_source = run_api_key(run_dir, env)
+    print(f"the generators' API key: {key_source}", flush=True)
     generators, urls, trainer, orchestrator = job_roles(run_dir, recipe, alloc, resume=resume, cuda=cuda)
-    code = run_roles(f"job {alloc.job_id} ({run_dir})", generators, urls, trainer, orchestrator,
+    code = run_roles(f"job {alloc.job_id} ({run_dir})", generators, urls, trainer, orchestrator, api_key=api_key,
                      restarts=restart_budget(run_dir, recipe, partial(allocation_lost, alloc)),
                      stop_signals=(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
     if code == ALLOCATION_LOST:  # a node is lost: go on in a new allocation

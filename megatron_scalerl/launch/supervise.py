@@ -204,15 +204,20 @@ def _wait_ready(generators: list[Role], urls: list[str], trainer: Role, timeout_
 
 
 def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role, orchestrator: Role, *,
-              restarts: Restarts | None = None, ready_timeout_s: float = 900.0,
+              api_key: str, restarts: Restarts | None = None, ready_timeout_s: float = 900.0,
               stop_signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> int:
     """Start and watch the roles (generator i serves `urls[i]`) until the run ends or a stop signal comes; the exit
-    code (0, 1, or 128 + the stop signal's number). `label` names the run in progress lines; `restarts`: the budget
-    for restarting a failed trainer or orchestrator (default: none)."""
+    code (0, 1, or 128 + the stop signal's number). `label` names the run in progress lines; `api_key`: the run's
+    key (`run_dir.run_api_key`), which every role gets in `$SCALERL_API_KEY` (the generators ask for it, the others
+    present it) and the supervisor's own calls present; `restarts`: the budget for restarting a failed trainer or
+    orchestrator (default: none)."""
+    if not api_key:
+        raise UserError(f"{label}: no API key: a launch never starts its generators open")
     previous = {sig: signal.signal(sig, _raise_stop) for sig in stop_signals}
     launch_id = uuid.uuid4().hex
     for role in (*generators, trainer, orchestrator):
         role.env[LAUNCH_ENV] = launch_id
+        role.env[API_KEY_ENV] = api_key
     try:
         for role in generators:
             role.start()
@@ -222,7 +227,7 @@ def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role
         _wait_ready(generators, urls, trainer, ready_timeout_s)
         orchestrator.start()
         print(f"{label}: generators ready, orchestrator started", flush=True)
-        return _supervise(trainer, orchestrator, generators, urls, restarts, ready_timeout_s)
+        return _supervise(trainer, orchestrator, generators, urls, restarts, ready_timeout_s, api_key)
     except _Stop as stop:
         print(f"{label}: {stop} received: stopping (the trainer checkpoints first)", flush=True)
         return 128 + stop.signum
@@ -273,7 +278,7 @@ def kill_carrying(entry: str) -> list[str]:
 
 
 def _supervise(trainer: Role, orchestrator: Role, generators: list[Role], urls: list[str] = (),
-               restarts: Restarts | None = None, ready_timeout_s: float = 900.0) -> int:
+               restarts: Restarts | None = None, ready_timeout_s: float = 900.0, api_key: str | None = None) -> int:
     restarts = restarts or Restarts.none()
     finished: set[str] = set()
     live = list(generators)
@@ -293,7 +298,7 @@ def _supervise(trainer: Role, orchestrator: Role, generators: list[Role], urls: 
                         print(f"no restart left (launch.max_restarts {restarts.max_restarts} spent): the run stops; "
                               f"last cause: {cause}", file=sys.stderr, flush=True)
                     return 1
-                _restart(trainer, orchestrator, generators, urls, restarts, cause, ready_timeout_s)
+                _restart(trainer, orchestrator, generators, urls, restarts, cause, ready_timeout_s, api_key)
                 finished.clear()
                 break
             finished.add(role.name)
@@ -323,7 +328,7 @@ def _supervise(trainer: Role, orchestrator: Role, generators: list[Role], urls: 
 
 
 def _restart(trainer: Role, orchestrator: Role, generators: list[Role], urls: list[str], restarts: Restarts,
-             cause: str, ready_timeout_s: float) -> None:
+             cause: str, ready_timeout_s: float, api_key: str | None) -> None:
     """One restart of the trainer and the orchestrator (the module docstring). Each live generator's weights are
     tagged lost first (`_tag_lost`); one that cannot be (stuck in a receive of the failed trainer's weights) is started
     again at once. A generator that then does not serve a policy of the restarted trainer within STUCK_GENERATOR_S
@@ -341,7 +346,7 @@ def _restart(trainer: Role, orchestrator: Role, generators: list[Role], urls: li
     orchestrator.command = restarts.resumed_orchestrator
     started_again = set()
     for role, url in zip(generators, urls, strict=True):
-        if role.process.poll() is None and not _tag_lost(url):
+        if role.process.poll() is None and not _tag_lost(url, api_key):
             print(f"{role.name} ({url}) cannot be readied for the restarted trainer (stuck in a receive of the failed "
                   "trainer's weights?): starting it again", flush=True)
             role.stop(timeout_s=10.0)
@@ -351,13 +356,13 @@ def _restart(trainer: Role, orchestrator: Role, generators: list[Role], urls: li
     for role, url in zip(generators, urls, strict=True):
         if role.process.poll() is not None:
             continue  # dead: the watch loop starts it again, and the trainer re-syncs it before it gets work
-        if role.name not in started_again and not _wait_version(url, step, trainer, STUCK_GENERATOR_S):
+        if role.name not in started_again and not _wait_version(url, step, trainer, STUCK_GENERATOR_S, api_key):
             print(f"{role.name} ({url}) did not get the restarted trainer's weights (policy {step} or later) within "
                   f"{STUCK_GENERATOR_S:.0f} s: starting it again", flush=True)
             role.stop(timeout_s=10.0)
             role.start()
             started_again.add(role.name)
-        if role.name in started_again and not _wait_version(url, step, trainer, ready_timeout_s):
+        if role.name in started_again and not _wait_version(url, step, trainer, ready_timeout_s, api_key):
             raise UserError(f"{role.name} ({url}) did not get the restarted trainer's weights (policy {step} or "
                             f"later) within {ready_timeout_s:g} s of its own restart; {role.log}:\n{role.tail()}")
     orchestrator.start()
@@ -365,13 +370,13 @@ def _restart(trainer: Role, orchestrator: Role, generators: list[Role], urls: li
           "orchestrator continues", flush=True)
 
 
-def _control(url: str, path: str, body: object = None, method: str = "POST") -> object:
-    """One supervisor call to the generator at `url`, bounded by CONTROL_TIMEOUT_S; ServerError when it fails."""
-    return request_json(url, path, body, method=method, timeout_s=CONTROL_TIMEOUT_S,
-                        api_key=os.environ.get(API_KEY_ENV))
+def _control(url: str, path: str, api_key: str | None, body: object = None, method: str = "POST") -> object:
+    """One supervisor call to the generator at `url` with the run's `api_key`, bounded by CONTROL_TIMEOUT_S;
+    ServerError when it fails."""
+    return request_json(url, path, body, method=method, timeout_s=CONTROL_TIMEOUT_S, api_key=api_key)
 
 
-def _tag_lost(url: str) -> bool:
+def _tag_lost(url: str, api_key: str | None) -> bool:
     """Tag the weights of the generator at `url` as a lost policy's (`algo.versions.LOST_TAG`); when the failed
     trainer died inside a push (the server is paused: only a push pauses it), first close the update it may have left
     open (/finish_weight_update, tagged lost: the restarted trainer's push replaces every weight). Whether the tag
@@ -379,18 +384,18 @@ def _tag_lost(url: str) -> bool:
     from megatron_scalerl.algo.versions import LOST_TAG  # deferred: the algo package imports torch
 
     try:
-        if (_control(url, "/is_paused", method="GET") or {}).get("is_paused"):
+        if (_control(url, "/is_paused", api_key, method="GET") or {}).get("is_paused"):
             try:
-                _control(url, "/finish_weight_update", {"weight_version": LOST_TAG})
+                _control(url, "/finish_weight_update", api_key, {"weight_version": LOST_TAG})
             except ServerError:
                 pass  # paused outside an update (before its start, after its finish): nothing open to close
-        _control(url, "/update_weight_version", {"new_version": LOST_TAG})
+        _control(url, "/update_weight_version", api_key, {"new_version": LOST_TAG})
         return True
     except ServerError:
         return False
 
 
-def _wait_version(url: str, version: int, trainer: Role, timeout_s: float) -> bool:
+def _wait_version(url: str, version: int, trainer: Role, timeout_s: float, api_key: str | None) -> bool:
     """Whether the generator at `url`, its weights tagged lost (`_tag_lost`) or fresh, serves policy `version` or a
     later one (its /weight_info: the restarted trainer may have trained on by then) within `timeout_s` seconds;
     UserError with the trainer's log tail when the trainer exits first without it there."""
@@ -399,7 +404,7 @@ def _wait_version(url: str, version: int, trainer: Role, timeout_s: float) -> bo
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            answer = _control(url, "/weight_info", method="GET")
+            answer = _control(url, "/weight_info", api_key, method="GET")
             if parse_version((answer or {}).get("weight_version")) >= version:
                 return True
         except ServerError:

@@ -7,9 +7,10 @@ every worker before it builds the engine), and selected with `--weight-transfer-
 Everything but the transport is vLLM's (`NCCLWeightTransferEngine`): the HTTP routes and the worker's update
 session, the update info (names, dtype_names, shapes), `start_weight_update` / `finish_weight_update` wrapping the
 load in vLLM's layered reload, and `model.load_weights`. Overridden:
-  - `init_transfer_engine`: join the trainer's broadcast group over gloo (vLLM's
-    `stateless_init_torch_distributed_process_group`) at rank `rank_offset` + dp index x TP x PP + worker rank,
-    the rank rule of vLLM's NCCL engine, with `timeout_s` bounding every later receive;
+  - `init_transfer_engine`: join the trainer's broadcast group over gloo (`protocol.join_gloo_group`: its
+    rendezvous keys under the payload's `rendezvous_secret`, gloo listening on this worker's address towards the
+    trainer) at rank `rank_offset` + dp index x TP x PP + worker rank, the rank rule of vLLM's NCCL engine, with
+    `timeout_s` bounding every later receive;
   - `receive_weights`: one gloo broadcast per bucket of the tensors' bytes packed back to back (vLLM's
     `unpack_tensor` splits them), then `model.load_weights`; with `record_checksums` each tensor's checksum is kept
     for the trainer to compare (`protocol.checksum`, read through the worker extension);
@@ -22,7 +23,7 @@ load in vLLM's layered reload, and `model.load_weights`. Overridden:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -31,16 +32,18 @@ from vllm.distributed.weight_transfer.base import WeightTransferInitInfo
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
-from megatron_scalerl.weight_sync.protocol import checksum, packed_sizes
+from megatron_scalerl.weight_sync.protocol import checksum, join_gloo_group, packed_sizes
 
 
 @dataclass(kw_only=True)
 class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     """`/init_weight_transfer_engine` payload: the trainer's rendezvous (TCPStore at master_address:master_port,
-    rank 0), this server's first rank and the group size, the receive timeout (seconds), checksum recording."""
+    rank 0, its keys under `rendezvous_secret`), this server's first rank and the group size, the receive timeout
+    (seconds), checksum recording."""
 
     master_address: str
     master_port: int
+    rendezvous_secret: str = field(repr=False)
     rank_offset: int
     world_size: int
     timeout_s: float
@@ -101,8 +104,6 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
         self.checksums: dict[str, str] = {}
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:  # type: ignore[override]
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
         parallel = self.parallel_config
         self.rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
         self.timeout = timedelta(seconds=init_info.timeout_s)
@@ -110,9 +111,8 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
         self.record_checksums = init_info.record_checksums
         self.shutdown()  # a previous trainer's group
         try:
-            self.group = stateless_init_torch_distributed_process_group(
-                init_info.master_address, init_info.master_port, self.rank, init_info.world_size, backend="gloo",
-                timeout=self.timeout)
+            self.group = join_gloo_group(init_info.master_address, init_info.master_port,
+                                         init_info.rendezvous_secret, self.rank, init_info.world_size, self.timeout)
         except Exception as exc:
             raise RuntimeError(f"weight transfer rank {self.rank}: could not join the gloo group of the {self.peer} "
                                f"within {init_info.timeout_s:g} s: {exc}") from exc

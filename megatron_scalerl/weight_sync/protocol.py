@@ -1,15 +1,25 @@
-"""What trainer and servers agree on: buckets, wire dtypes, the broadcast group's ranks, per-tensor checksums.
+"""What trainer and servers agree on: buckets, wire dtypes, the broadcast group's ranks, per-tensor checksums, and
+how the gloo broadcast group meets.
 
-Shared by the trainer side (`export`, `sender`) and the server side (`gloo_engine`), and light to import (torch only;
-vLLM's unpacking helper is imported where it is used).
+Shared by the trainer side (`export`, `sender`, `transport`) and the server side (`gloo_engine`), and light to import
+(torch only; vLLM's unpacking helper is imported where it is used).
+
+The gloo group's rendezvous is a TCPStore hosted by trainer rank 0 on one interface (`local_address_towards` the
+servers). The store has no authentication: whoever connects may read and write any key it can name. So every key of
+the group lives under a per-connection secret (`gloo_group`: a `PrefixStore`), which the trainer mints for each
+connection and hands each server inside its `/init_weight_transfer_engine` payload, over the API-key-guarded route;
+gloo's own connections listen on that same interface.
 """
 
 from __future__ import annotations
 
 import hashlib
+import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 # `--worker-extension-cls` of our servers (`weight_sync.worker_extension`; importing it registers the gloo receiver).
@@ -111,3 +121,39 @@ def rank_offsets(world_sizes: list[int]) -> tuple[list[int], int]:
         offsets.append(next_rank)
         next_rank += size
     return offsets, next_rank
+
+
+def local_address_towards(host: str) -> str:
+    """This machine's IPv4 address on the route to `host` (a name or an address): the interface a peer there reaches
+    us on."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(host), 9))  # UDP: no packet is sent
+        return probe.getsockname()[0]
+
+
+def gloo_group(store: dist.Store, secret: str, rank: int, world_size: int, timeout: timedelta,
+               address: str) -> dist.ProcessGroup:
+    """The weight broadcast group over gloo as rank `rank` of `world_size`, met through `store` (the trainer's
+    TCPStore, hosted or joined) with every key under `secret`, gloo's connections listening on `address` (this
+    process's address towards its peers); `timeout` bounds every collective. Built as vLLM's
+    `stateless_init_torch_distributed_process_group` builds it, which takes neither a key prefix of ours nor an
+    address for gloo."""
+    prefixed = dist.PrefixStore(f"scalerl-weights/{secret}/", store)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    backend = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+    group = dist.ProcessGroup(prefixed, rank, world_size)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    backend._set_sequence_number_for_group()
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
+def join_gloo_group(address: str, port: int, secret: str, rank: int, world_size: int,
+                    timeout: timedelta) -> dist.ProcessGroup:
+    """A server worker's (or any non-zero rank's) end of `gloo_group`: a client of the trainer's TCPStore at
+    `address`:`port`, waiting up to `timeout` for it."""
+    store = dist.TCPStore(host_name=address, port=port, world_size=world_size, is_master=False, timeout=timeout,
+                          multi_tenant=True)
+    return gloo_group(store, secret, rank, world_size, timeout, local_address_towards(address))

@@ -25,7 +25,6 @@ a mismatch names the server, worker, bucket and tensor. Needs a receiver that re
 from __future__ import annotations
 
 import logging
-import socket
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable
@@ -40,7 +39,14 @@ from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.platform.distributed import from_rank0, resolve_backend
 from megatron_scalerl.recipe import ModelConfig
 from megatron_scalerl.weight_sync.export import export_buckets
-from megatron_scalerl.weight_sync.protocol import MIB, Bucket, WeightSyncError, checksum, rank_offsets
+from megatron_scalerl.weight_sync.protocol import (
+    MIB,
+    Bucket,
+    WeightSyncError,
+    checksum,
+    local_address_towards,
+    rank_offsets,
+)
 from megatron_scalerl.weight_sync.transport import make_transport
 
 log = logging.getLogger("megatron_scalerl.weight_sync")
@@ -71,14 +77,6 @@ class SyncStats:
     checksums_verified: int  # tensors x server workers compared (0 without checksum mode)
 
 
-def _local_address_towards(url: str) -> str:
-    """This machine's address on the route to `url`'s host (where the servers reach our rendezvous)."""
-    host = urllib.parse.urlsplit(url).hostname or "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((socket.gethostbyname(host), 9))  # UDP: no packet is sent
-        return probe.getsockname()[0]
-
-
 class WeightSender:
     """Trainer rank 0's side of weight sync to the servers at `urls` (base URLs, e.g. "http://gen0:8000")."""
 
@@ -91,7 +89,9 @@ class WeightSender:
         if config.checksums and self.backend != "gloo":
             raise ValueError(f"checksum mode needs receivers that record checksums (the gloo engine); the "
                              f"{self.backend} receiver is vLLM's own and does not")
-        self.master_address = master_address or _local_address_towards(self.urls[0])
+        # where the servers reach our rendezvous: this machine's address on the route to the first one
+        self.master_address = master_address or local_address_towards(
+            urllib.parse.urlsplit(self.urls[0]).hostname or "127.0.0.1")
         self.pool = ThreadPoolExecutor(max_workers=len(urls) + 1, thread_name_prefix="weight-sync")
         self.transport = make_transport(self.backend, bucket_bytes=int(config.bucket_mib * MIB))
         self.world_sizes: list[int] = []
@@ -141,13 +141,13 @@ class WeightSender:
         if self.config.fp32_lm_head and self.config.serving_dtype != torch.float32:
             self._each("FP32 LM head", lambda url: self._call(url, "/collective_rpc",
                                                               {"method": "scalerl_fp32_lm_head"}))
-        port = self.transport.listen(self.master_address)
-        init = {url: self.transport.worker_init_info(self.master_address, port, offset, world, self.config)
+        rendezvous = self.transport.listen(self.master_address)  # a new one (port, secret) per connection
+        init = {url: self.transport.worker_init_info(offset, world, self.config)
                 for url, offset in zip(self.urls, offsets, strict=True)}
         futures = {self.pool.submit(self._call, url, "/init_weight_transfer_engine", {"init_info": init[url]}): url
                    for url in self.urls}
-        futures[self.pool.submit(self.transport.open, self.master_address, port, world, self.config.timeout_s)] = (
-            f"trainer rendezvous at {self.master_address}:{port} ({world} ranks)")
+        futures[self.pool.submit(self.transport.open, world, self.config.timeout_s)] = (
+            f"trainer rendezvous at {rendezvous} ({world} ranks)")
         self._wait(futures, "connect")
         return self
 
