@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import marshal
 import os
 import selectors
 import shutil
@@ -194,7 +195,7 @@ def _judge(source: str, job: dict, limits: Limits, deadline_s: float) -> tuple[l
             program_fd = _memory_file("program", source.encode())
             job.update(workdir="/tmp", program="/tmp/main.py", pid_namespace=True, nproc=limits.processes + 1,
                        env={**ENV, "HOME": "/tmp", "TMPDIR": "/tmp"})
-            job_fd = _memory_file("job", json.dumps(job).encode())
+            job_fd = _memory_file("job", marshal.dumps(job))
             command = [*_bwrap_options(shutil.which("bwrap"), python, limits),
                        "--ro-bind-data", str(program_fd), "/tmp/main.py", "--chdir", "/tmp",
                        python, "-I", "-S", "/sandbox/judge.py", "--job-fd", str(job_fd)]
@@ -204,7 +205,7 @@ def _judge(source: str, job: dict, limits: Limits, deadline_s: float) -> tuple[l
             tasks = _tasks_of(NOBODY if os.geteuid() == 0 else os.getuid()) + limits.processes + 1
             job.update(workdir=workdir, program=os.path.join(workdir, "main.py"), pid_namespace=False, nproc=tasks,
                        env={**ENV, "HOME": workdir, "TMPDIR": workdir}, keep=list(_JUDGE_FILES))
-            job_fd = _memory_file("job", json.dumps(job).encode())
+            job_fd = _memory_file("job", marshal.dumps(job))
             command = [python, "-I", "-S", os.path.join(workdir, "judge.py"), "--job-fd", str(job_fd)]
             popen = {"pass_fds": (job_fd,), "cwd": workdir}
         try:
