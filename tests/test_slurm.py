@@ -143,10 +143,13 @@ def test_moe_job_requeues_on_time_limit_and_finishes_the_run(cluster, jobs, mode
                   _run_settings(run_dir, models["tiny_moe"], steps, "rollout.k=2"))
     _wait("two trainer steps", lambda: len(_trainer_steps(run_dir)) >= 2, 600, out, cluster,
           job_alive=lambda: bool(_squeue(cluster, job)), poll_s=0.5)
-    # the generator drives only for the run's own key (RUN/api_key, private): its worker-RPC route refuses a stranger
+    # the generator drives only for the run's own key (RUN/api_key, private): its worker-RPC route and its weight
+    # transfer's set-up refuse a stranger
     [url] = json.loads((run_dir / "generators.json").read_text())["urls"]
     with pytest.raises(ServerError, match="HTTP 401"):
         request_json(url, "/collective_rpc", {"method": "scalerl_weight_checksums"}, timeout_s=10)
+    with pytest.raises(ServerError, match="HTTP 401"):
+        request_json(url, "/init_weight_transfer_engine", {"init_info": {}}, timeout_s=10)
     assert stat.S_IMODE((run_dir / "api_key").stat().st_mode) == 0o600
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True, env=cluster)  # time is up
     _wait("requeued", lambda: "requeueing" in out.read_text() and _squeue(cluster, job)[:1] == ["PENDING"], 300, out, cluster)
