@@ -41,6 +41,8 @@ ATTACKS = {
     # patched builtins: the asserts run in the judge, whose builtins the program never touches
     "patched builtins": ("builtins", "import builtins\nbuiltins.sorted = lambda xs: list(xs)\n"
                                      "def order(xs):\n    return list(xs)"),
+    "shadowed builtins": ("builtins", "def sorted(xs):\n    return list(xs)\n\ndef isinstance(*args):\n"
+                                      "    return True\n\ndef order(xs):\n    return list(xs)"),
     # the harness's frames: walk up the stack to the code that reports verdicts and call it
     "stack walk": ("asserts", "import os, sys\ndef add(a, b):\n    frame = sys._getframe()\n"
                               "    while frame is not None:\n        report = frame.f_locals.get('report')\n"

@@ -353,7 +353,9 @@ class Remote:
 
 
 def _namespace(runner: Runner, defined: dict) -> dict:
-    """The judge's globals for setup and asserts: builtins, and the program's names as proxies and values."""
+    """The judge's globals for setup and asserts: builtins, and the program's names as proxies and values. A name
+    of the program's that is also a builtin's (`sorted`, `len`, ...) does not hide the builtin there: the asserts'
+    own computations stay the judge's (`solution.sorted` still reaches the program's)."""
     module = ModuleType("solution")
     for name, entry in defined.items():
         if not isinstance(name, str) or not name.isidentifier() or type(entry) is not dict:
@@ -366,7 +368,8 @@ def _namespace(runner: Runner, defined: dict) -> dict:
             value = decode(entry.get("value"))
         setattr(module, name, value)
     sys.modules["solution"] = module
-    return {"__name__": "__test__", "__builtins__": builtins, **vars(module)}
+    own = {name: value for name, value in vars(module).items() if not hasattr(builtins, name)}
+    return {"__name__": "__test__", "__builtins__": builtins, **own}
 
 
 def _outcome(error: BaseException | None, runner: Runner) -> str | None:
