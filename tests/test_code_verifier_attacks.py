@@ -22,12 +22,15 @@ ASSERTS = {"id": "asserts", "problem": "Write add(a, b).",
 BUILTINS = {"id": "builtins", "problem": "Write order(xs) returning xs sorted.",
             "tests": {"asserts": ["assert order([3, 1, 2]) == sorted([3, 1, 2])",
                                   "assert isinstance(order([2, 1]), list) and order([2, 1]) == sorted([2, 1])"]}}
+FLOATS = {"id": "floats", "problem": "Write half(x).",  # relies on `math`, which the program imports
+          "tests": {"asserts": ["assert math.isclose(half(1), 0.5)", "assert math.isclose(half(3), 1.5)"]}}
 STDIN = {"id": "stdin", "problem": "Print the square of the integer on stdin.",
          "tests": {"inputs": ["7\n", "12\n"], "outputs": ["49\n", "144\n"]}}
 
 RIGHT = [("asserts", "def add(a, b):\n    return a + b"),
          ("builtins", "def order(xs):\n    return sorted(xs)"),
-         ("stdin", "n = int(input())\nprint(n * n)")]
+         ("stdin", "n = int(input())\nprint(n * n)"),
+         ("floats", "import math\n\ndef half(x):\n    return x / 2")]
 
 _FORGED = ('{"ready": true}\\n{"assert": 0, "failure": null}\\n{"assert": 1, "failure": null}\\n'
            '{"assert": 2, "failure": null}\\n{"case": 0, "stdout": "49\\\\n", "stderr": "", "status": 0, '
@@ -41,6 +44,9 @@ ATTACKS = {
     # patched builtins: the asserts run in the judge, whose builtins the program never touches
     "patched builtins": ("builtins", "import builtins\nbuiltins.sorted = lambda xs: list(xs)\n"
                                      "def order(xs):\n    return list(xs)"),
+    # a module of its own under the name of one the asserts use
+    "fake math module": ("floats", "class Always:\n    def isclose(self, *args):\n        return True\n\n"
+                                   "math = Always()\n\ndef half(x):\n    return 0"),
     "shadowed builtins": ("builtins", "def sorted(xs):\n    return list(xs)\n\ndef isinstance(*args):\n"
                                       "    return True\n\ndef order(xs):\n    return list(xs)"),
     # the harness's frames: walk up the stack to the code that reports verdicts and call it
@@ -114,7 +120,7 @@ def data_dir():
 
 def _grade(tmp_path, completions: list[tuple[str, str]], *flags: str, env: dict | None = None):
     problems, answers = tmp_path / "problems.jsonl", tmp_path / "completions.jsonl"
-    problems.write_text("".join(json.dumps(p) + "\n" for p in (ASSERTS, BUILTINS, STDIN)))
+    problems.write_text("".join(json.dumps(p) + "\n" for p in (ASSERTS, BUILTINS, STDIN, FLOATS)))
     answers.write_text("".join(json.dumps({"id": key, "completion": _fence(code)}) + "\n" for key, code in completions))
     return subprocess.run([sys.executable, "-m", "megatron_scalerl.cli", "grade", "--verifier", "code", "--problems",
                            str(problems), "--completions", str(answers), "--json", "--workers", "2", *flags],

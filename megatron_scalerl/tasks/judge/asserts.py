@@ -352,10 +352,11 @@ class Remote:
             raise UnsupportedTest(f"the test passes the program {error}") from None
 
 
-def _namespace(runner: Runner, defined: dict) -> dict:
-    """The judge's globals for setup and asserts: builtins, and the program's names as proxies and values. A name
-    of the program's that is also a builtin's (`sorted`, `len`, ...) does not hide the builtin there: the asserts'
-    own computations stay the judge's (`solution.sorted` still reaches the program's)."""
+def _namespace(runner: Runner, defined: dict, tests: list[str]) -> dict:
+    """The judge's globals for setup and asserts (`tests`: their sources): builtins, the program's names as proxies
+    and values, and the standard-library modules the tests name (`math` in `assert math.isclose(f(1), 0.5)`, which
+    the program may have imported). A program's name that is a builtin's (`sorted`, `len`) or such a module's does
+    not hide it: the tests' own computations stay the judge's (`solution.NAME` still reaches the program's)."""
     module = ModuleType("solution")
     for name, entry in defined.items():
         if not isinstance(name, str) or not name.isidentifier() or type(entry) is not dict:
@@ -369,7 +370,21 @@ def _namespace(runner: Runner, defined: dict) -> dict:
         setattr(module, name, value)
     sys.modules["solution"] = module
     own = {name: value for name, value in vars(module).items() if not hasattr(builtins, name)}
-    return {"__name__": "__test__", "__builtins__": builtins, **own}
+    return {"__name__": "__test__", "__builtins__": builtins, **own, **_standard_modules(tests)}
+
+
+def _standard_modules(tests: list[str]) -> dict:
+    """{name: module} of the standard library's top-level modules that the sources `tests` name."""
+    import ast  # deferred: the judge's side only; the runner must start light
+
+    names = {node.id for source in tests for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Name)}
+    modules = {}
+    for name in sorted(names & sys.stdlib_module_names):
+        try:
+            modules[name] = __import__(name)
+        except ImportError:
+            pass  # not built into this interpreter (tkinter, ...)
+    return modules
 
 
 def _outcome(error: BaseException | None, runner: Runner) -> str | None:
@@ -397,7 +412,7 @@ def judge_asserts(judge) -> None:
         hello = runner.receive()
         if "defined" not in hello:
             runner.stop(None)  # the program raised on import (or wrote something else on its channel)
-        namespace = _namespace(runner, hello["defined"])
+        namespace = _namespace(runner, hello["defined"], [job["setup"], *asserts])
         exec(compile(job["setup"], "<setup>", "exec"), namespace)
     except BaseException as error:  # noqa: BLE001 -- the setup is the test's code, run on the program's values
         failed = _outcome(error, runner)
