@@ -22,6 +22,8 @@ ASSERTS = {"id": "asserts", "problem": "Write add(a, b).",
 BUILTINS = {"id": "builtins", "problem": "Write order(xs) returning xs sorted.",
             "tests": {"asserts": ["assert order([3, 1, 2]) == sorted([3, 1, 2])",
                                   "assert isinstance(order([2, 1]), list) and order([2, 1]) == sorted([2, 1])"]}}
+QUEUE = {"id": "queue", "problem": "Write a class Queue with push and a property is_empty.",
+         "tests": {"setup": "q = Queue()", "asserts": ["assert q.is_empty", "q.push(1)\nassert not q.is_empty"]}}
 FLOATS = {"id": "floats", "problem": "Write half(x).",  # relies on `math`, which the program imports
           "tests": {"asserts": ["assert math.isclose(half(1), 0.5)", "assert math.isclose(half(3), 1.5)"]}}
 STDIN = {"id": "stdin", "problem": "Print the square of the integer on stdin.",
@@ -30,7 +32,10 @@ STDIN = {"id": "stdin", "problem": "Print the square of the integer on stdin.",
 RIGHT = [("asserts", "def add(a, b):\n    return a + b"),
          ("builtins", "def order(xs):\n    return sorted(xs)"),
          ("stdin", "n = int(input())\nprint(n * n)"),
-         ("floats", "import math\n\ndef half(x):\n    return x / 2")]
+         ("floats", "import math\n\ndef half(x):\n    return x / 2"),
+         ("queue", "class Queue:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
+                   "        self.items.append(x)\n\n    @property\n    def is_empty(self):\n"
+                   "        return not self.items")]
 
 _FORGED = ('{"ready": true}\\n{"assert": 0, "failure": null}\\n{"assert": 1, "failure": null}\\n'
            '{"assert": 2, "failure": null}\\n{"case": 0, "stdout": "49\\\\n", "stderr": "", "status": 0, '
@@ -47,6 +52,8 @@ ATTACKS = {
     # a module of its own under the name of one the asserts use
     "fake math module": ("floats", "class Always:\n    def isclose(self, *args):\n        return True\n\n"
                                    "math = Always()\n\ndef half(x):\n    return 0"),
+    # an object whose attributes the judge would take for true (a method proxy for any name)
+    "attributes of an empty object": ("queue", "class Queue:\n    def push(self, x):\n        pass"),
     "shadowed builtins": ("builtins", "def sorted(xs):\n    return list(xs)\n\ndef isinstance(*args):\n"
                                       "    return True\n\ndef order(xs):\n    return list(xs)"),
     # the harness's frames: walk up the stack to the code that reports verdicts and call it
@@ -120,7 +127,7 @@ def data_dir():
 
 def _grade(tmp_path, completions: list[tuple[str, str]], *flags: str, env: dict | None = None):
     problems, answers = tmp_path / "problems.jsonl", tmp_path / "completions.jsonl"
-    problems.write_text("".join(json.dumps(p) + "\n" for p in (ASSERTS, BUILTINS, STDIN, FLOATS)))
+    problems.write_text("".join(json.dumps(p) + "\n" for p in (ASSERTS, BUILTINS, STDIN, FLOATS, QUEUE)))
     answers.write_text("".join(json.dumps({"id": key, "completion": _fence(code)}) + "\n" for key, code in completions))
     return subprocess.run([sys.executable, "-m", "megatron_scalerl.cli", "grade", "--verifier", "code", "--problems",
                            str(problems), "--completions", str(answers), "--json", "--workers", "2", *flags],

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from megatron_scalerl.tasks.sandbox import BWRAP, RLIMITS, Limits, SandboxError, run_python, sandbox_kind
+from megatron_scalerl.tasks.sandbox import (
+    BWRAP,
+    RLIMITS,
+    Limits,
+    SandboxError,
+    run_cases,
+    run_python,
+    sandbox_kind,
+)
 
 SMALL = Limits(cpu_s=1, wall_s=2, memory_mb=256, processes=16, output_bytes=64 * 1024, file_mb=4)
 ROOT = os.geteuid() == 0
@@ -98,6 +106,22 @@ def test_sleeping_forever_hits_the_wall_limit(mode):
     result = run_python("import time\ntime.sleep(600)", "", SMALL)
     assert result.failure == "timeout"
     assert SMALL.wall_s <= result.seconds < SMALL.wall_s + 1
+
+
+def test_a_program_cannot_break_the_judge_between_cases(mode):
+    """SIGINT to PID 1, a working directory closed to everyone, a tree thousands deep, a directory of mode 000: each
+    run still ends with its own kind, and the next run starts in an empty directory."""
+    attacks = ["import os, signal, time\nos.kill(1, signal.SIGINT)\ntime.sleep(0.3)\nraise SystemExit(1)",
+               "import os\nos.chmod('.', 0)\nraise SystemExit(1)",
+               "import os\nfor _ in range(1500):\n    os.mkdir('a')\n    os.chdir('a')\nraise SystemExit(1)",
+               "import os\nos.mkdir('closed')\nopen('closed/note', 'w').write('kept?')\nos.chmod('closed', 0)\n"
+               "raise SystemExit(1)"]
+    look = "import os\nprint(sorted(set(os.listdir('.')) - {'main.py', 'judge.py', 'asserts.py', '__pycache__'}))"
+    for attack in attacks:
+        program = f"import sys\nif input() == 'attack':\n    exec({attack!r})\nexec({look!r})"
+        first, second = run_cases(program, ["attack", "look"], dataclasses.replace(SMALL, wall_s=6))  # on a disk
+        assert first.failure == "runtime_error", (attack, first)
+        assert (second.failure, second.stdout) == (None, "[]\n"), (attack, second)
 
 
 def test_allocating_gigabytes_hits_the_memory_limit(mode):

@@ -152,7 +152,9 @@ def run_cases(source: str, inputs: list[str], limits: Limits = Limits(), deadlin
     """Run the program `source` once per input (on its stdin), each within `limits`, all within `deadline_s` wall
     seconds (default: as many wall limits as inputs); a run not started by then is a "timeout"."""
     deadline_s = len(inputs) * limits.wall_s if deadline_s is None else deadline_s
-    records, stderr, timed_out = _judge(source, {"mode": "cases", "inputs": inputs}, limits, deadline_s)
+    # a case's record: its stdout and stderr as JSON text (a non-ASCII character takes 6 characters there)
+    cap = len(inputs) * (6 * (limits.output_bytes + STDERR_KEEP) + 4096)
+    records, stderr, timed_out = _judge(source, {"mode": "cases", "inputs": inputs}, limits, deadline_s, cap)
     by_case = {record.get("case"): record for record in records}
     results = []
     for index in range(len(inputs)):
@@ -177,15 +179,16 @@ def run_asserts(source: str, setup: str, asserts: list[str], limits: Limits = Li
     failure kind (tasks/judge/asserts.py)."""
     deadline_s = limits.wall_s if deadline_s is None else deadline_s
     job = {"mode": "asserts", "setup": setup, "asserts": asserts}
-    records, _, timed_out = _judge(source, job, limits, deadline_s)
+    records, _, timed_out = _judge(source, job, limits, deadline_s, cap=256 * len(asserts))
     by_assert = {record.get("assert"): record.get("failure") for record in records if "assert" in record}
     missing = "timeout" if timed_out else "sandbox_error"
     return [by_assert[i] if i in by_assert else missing for i in range(len(asserts))]
 
 
-def _judge(source: str, job: dict, limits: Limits, deadline_s: float) -> tuple[list[dict], str, bool]:
+def _judge(source: str, job: dict, limits: Limits, deadline_s: float, cap: int) -> tuple[list[dict], str, bool]:
     """Run the judge on `job` in the sandbox; its records, the end of its stderr (for a sandbox error's message) and
-    whether our wall timer (`deadline_s` + STARTUP_GRACE_S) ended it."""
+    whether our wall timer (`deadline_s` + STARTUP_GRACE_S) ended it. `cap`: the most bytes its records can take
+    (the judge is ours: a bound on a bug, not on the program)."""
     kind, python = sandbox_kind(), interpreter()
     limits_record = dataclasses.asdict(limits)
     job = {**job, "limits": limits_record, "python": python, "deadline_s": deadline_s}
@@ -209,7 +212,7 @@ def _judge(source: str, job: dict, limits: Limits, deadline_s: float) -> tuple[l
             command = [python, "-I", "-S", os.path.join(workdir, "judge.py"), "--job-fd", str(job_fd)]
             popen = {"pass_fds": (job_fd,), "cwd": workdir}
         try:
-            return _read_judge(command, deadline_s + STARTUP_GRACE_S, limits, env=job["env"], **popen)
+            return _read_judge(command, deadline_s + STARTUP_GRACE_S, cap + (1 << 20), env=job["env"], **popen)
         finally:
             os.close(job_fd)
     finally:
@@ -219,7 +222,7 @@ def _judge(source: str, job: dict, limits: Limits, deadline_s: float) -> tuple[l
             _remove_tree(workdir)
 
 
-def _read_judge(command: list[str], wall_s: float, limits: Limits, **popen) -> tuple[list[dict], str, bool]:
+def _read_judge(command: list[str], wall_s: float, cap: int, **popen) -> tuple[list[dict], str, bool]:
     """Start the judge in a new session, read its records until it is done or `wall_s` passes, then kill its process
     group (under bwrap that takes the sandbox's PID namespace with it). A judge that did not say it was ready is a
     sandbox error: its stderr (bwrap's or the interpreter's) is returned."""
@@ -228,7 +231,6 @@ def _read_judge(command: list[str], wall_s: float, limits: Limits, **popen) -> t
                                 start_new_session=True, **_sandbox_user(), **popen)
     except OSError as e:
         return [], f"could not start the sandbox: {e}", False
-    cap = 2 * limits.output_bytes + (1 << 20)  # a case's stdout and stderr as JSON, worst case; or many asserts
     try:
         out, err, timed_out = _collect(proc, time.monotonic() + wall_s, cap)
     finally:

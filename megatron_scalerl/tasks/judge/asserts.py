@@ -173,10 +173,13 @@ def serve(program: str, requests_fd: int, replies_fd: int) -> None:
             return
         try:
             request = marshal.loads(body)
-            target = (module.__dict__[request["name"]] if "name" in request
-                      else getattr(objects[request["handle"]], request["method"]))
-            args = [argument(a) for a in request["args"]]
-            kwargs = {str(k): argument(v) for k, v in request["kwargs"].items()}
+            if "attr" in request:  # an attribute of an object of the program's: read, not called
+                target, args, kwargs = getattr, [objects[request["handle"]], str(request["attr"])], {}
+            else:
+                target = (module.__dict__[request["name"]] if "name" in request
+                          else getattr(objects[request["handle"]], request["method"]))
+                args = [argument(a) for a in request["args"]]
+                kwargs = {str(k): argument(v) for k, v in request["kwargs"].items()}
         except Exception as error:
             reply({"bad_request": type(error).__name__})
             continue
@@ -185,7 +188,7 @@ def serve(program: str, requests_fd: int, replies_fd: int) -> None:
         except BaseException as error:
             reply({"raised": type(error).__name__})
             continue
-        reply(result(value))
+        reply({"callable": True} if "attr" in request and callable(value) else result(value))
 
 
 # ---- the judge's side ----
@@ -295,7 +298,9 @@ def _devnull() -> int:
 
 
 class Handle:
-    """An object of the program's that is not plain data: it stays in the runner; only its methods can be called."""
+    """An object of the program's that is not plain data: it stays in the runner. Its attributes are read there (a
+    method comes back as a `Remote`, a value as plain data or another handle; a missing one raises AttributeError);
+    the handle itself is no value."""
 
     __slots__ = ("_runner", "_id", "_type")
 
@@ -304,10 +309,15 @@ class Handle:
         object.__setattr__(self, "_id", handle)
         object.__setattr__(self, "_type", type_name)
 
-    def __getattr__(self, name: str) -> Remote:
+    def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        return Remote(self._runner, {"handle": self._id, "method": name})
+        reply = self._runner.call({"handle": self._id, "attr": name})
+        if reply.get("callable") is True:
+            return Remote(self._runner, {"handle": self._id, "method": name})
+        if reply.get("raised") == "AttributeError":
+            raise AttributeError(name)
+        return _value_of(self._runner, reply)
 
     def _not_a_value(self, *_):
         raise NotPlainData(f"a {self._type} is not plain data")
@@ -328,18 +338,7 @@ class Remote:
     def __call__(self, *args, **kwargs):
         request = {**self.target, "args": [self._argument(a) for a in args],
                    "kwargs": {k: self._argument(v) for k, v in kwargs.items()}}
-        reply = self.runner.call(request)
-        if "raised" in reply:
-            raise ProgramRaised(str(reply["raised"])[:100])
-        if "bad_request" in reply:
-            raise NotPlainData(f"the program could not take the call ({str(reply['bad_request'])[:100]})")
-        if "handle" in reply:
-            if type(reply["handle"]) is not int:
-                raise NotPlainData("a malformed handle")
-            return Handle(self.runner, reply["handle"], str(reply.get("type"))[:100])
-        if "value" not in reply:
-            raise NotPlainData("a reply without a value")
-        return decode(reply["value"])
+        return _value_of(self.runner, self.runner.call(request))
 
     def _argument(self, value):
         if type(value) is Handle:
@@ -350,6 +349,21 @@ class Remote:
             return encode(value)
         except NotPlainData as error:
             raise UnsupportedTest(f"the test passes the program {error}") from None
+
+
+def _value_of(runner: Runner, reply: dict):
+    """The value a runner's reply carries: plain data, or a Handle; ProgramRaised when the program raised."""
+    if "raised" in reply:
+        raise ProgramRaised(str(reply["raised"])[:100])
+    if "bad_request" in reply:
+        raise NotPlainData(f"the program could not take the call ({str(reply['bad_request'])[:100]})")
+    if "handle" in reply:
+        if type(reply["handle"]) is not int:
+            raise NotPlainData("a malformed handle")
+        return Handle(runner, reply["handle"], str(reply.get("type"))[:100])
+    if "value" not in reply:
+        raise NotPlainData("a reply without a value")
+    return decode(reply["value"])
 
 
 def _namespace(runner: Runner, defined: dict, tests: list[str]) -> dict:
@@ -374,10 +388,12 @@ def _namespace(runner: Runner, defined: dict, tests: list[str]) -> dict:
 
 
 def _standard_modules(tests: list[str]) -> dict:
-    """{name: module} of the standard library's top-level modules that the sources `tests` name."""
+    """{name: module} of the standard library's top-level modules that the sources `tests` use as modules
+    (`math.isclose(...)`: a name whose attribute they read; `random(3)` is the program's function)."""
     import ast  # deferred: the judge's side only; the runner must start light
 
-    names = {node.id for source in tests for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Name)}
+    names = {node.value.id for source in tests for node in ast.walk(ast.parse(source))
+             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)}
     modules = {}
     for name in sorted(names & sys.stdlib_module_names):
         try:

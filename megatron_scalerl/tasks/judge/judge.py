@@ -44,16 +44,17 @@ MEMORY_SHARE = 0.75  # a failed run whose peak resident memory reached this shar
 # ---- what the judge observed of a program's processes ----
 
 def observed_failure(status: int, cpu_s: float, peak_rss_mb: float, peak_tasks: int, files_full: bool,
-                     limits: dict) -> str | None:
+                     limits: dict, task_limit: int) -> str | None:
     """The failure kind of a run of the program's main process, from what the judge observed: None when it exited 0;
-    "timeout" when it used its CPU seconds; "processes" when its tasks reached the limit; "memory" when its peak
-    resident memory reached MEMORY_SHARE of the limit; "filesystem" when it filled its scratch space or wrote a file
-    of the largest size; else "runtime_error" (any other exit status or signal). `status`: os.waitstatus_to_exitcode."""
+    "timeout" when it used its CPU seconds; "processes" when its user's tasks reached `task_limit` (its
+    RLIMIT_NPROC: a fork or a new thread was refused then); "memory" when its peak resident memory reached
+    MEMORY_SHARE of the limit; "filesystem" when it filled its scratch space or wrote a file of the largest size; else
+    "runtime_error" (any other exit status or signal). `status`: os.waitstatus_to_exitcode."""
     if status == 0:
         return None
     if cpu_s >= limits["cpu_s"] - 0.05:
         return "timeout"
-    if peak_tasks >= limits["processes"]:
+    if peak_tasks >= task_limit:
         return "processes"
     if peak_rss_mb >= MEMORY_SHARE * limits["memory_mb"]:
         return "memory"
@@ -154,23 +155,31 @@ class Judge:
 
     def observed(self, status: int, cpu_s: float, rss_mb: float, peak_tasks: int) -> str | None:
         """`observed_failure` of a run that has ended, with this job's limits and working directory."""
-        return observed_failure(status, cpu_s, rss_mb, peak_tasks, status != 0 and self.files_full(), self.limits)
+        return observed_failure(status, cpu_s, rss_mb, peak_tasks, status != 0 and self.files_full(), self.limits,
+                                self.job["nproc"])
 
     def tasks(self, child: Child) -> int:
-        """Tasks (processes and threads) of the program now: in our own PID namespace every one but ours; else those of
-        the child's session."""
-        count = 0
+        """Tasks (processes and threads) of the program's user now, as RLIMIT_NPROC counts them (the job's `nproc`
+        is that limit): in our own PID namespace every one, ours included; in the fallback every one of our uid,
+        machine-wide, where other runs' count too. 0 unless the program itself (every task but ours; in the fallback
+        its session) has more than one: only a program that forks or starts threads can have been refused one."""
+        count = own = 0
+        uid, ours = os.getuid(), os.getpid()
         for name in os.listdir("/proc"):
-            if not name.isdigit() or int(name) == os.getpid():
+            if not name.isdigit():
                 continue
             try:
+                if not self.own_namespace and os.stat(f"/proc/{name}").st_uid != uid:
+                    continue
                 with open(f"/proc/{name}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
+                tasks, session = max(1, int(fields[17])), int(fields[3])  # a zombie (0 threads) still counts
+            except (OSError, IndexError, ValueError):
                 continue  # exited meanwhile
-            if self.own_namespace or int(fields[3]) == child.pid:  # fields[3]: the session id
-                count += max(1, int(fields[17]))  # num_threads; a zombie (0) still counts against RLIMIT_NPROC
-        return count
+            count += tasks
+            if (int(name) != ours) if self.own_namespace else session == child.pid:
+                own += tasks
+        return count if own > 1 else 0
 
     def end(self, child: Child) -> tuple[int, float, float]:
         """Wait for the child (it has exited or been killed), then kill and reap what it left running. Returns its
@@ -204,29 +213,41 @@ class Judge:
             stats = os.statvfs(self.workdir)
             if stats.f_bavail * stats.f_frsize < 64 << 10:
                 return True
-        for parent, _, names in os.walk(self.workdir):
+        return any(os.lstat(path).st_size >= largest for path, is_dir in self._entries() if not is_dir)
+
+    def _entries(self) -> list[tuple[str, bool]]:
+        """Every path the program left in its working directory, parents before children, as (path, is a real
+        directory); iterative (a tree thousands deep is no recursion), never through a link, each directory opened to
+        us first (a program may chmod it 000; nothing of the program's runs by now)."""
+        keep = {os.path.basename(self.program), *self.job.get("keep", [])}
+        found, pending = [], [self.workdir]
+        while pending:
+            directory = pending.pop()
+            try:
+                if directory != self.workdir:
+                    os.chmod(directory, 0o700)
+                names = os.listdir(directory)
+            except OSError:
+                continue
             for name in names:
-                try:
-                    if os.lstat(os.path.join(parent, name)).st_size >= largest:
-                        return True
-                except OSError:
-                    pass
-        return False
+                path = os.path.join(directory, name)
+                if directory == self.workdir and name in keep:
+                    continue
+                is_dir = os.path.isdir(path) and not os.path.islink(path)
+                found.append((path, is_dir))
+                if is_dir:
+                    pending.append(path)
+        return found
 
     def clear_workdir(self) -> None:
-        """Remove what the program wrote in its working directory (the next run starts clean)."""
-        keep = {os.path.basename(self.program), *self.job.get("keep", [])}
-        for name in os.listdir(self.workdir):
-            if name in keep:
-                continue
-            path = os.path.join(self.workdir, name)
+        """Remove what the program wrote in its working directory (the next run starts clean): children first."""
+        try:
+            os.chmod(self.workdir, 0o700)  # the program may have closed it
+        except OSError:
+            pass
+        for path, is_dir in reversed(self._entries()):
             try:
-                if os.path.isdir(path) and not os.path.islink(path):
-                    import shutil  # deferred: only a program that made directories needs it
-
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    os.unlink(path)
+                (os.rmdir if is_dir else os.unlink)(path)
             except OSError:
                 pass
 
@@ -303,6 +324,7 @@ def main() -> None:
     with os.fdopen(job_fd, "rb") as f:
         job = marshal.loads(f.read())  # written by the host (tasks/sandbox.py): trusted
     _prctl(PR_SET_DUMPABLE, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python's handler would let a program's SIGINT reach PID 1
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I left the script's directory out
     import asserts  # deferred: a sibling file (plain data, the asserts mode), found once the path above is set
