@@ -69,7 +69,7 @@ RLIMITS = "rlimits (weaker: no network or filesystem isolation)"
 NOBODY = 65534  # uid and gid the program runs as when we are root
 STDERR_KEEP = 8000  # characters of stderr kept in a RunResult: its end, where the traceback is
 STARTUP_GRACE_S = 2.0  # wall seconds the sandbox and the judge get to start, beyond the program's own wall time
-JUDGE_DIR = Path(__file__).resolve().parent / "judge"  # bound read-only at /sandbox under bwrap
+JUDGE_DIR = Path(__file__).resolve().parent / "judge"  # its files: copied to /sandbox under bwrap (read-only)
 _JUDGE_FILES = ("judge.py", "asserts.py")
 
 
@@ -192,17 +192,19 @@ def _judge(source: str, job: dict, limits: Limits, deadline_s: float, cap: int) 
     kind, python = sandbox_kind(), interpreter()
     limits_record = dataclasses.asdict(limits)
     job = {**job, "limits": limits_record, "python": python, "deadline_s": deadline_s}
-    workdir = program_fd = None
+    workdir, files = None, []  # files: the fds of the in-memory files bwrap copies into the sandbox
     try:
         if kind == BWRAP:
-            program_fd = _memory_file("program", source.encode())
+            # the program and the judge's files are copied in from memory (bwrap, run as nobody when we are root,
+            # may not be able to enter the directory this checkout lives in)
+            data = {"/tmp/main.py": source.encode(), **{f"/sandbox/{n}": b for n, b in _judge_sources().items()}}
+            files = [(_memory_file(os.path.basename(path), content), path) for path, content in data.items()]
             job.update(workdir="/tmp", program="/tmp/main.py", pid_namespace=True, nproc=limits.processes + 1,
                        env={**ENV, "HOME": "/tmp", "TMPDIR": "/tmp"})
             job_fd = _memory_file("job", marshal.dumps(job))
-            command = [*_bwrap_options(shutil.which("bwrap"), python, limits),
-                       "--ro-bind-data", str(program_fd), "/tmp/main.py", "--chdir", "/tmp",
+            command = [*_bwrap_options(shutil.which("bwrap"), python, limits, files), "--chdir", "/tmp",
                        python, "-I", "-S", "/sandbox/judge.py", "--job-fd", str(job_fd)]
-            popen = {"pass_fds": (program_fd, job_fd), "cwd": "/"}
+            popen = {"pass_fds": (*(fd for fd, _ in files), job_fd), "cwd": "/"}
         else:
             workdir = _private_dir(source)
             tasks = _tasks_of(NOBODY if os.geteuid() == 0 else os.getuid()) + limits.processes + 1
@@ -216,8 +218,8 @@ def _judge(source: str, job: dict, limits: Limits, deadline_s: float, cap: int) 
         finally:
             os.close(job_fd)
     finally:
-        if program_fd is not None:
-            os.close(program_fd)
+        for fd, _ in files:
+            os.close(fd)
         if workdir is not None:
             _remove_tree(workdir)
 
@@ -283,17 +285,25 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.stderr.close()
 
 
-def _bwrap_options(bwrap: str, python: str, limits: Limits) -> list[str]:
-    """The bwrap command (`bwrap`: its path) up to the program's file and working directory: namespaces, a clean
-    environment, the interpreter's files read-only (`sandbox_root`), the judge at /sandbox, /proc, a minimal /dev
-    and a /tmp of file_mb MiB, the root read-only (see the module docstring)."""
+def _bwrap_options(bwrap: str, python: str, limits: Limits, files: list[tuple[int, str]] = ()) -> list[str]:
+    """The bwrap command (`bwrap`: its path) up to the program's working directory: namespaces, a clean environment,
+    the interpreter's files read-only (`sandbox_root`), `files` ((fd of an in-memory file, its path inside), copied in
+    read-only: the program, the judge at /sandbox), /proc, a minimal /dev and a /tmp of file_mb MiB, the root
+    read-only (see the module docstring)."""
     scratch = str(limits.file_mb << 20)
     env = [word for name, value in {**ENV, "HOME": "/tmp", "TMPDIR": "/tmp"}.items()
            for word in ("--setenv", name, value)]
     return [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-            "--as-pid-1", "--clearenv", *env, *_interpreter_binds(python), "--ro-bind", str(JUDGE_DIR), "/sandbox",
+            "--as-pid-1", "--clearenv", *env, *_interpreter_binds(python),
             "--proc", "/proc", "--dev", "/dev", "--size", scratch, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-            "--size", scratch, "--tmpfs", "/tmp", "--remount-ro", "/"]
+            "--size", scratch, "--tmpfs", "/tmp",
+            *(word for fd, path in files for word in ("--ro-bind-data", str(fd), path)), "--remount-ro", "/"]
+
+
+@functools.cache
+def _judge_sources() -> dict[str, bytes]:
+    """{file name: content} of the judge's files, read once per process."""
+    return {name: (JUDGE_DIR / name).read_bytes() for name in _JUDGE_FILES}
 
 
 def _interpreter_binds(python: str) -> tuple[str, ...]:
