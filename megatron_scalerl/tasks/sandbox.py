@@ -42,6 +42,7 @@ fallback) plus the wall time and the output cap, which the judge enforces.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import json
@@ -71,6 +72,7 @@ STDERR_KEEP = 8000  # characters of stderr kept in a RunResult: its end, where t
 STARTUP_GRACE_S = 2.0  # wall seconds the sandbox and the judge get to start, beyond the program's own wall time
 JUDGE_DIR = Path(__file__).resolve().parent / "judge"  # its files: copied to /sandbox under bwrap (read-only)
 _JUDGE_FILES = ("judge.py", "asserts.py")
+_BWRAP_ENV = {**ENV, "HOME": "/tmp", "TMPDIR": "/tmp"}  # the environment of the judge and the program under bwrap
 
 
 class SandboxError(UserError):
@@ -178,11 +180,21 @@ def run_asserts(source: str, setup: str, asserts: list[str], limits: Limits = Li
     "solution" within `limits` and `deadline_s` wall seconds; each assert's outcome: None when it held, else its
     failure kind (tasks/judge/asserts.py)."""
     deadline_s = limits.wall_s if deadline_s is None else deadline_s
-    job = {"mode": "asserts", "setup": setup, "asserts": asserts}
+    job = {"mode": "asserts", "setup": setup, "asserts": asserts, "modules": _modules_read((setup, *asserts))}
     records, _, timed_out = _judge(source, job, limits, deadline_s, cap=256 * len(asserts))
     by_assert = {record.get("assert"): record.get("failure") for record in records if "assert" in record}
     missing = "timeout" if timed_out else "sandbox_error"
     return [by_assert[i] if i in by_assert else missing for i in range(len(asserts))]
+
+
+@functools.lru_cache(maxsize=4096)
+def _modules_read(tests: tuple[str, ...]) -> tuple[str, ...]:
+    """The standard library's top-level modules the sources `tests` use as modules (`math` in `math.isclose(...)`:
+    a name whose attribute they read; `random(3)` calls the program's function): the judge gives them its own, which
+    no name of the program's hides. Once per problem: every answer to it has the same tests."""
+    names = {node.value.id for source in tests for node in ast.walk(ast.parse(source))
+             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)}
+    return tuple(sorted(names & sys.stdlib_module_names))
 
 
 def _judge(source: str, job: dict, limits: Limits, deadline_s: float, cap: int) -> tuple[list[dict], str, bool]:
@@ -191,7 +203,7 @@ def _judge(source: str, job: dict, limits: Limits, deadline_s: float, cap: int) 
     (the judge is ours: a bound on a bug, not on the program)."""
     kind, python = sandbox_kind(), interpreter()
     limits_record = dataclasses.asdict(limits)
-    job = {**job, "limits": limits_record, "python": python, "deadline_s": deadline_s}
+    job = {**job, "limits": limits_record, "python": python, "deadline_s": deadline_s, "stderr_keep": STDERR_KEEP}
     workdir, files = None, []  # files: the fds of the in-memory files bwrap copies into the sandbox
     try:
         if kind == BWRAP:
@@ -199,16 +211,14 @@ def _judge(source: str, job: dict, limits: Limits, deadline_s: float, cap: int) 
             # may not be able to enter the directory this checkout lives in)
             data = {"/tmp/main.py": source.encode(), **{f"/sandbox/{n}": b for n, b in _judge_sources().items()}}
             files = [(_memory_file(os.path.basename(path), content), path) for path, content in data.items()]
-            job.update(workdir="/tmp", program="/tmp/main.py", pid_namespace=True, nproc=limits.processes + 1,
-                       env={**ENV, "HOME": "/tmp", "TMPDIR": "/tmp"})
+            job.update(workdir="/tmp", program="/tmp/main.py", pid_namespace=True, env=_BWRAP_ENV)
             job_fd = _memory_file("job", marshal.dumps(job))
             command = [*_bwrap_options(shutil.which("bwrap"), python, limits, files), "--chdir", "/tmp",
                        python, "-I", "-S", "/sandbox/judge.py", "--job-fd", str(job_fd)]
             popen = {"pass_fds": (*(fd for fd, _ in files), job_fd), "cwd": "/"}
         else:
             workdir = _private_dir(source)
-            tasks = _tasks_of(NOBODY if os.geteuid() == 0 else os.getuid()) + limits.processes + 1
-            job.update(workdir=workdir, program=os.path.join(workdir, "main.py"), pid_namespace=False, nproc=tasks,
+            job.update(workdir=workdir, program=os.path.join(workdir, "main.py"), pid_namespace=False,
                        env={**ENV, "HOME": workdir, "TMPDIR": workdir}, keep=list(_JUDGE_FILES))
             job_fd = _memory_file("job", marshal.dumps(job))
             command = [python, "-I", "-S", os.path.join(workdir, "judge.py"), "--job-fd", str(job_fd)]
@@ -291,8 +301,7 @@ def _bwrap_options(bwrap: str, python: str, limits: Limits, files: list[tuple[in
     read-only: the program, the judge at /sandbox), /proc, a minimal /dev and a /tmp of file_mb MiB, the root
     read-only (see the module docstring)."""
     scratch = str(limits.file_mb << 20)
-    env = [word for name, value in {**ENV, "HOME": "/tmp", "TMPDIR": "/tmp"}.items()
-           for word in ("--setenv", name, value)]
+    env = [word for name, value in _BWRAP_ENV.items() for word in ("--setenv", name, value)]
     return [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
             "--as-pid-1", "--clearenv", *env, *_interpreter_binds(python),
             "--proc", "/proc", "--dev", "/dev", "--size", scratch, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
@@ -379,8 +388,9 @@ def _private_dir(source: str) -> str:
     path = tempfile.mkdtemp(prefix="scalerl-sandbox-")
     with open(os.path.join(path, "main.py"), "w", encoding="utf-8") as f:
         f.write(source)
-    for name in _JUDGE_FILES:
-        shutil.copyfile(JUDGE_DIR / name, os.path.join(path, name))
+    for name, content in _judge_sources().items():
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(content)
     if os.geteuid() == 0:
         os.chown(path, NOBODY, NOBODY)
     return path
@@ -408,19 +418,3 @@ def _remove_tree(path: str) -> None:
                 if not os.path.islink(child):  # chmod follows links
                     os.chmod(child, 0o700)
     shutil.rmtree(path)
-
-
-def _tasks_of(uid: int) -> int:
-    """Tasks (processes and threads) whose real uid is `uid`, machine-wide: what RLIMIT_NPROC counts."""
-    count = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                status = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
-        except OSError:
-            continue  # exited meanwhile
-        if int(status["Uid"].split()[0]) == uid:
-            count += int(status["Threads"])
-    return count

@@ -3,10 +3,11 @@
 Two sides, two processes (see judge.py for how the judge is kept out of the program's reach):
 
 - the runner (`python -I -S asserts.py serve PROGRAM REQUESTS_FD REPLIES_FD`, the program's process): executes the
-  program as module "solution", lists the names it defines, then answers call requests, one JSON line each way.
-  Its stdin, stdout and stderr are /dev/null: what the program prints goes nowhere. Requests come as marshal data
-  (the judge's, trusted), length-prefixed; replies go as JSON lines (`json_text`), which the judge parses with `json`
-  (marshal is not safe to load from the program). The runner imports nothing heavy: it starts in ~15 ms.
+  program as module "solution", lists the names it defines, then answers call requests (a call, or an attribute of
+  one of its objects read). Its stdin, stdout and stderr are /dev/null: what the program prints goes nowhere.
+  Requests come as marshal data (the judge's, trusted), length-prefixed; replies go as JSON lines (`json_text`),
+  which the judge parses with `json` (marshal is not safe to load from the program). The runner imports nothing
+  heavy: it starts in ~15 ms.
 - the judge (`judge_asserts`): executes the test's setup and each assert in its own interpreter, where every name the
   program defines is a proxy (`Remote`) and `import solution` gives a module of proxies. Calling a proxy sends the
   arguments, as plain data, to the runner and takes back the result as plain data (`encode`/`decode`); a result that
@@ -32,7 +33,6 @@ import time
 from _json import encode_basestring_ascii  # the C half of json: the runner starts without importing json (and re)
 
 MAX_DEPTH = 100  # nesting of plain data
-REPLY_TIMEOUT_TICK_S = 0.05
 
 
 # ---- plain data: the only values that cross between the program and the judge ----
@@ -217,13 +217,12 @@ class Runner:
         requests_r, self.requests = os.pipe()
         self.replies, replies_w = os.pipe()
         self.process = judge.start([os.path.abspath(__file__), "serve", judge.program, str(requests_r),
-                                    str(replies_w)], stdin=_devnull(), quiet=True,
-                                   pass_fds=(requests_r, replies_w))
+                                    str(replies_w)], quiet=True, pass_fds=(requests_r, replies_w))
         os.close(requests_r)
         os.close(replies_w)
         os.set_blocking(self.requests, False)
         self.buffer, self.peak_tasks, self.kind = bytearray(), 0, None
-        self.next_look = time.monotonic() + REPLY_TIMEOUT_TICK_S  # when to count the program's tasks again
+        self.next_look = time.monotonic() + judge.tick_s  # when to count the program's tasks again
 
     def call(self, request: dict) -> dict:
         body = marshal.dumps(request)
@@ -268,8 +267,8 @@ class Runner:
             self.stop("timeout")
         if now >= self.next_look:
             self.peak_tasks = max(self.peak_tasks, self.judge.tasks(self.process))
-            self.next_look = now + REPLY_TIMEOUT_TICK_S
-        return min(REPLY_TIMEOUT_TICK_S, self.deadline - now)
+            self.next_look = now + self.judge.tick_s
+        return min(self.judge.tick_s, self.deadline - now)
 
     def stop(self, kind: str | None) -> None:
         """End the runner (killed if it still runs); raise Stopped with `kind`, or (None) with the kind observed."""
@@ -291,10 +290,6 @@ class Runner:
         except (OSError, ValueError):
             pass
         return 0.0
-
-
-def _devnull() -> int:
-    return os.open(os.devnull, os.O_RDONLY)
 
 
 class Handle:
@@ -366,40 +361,30 @@ def _value_of(runner: Runner, reply: dict):
     return decode(reply["value"])
 
 
-def _namespace(runner: Runner, defined: dict, tests: list[str]) -> dict:
-    """The judge's globals for setup and asserts (`tests`: their sources): builtins, the program's names as proxies
-    and values, and the standard-library modules the tests name (`math` in `assert math.isclose(f(1), 0.5)`, which
-    the program may have imported). A program's name that is a builtin's (`sorted`, `len`) or such a module's does
+def _namespace(runner: Runner, defined: dict, modules: list[str]) -> dict:
+    """The judge's globals for setup and asserts: builtins, the program's names as proxies and values, and the
+    standard-library `modules` the tests use as modules (`math` in `assert math.isclose(f(1), 0.5)`, which the program
+    may have imported; found by the host, tasks/sandbox.py). A program's name that is a builtin's (`sorted`, `len`) or such a module's does
     not hide it: the tests' own computations stay the judge's (`solution.NAME` still reaches the program's)."""
     module = ModuleType("solution")
     for name, entry in defined.items():
         if not isinstance(name, str) or not name.isidentifier() or type(entry) is not dict:
             raise NotPlainData("a malformed list of names")
-        if entry.get("callable") is True:
-            value = Remote(runner, {"name": name})
-        elif "handle" in entry and type(entry["handle"]) is int:
-            value = Handle(runner, entry["handle"], str(entry.get("type"))[:100])
-        else:
-            value = decode(entry.get("value"))
-        setattr(module, name, value)
+        setattr(module, name, Remote(runner, {"name": name}) if entry.get("callable") is True
+                else _value_of(runner, entry))
     sys.modules["solution"] = module
     own = {name: value for name, value in vars(module).items() if not hasattr(builtins, name)}
-    return {"__name__": "__test__", "__builtins__": builtins, **own, **_standard_modules(tests)}
+    return {"__name__": "__test__", "__builtins__": builtins, **own, **_imported(modules)}
 
 
-def _standard_modules(tests: list[str]) -> dict:
-    """{name: module} of the standard library's top-level modules that the sources `tests` use as modules
-    (`math.isclose(...)`: a name whose attribute they read; `random(3)` is the program's function)."""
-    import ast  # deferred: the judge's side only; the runner must start light
-
-    names = {node.value.id for source in tests for node in ast.walk(ast.parse(source))
-             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)}
+def _imported(names: list[str]) -> dict:
+    """{name: module} of the standard library's modules `names` that this interpreter has (not tkinter, say)."""
     modules = {}
-    for name in sorted(names & sys.stdlib_module_names):
+    for name in names:
         try:
             modules[name] = __import__(name)
         except ImportError:
-            pass  # not built into this interpreter (tkinter, ...)
+            pass
     return modules
 
 
@@ -428,7 +413,7 @@ def judge_asserts(judge) -> None:
         hello = runner.receive()
         if "defined" not in hello:
             runner.stop(None)  # the program raised on import (or wrote something else on its channel)
-        namespace = _namespace(runner, hello["defined"], [job["setup"], *asserts])
+        namespace = _namespace(runner, hello["defined"], job["modules"])
         exec(compile(job["setup"], "<setup>", "exec"), namespace)
     except BaseException as error:  # noqa: BLE001 -- the setup is the test's code, run on the program's values
         failed = _outcome(error, runner)

@@ -3,8 +3,8 @@
 This file is a standalone script (standard library only) that `tasks/sandbox.py` starts inside the sandbox as
 `python -I -S judge.py --job-fd N`, beside asserts.py (the asserts mode).
 
-The judge reads its job (marshal data from the host: the mode, the limits, the inputs or the asserts with their expected values) from fd N
-and closes it, then makes itself non-dumpable (`PR_SET_DUMPABLE` 0): a process of the same user can then read none of
+The judge reads its job (marshal data from the host: the mode, the limits, the inputs or the asserts with their
+expected values) from fd N and closes it, then makes itself non-dumpable (`PR_SET_DUMPABLE` 0): a process of the same user can then read none of
 its memory, fds, environment or stack through /proc and cannot ptrace it. Under bwrap it is the sandbox's PID 1, which
 no process inside can kill. It starts the program as a child (a fresh interpreter: nothing of the judge's memory
 survives the exec), with only the fds it needs, its own limits and a clean environment, and reports to its stdout, a
@@ -36,7 +36,6 @@ import sys
 import time
 
 PR_SET_DUMPABLE, PR_SET_PDEATHSIG = 4, 1
-STDERR_KEEP = 8000  # characters of a run's stderr kept in its record (the end, where a traceback is)
 TICK_S = 0.05  # seconds between looks at the program's task count while it runs
 MEMORY_SHARE = 0.75  # a failed run whose peak resident memory reached this share of its limit failed on memory
 
@@ -52,7 +51,7 @@ def observed_failure(status: int, cpu_s: float, peak_rss_mb: float, peak_tasks: 
     "runtime_error" (any other exit status or signal). `status`: os.waitstatus_to_exitcode."""
     if status == 0:
         return None
-    if cpu_s >= limits["cpu_s"] - 0.05:
+    if cpu_s >= 0.9 * limits["cpu_s"]:  # the kernel enforces the limit on a finer clock than rusage reports
         return "timeout"
     if peak_tasks >= task_limit:
         return "processes"
@@ -66,7 +65,7 @@ def observed_failure(status: int, cpu_s: float, peak_rss_mb: float, peak_tasks: 
 # ---- the judge ----
 
 def _prctl(option: int, value: int) -> None:
-    import ctypes  # deferred: only the judge and the program's children call prctl (the host imports this module)
+    import ctypes  # deferred: ~9 ms of imports, for two calls
 
     if ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), f"prctl({option})")
@@ -91,13 +90,17 @@ class Child:
 class Judge:
     """Runs the program's processes for one job (see the module docstring) and watches them."""
 
-    memory_share = MEMORY_SHARE
+    memory_share, tick_s = MEMORY_SHARE, TICK_S
 
     def __init__(self, job: dict, json_text):
         self.job, self.limits = job, job["limits"]
         self.workdir, self.program = job["workdir"], job["program"]
         self.own_namespace = job["pid_namespace"]  # the judge is PID 1 of a PID namespace of its own
         self.json_text = json_text  # asserts.json_text: JSON without importing json (and re, enum, ...)
+        # RLIMIT_NPROC of the program's processes: counted per user, so the judge's own task counts in our namespace;
+        # in the fallback every task of our uid machine-wide does (other runs' too), so the program gets those and
+        # its own `processes`
+        self.nproc = self.limits["processes"] + (1 if self.own_namespace else self._task_counts(None)[0])
 
     def report(self, record: dict) -> None:
         """Write one result record, a JSON line, to the judge's stdout: the channel to the host."""
@@ -105,10 +108,13 @@ class Judge:
         while view:
             view = view[os.write(1, view):]
 
-    def start(self, argv: list[str], stdin: int, pass_fds: tuple[int, ...] = (), quiet: bool = False) -> Child:
+    def start(self, argv: list[str], stdin: int | None = None, pass_fds: tuple[int, ...] = (), quiet: bool = False
+              ) -> Child:
         """Start a child process of the program (a fresh interpreter running `argv`) in a session of its own, with its
-        limits, a clean environment and no fd but its stdin (`stdin`, closed here), its stdout and stderr (pipes to
-        us, or /dev/null when `quiet`) and `pass_fds`. (A plain fork and exec: the judge is single-threaded.)"""
+        limits, a clean environment and no fd but its stdin (`stdin`, closed here; None: /dev/null), its stdout and
+        stderr (pipes to us, or /dev/null when `quiet`) and `pass_fds`. (A plain fork and exec: the judge is
+        single-threaded.)"""
+        stdin = os.open(os.devnull, os.O_RDONLY) if stdin is None else stdin
         outputs = [os.pipe(), os.pipe()] if not quiet else []
         devnull = os.open(os.devnull, os.O_WRONLY) if quiet else -1
         pid = os.fork()
@@ -143,7 +149,7 @@ class Judge:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
         resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] << 20,) * 2)
-        resource.setrlimit(resource.RLIMIT_NPROC, (self.job["nproc"],) * 2)
+        resource.setrlimit(resource.RLIMIT_NPROC, (self.nproc,) * 2)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_mb"] << 20,) * 2)
         resource.setrlimit(resource.RLIMIT_NOFILE, (limits["files"],) * 2)
         if not self.own_namespace:
@@ -153,16 +159,23 @@ class Judge:
         os.chdir(self.workdir)
         os.execve(self.job["python"], [self.job["python"], "-I", "-S", *argv], self.job["env"])
 
-    def observed(self, status: int, cpu_s: float, rss_mb: float, peak_tasks: int) -> str | None:
-        """`observed_failure` of a run that has ended, with this job's limits and working directory."""
-        return observed_failure(status, cpu_s, rss_mb, peak_tasks, status != 0 and self.files_full(), self.limits,
-                                self.job["nproc"])
+    def observed(self, status: int, cpu_s: float, rss_mb: float, peak_tasks: int,
+                 entries: list[tuple[str, bool]] | None = None) -> str | None:
+        """`observed_failure` of a run that has ended, with this job's limits and its working directory (`entries`:
+        what the program left there, when the caller has listed it already)."""
+        full = status != 0 and self.files_full(self._entries() if entries is None else entries)
+        return observed_failure(status, cpu_s, rss_mb, peak_tasks, full, self.limits, self.nproc)
 
     def tasks(self, child: Child) -> int:
-        """Tasks (processes and threads) of the program's user now, as RLIMIT_NPROC counts them (the job's `nproc`
-        is that limit): in our own PID namespace every one, ours included; in the fallback every one of our uid,
-        machine-wide, where other runs' count too. 0 unless the program itself (every task but ours; in the fallback
-        its session) has more than one: only a program that forks or starts threads can have been refused one."""
+        """Tasks (processes and threads) of the program's user now, as RLIMIT_NPROC counts them (`nproc` is that
+        limit); 0 unless the program itself has more than one: only a program that forks or starts threads can have
+        been refused one."""
+        count, own = self._task_counts(child.pid)
+        return count if own > 1 else 0
+
+    def _task_counts(self, session: int | None) -> tuple[int, int]:
+        """(tasks of our user: in our own PID namespace every one, ours included, in the fallback every one of our
+        uid machine-wide; those of the program among them: every one but ours, in the fallback those of `session`)."""
         count = own = 0
         uid, ours = os.getuid(), os.getpid()
         for name in os.listdir("/proc"):
@@ -173,13 +186,13 @@ class Judge:
                     continue
                 with open(f"/proc/{name}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-                tasks, session = max(1, int(fields[17])), int(fields[3])  # a zombie (0 threads) still counts
+                tasks, in_session = max(1, int(fields[17])), int(fields[3]) == session  # a zombie still counts
             except (OSError, IndexError, ValueError):
                 continue  # exited meanwhile
             count += tasks
-            if (int(name) != ours) if self.own_namespace else session == child.pid:
+            if (int(name) != ours) if self.own_namespace else in_session:
                 own += tasks
-        return count if own > 1 else 0
+        return count, own
 
     def end(self, child: Child) -> tuple[int, float, float]:
         """Wait for the child (it has exited or been killed), then kill and reap what it left running. Returns its
@@ -205,27 +218,26 @@ class Judge:
                 os.close(fd)
         return os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
-    def files_full(self) -> bool:
+    def files_full(self, entries: list[tuple[str, bool]]) -> bool:
         """Whether the program filled its scratch space (under bwrap a tmpfs of file_mb) or wrote a file of the
-        largest size it may."""
+        largest size it may (`entries`: what it left, `_entries`)."""
         largest = self.limits["file_mb"] << 20
         if self.own_namespace:
             stats = os.statvfs(self.workdir)
             if stats.f_bavail * stats.f_frsize < 64 << 10:
                 return True
-        return any(os.lstat(path).st_size >= largest for path, is_dir in self._entries() if not is_dir)
+        return any(os.lstat(path).st_size >= largest for path, is_dir in entries if not is_dir)
 
     def _entries(self) -> list[tuple[str, bool]]:
         """Every path the program left in its working directory, parents before children, as (path, is a real
         directory); iterative (a tree thousands deep is no recursion), never through a link, each directory opened to
-        us first (a program may chmod it 000; nothing of the program's runs by now)."""
+        us first, the working directory too (a program may chmod one 000; nothing of the program's runs by now)."""
         keep = {os.path.basename(self.program), *self.job.get("keep", [])}
         found, pending = [], [self.workdir]
         while pending:
             directory = pending.pop()
             try:
-                if directory != self.workdir:
-                    os.chmod(directory, 0o700)
+                os.chmod(directory, 0o700)
                 names = os.listdir(directory)
             except OSError:
                 continue
@@ -239,13 +251,10 @@ class Judge:
                     pending.append(path)
         return found
 
-    def clear_workdir(self) -> None:
-        """Remove what the program wrote in its working directory (the next run starts clean): children first."""
-        try:
-            os.chmod(self.workdir, 0o700)  # the program may have closed it
-        except OSError:
-            pass
-        for path, is_dir in reversed(self._entries()):
+    @staticmethod
+    def clear(entries: list[tuple[str, bool]]) -> None:
+        """Remove what the program left in its working directory (`entries`, `_entries`): children first."""
+        for path, is_dir in reversed(entries):
             try:
                 (os.rmdir if is_dir else os.unlink)(path)
             except OSError:
@@ -261,10 +270,11 @@ class Judge:
         child = self.start([self.program], stdin=memfd)
         out, err, stopped, peak_tasks = self.collect(child, deadline)
         status, cpu_s, rss_mb = self.end(child)
-        failure = stopped or self.observed(status, cpu_s, rss_mb, peak_tasks)
-        self.clear_workdir()
+        entries = self._entries()  # once: to judge a full disk and to clear the directory for the next run
+        failure = stopped or self.observed(status, cpu_s, rss_mb, peak_tasks, entries)
+        self.clear(entries)
         return {"case": index, "stdout": out.decode(errors="replace"),
-                "stderr": err.decode(errors="replace")[-STDERR_KEEP:], "status": status, "failure": failure,
+                "stderr": err.decode(errors="replace")[-self.job["stderr_keep"]:], "status": status, "failure": failure,
                 "seconds": time.monotonic() - start}
 
     def collect(self, child: Child, deadline: float) -> tuple[bytes, bytes, str | None, int]:
@@ -306,7 +316,7 @@ class Judge:
         finally:
             os.close(pidfd)
         if stopped:
-            os.kill(child.pid, signal.SIGKILL)
+            child.kill()
         return bytes(out), bytes(err), stopped, peak_tasks
 
     def run_cases(self) -> None:
@@ -316,7 +326,6 @@ class Judge:
             if left <= 0:
                 break  # the host counts the cases not reported as timeouts
             self.report(self.run_case(index, stdin, time.monotonic() + min(self.limits["wall_s"], left)))
-
 
 
 def main() -> None:
