@@ -60,7 +60,10 @@ class LazyHFState(Mapping[str, Tensor]):
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as exc:
                 raise UserError(f"{index}: not a safetensors index ({exc})") from None
-            files = {file: _indexed_file(directory, index, name, file) for name, file in weight_map.items()}
+            files: dict[str, Path] = {}  # each file checked once, not once per tensor
+            for name, file in weight_map.items():
+                if not isinstance(file, str) or file not in files:
+                    files[file] = _indexed_file(directory, index, name, file)
             self._file_of = {name: files[file] for name, file in weight_map.items()}
         elif (directory / SINGLE_FILE).is_file():
             with _safe_open(directory / SINGLE_FILE) as handle:
