@@ -70,7 +70,7 @@ def test_presets_have_the_released_dimensions():
     [
         ({"attention_bias": True}, "attention_bias=True is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling rope_type 'yarn'"),
         ({"model_type": "mistral"}, "model_type 'mistral'"),
     ],
 )

@@ -86,9 +86,19 @@ def _sbatch(env, jobs: list[int], script: str, out: Path, sizes: list[str], sett
     return jobs[-1]
 
 
+_ENDED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+          "TIMEOUT"}
+
+
 def _squeue(env, job: int) -> list[str]:
-    out = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True, env=env)
-    return out.stdout.split()
+    """The states of `job`'s parts still in the queue ([] once all have ended: squeue lists an ended job by id until
+    MinJobAge). squeue failing (slurmctld busy: "Socket timed out") is asked again, never read as an empty queue."""
+    for attempt in range(10):
+        out = subprocess.run(["squeue", "-h", f"--jobs={job}", "-o", "%T"], capture_output=True, text=True, env=env)
+        if out.returncode == 0 or "Invalid job id" in out.stderr:  # a job purged from slurmctld's memory
+            return [state for state in out.stdout.split() if state not in _ENDED]
+        time.sleep(1 + attempt)
+    raise AssertionError(f"squeue failed 10 times: {out.stderr.strip()}")
 
 
 def _start_now(env, job: int) -> bool:
@@ -113,7 +123,12 @@ def _wait(what: str, ready, timeout_s: float, log: Path, env, *, job_alive=None,
 def _cluster_report(env, log: Path) -> str:
     def run(*cmd: str) -> str:
         return subprocess.run(cmd, capture_output=True, text=True, env=env).stdout
-    parts = ["squeue:\n" + run("squeue", "-o", "%i %T %r %M"), "sinfo:\n" + run("sinfo", "-N", "-o", "%N %T %E"),
+    ctld_log = Path(env["SLURM_CONF"]).parent / "log" / "slurmctld.log"  # where slurm/local-cluster/start puts it
+    parts = ["squeue:\n" + run("squeue", "--states=all", "-o", "%i %T %r %M"),
+             "scontrol show job:\n" + run("scontrol", "show", "job"),
+             "sinfo:\n" + run("sinfo", "-N", "-o", "%N %T %E"),
+             f"{ctld_log} (the end):\n" + ("\n".join(ctld_log.read_text().splitlines()[-40:])
+                                                        if ctld_log.exists() else "(none)"),
              f"{log}:\n" + (log.read_text()[-3000:] if log.exists() else "(no output)")]
     parts += [f"{role}:\n" + role.read_text()[-2000:] for role in sorted(log.parent.glob("run/logs/*.log"))]
     return "\n".join(parts)

@@ -71,7 +71,8 @@ def shared_model_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
 
 def _rope(config: dict[str, Any], source: str) -> tuple[float, dict[str, float | int] | None]:
     """(rope_theta, the recipe's `rope_scaling` section or None)."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    params = dict(config.get(key) or {})
     theta = params.get("rope_theta", config.get("rope_theta"))
     if theta is None:
         raise UserError(f"{source}: rope_theta is missing")
@@ -79,7 +80,7 @@ def _rope(config: dict[str, Any], source: str) -> tuple[float, dict[str, float |
     if kind == "default":
         return float(theta), None
     if kind != LLAMA3_ROPE:
-        raise UserError(f"{source}: rope type {kind!r} is not supported (default or {LLAMA3_ROPE})")
+        raise UserError(f"{source}: {key} rope_type {kind!r} is not supported (default or {LLAMA3_ROPE})")
     try:
         return float(theta), dict(
             factor=float(params["factor"]),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from megatron_scalerl.recipe import ModelConfig
@@ -21,10 +21,13 @@ class LayerPlan:
     Read by the HF config (`moe_layers`, `no_rope_layers`), the megatron-core config and layer specs, the weight
     mapping (which MLP table) and the memory plan (parameters, activations, attention scores)."""
 
-    moe: bool  # routed experts and a shared expert instead of the dense MLP
+    moe: bool  # routed experts (`model.num_experts`, top `moe_router_topk`) instead of the dense MLP
     rope: bool  # rotary position embedding on q and k; False: NoPE
-    qk_norm: bool  # L2 norm on q and k
+    # on q and k, per head, before RoPE: "l2" a parameter-free L2 norm (Llama-4), "rms" an RMSNorm with a weight of
+    # head_dim (Qwen3: HF q_norm / k_norm, megatron-core's qk_layernorm); None: none
+    qk_norm: Literal["l2", "rms"] | None
     attention_chunk: int | None  # tokens: a query sees only its own chunk of the sequence; None: the whole prefix
+    shared_expert: bool = False  # MoE layers: a shared expert of `moe_ffn_hidden_size` beside the routed ones
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """Recipe `ModelConfig` + `ParallelismConfig` -> megatron-core `TransformerConfig`.
 
 The architecture facts every family shares with Hugging Face (RMSNorm, SwiGLU, no biases, untied or tied
-embeddings, GQA) are fixed here; which layers are MoE or NoPE comes from the family's `LayerPlan`s (`families`), the
-RoPE pair convention from its `ModelParts`, and the MoE and attention settings (sigmoid top-1 routing applied to the
-expert *input*, a shared expert, chunked local attention, temperature tuning) from the recipe. Fields that
-megatron-core 0.16.1 does not have live in `ScaleRLTransformerConfig` and are read by Llama-4's attention module.
+embeddings, GQA) and the MoE machinery every MoE family uses (routed experts, alltoall dispatch, routing replay, the
+optional auxiliary loss) are set here; which layers are MoE or NoPE comes from the family's `LayerPlan`s
+(`families`), and what only a family computes (its q/k norm, its router's score function and where the score is
+applied, a shared expert, Llama-4's chunked attention) from its `ModelParts.config_fields`. Fields that megatron-core
+0.16.1 does not have live in `ScaleRLTransformerConfig` and are read by Llama-4's attention module.
 """
 
 from __future__ import annotations
@@ -41,17 +42,17 @@ def transformer_config(
     on_gpu = use_transformer_engine()
     n = model_cfg.num_layers
     layers = [layer_plan(model_cfg, i) for i in range(n)]
+    parts = model_parts(model_cfg)
     moe: dict = {}
     if model_cfg.is_moe:
+        aux = model_cfg.moe_aux_loss_coeff
         moe = dict(
             num_moe_experts=model_cfg.num_experts,
             moe_ffn_hidden_size=model_cfg.moe_ffn_hidden_size,
-            moe_shared_expert_intermediate_size=model_cfg.moe_ffn_hidden_size,
             moe_router_topk=model_cfg.moe_router_topk,
-            moe_router_score_function="sigmoid",
-            moe_apply_probs_on_input=True,
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
+            # the load-balancing loss (off by default in RL: model.moe_aux_loss_coeff; docs/model_families.md)
+            moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+            moe_aux_loss_coeff=aux,
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
             moe_layer_freq=[int(plan.moe) for plan in layers],
@@ -75,13 +76,8 @@ def transformer_config(
         add_qkv_bias=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        rotary_interleaved=model_parts(model_cfg).rotary_interleaved,
+        rotary_interleaved=parts.rotary_interleaved,
         no_rope_freq=no_rope if any(no_rope) else None,
-        qk_l2_norm=model_cfg.use_qk_norm,
-        attention_chunk_size=model_cfg.attention_chunk_size,
-        attn_temperature_tuning=model_cfg.attn_temperature_tuning,
-        attn_floor_scale=model_cfg.floor_scale,
-        attn_temperature_scale=model_cfg.attn_scale,
         tensor_model_parallel_size=parallel_cfg.tp,
         pipeline_model_parallel_size=parallel_cfg.pp,
         expert_model_parallel_size=parallel_cfg.ep,
@@ -100,4 +96,5 @@ def transformer_config(
         apply_rope_fusion=False,  # the unfused RoPE is the path the HF parity tests check
         persist_layer_norm=False,  # an Apex option
         **moe,
+        **parts.config_fields(model_cfg),
     )

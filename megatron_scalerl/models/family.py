@@ -12,7 +12,7 @@ import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megatron_scalerl import families
 
@@ -32,6 +32,9 @@ class ModelParts:
     layer_spec: Callable[[ModelConfig, int], ModuleSpec]  # (model, global 0-based layer) -> that layer's module spec
     mapping: ArchitectureMapping  # its HF <-> Megatron weight table (models.mapping)
     rotary_interleaved: bool  # RoPE rotates (even, odd) pairs as complex numbers, not (first half, second half)
+    # model section -> the family's own megatron-core TransformerConfig fields (its q/k norm, MoE routing, attention
+    # settings), on top of what `models.config` sets for every family
+    config_fields: Callable[[ModelConfig], dict[str, Any]] = lambda model_cfg: {}
 
 
 def model_parts(model_cfg: ModelConfig) -> ModelParts:

@@ -10,6 +10,7 @@ A `TensorRule` says how one Megatron parameter relates to one or more HF tensors
            glu          gate_proj, up_proj [f, h] -> linear_fc1 [2f, h] = [gate; up]
            expert_glu   experts.gate_up_proj [E, h, 2f] (HF stores x @ W) -> expert e's linear_fc1 = W[e].T [2f, h]
            expert_down  experts.down_proj [E, f, h] -> expert e's linear_fc2 = W[e].T [h, f]
+                        (experts HF keeps one tensor each, `{expert}` in their names, use copy and glu per expert)
            vocab        embed_tokens / lm_head [vocab, h] -> [padded_vocab_size(vocab, tp), h]: zero rows appended
                         (Megatron's padded vocabulary); to_hf drops them again
   split  how tensor parallelism shards the unsharded tensor
@@ -17,7 +18,8 @@ A `TensorRule` says how one Megatron parameter relates to one or more HF tensors
            glu  (each rank holds [its gate rows; its up rows], not a contiguous slice of [gate; up])
   group  tp (attention, dense MLP, shared expert, embeddings) or etp (routed experts: expert tensor parallelism)
 Names: Megatron names are relative to GPTModel with `{layer}` the layer's index inside its pipeline stage and
-`{expert}` the local expert index on this expert-parallel rank; HF names use the global `{layer}` index.
+`{expert}` the local expert index on this expert-parallel rank; HF names use the global `{layer}` index and, for
+experts HF keeps one tensor each, the global `{expert}` index.
 Routed expert e (global) lives on EP rank e // (E / ep) as local expert e % (E / ep).
 
 Padded vocabulary: the embedding and the output layer have `padded_vocab_size(vocab_size, tp)` rows, so that any
@@ -74,7 +76,13 @@ class TensorRule:
 
     @property
     def is_expert(self) -> bool:
-        return self.fuse in ("expert_glu", "expert_down")
+        """A routed expert's tensor: one Megatron tensor per local expert."""
+        return self.group == "etp"
+
+    @property
+    def per_expert(self) -> bool:
+        """HF keeps one tensor per expert (`{expert}` in its names) rather than all experts stacked in one."""
+        return "{expert}" in self.hf[0]
 
 
 @dataclass(frozen=True)
@@ -114,20 +122,45 @@ def dense_mlp_rules(hf: str) -> tuple[TensorRule, ...]:
     )
 
 
-def moe_mlp_rules(hf: str) -> tuple[TensorRule, ...]:
-    """A router, routed SwiGLU experts (HF stacks them: experts.gate_up_proj, experts.down_proj) and a shared
-    expert, whose HF names start with `hf`."""
-    expert = _L + "mlp.experts.local_experts.{expert}."
-    shared = hf + "shared_expert."
+def qk_norm_rules(hf: str) -> tuple[TensorRule, ...]:
+    """The per-head RMSNorm weights of q and k [head_dim] (Qwen3), whose HF names start with `hf`."""
+    return tuple(TensorRule(_L + f"self_attention.{p}_layernorm.weight", (f"{hf}self_attn.{p}_norm.weight",))
+                 for p in "qk")
+
+
+def router_rule(hf: str) -> TensorRule:
+    """The router [num_experts, h] of a MoE layer, named `hf` in HF (e.g. `...feed_forward.router.weight`)."""
+    return TensorRule(_L + "mlp.router.weight", (hf,))
+
+
+_EXPERT = _L + "mlp.experts.local_experts.{expert}."
+
+
+def stacked_expert_rules(hf: str) -> tuple[TensorRule, ...]:
+    """Routed SwiGLU experts that HF stacks into two tensors, `hf` + gate_up_proj [E, h, 2f] and down_proj [E, f, h]
+    (Llama-4)."""
     return (
-        TensorRule(_L + "mlp.router.weight", (hf + "router.weight",)),
-        TensorRule(expert + "linear_fc1.weight", (hf + "experts.gate_up_proj",), "expert_glu", "glu", "etp"),
-        TensorRule(expert + "linear_fc2.weight", (hf + "experts.down_proj",), "expert_down", "dim1", "etp"),
-        TensorRule(
-            _L + "mlp.shared_experts.linear_fc1.weight", (shared + "gate_proj.weight", shared + "up_proj.weight"),
-            "glu", "glu",
-        ),
-        TensorRule(_L + "mlp.shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), split="dim1"),
+        TensorRule(_EXPERT + "linear_fc1.weight", (hf + "gate_up_proj",), "expert_glu", "glu", "etp"),
+        TensorRule(_EXPERT + "linear_fc2.weight", (hf + "down_proj",), "expert_down", "dim1", "etp"),
+    )
+
+
+def per_expert_rules(hf: str) -> tuple[TensorRule, ...]:
+    """Routed SwiGLU experts that HF keeps one tensor each, `hf` with `{expert}` the global expert index, e.g.
+    `...mlp.experts.{expert}.` + gate_proj / up_proj [f, h] and down_proj [h, f] (Qwen3-MoE)."""
+    return (
+        TensorRule(_EXPERT + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"), "glu", "glu",
+                   "etp"),
+        TensorRule(_EXPERT + "linear_fc2.weight", (hf + "down_proj.weight",), split="dim1", group="etp"),
+    )
+
+
+def shared_expert_rules(hf: str) -> tuple[TensorRule, ...]:
+    """A shared expert beside the routed ones, a SwiGLU MLP whose HF names start with `hf` (Llama-4)."""
+    return (
+        TensorRule(_L + "mlp.shared_experts.linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"),
+                   "glu", "glu"),
+        TensorRule(_L + "mlp.shared_experts.linear_fc2.weight", (hf + "down_proj.weight",), split="dim1"),
     )
 
 
@@ -211,9 +244,14 @@ def to_megatron(
 
 
 def to_hf(rule: TensorRule, full: Tensor | list[Tensor], model_cfg: ModelConfig) -> dict[str, Tensor]:
-    """Inverse of `to_megatron`: HF name templates -> tensors. Expert rules take the list over all experts."""
+    """Inverse of `to_megatron`: HF name templates (`{layer}` left in) -> tensors. Expert rules take the list over
+    all experts."""
     if rule.is_expert:
         assert isinstance(full, list), f"{rule.megatron}: expert rules take one tensor per global expert"
+        if rule.per_expert:
+            plain = TensorRule(rule.megatron, rule.hf, rule.fuse, rule.split)
+            return {name.replace("{expert}", str(e)): tensor for e, one in enumerate(full)
+                    for name, tensor in to_hf(plain, one, model_cfg).items()}
         return {rule.hf[0]: torch.stack([t.t() for t in full]).contiguous()}
     assert isinstance(full, Tensor)
     if rule.fuse == "copy":
@@ -268,8 +306,16 @@ def unshard(rule: TensorRule, shards: list[Tensor]) -> Tensor:
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
 
 
-def hf_names(rule: TensorRule, layer: int | None) -> tuple[str, ...]:
-    return tuple(name.format(layer=layer) for name in rule.hf)
+def hf_names(rule: TensorRule, layer: int | None, expert: int | None = None) -> tuple[str, ...]:
+    """The HF names of `rule` at global `layer` (and global `expert`, for experts HF keeps one tensor each)."""
+    return tuple(name.format(layer=layer, expert=expert) for name in rule.hf)
+
+
+def every_hf_name(rule: TensorRule, layer: int | None, model_cfg: ModelConfig) -> tuple[str, ...]:
+    """All HF names of `rule` at global `layer`: one set per expert for experts HF keeps one tensor each."""
+    if rule.is_expert and rule.per_expert:
+        return tuple(name for e in range(model_cfg.num_experts) for name in hf_names(rule, layer, e))
+    return hf_names(rule, layer)
 
 
 def megatron_name(rule: TensorRule, local_layer: int | None, local_expert: int | None = None) -> str:
@@ -283,5 +329,5 @@ def hf_parameter_names(model_cfg: ModelConfig) -> list[str]:
         names.extend(hf_names(rule, None))
     for layer in range(model_cfg.num_layers):
         for rule in layer_rules(model_cfg, layer):
-            names.extend(hf_names(rule, layer))
+            names.extend(every_hf_name(rule, layer, model_cfg))
     return names

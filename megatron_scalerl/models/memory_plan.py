@@ -80,11 +80,14 @@ def param_counts(recipe: Recipe, tp: int = 1) -> ParamCounts:
     attention = h * hd * (2 * m.num_attention_heads + 2 * m.num_query_groups) + 2 * h  # q, k, v, o; two norms
     dense, experts = [], []
     for layer in range(m.num_layers):
-        if layer_plan(m, layer).moe:
-            dense.append(attention + h * m.num_experts + 3 * h * m.moe_ffn_hidden_size)  # router, shared expert
+        plan = layer_plan(m, layer)
+        qk_norms = 2 * hd if plan.qk_norm == "rms" else 0
+        if plan.moe:
+            shared = 3 * h * m.moe_ffn_hidden_size if plan.shared_expert else 0
+            dense.append(attention + qk_norms + h * m.num_experts + shared)  # router, shared expert
             experts.append(m.num_experts * 3 * h * m.moe_ffn_hidden_size)
         else:
-            dense.append(attention + 3 * h * m.ffn_hidden_size)
+            dense.append(attention + qk_norms + 3 * h * m.ffn_hidden_size)
             experts.append(0)
     vocab = padded_vocab_size(m.vocab_size, tp) * h
     return ParamCounts(dense, experts, vocab, 0 if m.tie_word_embeddings else vocab, h)
@@ -123,12 +126,13 @@ def _layer_activation_bytes(recipe: Recipe, rows: int, seq: int, layer: int, ker
     kv_heads = heads if torch_kernels else groups
     attention = b * (2 * heads + 2 * kv_heads) * hd + (0 if torch_kernels else 4 * heads)  # q k v, output, (lse)
     plan = layer_plan(m, layer)
-    if plan.qk_norm:  # L2 norm of q and k in FP32: the FP32 copies and their norms
+    if plan.qk_norm:  # q/k norm (L2 or RMS) in FP32: the FP32 copies and their norms
         attention += 4 * (heads + groups) * (hd + 1)
     swiglu = 5 if torch_kernels else 3  # x f: FC1's output (2f) and FC2's input (f), eager: gate and up copies
-    if plan.moe:  # balanced routing: each token's top-k copies through an expert, the shared expert
+    if plan.moe:  # balanced routing: each token's top-k copies through an expert, a shared expert if any
         f = m.moe_ffn_hidden_size / par.expert_tp_size
-        mlp = (m.moe_router_topk * (2 * b * h + swiglu * b * f) + swiglu * b * m.moe_ffn_hidden_size / tp
+        shared = swiglu * b * m.moe_ffn_hidden_size / tp if plan.shared_expert else 0
+        mlp = (m.moe_router_topk * (2 * b * h + swiglu * b * f) + shared
                + (4 + b) * m.num_experts + b)  # routed copies in and out, shared expert, router logits and probs
     else:
         mlp = swiglu * b * m.ffn_hidden_size / tp

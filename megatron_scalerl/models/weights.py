@@ -25,6 +25,7 @@ from megatron_scalerl.models.mapping import (
     TIED_OUTPUT_LAYER,
     Split,
     TensorRule,
+    every_hf_name,
     hf_names,
     layer_rules,
     megatron_name,
@@ -97,14 +98,15 @@ def hf_to_megatron_state(
     experts_per_rank = model_cfg.num_experts // ranks.ep_size if model_cfg.is_moe else 0
     state: dict[str, Tensor] = {}
     for rule, layer, local in _rules_of_stage(model_cfg, ranks):
-        hf = _hf_tensors(hf_state, hf_names(rule, layer))
         rank, size = ranks.split_of(rule)
         if rule.is_expert:
             for local_expert in range(experts_per_rank):
-                full = to_megatron(rule, hf, model_cfg, tp=size,
-                                   expert=ranks.ep_rank * experts_per_rank + local_expert)
+                expert = ranks.ep_rank * experts_per_rank + local_expert
+                hf = _hf_tensors(hf_state, hf_names(rule, layer, expert))
+                full = to_megatron(rule, hf, model_cfg, tp=size, expert=None if rule.per_expert else expert)
                 state[megatron_name(rule, local, local_expert)] = shard(rule, full, rank, size)
         else:
+            hf = _hf_tensors(hf_state, hf_names(rule, layer))
             state[megatron_name(rule, local)] = shard(rule, to_megatron(rule, hf, model_cfg, tp=size), rank, size)
     return state
 
@@ -192,7 +194,8 @@ def _exported_rules(model_cfg: ModelConfig, ranks: RankLayout) -> Iterator[tuple
 def exported_hf_names(model: torch.nn.Module, model_cfg: ModelConfig) -> list[str]:
     """The HF names `export_hf_state(model, model_cfg)` yields on this rank, in order, without gathering anything."""
     ranks = RankLayout.current(unwrap_model(model).config)
-    return [name for rule, layer, _ in _exported_rules(model_cfg, ranks) for name in hf_names(rule, layer)]
+    return [name for rule, layer, _ in _exported_rules(model_cfg, ranks)
+            for name in every_hf_name(rule, layer, model_cfg)]
 
 
 def export_hf_state(model: torch.nn.Module, model_cfg: ModelConfig, *, to_first_rank: bool = False

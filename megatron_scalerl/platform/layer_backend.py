@@ -47,23 +47,30 @@ class TorchNorm:
         return norm
 
 
-def base_layer_spec(*, num_experts: int | None, qk_l2_norm: bool) -> ModuleSpec:
-    """megatron-core's GPT layer spec for the chosen backend (RMSNorm, sequential experts when MoE).
+def base_layer_spec(*, num_experts: int | None, qk_norm: str | None) -> ModuleSpec:
+    """megatron-core's GPT layer spec for the chosen backend (RMSNorm, sequential experts when MoE), with q/k norms
+    as `qk_norm` says (`families.spec.LayerPlan`): "l2" (parameter-free), "rms" (RMSNorm over each head's
+    head_dim, a weight of its own; the TransformerConfig must say `qk_layernorm=True` too, so that megatron
+    all-reduces those weights' gradients over TP) or None.
 
     Experts are `SequentialMLP` on both backends (grouped GEMM is unavailable on CPU and would change the expert
     parameter names that the HF mapping relies on).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
+    norms = dict(qk_l2_norm=qk_norm == "l2", qk_layernorm=qk_norm == "rms")
     if use_transformer_engine():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, qk_l2_norm=qk_l2_norm
+            num_experts=num_experts, moe_grouped_gemm=False, **norms
         )
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, qk_l2_norm=qk_l2_norm, normalization="RMSNorm"
+        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm", **norms
     )
     spec.submodules.input_layernorm = TorchNorm
     spec.submodules.pre_mlp_layernorm = TorchNorm
+    if qk_norm == "rms":  # megatron's WrappedTorchNorm refuses sequence parallelism, which MoE at TP > 1 needs
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = TorchNorm
     return spec
 
 

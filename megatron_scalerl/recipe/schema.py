@@ -20,6 +20,7 @@ from megatron_scalerl.fileio import dump_yaml
 Pos = Annotated[int, Field(gt=0)]
 NonNeg = Annotated[int, Field(ge=0)]
 PosFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
 Fraction = Annotated[float, Field(ge=0, le=1)]
 _SLURM_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
@@ -64,8 +65,8 @@ class RopeScaling(Section):
 
 
 class ModelConfig(Section):
-    """Architecture. `arch` selects the model family, `families/<arch>/`: llama3 (dense Llama-3) or llama4 (Llama-4
-    MoE, text part); docs/model_families.md."""
+    """Architecture. `arch` selects the model family, `families/<arch>/`: llama3 (dense Llama-3), llama4 (Llama-4
+    MoE, text part), qwen3 (dense Qwen3) or qwen3_moe (Qwen3-MoE); docs/model_families.md."""
 
     arch: Literal[families.NAMES]
     num_layers: Pos
@@ -80,11 +81,16 @@ class ModelConfig(Section):
     rope_scaling: RopeScaling | None = None
     norm_eps: PosFloat
     tie_word_embeddings: bool = False
-    # Llama-4 only (a dense model leaves them at their "off" values).
+    # MoE families (a dense model leaves them at their "off" values).
     num_experts: NonNeg = 0  # routed experts per MoE layer; 0 = dense
-    moe_ffn_hidden_size: Pos | None = None  # per-expert (and shared-expert) intermediate size
+    moe_ffn_hidden_size: Pos | None = None  # per-expert (and Llama-4's shared-expert) intermediate size
     moe_router_topk: Pos = 1
-    moe_layer_interval: Pos = 1  # every N-th layer is MoE (HF interleave_moe_layer_step)
+    moe_layer_interval: Pos = 1  # every N-th layer is MoE (HF interleave_moe_layer_step / decoder_sparse_step)
+    # softmax routing (Qwen3-MoE): the top-k weights renormalised to sum to 1 over the chosen experts (HF's key)
+    norm_topk_prob: bool = True
+    # the router's auxiliary load-balancing loss coefficient: 0 (off) by default in RL (docs/model_families.md)
+    moe_aux_loss_coeff: NonNegFloat = 0.0
+    # Llama-4 only (other families leave them at their "off" values).
     attention_chunk_size: Pos | None = None  # tokens; chunked local attention on RoPE layers
     nope_layer_interval: Pos | None = None  # every N-th layer has no RoPE and global attention
     use_qk_norm: bool = False  # L2 norm on q and k (RoPE layers)

@@ -56,7 +56,7 @@ def layer_backend() -> dict:
     from megatron_scalerl.platform.distributed import current_device
     from megatron_scalerl.platform.layer_backend import base_layer_spec, use_transformer_engine
 
-    qkv = base_layer_spec(num_experts=None, qk_l2_norm=False).submodules.self_attention.submodules.linear_qkv
+    qkv = base_layer_spec(num_experts=None, qk_norm=None).submodules.self_attention.submodules.linear_qkv
     return {"transformer_engine": use_transformer_engine(), "linear_qkv": f"{qkv.__module__}.{qkv.__qualname__}",
             "device": str(current_device())}
 

@@ -14,7 +14,7 @@ from megatron_scalerl.families.spec import FamilySpec, LayerPlan
 if TYPE_CHECKING:
     from megatron_scalerl.recipe import ModelConfig
 
-_EVERY_LAYER = LayerPlan(moe=False, rope=True, qk_norm=False, attention_chunk=None)
+_EVERY_LAYER = LayerPlan(moe=False, rope=True, qk_norm=None, attention_chunk=None)
 
 
 def _layer(model_cfg: ModelConfig, layer: int) -> LayerPlan:

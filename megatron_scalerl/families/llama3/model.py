@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def _layer_spec(model_cfg: ModelConfig, layer: int) -> ModuleSpec:
-    return base_layer_spec(num_experts=None, qk_l2_norm=False)
+    return base_layer_spec(num_experts=None, qk_norm=None)
 
 
 PARTS = ModelParts(

@@ -2,7 +2,8 @@
 
 Layers, global 0-based index i (HF conventions):
   MoE    when (i + 1) % moe_layer_interval == 0 (HF `interleave_moe_layer_step`; `moe_layers`) and num_experts > 0:
-         sigmoid top-1 routing applied to the expert input, plus a shared expert; otherwise the dense MLP
+         sigmoid top-1 routing applied to the expert input (`model/`: the megatron-core router settings), plus a
+         shared expert of the routed experts' size; otherwise the dense MLP
          (`ffn_hidden_size`, HF `intermediate_size_mlp`);
   NoPE   when (i + 1) % nope_layer_interval == 0 (HF `no_rope_layers[i] == 0`): no RoPE, attention over the whole
          prefix, queries temperature-tuned (`attn_temperature_tuning`); every other layer has RoPE, attention within
@@ -30,8 +31,9 @@ def _layer(model_cfg: ModelConfig, layer: int) -> LayerPlan:
     return LayerPlan(
         moe=model_cfg.is_moe and (layer + 1) % model_cfg.moe_layer_interval == 0,
         rope=rope,
-        qk_norm=model_cfg.use_qk_norm and rope,
+        qk_norm="l2" if model_cfg.use_qk_norm and rope else None,
         attention_chunk=model_cfg.attention_chunk_size if rope else None,
+        shared_expert=True,
     )
 
 

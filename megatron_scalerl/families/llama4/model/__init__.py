@@ -2,14 +2,16 @@
 
 Each layer is the backend's base spec (`platform.layer_backend`) with what its `LayerPlan` says: a MoE or a dense
 MLP, L2 QK norm or none (HF `use_qk_norm and use_rope`), and always `llama4_core_attention` (`attention.py`: chunked
-attention on RoPE layers, temperature tuning on NoPE layers). HF keeps the MLP under `feed_forward.`, and RoPE
-rotates (even, odd) pairs: HF Llama-4 multiplies them as complex numbers.
+attention on RoPE layers, temperature tuning on NoPE layers). Routing: sigmoid scores of the top-1 expert, applied
+to the expert's input, and a shared expert of the routed size. HF keeps the MLP under `feed_forward.` (experts
+stacked: `experts.gate_up_proj`), and RoPE rotates (even, odd) pairs: HF Llama-4 multiplies them as complex
+numbers.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -22,7 +24,9 @@ from megatron_scalerl.models.mapping import (
     ArchitectureMapping,
     attention_rules,
     dense_mlp_rules,
-    moe_mlp_rules,
+    router_rule,
+    shared_expert_rules,
+    stacked_expert_rules,
 )
 from megatron_scalerl.platform.layer_backend import base_layer_spec
 
@@ -33,7 +37,7 @@ if TYPE_CHECKING:
 def _layer_spec(model_cfg: ModelConfig, layer: int) -> ModuleSpec:
     plan = FAMILY.layer(model_cfg, layer)
     spec = copy.deepcopy(
-        base_layer_spec(num_experts=model_cfg.num_experts if plan.moe else None, qk_l2_norm=plan.qk_norm)
+        base_layer_spec(num_experts=model_cfg.num_experts if plan.moe else None, qk_norm=plan.qk_norm)
     )
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = llama4_core_attention(attention.core_attention)
@@ -43,12 +47,31 @@ def _layer_spec(model_cfg: ModelConfig, layer: int) -> ModuleSpec:
     return spec
 
 
+def _config_fields(model_cfg: ModelConfig) -> dict[str, Any]:
+    """Llama-4's own TransformerConfig fields: L2 q/k norm, the attention settings `attention.py` reads, and its
+    routing (sigmoid score of the one chosen expert, multiplied into the expert's input; a shared expert)."""
+    fields: dict[str, Any] = dict(
+        qk_l2_norm=model_cfg.use_qk_norm,
+        attention_chunk_size=model_cfg.attention_chunk_size,
+        attn_temperature_tuning=model_cfg.attn_temperature_tuning,
+        attn_floor_scale=model_cfg.floor_scale,
+        attn_temperature_scale=model_cfg.attn_scale,
+    )
+    if model_cfg.is_moe:
+        fields.update(moe_router_score_function="sigmoid", moe_apply_probs_on_input=True,
+                      moe_shared_expert_intermediate_size=model_cfg.moe_ffn_hidden_size)
+    return fields
+
+
+_FEED_FORWARD = HF_LAYER + "feed_forward."
 PARTS = ModelParts(
     layer_spec=_layer_spec,
     mapping=ArchitectureMapping(
         attention=attention_rules(HF_LAYER),
-        dense_mlp=dense_mlp_rules(HF_LAYER + "feed_forward."),
-        moe_mlp=moe_mlp_rules(HF_LAYER + "feed_forward."),
+        dense_mlp=dense_mlp_rules(_FEED_FORWARD),
+        moe_mlp=(router_rule(_FEED_FORWARD + "router.weight"), *stacked_expert_rules(_FEED_FORWARD + "experts."),
+                 *shared_expert_rules(_FEED_FORWARD + "shared_expert.")),
     ),
     rotary_interleaved=True,
+    config_fields=_config_fields,
 )
