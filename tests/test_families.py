@@ -121,3 +121,15 @@ def test_a_family_refuses_what_its_models_cannot_compute_when_the_recipe_loads()
     with pytest.raises(UserError, match=r"moe_router_topk: Llama-4 routing .* only 1 \(arch llama4\)"):
         load_recipe("demo", ["model.moe_router_topk=2"])
     assert load_recipe("demo").model.moe_router_topk == 1
+
+
+@pytest.mark.parametrize(("preset", "field", "value", "owner"), [
+    ("tiny_qwen3", "use_qk_norm", True, "llama4"),
+    ("tiny_qwen3_moe", "attention_chunk_size", 32, "llama4"),
+    ("tiny_moe", "norm_topk_prob", False, "qwen3_moe"),
+])
+def test_another_familys_field_is_refused(preset, field, value, owner):
+    """A family's own model-section fields (`FamilySpec.own_fields`) set on another family's model: refused, named."""
+    section = load_recipe("scalerl", model_preset=preset).model.model_dump()
+    with pytest.raises(ValueError, match=f"{field} is a setting of arch {owner}, not of {section['arch']}"):
+        ModelConfig.model_validate({**section, field: value})

@@ -48,6 +48,9 @@ class FamilySpec:
     model_fields: Callable[[dict[str, Any], str], dict[str, Any]]
     # model section -> (field, why) for each setting the family's models cannot compute (checked when a recipe loads)
     model_problems: Callable[[ModelConfig], list[tuple[str, str]]] | None = None
+    # the recipe model-section fields only this family reads (`recipe.ModelConfig`); a model of another family that
+    # sets one away from its default is refused, naming the field and the family that reads it
+    own_fields: tuple[str, ...] = ()
     # Serving: (config.json, vLLM's default KV block in tokens) -> the KV block vLLM must use instead, or None for
     # the default. None: the default always fits the family.
     kv_block_size: Callable[[dict[str, Any], int], int | None] | None = None

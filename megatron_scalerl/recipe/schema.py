@@ -90,7 +90,8 @@ class ModelConfig(Section):
     norm_topk_prob: bool = True
     # the router's auxiliary load-balancing loss coefficient: 0 (off) by default in RL (docs/model_families.md)
     moe_aux_loss_coeff: NonNegFloat = 0.0
-    # Llama-4 only (other families leave them at their "off" values).
+    # Llama-4 only (its FamilySpec.own_fields: another family's model refuses them away from these defaults). They
+    # stay flat here so every RUN/recipe.yaml written before the other families keeps loading.
     attention_chunk_size: Pos | None = None  # tokens; chunked local attention on RoPE layers
     nope_layer_interval: Pos | None = None  # every N-th layer has no RoPE and global attention
     use_qk_norm: bool = False  # L2 norm on q and k (RoPE layers)
@@ -114,6 +115,10 @@ class ModelConfig(Section):
             raise ValueError("moe_ffn_hidden_size is required when num_experts > 0")
         if self.is_moe and self.moe_router_topk > self.num_experts:
             raise ValueError("moe_router_topk exceeds num_experts")
+        for other in families.FAMILIES.values():
+            for name in set(other.own_fields) - set(family.own_fields):
+                if getattr(self, name) != type(self).model_fields[name].default:
+                    raise ValueError(f"{name} is a setting of arch {other.name}, not of {self.arch}")
         problems = family.model_problems(self) if family.model_problems else []
         if problems:
             raise ValueError("; ".join(f"{field}: {why} (arch {self.arch})" for field, why in problems))

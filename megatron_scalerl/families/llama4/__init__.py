@@ -124,4 +124,6 @@ FAMILY = FamilySpec(
     model_problems=_model_problems,
     kv_block_size=_kv_block_size,
     generation_overrides=_generation_overrides,
+    own_fields=("attention_chunk_size", "nope_layer_interval", "use_qk_norm", "attn_temperature_tuning",
+                "floor_scale", "attn_scale"),
 )

@@ -74,4 +74,5 @@ FAMILY = FamilySpec(
     layer=_layer,
     hf_fields=_hf_fields,
     model_fields=_model_fields,
+    own_fields=("norm_topk_prob",),
 )
