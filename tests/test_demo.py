@@ -88,8 +88,10 @@ def test_init_only_builds_a_tiny_hf_checkpoint_with_its_tokenizer(tmp_path, caps
     assert main(["demo", "--init-only", str(tmp_path / "moe")]) == 0
     assert f"--model hf:{tmp_path / 'moe'}" in capsys.readouterr().out
     assert main(["demo", "--init-only", str(tmp_path / "dense"), "--model", "tiny_dense", "--seed", "3"]) == 0
+    assert main(["demo", "--init-only", str(tmp_path / "qwen3_moe"), "--model", "tiny_qwen3_moe"]) == 0
     assert AutoConfig.from_pretrained(tmp_path / "moe").model_type == "llama4_text"
     assert AutoConfig.from_pretrained(tmp_path / "dense").model_type == "llama"
+    assert AutoConfig.from_pretrained(tmp_path / "qwen3_moe").model_type == "qwen3_moe"
     assert len(AutoTokenizer.from_pretrained(tmp_path / "dense")) <= RECIPE.model.vocab_size
     from_dir = load_recipe("demo", model_preset=f"hf:{tmp_path / 'moe'}")
     assert from_dir.model == RECIPE.model and from_dir.trainer.init_from == str((tmp_path / "moe").resolve())
@@ -99,6 +101,23 @@ def test_init_only_builds_a_tiny_hf_checkpoint_with_its_tokenizer(tmp_path, caps
     (tmp_path / "file").write_text("x")
     assert main(["demo", "--init-only", str(tmp_path / "file")]) == 2  # a file is no model directory
     assert main(["demo", "--init-only", str(tmp_path / "new"), "--steps", "3"]) == 2
+
+
+@pytest.mark.parametrize("model", ["tiny_moe", "tiny_dense", "tiny_qwen3", "tiny_qwen3_moe"])
+def test_the_demo_recipe_on_each_tiny_model_changes_the_model_only(model):
+    """`scalerl demo --model M`: the demo's own settings on M's model section (a dense model: no expert parallelism,
+    the trainer processes data-parallel instead); the default is the demo recipe itself; the model cache keys on it."""
+    from megatron_scalerl.demo.run import TINY_MODELS, build_settings, demo_recipe
+    from megatron_scalerl.recipe import diff
+
+    recipe = demo_recipe("demo", model)
+    assert recipe.model == load_recipe("scalerl", model_preset=model).model
+    changed = {path.split(".")[0] if path.startswith("model.") else path for path, _, _ in diff(RECIPE, recipe)}
+    assert changed <= {"model", "parallelism.ep"}
+    assert (recipe.parallelism.ep == 1) == (not recipe.model.is_moe)
+    assert recipe.name == ("demo" if model == TINY_MODELS[0] else f"demo+{model}")
+    assert (build_settings(recipe) == build_settings(RECIPE)) == (model == TINY_MODELS[0])
+    assert demo_recipe("demo", model, ["trainer.max_steps=3"]).trainer.max_steps == 3
 
 
 def test_a_cached_demo_model_is_reused_only_when_built_from_the_same_settings(tmp_path):

