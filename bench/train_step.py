@@ -4,9 +4,11 @@ Every layout runs the real trainer (`trainer.role.Trainer` in a scratch run dire
 distributed optimizer, `Trainer.train_step`) on spawned gloo workers, one thread each, on the same TrainBatch. The
 baseline is the TP1 single-process layout of the same model, run in the same invocation; ratios are layout / TP1.
 
-- Layouts: tiny_dense at TP1, TP2, PP2, DP2; tiny_moe at TP1, EP2 (2 processes: the two DP ranks hold 2 experts
-  each), TP2xEP2 (4 processes: tp 2 x dp 2, experts over ep 2 with expert-tp 2) and DP2 (experts replicated, for
-  comparison with EP2). Sequence parallelism only where the recipe requires it (MoE with tp > 1).
+- Layouts: tiny_dense and tiny_qwen3 at TP1, TP2, PP2, DP2; tiny_moe and tiny_qwen3_moe at TP1, EP2 (2 processes:
+  the two DP ranks hold half the experts each), TP2xEP2 (4 processes: tp 2 x dp 2, experts over ep 2 with expert-tp
+  2) and DP2 (experts replicated, for comparison with EP2). Sequence parallelism only where the recipe requires it
+  (MoE with tp > 1). With several models, each model's TP1 is also compared with the first model's of its kind
+  (dense, MoE) given: `vs_first_of_kind` (e.g. tiny_qwen3_moe's top-2 of 8 experts beside tiny_moe's top-1 of 4).
 - Time: `--warmup` steps, then the median over `--steps` measured steps of the step time (`train/step_time_s`, the
   slowest rank; ranks start each step together after a barrier). tokens/s = the batch's tokens / that median.
   CPU s = the step's CPU time summed over ranks (median): the work a layout adds, less sensitive than wall time to
@@ -22,7 +24,8 @@ baseline is the TP1 single-process layout of the same model, run in the same inv
   compares the two).
 - A layout that fails (e.g. a model that does not build) is reported as failed with the first line of its error.
 
-    OMP_NUM_THREADS=1 python bench/train_step.py [--models tiny_dense,tiny_moe] [--samples 16 --max-len 128]
+    OMP_NUM_THREADS=1 python bench/train_step.py [--models tiny_dense,tiny_moe,tiny_qwen3,tiny_qwen3_moe]
+        [--samples 16 --max-len 128]
         [--micro-batch 1] [--warmup 2 --steps 5] [--precision fp32|bf16]
 """
 
@@ -45,17 +48,17 @@ from megatron_scalerl.platform import run_local_workers
 from megatron_scalerl.recipe import Recipe, load_recipe
 
 GROUP_SIZE = 4  # samples per prompt
+_DENSE_LAYOUTS = [("TP1", {}), ("TP2", {"tp": 2}), ("PP2", {"pp": 2}), ("DP2", {"dp": 2})]
+_MOE_LAYOUTS = [("TP1", {}), ("EP2", {"ep": 2, "dp": 2}), ("TP2xEP2", {"tp": 2, "ep": 2, "dp": 2}), ("DP2", {"dp": 2})]
 LAYOUTS: dict[str, list[tuple[str, dict[str, int]]]] = {  # name -> (label, parallel sizes); the first is the baseline
-    "tiny_dense": [("TP1", {}), ("TP2", {"tp": 2}), ("PP2", {"pp": 2}), ("DP2", {"dp": 2})],
-    "tiny_moe": [("TP1", {}), ("EP2", {"ep": 2, "dp": 2}), ("TP2xEP2", {"tp": 2, "ep": 2, "dp": 2}),
-                 ("DP2", {"dp": 2})],
+    "tiny_dense": _DENSE_LAYOUTS, "tiny_moe": _MOE_LAYOUTS, "tiny_qwen3": _DENSE_LAYOUTS, "tiny_qwen3_moe": _MOE_LAYOUTS,
 }
 
 
 def layout_recipe(model: str, sizes: dict[str, int], args: argparse.Namespace) -> Recipe:
     """The scalerl recipe for `model` at `sizes` (tp, pp, ep, dp; default 1), sized for the bench's batch."""
     tp, pp, ep, dp = (sizes.get(k, 1) for k in ("tp", "pp", "ep", "dp"))
-    moe_tp = tp > 1 and model == "tiny_moe"
+    moe_tp = tp > 1 and load_recipe("scalerl", model_preset=model).model.is_moe
     overrides = [f"parallelism.tp={tp}", f"parallelism.pp={pp}", f"parallelism.ep={ep}", f"parallelism.dp={dp}",
                  f"parallelism.sequence_parallel={'true' if moe_tp else 'false'}",
                  f"parallelism.micro_batch_size={args.micro_batch}", f"cluster.gpus_per_node={tp * pp * dp}",
@@ -172,6 +175,17 @@ def with_ratios(rows: dict[str, dict], baseline: str) -> None:
             row[ratio] = row[figure] / base[figure] if ok else None
 
 
+def compare_with_first_of_kind(results: dict[str, dict[str, dict]]) -> None:
+    """Add `vs_first_of_kind` to each model's baseline (TP1) row: its tokens/s over that of the first model given of
+    the same kind (dense or MoE), e.g. tiny_qwen3_moe against tiny_moe; 1.0 for that first model itself."""
+    first: dict[bool, dict] = {}
+    for model, rows in results.items():
+        row = rows[LAYOUTS[model][0][0]]
+        base = first.setdefault(load_recipe("scalerl", model_preset=model).model.is_moe, row)
+        ok = "error" not in row and "error" not in base
+        row["vs_first_of_kind"] = row["tokens_per_s"] / base["tokens_per_s"] if ok else None
+
+
 def print_table(results: dict[str, dict[str, dict]]) -> None:
     print(f"{'model':11} {'layout':8} {'procs':>5} {'tokens':>6} {'step s':>7} {'tokens/s':>9} {'vs TP1':>7} "
           f"{'CPU s':>6} {'step peak MiB':>13} {'vs TP1':>7} {'trainer MiB':>11} {'vs TP1':>7} {'wall s':>6}")
@@ -196,7 +210,7 @@ def _rounded(row: dict) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="tiny_dense,tiny_moe", help="comma-separated: tiny_dense, tiny_moe")
+    p.add_argument("--models", default="tiny_dense,tiny_moe", help=f"comma-separated, of: {', '.join(LAYOUTS)}")
     p.add_argument("--samples", type=int, default=16, help=f"samples per step, a multiple of {GROUP_SIZE}")
     p.add_argument("--max-len", type=int, default=128, help="longest sample, tokens (prompt + completion)")
     p.add_argument("--micro-batch", type=int, default=1, help="micro-batch size, samples")
@@ -222,6 +236,7 @@ def main() -> None:
         rows = {label: run_layout(model, sizes, args) for label, sizes in LAYOUTS[model]}
         with_ratios(rows, LAYOUTS[model][0][0])
         results[model] = rows
+    compare_with_first_of_kind(results)
     print(f"train step: {args.samples} samples of <= {args.max_len} tokens, micro-batch {args.micro_batch}, "
           f"{args.precision}, {args.warmup} warm-up + median of {args.steps} steps, 1 thread per process")
     print_table(results)

@@ -66,10 +66,13 @@ def test_precision_bench():
 
 
 def test_train_step_bench():
-    figures = run_bench("train_step.py", "--models", "tiny_dense", "--samples", "8", "--max-len", "34",
+    figures = run_bench("train_step.py", "--models", "tiny_dense,tiny_qwen3", "--samples", "8", "--max-len", "34",
                         "--warmup", "1", "--steps", "1")
-    layouts = figures["results"]["tiny_dense"]
-    assert layouts and all(positive(layout["tokens_per_s"]) for layout in layouts.values())
+    for model in ("tiny_dense", "tiny_qwen3"):
+        layouts = figures["results"][model]
+        assert layouts and all(positive(layout["tokens_per_s"]) for layout in layouts.values())
+    assert figures["results"]["tiny_dense"]["TP1"]["vs_first_of_kind"] == 1.0
+    assert positive(figures["results"]["tiny_qwen3"]["TP1"]["vs_first_of_kind"])
 
 
 def test_weight_sync_bench():
