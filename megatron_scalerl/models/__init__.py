@@ -1,11 +1,12 @@
-"""Megatron-core models of every model family (`families/`: dense Llama-3, Llama-4 MoE text), their FP32 output
-layer, and the HF mapping. Each family's torch side (`families/<name>/model`) is part of this layer: `models.family`.
+"""Megatron-core models of every model family (`families/`: Llama-3, Llama-4 MoE text, Qwen3, Qwen3-MoE), their
+FP32 output layer, and the HF mapping. Each family's torch side (`families/<name>/model`) is part of this layer:
+`models.family`.
 
 Stable API (imported lazily, so `import megatron_scalerl.models` does not load megatron-core):
     build_model(model_cfg, parallel_cfg, *, fp32_lm_head, params_dtype, pre_process, post_process) -> GPTModel
         forward(input_ids [b, s], position_ids [b, s], attention_mask=None) -> logits [b, s, padded_vocab / tp] on the
         last pipeline stage (vocab-parallel, not gathered); hidden states [s, b, h] on earlier stages.
-        FP32 head on: FP32 weights and logits; off: logits in `params_dtype`.
+        FP32 head on: FP32 weights and logits (a tied embedding FP32 too); off: logits in `params_dtype`.
     transformer_config(model_cfg, parallel_cfg, *, params_dtype) -> ScaleRLTransformerConfig
     load_hf_state(model, hf_state, model_cfg)            HF-named tensors -> this rank's shard
     hf_to_megatron_state(hf_state, model_cfg, ranks)     the same, as a dict (no model needed)

@@ -1,4 +1,4 @@
-"""Build the megatron-core GPTModel for a recipe's model (dense Llama-3 or Llama-4 MoE), at the current layout.
+"""Build the megatron-core GPTModel for a recipe's model (any model family: `families/`), at the current layout.
 
     from megatron_scalerl.models import build_model
     model = build_model(recipe.model, recipe.parallelism, fp32_lm_head=recipe.trainer.fp32_lm_head,
@@ -13,7 +13,8 @@ so they drop out of every softmax and their rows get no gradient. Gather the log
 Call after `platform.initialize_model_parallel(...)` with the same layout. `pre_process` / `post_process` default to
 this rank's pipeline position (first stage embeds, last stage has the final norm and output layer). Weights are
 megatron's random init (same seed -> same weights on every layout) until `load_hf_state` fills them.
-For bf16 training wrap the model in megatron's `Float16Module` as usual: the FP32 head keeps its FP32 weights.
+For bf16 training wrap the model in megatron's `Float16Module` as usual: the FP32 head keeps its FP32 weights (a tied
+embedding too: it is the head's weight, `output_layer.adopt_tied_embedding`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron_scalerl.models.config import transformer_config
 from megatron_scalerl.models.layer_specs import decoder_block_spec
 from megatron_scalerl.models.mapping import padded_vocab_size
-from megatron_scalerl.models.output_layer import adopt_output_layer
+from megatron_scalerl.models.output_layer import adopt_output_layer, adopt_tied_embedding
 from megatron_scalerl.recipe import ModelConfig, ParallelismConfig, RopeScaling
 
 
@@ -89,4 +90,6 @@ def build_model(
     inv_freq = rope_inv_freq(model_cfg.head_dim, model_cfg.rope_theta, model_cfg.rope_scaling)
     model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
     adopt_output_layer(model, fp32=fp32_lm_head, vocab_size=model_cfg.vocab_size)
+    if fp32_lm_head and model_cfg.tie_word_embeddings:  # the embedding is the head: FP32 too
+        adopt_tied_embedding(model, body_dtype=params_dtype)
     return model
