@@ -67,18 +67,45 @@ def test_console_script_never_prints_a_traceback(tmp_path):
     assert proc.stderr.strip() == f"error: {bad}: trainer.lr: Input should be a valid number (got 'fast')"
 
 
+# The scalerl recipe's lengths cut to fit a tiny model's 2048 positions.
+FITS_2048 = ["rollout.max_prompt_tokens=256", "rollout.max_new_tokens=512", "parallelism.micro_batch_size=2",
+             "algorithm.length_control.think_budget_min=128", "algorithm.length_control.think_budget_max=192",
+             "algorithm.length_control.answer_budget=64"]
+
+
 def test_model_from_an_hf_checkpoint_config(tmp_path, capsys):
     from megatron_scalerl.families import hf_config_dict
     from megatron_scalerl.recipe import load_recipe
 
     moe = load_recipe("scalerl", model_preset="tiny_moe").model
     (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(moe)))
-    fits = ["rollout.max_prompt_tokens=256", "rollout.max_new_tokens=512", "parallelism.micro_batch_size=2",
-            "algorithm.length_control.think_budget_min=128", "algorithm.length_control.think_budget_max=192",
-            "algorithm.length_control.answer_budget=64"]
-    recipe = load_recipe("scalerl", fits, model_preset=f"hf:{tmp_path}")
+    recipe = load_recipe("scalerl", FITS_2048, model_preset=f"hf:{tmp_path}")
     assert recipe.model == moe and recipe.trainer.init_from == str(tmp_path.resolve())
     assert recipe.parallelism.micro_batch_size == 2  # the base's layout and the overrides stay
     assert main(["recipe", "show", "scalerl", "--model", f"hf:{tmp_path / 'missing'}"]) == 2
     err = capsys.readouterr().err
     assert "model_preset" in err and "no config.json" in err
+
+
+@pytest.mark.parametrize("preset", ["tiny_qwen3", "tiny_qwen3_moe"])
+def test_model_from_a_qwen3_checkpoint(preset, tmp_path, capsys):
+    """`--model hf:DIR` and a recipe file's `model_preset: hf:DIR` on a Qwen3 / Qwen3-MoE checkpoint directory that
+    transformers wrote (its own config.json spelling: rope_parameters, num_local_experts) give the preset's model."""
+    from megatron_scalerl.models.hf_io import save_random_hf_model
+    from megatron_scalerl.recipe import load_recipe
+
+    model = load_recipe("scalerl", model_preset=preset).model
+    hf_dir = save_random_hf_model(model, tmp_path / "hf", seed=0)
+    sets = [arg for fit in FITS_2048 for arg in ("--set", fit)]
+    assert main(["recipe", "show", "scalerl", "--model", f"hf:{hf_dir}", "--json", *sets]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["model"] == model.model_dump(mode="json")
+    assert shown["trainer"]["init_from"] == str(hf_dir.resolve())
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text(
+        f"base: scalerl\nmodel_preset: hf:{hf_dir}\nrollout: {{max_prompt_tokens: 256, max_new_tokens: 512}}\n"
+        "algorithm: {length_control: {think_budget_min: 128, think_budget_max: 192, answer_budget: 64}}\n"
+    )
+    assert main(["recipe", "validate", str(recipe_file)]) == 0
+    assert capsys.readouterr().out.startswith(f"ok: r ({model.arch}")
+    assert load_recipe(str(recipe_file)).model == model

@@ -1,9 +1,13 @@
-"""HF parity of our Megatron models (dense Llama-3, Llama-4 MoE) at TP1, TP2, PP2, EP2 and TP2xEP2.
+"""HF parity of our Megatron models (dense Llama-3, Llama-4 MoE, dense Qwen3, Qwen3-MoE) at TP1, TP2, PP2, EP2,
+TP2xEP2 and TP2xEP2xETP1.
 
-Oracle: transformers' LlamaForCausalLM / Llama4ForCausalLM with random weights, fp32: logits (max abs diff
-<= 1e-4), mean cross-entropy and the gradient norm of that loss. Llama-4 runs on sequences longer than its
-attention chunk, with temperature tuning active, a NoPE layer and both dense and MoE layers; each of those
-features is shown to matter (switching it off in HF moves the logits far more than our difference).
+Oracle: transformers' LlamaForCausalLM / Llama4ForCausalLM / Qwen3ForCausalLM / Qwen3MoeForCausalLM with random
+weights, fp32: logits (max abs diff <= 1e-4), mean cross-entropy and the gradient norm of that loss. Llama-4 runs on
+sequences longer than its attention chunk, with temperature tuning active, a NoPE layer and both dense and MoE
+layers; each of those features is shown to matter (switching it off in HF moves the logits far more than our
+difference). Qwen3 (tied embeddings) and Qwen3-MoE (8 experts, top-2; renormalised over the chosen two on a model
+with dense and routed layers, not renormalised on one routed on every layer) show the same of their q/k RMSNorms
+and of norm_topk_prob.
 Every layout also exports its shards back to HF names (export_hf_state) and must return the original tensors.
 A 263-token vocabulary (models padded to 384 rows) matches HF at TP1 and TP2 too, dense and MoE: the padding
 columns' logits are -inf and export gives back exactly the HF tensors, with 263 rows.
@@ -28,10 +32,26 @@ BATCH = 4  # splits over up to 4 data-parallel ranks
 
 ODD_VOCAB = 263  # neither a multiple of 2 nor of 128: the models pad it to padded_vocab_size(263, tp) = 384 rows
 ODD_VOCAB_MODELS = ("llama3_vocab263", "llama4_vocab263")
-MODELS = ("llama3", "llama3_tied", "llama4", *ODD_VOCAB_MODELS)
+QWEN3_MOE_MODELS = ("qwen3_moe", "qwen3_moe_nonorm")
+MODELS = ("llama3", "llama3_tied", "llama4", *ODD_VOCAB_MODELS, "qwen3", *QWEN3_MOE_MODELS)
+
+
+def _qwen3_cfg(name: str) -> ModelConfig:
+    """Qwen3 at test size, every one with the 263-token vocabulary: 4 query heads of 32 over a hidden size of 64 (the
+    attention wider than the model, as in Qwen3-0.6B and Qwen3-30B-A3B), tied embeddings (dense, from the preset)."""
+    moe = name.startswith("qwen3_moe")
+    small = dict(num_layers=4, hidden_size=64, ffn_hidden_size=96, vocab_size=ODD_VOCAB)
+    if name == "qwen3_moe":  # decoder_sparse_step 2: layers 1 and 3 routed, 0 and 2 dense; top-2 renormalised
+        small.update(moe_ffn_hidden_size=48, moe_layer_interval=2, norm_topk_prob=True)
+    if name == "qwen3_moe_nonorm":  # every layer routed; the top-2 of a softmax over all 8, not renormalised
+        small.update(moe_ffn_hidden_size=48, moe_layer_interval=1, norm_topk_prob=False)
+    base = load_recipe("scalerl", model_preset="tiny_qwen3_moe" if moe else "tiny_qwen3").model
+    return ModelConfig.model_validate({**base.model_dump(), **small})
 
 
 def _model_cfg(name: str) -> ModelConfig:
+    if name.startswith("qwen3"):
+        return _qwen3_cfg(name)
     preset = "tiny_moe" if name.startswith("llama4") else "tiny_dense"
     small = dict(num_layers=4, hidden_size=64, ffn_hidden_size=96,
                  vocab_size=ODD_VOCAB if name.endswith("_vocab263") else 256)
@@ -170,35 +190,90 @@ def test_llama4_features_matter(change, checkpoints, tp1):
     assert (changed - tp1["llama4"][0].logits).abs().max().item() > 100 * TOLERANCE
 
 
+def _hf_logits(checkpoint: str, name: str, edit=None, **change) -> torch.Tensor:
+    """HF's fp32 logits [BATCH, SEQ_LEN, vocab] on `name`'s tokens, its config changed by `change` and its modules
+    by `edit(model)`."""
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, **change)
+    if edit is not None:
+        edit(hf)
+    with torch.no_grad():
+        return hf(_tokens(name)[0]).logits
+
+
+def _qk_norm_weights_to_one(hf) -> None:
+    for layer in hf.model.layers:
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            norm.weight.data.fill_(1.0)
+
+
+def _no_qk_norm(hf) -> None:
+    for layer in hf.model.layers:
+        layer.self_attn.q_norm = layer.self_attn.k_norm = torch.nn.Identity()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("edit", [_qk_norm_weights_to_one, _no_qk_norm], ids=["qk_norm_weights", "no_qk_norm"])
+def test_qwen3_qk_norm_matters(name, edit, checkpoints, tp1):
+    """The q/k RMSNorm, and its weights (drawn from U(0.5, 1.5)), change HF's logits by far more than our difference."""
+    changed = _hf_logits(checkpoints[name], name, edit)
+    assert (changed - tp1[name][0].logits).abs().max().item() > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("name", QWEN3_MOE_MODELS)
+def test_qwen3_moe_norm_topk_prob_matters(name, checkpoints, tp1):
+    """HF with norm_topk_prob switched computes logits far from ours: we follow the checkpoint's setting, both ways."""
+    flipped = not _model_cfg(name).norm_topk_prob
+    changed = _hf_logits(checkpoints[name], name, norm_topk_prob=flipped)
+    assert (changed - tp1[name][0].logits).abs().max().item() > 100 * TOLERANCE
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama3", "llama3_tied"])
+@pytest.mark.parametrize("name", ["llama3", "llama3_tied", "qwen3"])
 def test_dense_layouts_match_hf(name, checkpoints):
     results = _run(name, checkpoints, [trainer_layout(tp=2), trainer_layout(pp=2)], world_size=2)
     _check_against_hf(name, checkpoints, results)
 
 
+MOE_LAYOUTS = [trainer_layout(tp=2), trainer_layout(pp=2), trainer_layout(ep=2), trainer_layout(tp=2, ep=2),
+               trainer_layout(tp=2, ep=2, expert_tp=1)]
+
+
+def _check_moe_layouts(name, checkpoints, tp1, results) -> None:
+    _check_against_hf(name, checkpoints, results)
+    single = tp1[name][0]
+    for result, *_ in results:  # the same loss and grad norm as one process
+        assert result.loss == pytest.approx(single.loss, rel=1e-6), f"{name} {result.layout}"
+        assert result.grad_norm == pytest.approx(single.grad_norm, rel=1e-5), f"{name} {result.layout}"
+
+
 @pytest.mark.slow
 def test_moe_layouts_match_hf_and_each_other(checkpoints, tp1):
-    layouts = [trainer_layout(tp=2), trainer_layout(pp=2), trainer_layout(ep=2), trainer_layout(tp=2, ep=2), trainer_layout(tp=2, ep=2, expert_tp=1)]
-    results = _run("llama4", checkpoints, layouts, world_size=4)
-    _check_against_hf("llama4", checkpoints, results)
-    single = tp1["llama4"][0]
-    for result, *_ in results:  # the same loss and grad norm as one process
-        assert result.loss == pytest.approx(single.loss, rel=1e-6), result.layout
-        assert result.grad_norm == pytest.approx(single.grad_norm, rel=1e-5), result.layout
+    _check_moe_layouts("llama4", checkpoints, tp1, _run("llama4", checkpoints, MOE_LAYOUTS, world_size=4))
 
 
-def _odd_vocabulary_worker(rank, checkpoints):
-    return [_layouts_worker(rank, _model_cfg(name).model_dump_json(), checkpoints[name], [trainer_layout(tp=2)],
-                            *_tokens(name)) for name in ODD_VOCAB_MODELS]
+def _models_worker(rank, checkpoints, names, layouts):
+    """Each model of `names` at each of `layouts`, in turn, on one set of workers."""
+    return [_layouts_worker(rank, _model_cfg(name).model_dump_json(), checkpoints[name], layouts, *_tokens(name))
+            for name in names]
+
+
+def _run_models(checkpoints, names, layouts, world_size) -> dict[str, list]:
+    per_rank = run_local_workers(_models_worker, world_size, checkpoints, names, layouts, timeout_s=600)
+    return {name: _merge_ranks([r[index] for r in per_rank], len(layouts)) for index, name in enumerate(names)}
+
+
+@pytest.mark.slow
+def test_qwen3_moe_layouts_match_hf_and_each_other(checkpoints, tp1):
+    """Both routings (norm_topk_prob true on dense + routed layers, false on routed ones only) at every MoE layout."""
+    for name, results in _run_models(checkpoints, QWEN3_MOE_MODELS, MOE_LAYOUTS, world_size=4).items():
+        _check_moe_layouts(name, checkpoints, tp1, results)
 
 
 @pytest.mark.slow
 def test_odd_vocabulary_at_tp2_matches_hf(checkpoints):
     """TP2 splits the 384 padded rows 192 + 192: rank 1 holds tokens 192..262 and 121 padding rows."""
-    per_rank = run_local_workers(_odd_vocabulary_worker, 2, checkpoints, timeout_s=600)
-    for index, name in enumerate(ODD_VOCAB_MODELS):
-        _check_against_hf(name, checkpoints, _merge_ranks([r[index] for r in per_rank], 1))
+    for name, results in _run_models(checkpoints, ODD_VOCAB_MODELS, [trainer_layout(tp=2)], world_size=2).items():
+        _check_against_hf(name, checkpoints, results)
 
 
 def _head_checks(rank: int, model_cfg_json: str) -> dict:

@@ -39,6 +39,27 @@ def test_verify_logits_tp1(moe_dir):
     assert report["loss_megatron"] == pytest.approx(report["loss_hf"], rel=1e-5)
 
 
+@pytest.fixture(scope="module")
+def qwen3_dirs(tmp_path_factory) -> dict[str, str]:
+    """Random Qwen3 (tied embeddings) and Qwen3-MoE (8 experts, top-2) checkpoints, written by transformers."""
+    root = tmp_path_factory.mktemp("qwen3")
+    small = dict(num_layers=2, hidden_size=64, ffn_hidden_size=64, vocab_size=128)
+    dirs = {}
+    for preset, update in (("tiny_qwen3", small), ("tiny_qwen3_moe", {**small, "moe_ffn_hidden_size": 32})):
+        model_cfg = load_recipe("scalerl", model_preset=preset).model.model_copy(update=update)
+        dirs[preset] = str(save_random_hf_model(model_cfg, root / preset, seed=1, std=0.1))
+    return dirs
+
+
+@pytest.mark.parametrize("preset", ["tiny_qwen3", "tiny_qwen3_moe"])
+def test_verify_logits_qwen3(preset, qwen3_dirs):
+    """Both Qwen3 families verify (model_type qwen3 / qwen3_moe); no attention chunk, so 64 tokens by default."""
+    report = _report(_scalerl("verify", "logits", "--hf", qwen3_dirs[preset]))
+    assert report["layout"] == "TP1xPP1xEP1" and report["seq_len"] == 64
+    assert report["ok"] and report["max_abs_diff"] <= 1e-4
+    assert report["loss_megatron"] == pytest.approx(report["loss_hf"], rel=1e-5)
+
+
 @pytest.mark.slow
 def test_verify_logits_tp2_ep2(moe_dir):
     report = _report(_scalerl("verify", "logits", "--hf", moe_dir, "--tp", "2", "--ep", "2"))

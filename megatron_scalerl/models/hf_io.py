@@ -110,14 +110,18 @@ def hf_model_config(model_cfg: ModelConfig, **extra: Any):
 
 
 def hf_tensor_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape for `model_cfg`, as transformers builds the model (on the meta device: no memory);
-    the oracle a checkpoint's stored shapes are checked against."""
+    """HF tensor name -> shape for `model_cfg`, as transformers writes a checkpoint of it (built on the meta device:
+    no memory); the oracle a checkpoint's stored shapes are checked against. transformers 5 holds some models' experts
+    fused in memory (Qwen3-MoE's `mlp.experts.gate_up_proj`) and writes them one tensor per expert, as released
+    checkpoints have them: the names are the written ones."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_model_config(model_cfg))
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+        state = revert_weight_conversion(model, model.state_dict())
+    return {name: tuple(tensor.shape) for name, tensor in state.items()}
 
 
 def save_random_hf_model(model_cfg: ModelConfig, directory: str | Path, *, seed: int, std: float = 0.02) -> Path:
