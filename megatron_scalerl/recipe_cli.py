@@ -56,7 +56,13 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _plan(recipe: rc.Recipe, gpu_gib: float, as_json: bool) -> int:
-    """Exit 0 when both layouts fit GPUs of `gpu_gib` GiB, else 1."""
+    """Exit 0 when both layouts fit GPUs of `gpu_gib` GiB, else 1; a layout that does not fit comes with the
+    layout changes (`--set`) after which it would (`models.memory_advice`)."""
+    from megatron_scalerl.models.memory_advice import (  # deferred: torch (every scalerl command imports this module)
+        generator_changes,
+        kv_change,
+        trainer_changes,
+    )
     from megatron_scalerl.models.memory_plan import (  # deferred: torch (every scalerl command imports this module)
         VLLM_GPU_MEMORY_UTILIZATION,
         generator_plan,
@@ -65,18 +71,21 @@ def _plan(recipe: rc.Recipe, gpu_gib: float, as_json: bool) -> int:
     )
 
     p = recipe.parallelism
-    plans = [(trainer_plan(recipe), 1.0), (generator_plan(recipe), VLLM_GPU_MEMORY_UTILIZATION)]
+    plans = [(trainer_plan(recipe), 1.0, trainer_changes(recipe, gpu_gib)),
+             (generator_plan(recipe), VLLM_GPU_MEMORY_UTILIZATION, generator_changes(recipe, gpu_gib))]
     sequences = kv_sequences(recipe, gpu_gib)
-    fits = all(plan.fits(gpu_gib, usable) for plan, usable in plans)
+    fits = all(plan.fits(gpu_gib, usable) for plan, usable, _ in plans)
     if as_json:
         print(json.dumps({"recipe": recipe.name, "gpu_gib": gpu_gib, "fits": fits, "kv_sequences": sequences,
-                          "plans": [plan.as_dict() for plan, _ in plans]}))
+                          "plans": [{**plan.as_dict(), "changes": [c.as_dict() for c in changes]}
+                                    for plan, _, changes in plans]}))
         return 0 if fits else 1
     experts = f" ep{p.ep} etp{p.expert_tp_size}" if recipe.model.is_moe else ""
-    print(f"{recipe.name}: {recipe.model.arch}, trainer tp{p.tp} pp{p.pp}{experts} "
+    sp = " sp" if p.sequence_parallel and p.tp > 1 else ""
+    print(f"{recipe.name}: {recipe.model.arch}, trainer tp{p.tp}{sp} pp{p.pp}{experts} "
           f"dp{p.dp_size(recipe.cluster.trainer_gpus)} on {recipe.cluster.trainer_gpus} GPUs, recompute {p.recompute}; "
           f"generators tp{p.generator_tp} on {recipe.cluster.generator_gpus} GPUs; per-GPU GiB against {gpu_gib:g}")
-    for plan, usable in plans:
+    for plan, usable, changes in plans:
         print(f"  {plan.what}")
         for part, size in plan.parts.items():
             print(f"    {part:<38} {size / 2**30:8.2f}")
@@ -84,8 +93,26 @@ def _plan(recipe: rc.Recipe, gpu_gib: float, as_json: bool) -> int:
         print(f"    {'total':<38} {plan.total_gib:8.2f}  {verdict} ({usable:.0%} of {gpu_gib:g} GiB)")
         for note in plan.notes:
             print(f"    ({note})")
-    print(f"  generator KV cache: {sequences} full-length sequences at once per server")
+        if not plan.fits(gpu_gib, usable):
+            _print_changes(changes, gpu_gib * usable, recipe.cluster.gpus_per_node)
+    share = -(-recipe.samples_per_step // recipe.generator_servers)
+    print(f"  generator KV cache: {sequences} full-length sequences at once per server ({recipe.generator_servers} "
+          f"servers; a step's {recipe.samples_per_step} samples are {share} per server)")
+    if (more := kv_change(recipe, gpu_gib)) is not None:
+        print(f"    (the rest of a server's share waits; --set {more[0]} holds {more[1]} of {more[2]} per server)")
     return 0 if fits else 1
+
+
+def _print_changes(changes: list, usable_gib: float, gpus_per_node: int) -> None:
+    """What to `--set` so that a plan that does not fit would (`models.memory_advice.Change`s)."""
+    if not changes:
+        print(f"    no layout change within a node's {gpus_per_node} GPUs applies: larger GPUs (--gpu-gib), shorter "
+              f"sequences (rollout.max_prompt_tokens, max_new_tokens) or a smaller model")
+        return
+    fitting = any(c.fits for c in changes)
+    print(f"    to fit {usable_gib:.1f} GiB, {'any one of' if fitting else 'nothing tried does; the closest'}:")
+    for c in changes:
+        print(f"      {' '.join('--set ' + s for s in c.settings):<62} {c.total_gib:8.2f} GiB  {c.why}")
 
 
 def _diff(args: argparse.Namespace) -> int:

@@ -1,13 +1,15 @@
 """HF <-> Megatron mapping tables, HF configs, RoPE frequencies and Llama-4 attention helpers (no process groups).
 
-Oracles: transformers' own models/configs/RoPE code, the released Llama-3.1-8B / Llama-4-Scout configs, and
-masked attention written out directly.
+Oracles: transformers' own models/configs/RoPE code and the checkpoints it writes, the released Llama-3.1-8B /
+Llama-4-Scout / Qwen3-0.6B / Qwen3-8B / Qwen3-30B-A3B / Qwen3-235B-A22B configs, and masked attention written out
+directly.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -43,6 +45,49 @@ LLAMA4_SCOUT_TEXT = {
 }
 
 
+# The released config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-30B-A3B (transformers-4.51 spelling: rope_theta and
+# rope_scaling, num_experts).
+QWEN3_0_6B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
+    "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+# The released config.json of Qwen/Qwen3-8B and Qwen/Qwen3-235B-A22B (the same spelling).
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 12288, "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+    "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+QWEN3_235B_A22B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 40960,
+    "max_window_layers": 94, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 1536,
+    "norm_topk_prob": True, "num_attention_heads": 64, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 94, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
 def model_cfg(preset: str):
     return load_recipe("scalerl", model_preset=preset).model
 
@@ -63,6 +108,9 @@ def test_hf_config_round_trip(preset):
 def test_presets_have_the_released_dimensions():
     assert model_config_from_hf(LLAMA31_8B) == model_cfg("llama3_8b")
     assert model_config_from_hf(LLAMA4_SCOUT_TEXT) == model_cfg("llama4_scout_17b_16e")
+    assert model_config_from_hf(QWEN3_8B) == model_cfg("qwen3_8b")
+    assert model_config_from_hf(QWEN3_30B_A3B) == model_cfg("qwen3_30b_a3b")
+    assert model_config_from_hf(QWEN3_235B_A22B) == model_cfg("qwen3_235b_a22b")
 
 
 @pytest.mark.parametrize(
@@ -79,6 +127,28 @@ def test_hf_config_refusals(change, message):
         model_config_from_hf({**LLAMA31_8B, **change}, "x/config.json")
 
 
+@pytest.mark.parametrize(
+    "released, change, message",
+    [
+        (QWEN3_0_6B, {"use_sliding_window": True}, "use_sliding_window=true is not supported"),
+        (QWEN3_0_6B, {"layer_types": ["full_attention"] * 27 + ["sliding_attention"]},
+         "layer_types ['full_attention', 'sliding_attention'] is not supported"),
+        (QWEN3_0_6B, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+         "rope_scaling rope_type 'yarn' is not supported"),
+        (QWEN3_0_6B, {"attention_bias": True}, "attention_bias=True is not supported"),
+        (QWEN3_30B_A3B, {"mlp_only_layers": [0, 2, 3]},
+         "mlp_only_layers (with decoder_sparse_step 1) is not a regular every-N-th-layer pattern"),
+        (QWEN3_30B_A3B, {"num_experts": None}, "num_experts is missing"),
+    ],
+)
+def test_qwen3_config_refusals(released, change, message):
+    """What Qwen3 models could say but ours do not compute is refused, naming the file and the field."""
+    config = {key: value for key, value in {**released, **change}.items() if key not in change or value is not None}
+    with pytest.raises(UserError) as refused:
+        model_config_from_hf(config, "x/config.json")
+    assert str(refused.value).startswith(f"x/config.json: {message}")
+
+
 def test_irregular_llama4_layer_patterns_are_refused():
     with pytest.raises(UserError, match="moe_layers is not a regular"):
         model_config_from_hf({**LLAMA4_SCOUT_TEXT, "moe_layers": [0, 5]})
@@ -86,11 +156,15 @@ def test_irregular_llama4_layer_patterns_are_refused():
         model_config_from_hf({**LLAMA4_SCOUT_TEXT, "no_rope_layers": [1, 0, 0] + [1] * 45})
 
 
-@pytest.mark.parametrize("preset", ["tiny_dense", "tiny_moe"])
-def test_mapping_names_cover_the_hf_model(preset):
-    cfg = model_cfg(preset).model_copy(update={"moe_layer_interval": 2} if preset == "tiny_moe" else {})
-    hf = AutoModelForCausalLM.from_config(hf_config(cfg))
-    assert sorted(mapping.hf_parameter_names(cfg)) == sorted(hf.state_dict())
+@pytest.mark.parametrize("preset", ["tiny_dense", "tiny_moe", "tiny_qwen3", "tiny_qwen3_moe"])
+def test_mapping_names_cover_the_hf_model(preset, tmp_path):
+    """Our HF names are the tensors transformers writes (save_pretrained): no lm_head.weight when tied (tiny_qwen3),
+    one tensor per expert for Qwen3-MoE (held fused in transformers-5's memory); MoE presets with dense layers too."""
+    cfg = model_cfg(preset)
+    cfg = cfg.model_copy(update={"moe_layer_interval": 2}) if cfg.is_moe else cfg
+    AutoModelForCausalLM.from_config(hf_config(cfg)).save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as written:
+        assert sorted(mapping.hf_parameter_names(cfg)) == sorted(written.keys())
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -28,6 +28,9 @@ class LayerPlan:
     qk_norm: Literal["l2", "rms"] | None
     attention_chunk: int | None  # tokens: a query sees only its own chunk of the sequence; None: the whole prefix
     shared_expert: bool = False  # MoE layers: a shared expert of `moe_ffn_hidden_size` beside the routed ones
+    # MoE layers: the router's weight scales each routed token before its expert (Llama-4); False: it scales the
+    # expert's output
+    expert_input_weighted: bool = False
 
 
 @dataclass(frozen=True)

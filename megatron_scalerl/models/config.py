@@ -56,6 +56,7 @@ def transformer_config(
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
             moe_layer_freq=[int(plan.moe) for plan in layers],
+            moe_apply_probs_on_input=any(plan.expert_input_weighted for plan in layers if plan.moe),
             # each router asks its RouterReplay for its top-k; with no replay action set (the default) it computes
             # its own, unchanged. The trainer sets the actions (trainer/routing_replay.py).
             moe_enable_routing_replay=True,

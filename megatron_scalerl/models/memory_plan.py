@@ -1,25 +1,29 @@
 """Will it fit: per-GPU memory of the trainer's layout and of a generator's, from the recipe alone (pure arithmetic).
 What differs between model families comes per layer from the family's `LayerPlan` (`families.layer_plan`): a MoE
-or a dense MLP, QK norm, and the attention chunk that bounds the scores unfused attention keeps.
+or a dense MLP (a shared expert; where the router's weight applies), QK norm, RoPE, and the attention chunk that
+bounds the scores unfused attention keeps.
 
 Trainer, per GPU of the most loaded pipeline stage (bytes):
 - weights: the stage's share of parameters (dense ones / tp, routed experts / (ep x expert_tp), embedding and output
-  layer / tp on their stages) x 2 in bf16 or 4 in fp32 (the FP32 head always 4);
+  layer / tp on their stages) x 2 in bf16 or 4 in fp32 (the FP32 head always 4; a tied embedding is the head, and a
+  pipeline's last stage holds a copy of it);
 - gradients: 4 bytes per parameter (Megatron's main grads are FP32: grad_reduce_in_fp32);
 - optimizer: Adam's two moments (+ the FP32 master copy in bf16) = 8 (12) bytes per parameter, sharded over the
   parameter's data-parallel group by the distributed optimizer (experts: the expert-data-parallel group);
 - activations of the micro-batches in flight (1F1B keeps `pp` of them on the first stage: the stage's layers x pp =
   all layers' worth of one micro-batch) at micro_batch_size x (max_prompt_tokens + max_new_tokens) tokens: per layer
-  the tensors autograd keeps (norm inputs, q/k/v, attention output, MLP inputs, SwiGLU halves, expert copies of the
-  routed tokens), split by tp (sequence parallelism splits the rest), or with full recomputation the layer inputs
-  only plus one layer's working set; Transformer Engine kernels (GPU: flash attention, no scores kept) or torch
+  the tensors autograd keeps (norm inputs, q/k/v and their norms, RoPE's cos and sin, attention output, MLP inputs,
+  SwiGLU halves, the router's scores and the top-k copies of each routed token, gathered over expert TP), split by
+  tp (sequence parallelism splits the rest), or with full recomputation the layer inputs only plus one layer's
+  working set; Transformer Engine kernels (GPU: flash attention, no scores kept) or torch
   ones (CPU: unfused attention keeps rows x heads x seq x window scores; tests/test_memory_plan.py measures these);
 - the FP32 head's chunked log-probs: 1024-token chunks of FP32 logits (forward, softmax, gradient);
 - a fixed runtime reserve (CUDA context, NCCL buffers, allocator slack).
 
 Generator (one vLLM server of generator_tp GPUs), per GPU: all weights / generator_tp (the head FP32 with
-`fp32_lm_head`), the KV cache of at least one sequence at full length (max_prompt_tokens + max_new_tokens; the rest
-of the GPU up to vLLM's gpu_memory_utilization, 0.9, holds more: `kv_sequences`), and the runtime reserve.
+`fp32_lm_head`; a tied one an FP32 copy beside the embedding), the KV cache of at least one sequence at full length
+(max_prompt_tokens + max_new_tokens; the rest of the GPU up to vLLM's gpu_memory_utilization, 0.9, holds more:
+`kv_sequences`), and the runtime reserve.
 """
 
 from __future__ import annotations
@@ -93,10 +97,10 @@ def param_counts(recipe: Recipe, tp: int = 1) -> ParamCounts:
     return ParamCounts(dense, experts, vocab, 0 if m.tie_word_embeddings else vocab, h)
 
 
-def _norm_bytes(recipe: Recipe, kernels: str) -> float:
-    """Bytes an RMSNorm keeps per token: its input and 1/rms (Transformer Engine), or, computed in FP32 by torch
-    ops, the FP32 input and normalised copy and 1/rms."""
-    h, b = recipe.model.hidden_size, _body_bytes(recipe, kernels)
+def _norm_bytes(recipe: Recipe, kernels: str, width: int | None = None) -> float:
+    """Bytes an RMSNorm over `width` values (default: hidden_size) keeps per normalised vector: its input and 1/rms
+    (Transformer Engine), or, computed in FP32 by torch ops, the FP32 input and normalised copy and 1/rms."""
+    h, b = width or recipe.model.hidden_size, _body_bytes(recipe, kernels)
     return 8 * h + 4 if kernels == "torch" else b * h + 4
 
 
@@ -113,7 +117,9 @@ def _layer_activation_bytes(recipe: Recipe, rows: int, seq: int, layer: int, ker
     kernels "transformer_engine" (GPUs): fused norms, flash attention (no scores kept, K and V at their query
     groups), SwiGLU keeping its input and output. "torch" (CPUs, megatron's local layers): norms in FP32, unfused
     attention (K and V expanded to every head, FP32 scores and the probabilities kept: rows x heads x seq x window),
-    eager SwiGLU (its input, both halves and its output). With full recomputation: the layer's input only."""
+    eager SwiGLU (its input, both halves and its output). Both: the unfused RoPE keeps its cos and sin cast to the
+    body dtype, for q and for k (seq x head_dim each, whatever the rows). With full recomputation: the layer's input
+    only."""
     m, par = recipe.model, recipe.parallelism
     b, tp, h, hd = _body_bytes(recipe, kernels), par.tp, m.hidden_size, m.head_dim
     heads, groups = m.num_attention_heads, m.num_query_groups
@@ -126,21 +132,40 @@ def _layer_activation_bytes(recipe: Recipe, rows: int, seq: int, layer: int, ker
     kv_heads = heads if torch_kernels else groups
     attention = b * (2 * heads + 2 * kv_heads) * hd + (0 if torch_kernels else 4 * heads)  # q k v, output, (lse)
     plan = layer_plan(m, layer)
-    if plan.qk_norm:  # q/k norm (L2 or RMS) in FP32: the FP32 copies and their norms
+    if plan.qk_norm == "l2":  # megatron's L2Norm, in FP32 on both kernels: the FP32 copy and its norm, per head
         attention += 4 * (heads + groups) * (hd + 1)
+    elif plan.qk_norm == "rms":  # an RMSNorm over each q and k head, kept as the hidden-state norms keep theirs
+        attention += (heads + groups) * _norm_bytes(recipe, kernels, hd)
     swiglu = 5 if torch_kernels else 3  # x f: FC1's output (2f) and FC2's input (f), eager: gate and up copies
-    if plan.moe:  # balanced routing: each token's top-k copies through an expert, a shared expert if any
-        f = m.moe_ffn_hidden_size / par.expert_tp_size
+    if plan.moe:
         shared = swiglu * b * m.moe_ffn_hidden_size / tp if plan.shared_expert else 0
-        mlp = (m.moe_router_topk * (2 * b * h + swiglu * b * f) + shared
-               + (4 + b) * m.num_experts + b)  # routed copies in and out, shared expert, router logits and probs
+        mlp = shared + _routed_bytes(recipe, layer, kernels) / sequence_split
     else:
         mlp = swiglu * b * m.ffn_hidden_size / tp
     total = tokens * (replicated / sequence_split + attention / tp + mlp)
+    if plan.rope:
+        total += 4 * seq * hd * b
     if torch_kernels:  # the unfused attention's FP32 scores and probabilities
         window = min(seq, plan.attention_chunk) if plan.attention_chunk else seq
         total += rows * heads / tp * seq * window * (4 + b)
     return total
+
+
+def _routed_bytes(recipe: Recipe, layer: int, kernels: str) -> float:
+    """Bytes a MoE layer's router and routed experts keep per token of a rank's sequence slice, routing balanced.
+
+    The router: FP32 scores of every expert (sigmoid, or a softmax before the top-k; a softmax after the top-k keeps
+    only k of them: counted as every expert's, a bound) and the routing map (experts x body bytes). Each of the
+    token's top-k copies: the expert's input (and, when the router's weight scales the input, `LayerPlan.
+    expert_input_weighted`, the scaled copy), its weight, and the expert's SwiGLU at moe_ffn_hidden_size /
+    expert_tp (eager, weighting the output: also the weighted product). Expert TP gathers the routed tokens of its
+    expert_tp ranks, so each rank runs expert_tp slices' worth of copies."""
+    m, par = recipe.model, recipe.parallelism
+    b, f = _body_bytes(recipe, kernels), m.moe_ffn_hidden_size / par.expert_tp_size
+    weighted_input = layer_plan(m, layer).expert_input_weighted
+    swiglu = 3 if kernels == "transformer_engine" else 5 if weighted_input else 6
+    per_copy = b * m.hidden_size * (2 if weighted_input else 1) + b + swiglu * b * f
+    return (4 + b) * m.num_experts + m.moe_router_topk * par.expert_tp_size * per_copy
 
 
 def trainer_plan(recipe: Recipe, *, recompute: bool | None = None,
@@ -157,9 +182,12 @@ def _stage_plan(recipe: Recipe, first: bool, last: bool, recompute: bool | None,
     recompute = par.recompute == "full" if recompute is None else recompute
     counts = param_counts(recipe, par.tp)
     layers = range(m.num_layers // par.pp) if first else range(m.num_layers - m.num_layers // par.pp, m.num_layers)
-    dense = sum(counts.dense_per_layer[i] for i in layers) / par.tp + (counts.embedding / par.tp if first else 0)
-    experts = sum(counts.experts_per_layer[i] for i in layers) / (par.ep * par.expert_tp_size)
+    embedding = counts.embedding / par.tp if first else 0.0
     head = counts.output / par.tp if last else 0.0
+    if m.tie_word_embeddings:  # the embedding is the head; a pipeline's last stage holds a copy of it
+        head, embedding = embedding + (counts.embedding / par.tp if last and not first else 0.0), 0.0
+    dense = sum(counts.dense_per_layer[i] for i in layers) / par.tp + embedding
+    experts = sum(counts.experts_per_layer[i] for i in layers) / (par.ep * par.expert_tp_size)
     final_norm = counts.final_norm if last else 0.0
     weight_bytes = _body_bytes(recipe, kernels)
     bf16 = weight_bytes == 2
@@ -179,6 +207,8 @@ def _stage_plan(recipe: Recipe, first: bool, last: bool, recompute: bool | None,
     in_flight = min(par.pp, micro_batches) if first else 1  # 1F1B: the first stage holds pp micro-batches
     per_layer = [_layer_activation_bytes(recipe, rows, seq, i, kernels, recompute) for i in layers]
     activations = sum(per_layer) * in_flight
+    if recompute and any(layer_plan(m, i).rope for i in layers):  # the FP32 RoPE table the checkpoints keep, once
+        activations += seq * m.head_dim * 4
     if last:  # the final norm's
         activations += tokens * _norm_bytes(recipe, kernels) / (par.tp if par.sequence_parallel and par.tp > 1 else 1)
     plan.parts["layer inputs (full recompute)" if recompute else "activations"] = activations
@@ -202,7 +232,10 @@ def generator_plan(recipe: Recipe) -> MemoryPlan:
     serve_bytes = _body_bytes(recipe)
     head_bytes = 4 if recipe.trainer.fp32_lm_head else serve_bytes
     plan = MemoryPlan("generator")
-    plan.parts["weights"] = ((counts.total - counts.output) * serve_bytes + counts.output * head_bytes) / tp
+    head = counts.output
+    if recipe.model.tie_word_embeddings and head_bytes != serve_bytes:  # an FP32 copy beside the embedding
+        head = counts.embedding
+    plan.parts["weights"] = ((counts.total - counts.output) * serve_bytes + head * head_bytes) / tp
     plan.parts["kv cache, one full-length sequence"] = kv_bytes_per_sequence(recipe)
     plan.parts["runtime reserve"] = RUNTIME_RESERVE_GIB * GIB
     plan.notes.append(f"tp {tp}; a sequence is up to {_sequence_tokens(recipe)} tokens; vLLM may use "

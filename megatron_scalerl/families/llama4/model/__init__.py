@@ -49,7 +49,7 @@ def _layer_spec(model_cfg: ModelConfig, layer: int) -> ModuleSpec:
 
 def _config_fields(model_cfg: ModelConfig) -> dict[str, Any]:
     """Llama-4's own TransformerConfig fields: L2 q/k norm, the attention settings `attention.py` reads, and its
-    routing (sigmoid score of the one chosen expert, multiplied into the expert's input; a shared expert)."""
+    routing (sigmoid score of the one chosen expert; a shared expert)."""
     fields: dict[str, Any] = dict(
         qk_l2_norm=model_cfg.use_qk_norm,
         attention_chunk_size=model_cfg.attention_chunk_size,
@@ -57,8 +57,8 @@ def _config_fields(model_cfg: ModelConfig) -> dict[str, Any]:
         attn_floor_scale=model_cfg.floor_scale,
         attn_temperature_scale=model_cfg.attn_scale,
     )
-    if model_cfg.is_moe:
-        fields.update(moe_router_score_function="sigmoid", moe_apply_probs_on_input=True,
+    if model_cfg.is_moe:  # (the score multiplies the expert's input: LayerPlan.expert_input_weighted)
+        fields.update(moe_router_score_function="sigmoid",
                       moe_shared_expert_intermediate_size=model_cfg.moe_ffn_hidden_size)
     return fields
 
