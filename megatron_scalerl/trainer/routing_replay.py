@@ -14,7 +14,10 @@ model's config: `models.config`) around each micro-batch's forward pass:
   `set_target_indices` it calls is used directly;
 - replay on (`algorithm.routing_replay`): action REPLAY_FORWARD. The router then uses the given top-k and gathers
   its own scores at those experts (`scores.gather`), so the gate still gets its gradient through the replayed
-  experts' scores; megatron queues each target for recomputation;
+  experts' scores; megatron queues each target for recomputation. With softmax routing (Qwen3-MoE) the scores
+  gathered are the logits, softmaxed over the k (`moe_router_pre_softmax` false: HF's `norm_topk_prob`, a softmax
+  renormalised over the chosen experts), or the softmax over all experts (pre-softmax true: unnormalised). The k
+  weights are scattered into [tokens, experts], so the order of a token's k ids does not matter;
 - after the forward: action REPLAY_BACKWARD, so activation recomputation (`parallelism.recompute: full`) replays
   the same targets in backward (each layer pops its queue first in, first out: megatron's schedules run the
   backward passes in the order of the forward passes); without recomputation the queue is dropped at once.
@@ -29,11 +32,11 @@ it from the same scores (a top-k over num_experts scores per token). Under repla
 hidden states that earlier layers computed with the replayed routes, so the figure counts per-layer disagreement;
 without replay a flip also changes what the later layers see.
 
-Load-balancing losses: our Llama-4 family has none (`moe_router_load_balancing_type: none`). In a family with one,
-megatron-core computes the aux loss from the router's full scores and its own top-k (`compute_routing_scores_for_
-aux_loss`, independent of the replayed indices), so under replay it still pushes the gate toward balanced own
-choices, while the experts train on the generator's; the same holds for a z-loss. An expert-bias (aux-loss-free)
-update counts the replayed routing map instead.
+Load-balancing losses: our Llama-4 family has none (`moe_router_load_balancing_type: none`), Qwen3-MoE's is off
+unless `model.moe_aux_loss_coeff` is set. With one, megatron-core computes the aux loss from the router's full scores
+and its own top-k (`compute_routing_scores_for_aux_loss`, independent of the replayed indices), so under replay it
+still pushes the gate toward balanced own choices, while the experts train on the generator's; the same holds for a
+z-loss. An expert-bias (aux-loss-free) update counts the replayed routing map instead.
 """
 
 from __future__ import annotations
