@@ -87,9 +87,11 @@ def test_weight_sync_vs_disk_bench():
     assert all(positive(r["seconds"]) for r in figures["results"].values())
 
 
-def test_generation_bench():
+@pytest.mark.parametrize("model", [(), ("--preset", "tiny_qwen3_moe")], ids=["dense", "tiny_qwen3_moe"])
+def test_generation_bench(model):
     figures = run_bench("generation.py", "--prompts", "4", "--prompt-tokens", "8", "--max-tokens", "8",
-                        "--max-num-seqs", "4", "--repeats", "1")
+                        "--max-num-seqs", "4", "--repeats", "1", *model)
+    assert figures["model"] == (model[1] if model else "dense")
     assert 0 < figures["fleet_tokens"] == figures["offline_tokens"] <= 4 * 8  # seeded: both sides sample the same
     assert positive(figures["ratio_tokens_per_s"])
 
@@ -110,13 +112,24 @@ def test_pipeline_bench():
         assert 0 <= figures[mode]["generator_idle_fraction"] <= 1 and positive(figures[mode]["samples_per_s"])
 
 
-def test_routing_mismatch_bench():
+@pytest.mark.parametrize("preset, arch, top_k", [("tiny_moe", "llama4", 1), ("tiny_qwen3_moe", "qwen3_moe", 2)])
+def test_routing_mismatch_bench(preset, arch, top_k):
     """fp32 on both sides: the trainer's log-probs are the generator's, routed itself or replaying (at any size)."""
-    figures = run_bench("routing_mismatch.py", "--precision", "fp32", "--prompts", "2", "--samples", "2",
-                        "--max-tokens", "16")
+    figures = run_bench("routing_mismatch.py", "--model-preset", preset, "--precision", "fp32", "--prompts", "2",
+                        "--samples", "2", "--max-tokens", "16")
     assert figures["samples"] == 4 and figures["completion_tokens"] > 0
+    assert (figures["arch"], figures["top_k"]) == (arch, top_k)
     for arm in ("own_routing", "replay"):
         assert figures[arm]["routing_agreement"] == 1.0 and figures[arm]["max_abs_dlogprob"] < 1e-4, figures
+
+
+def test_tied_head_mismatch_bench():
+    """fp32 on both sides: the trainer's log-probs are the generator's, tied embeddings or not."""
+    figures = run_bench("tied_head_mismatch.py", "--precision", "fp32", "--prompts", "2", "--samples", "2",
+                        "--max-tokens", "16")
+    assert figures["resolved_precision"] == "fp32" and figures["generator_dtype"] == "float32"
+    for variant in ("tied", "untied"):
+        assert figures[variant]["tokens"] > 0 and figures[variant]["max_abs_dlogprob"] < 1e-4, figures
 
 
 def test_checkpoint_stall_bench():

@@ -15,10 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from megatron_scalerl.checkpoint.sharded import checkpoint_model_config
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.models.convert import (
     HF_EXTRAS_DIR,
     hf_to_megatron,
+    megatron_dtypes,
     megatron_to_hf,
     verify_hf_checksums,
 )
@@ -49,13 +51,15 @@ def _write_tokenizer(directory: Path) -> None:
 
 
 def _hf_model(directory: Path, preset: str, *, head_fp32: bool = False) -> Path:
-    """A tiny HF checkpoint with a 263-token vocabulary and a tokenizer; bf16 body (+ an FP32 head if asked)."""
+    """A tiny HF checkpoint with a 263-token vocabulary and a tokenizer; bf16 body (+ an FP32 head if asked: the
+    embedding when the preset ties them)."""
     from megatron_scalerl.models.hf_io import save_random_hf_model
 
     cfg = load_recipe("scalerl", model_preset=preset).model.model_copy(update={"vocab_size": VOCAB})
     save_random_hf_model(cfg, directory, seed=3)
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     for file in directory.glob("*.safetensors"):
-        tensors = {k: v if head_fp32 and k == "lm_head.weight" else v.bfloat16() for k, v in load_file(file).items()}
+        tensors = {k: v if head_fp32 and k == head else v.bfloat16() for k, v in load_file(file).items()}
         save_file(tensors, file, metadata={"format": "pt"})
     _write_tokenizer(directory)
     return directory
@@ -69,6 +73,11 @@ def dense(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> Path:
     return _hf_model(tmp_path_factory.mktemp("moe") / "hf", "tiny_moe")
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory) -> Path:
+    return _hf_model(tmp_path_factory.mktemp("tied") / "hf", "tiny_qwen3", head_fp32=True)
 
 
 def _scalerl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -112,6 +121,60 @@ def test_moe_converts_at_ep2_and_back_at_tp2_pp2_with_verify(moe, tmp_path):
     assert json.loads(proc.stdout.strip().splitlines()[-1])["ok"]
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 1  # --shard-size 1 MiB split it
     assert differing_tensors(moe, out) == []
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> Path:
+    return _hf_model(tmp_path_factory.mktemp("qwen3") / "hf", "tiny_qwen3")
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory) -> Path:
+    return _hf_model(tmp_path_factory.mktemp("qwen3_moe") / "hf", "tiny_qwen3_moe")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family, to_megatron, to_hf",
+    [("qwen3", ["--tp", "2"], ["--pp", "2"]), ("qwen3_moe", ["--ep", "2"], ["--tp", "2"])],
+)
+def test_qwen3_round_trips_through_the_cli(family, to_megatron, to_hf, request, tmp_path):
+    """Qwen3 (tied embeddings: one tensor, no lm_head.weight, also when the last pipeline stage holds the head) and
+    Qwen3-MoE (one HF tensor per expert, split over 2 expert-parallel ranks, then over TP2) go HF -> Megatron -> HF
+    bit for bit; transformers loads the output and computes exactly the source's logits."""
+    from transformers import AutoModelForCausalLM
+
+    source = request.getfixturevalue(family)
+    meg, out = tmp_path / "meg", tmp_path / "hf2"
+    proc = _scalerl("convert", "hf-to-megatron", "--hf", str(source), "--out", str(meg), *to_megatron)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _scalerl("convert", "megatron-to-hf", "--megatron", str(meg), "--out", str(out), *to_hf)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert differing_tensors(source, out) == []
+    names = {name for file in out.glob("*.safetensors") for name in load_file(file)}
+    if family == "qwen3":
+        assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    else:
+        assert {f"model.layers.3.mlp.experts.7.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")} <= names
+    models = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32) for d in (source, out)]
+    assert type(models[1]).__name__ == {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[family]
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(*(model(ids).logits for model in models))
+
+
+@pytest.mark.slow
+def test_tied_round_trip_at_tp2_and_pp2_keeps_one_fp32_tensor(tied, tmp_path):
+    """Tied embeddings (Qwen3), bf16 body, the shared weight FP32 (it is the FP32 head): written by 2 TP workers,
+    read back by 2 pipeline stages (the last holds the head as a copy of the embedding and exports nothing of it):
+    every tensor comes back bit for bit in its own dtype, the shared one once, and no `lm_head.weight` appears."""
+    meg = hf_to_megatron(tied, tmp_path / "meg", ParallelismConfig(tp=2))
+    assert megatron_dtypes(meg, checkpoint_model_config(meg)) == ("bfloat16", "float32")  # kept FP32 inside
+    out = megatron_to_hf(meg, tmp_path / "hf2", ParallelismConfig(pp=2))
+    assert differing_tensors(tied, out) == []
+    exported = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert "lm_head.weight" not in exported and exported["model.embed_tokens.weight"].dtype == torch.float32
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
 
 
 def _train_from_converted(rank, recipe_yaml: str, run_dir: str, hf_dir: str) -> dict:

@@ -7,8 +7,9 @@ nothing left running; a server that dies ends the command.
 The serving side of the FP32 head in weight sync, on the same server: the sender sends the head in FP32 and the body
 in float16, and the head stays FP32 across reloads (vLLM's layered reload rebuilds layers from recorded metadata,
 which the worker extension `scalerl_fp32_lm_head` re-records): after two syncs the served head is bit for bit the
-FP32 head of the new checkpoint and the greedy outputs are transformers'. The buckets come straight from an HF
-checkpoint; the trainer side is in test_weight_sync_dense.py."""
+FP32 head of the new checkpoint and the greedy outputs are transformers'. The same for tiny_qwen3, whose head is
+its embedding (tied): the head an FP32 copy of the embedding, the shared tensor sent in FP32. The buckets come
+straight from an HF checkpoint; the trainer side is in test_weight_sync_dense.py and test_weight_sync_tied.py."""
 
 from __future__ import annotations
 
@@ -24,14 +25,14 @@ import urllib.request
 import psutil
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.inference.serve_cli import _watch
 from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig
 from megatron_scalerl.platform import free_port
 from megatron_scalerl.weight_sync.export import bucketed
-from megatron_scalerl.weight_sync.protocol import LM_HEAD, checksum, wire_dtype
+from megatron_scalerl.weight_sync.protocol import EMBEDDING, LM_HEAD, checksum, wire_dtype
 from megatron_scalerl.weight_sync.sender import WeightSender, WeightSyncConfig
 from tests.trainer_utils import tiny_hf_checkpoint
 from tests.weight_sync_utils import hf_greedy, server_greedy
@@ -130,8 +131,8 @@ def test_serve_guards_routes_keeps_an_fp32_head_through_syncs_and_stops_cleanly(
                                                       checksums=True, api_key=KEY)).connect()
         try:
             for version in (1, 2):  # the second sync is a reload of a reloaded model
-                buckets = bucketed(((name, t.to(wire_dtype(name, torch.float16, True))) for name, t in weights.items()),
-                                   2**19)
+                buckets = bucketed(((name, t.to(wire_dtype(name, torch.float16, True, tied=False)))
+                                    for name, t in weights.items()), 2**19)
                 assert sender.send(buckets, version).checksums_verified == len(weights)
         finally:
             sender.close()
@@ -142,6 +143,52 @@ def test_serve_guards_routes_keeps_an_fp32_head_through_syncs_and_stops_cleanly(
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert _live_group_members(server_pid) == []  # API server, engine core and workers all gone
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_gives_a_tied_qwen3_an_fp32_head_and_keeps_it_through_syncs(tmp_path):
+    """`scalerl serve` of tiny_qwen3, whose LM head is its embedding (`tie_word_embeddings`), under a float16 body:
+    the generator takes the FP32 head (an FP32 copy of the embedding beside the float16 one) and answers
+    completions as transformers does. Weight syncs send the shared tensor in FP32 (it is the head) and the rest in
+    float16; the served head is then that tensor bit for bit (its values need FP32: float16 would round them), and
+    the completions are the new checkpoint's."""
+    model = tiny_hf_checkpoint(tmp_path / "model", "tiny_qwen3", seed=4)
+    other = tiny_hf_checkpoint(tmp_path / "other", "tiny_qwen3", seed=5)
+    weights = load_file(f"{other}/model.safetensors")
+    weights[EMBEDDING] = weights[EMBEDDING] * (1 + 2**-20)  # off float16's (and bf16's) grid, on FP32's
+    save_file(weights, f"{other}/model.safetensors", metadata={"format": "pt"})
+    assert LM_HEAD not in weights and not torch.equal(weights[EMBEDDING].half().float(), weights[EMBEDDING])
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_scalerl.cli", "serve", "--model", model, "--port", str(port),
+         "--dtype", "float16", "--max-model-len", "256", "--log", str(tmp_path / "vllm.log")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "SCALERL_API_KEY": KEY})
+    try:
+        assert "FP32 LM head" in _read_ready_line(proc, 300)
+        (head,) = request_json(url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=30,
+                               api_key=KEY)["results"]
+        assert head["converted_from"] is None  # serve made it FP32 already
+        _assert_greedy_is_transformers(url, model)
+        sender = WeightSender([url], WeightSyncConfig(bucket_mib=0.5, serving_dtype=torch.float16, timeout_s=30.0,
+                                                      checksums=True, api_key=KEY)).connect()
+        try:
+            for version in (1, 2):  # the second sync is a reload of a reloaded model
+                buckets = bucketed(((name, t.to(wire_dtype(name, torch.float16, True, tied=True)))
+                                    for name, t in weights.items()), 2**19)
+                assert sender.send(buckets, version).checksums_verified == len(weights)
+        finally:
+            sender.close()
+        (head,) = request_json(url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=30,
+                               api_key=KEY)["results"]
+        assert head == {"converted_from": None, "checksum": checksum(weights[EMBEDDING])}  # bit for bit, FP32
+        _assert_greedy_is_transformers(url, other)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

