@@ -127,17 +127,7 @@ def test_serve_guards_routes_keeps_an_fp32_head_through_syncs_and_stops_cleanly(
         # weight syncs (the head sent in FP32, the body in float16) keep the head FP32 across vLLM's layered reloads
         other = tiny_hf_checkpoint(tmp_path / "other", "tiny_dense", seed=5)
         weights = load_file(f"{other}/model.safetensors")
-        sender = WeightSender([url], WeightSyncConfig(bucket_mib=0.5, serving_dtype=torch.float16, timeout_s=30.0,
-                                                      checksums=True, api_key=KEY)).connect()
-        try:
-            for version in (1, 2):  # the second sync is a reload of a reloaded model
-                buckets = bucketed(((name, t.to(wire_dtype(name, torch.float16, True, tied=False)))
-                                    for name, t in weights.items()), 2**19)
-                assert sender.send(buckets, version).checksums_verified == len(weights)
-        finally:
-            sender.close()
-        (head,) = request_json(url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=30,
-                               api_key=KEY)["results"]
+        head = _sync_twice(url, weights, tied=False)
         assert head == {"converted_from": None, "checksum": checksum(weights[LM_HEAD])}  # bit for bit, FP32
         _assert_greedy_is_transformers(url, other)
         proc.send_signal(signal.SIGTERM)
@@ -147,6 +137,23 @@ def test_serve_guards_routes_keeps_an_fp32_head_through_syncs_and_stops_cleanly(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _sync_twice(url: str, weights: dict[str, torch.Tensor], *, tied: bool) -> dict:
+    """Send `weights` to the server at `url` twice (the second sync is a reload of a reloaded model), the head in
+    FP32 and the rest in float16; the server's report of its FP32 head after."""
+    sender = WeightSender([url], WeightSyncConfig(bucket_mib=0.5, serving_dtype=torch.float16, timeout_s=30.0,
+                                                  checksums=True, api_key=KEY)).connect()
+    try:
+        for version in (1, 2):
+            buckets = bucketed(((name, t.to(wire_dtype(name, torch.float16, True, tied=tied)))
+                                for name, t in weights.items()), 2**19)
+            assert sender.send(buckets, version).checksums_verified == len(weights)
+    finally:
+        sender.close()
+    (head,) = request_json(url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=30,
+                           api_key=KEY)["results"]
+    return head
 
 
 def test_serve_gives_a_tied_qwen3_an_fp32_head_and_keeps_it_through_syncs(tmp_path):
@@ -174,17 +181,7 @@ def test_serve_gives_a_tied_qwen3_an_fp32_head_and_keeps_it_through_syncs(tmp_pa
                                api_key=KEY)["results"]
         assert head["converted_from"] is None  # serve made it FP32 already
         _assert_greedy_is_transformers(url, model)
-        sender = WeightSender([url], WeightSyncConfig(bucket_mib=0.5, serving_dtype=torch.float16, timeout_s=30.0,
-                                                      checksums=True, api_key=KEY)).connect()
-        try:
-            for version in (1, 2):  # the second sync is a reload of a reloaded model
-                buckets = bucketed(((name, t.to(wire_dtype(name, torch.float16, True, tied=True)))
-                                    for name, t in weights.items()), 2**19)
-                assert sender.send(buckets, version).checksums_verified == len(weights)
-        finally:
-            sender.close()
-        (head,) = request_json(url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=30,
-                               api_key=KEY)["results"]
+        head = _sync_twice(url, weights, tied=True)
         assert head == {"converted_from": None, "checksum": checksum(weights[EMBEDDING])}  # bit for bit, FP32
         _assert_greedy_is_transformers(url, other)
         proc.send_signal(signal.SIGTERM)
