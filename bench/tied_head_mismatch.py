@@ -20,25 +20,21 @@ torch reports and whether bf16 is native, to write beside the figures. The last 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
+from mismatch_batch import mismatch_figures, sample, scoring_batch  # bench/, beside this script
 from safetensors.torch import load_file, save_file
 
 from megatron_scalerl.http_json import request_json
-from megatron_scalerl.inference.fleet import Fleet, GenerationRequest
 from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig
 from megatron_scalerl.models.hf_io import save_random_hf_model
 from megatron_scalerl.platform import free_port, run_local_workers
 from megatron_scalerl.platform.precision import cpu_bf16_support, resolve_precision
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.rollout.generation import generate_sample
-from megatron_scalerl.rollout.groups import RolloutGroup, build_train_batch
-from megatron_scalerl.tasks.problems import Problem
 
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 MAX_MODEL_LEN = 256
@@ -65,11 +61,6 @@ def untied_twin(tied_dir: Path, out: Path) -> Path:
     return out
 
 
-async def generate(url: str, requests: list[GenerationRequest]):
-    async with Fleet([url]) as fleet:
-        return await asyncio.gather(*(generate_sample(fleet, r, None, think_close_ids=[]) for r in requests))
-
-
 def trainer_logprobs(rank, run_dir, model, precision, tied, batch):
     """In a worker: the trainer's log-probs packed like batch.input_ids [T]."""
     from megatron_scalerl.trainer.role import Trainer
@@ -77,33 +68,19 @@ def trainer_logprobs(rank, run_dir, model, precision, tied, batch):
     return Trainer(run_dir, bench_recipe(model, precision, tied)).forward_backward.logprobs(batch)
 
 
-def figures(logprobs: torch.Tensor, batch) -> dict[str, float]:
-    """The variant's figures over the batch's completion tokens (loss_mask)."""
-    dlog = (logprobs - batch.gen_logprobs)[batch.loss_mask].double()
-    rho = dlog.exp()
-    return {"mismatch_k3": float(f"{(rho - 1 - dlog).mean():.4g}"), "ratio_max": round(float(rho.max()), 6),
-            "max_abs_dlogprob": float(f"{dlog.abs().max():.4g}"), "tokens": int(batch.loss_mask.sum())}
-
-
 def run_variant(model: str, tied: bool, args, prompts: list[list[int]], tmp: Path) -> dict[str, float]:
     """Sample from a server of `model`, score with the trainer: the variant's figures."""
     recipe = bench_recipe(model, args.precision, tied)
-    requests = [GenerationRequest(f"p{p}/{s}", prompt, args.max_tokens)
-                for p, prompt in enumerate(prompts) for s in range(args.samples)]
     config = VLLMServerConfig(model=model, port=free_port(), dtype=args.generator_dtype, max_model_len=MAX_MODEL_LEN,
                               skip_tokenizer_init=True, env=ENV, extra_args=("--block-size", "32", "--tokens-only"))
     with VLLMServer(config, tmp / f"server_{'tied' if tied else 'untied'}.log") as server:
         if args.generator_dtype != "float32":
             request_json(server.url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=120)
-        samples = asyncio.run(generate(server.url, requests))
-    groups = [RolloutGroup(Problem(f"p{p}", "", ""), p, 0, samples[p * args.samples:(p + 1) * args.samples],
-                           [1.0, -1.0] * (args.samples // 2) + [1.0] * (args.samples % 2),
-                           [True, False] * (args.samples // 2) + [True] * (args.samples % 2))
-              for p in range(len(prompts))]  # rewards only to keep every sample: they enter no figure here
-    batch, _ = build_train_batch(groups, batch_index=0, recipe=recipe)
+        samples = sample(server.url, prompts, args.samples, args.max_tokens)
+    batch = scoring_batch(samples, args.samples, recipe)
     [logprobs] = run_local_workers(trainer_logprobs, 1, tmp / f"run_{tied}", model, args.precision, tied, batch,
                                    timeout_s=1200)
-    return figures(logprobs, batch)
+    return mismatch_figures(logprobs, batch)
 
 
 def main() -> None:
@@ -124,9 +101,10 @@ def main() -> None:
     rng = torch.Generator().manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        tied = save_random_hf_model(bench_recipe(None, args.precision, True).model, tmp / "tied", seed=args.seed)
+        model_cfg = bench_recipe(None, args.precision, True).model
+        tied = save_random_hf_model(model_cfg, tmp / "tied", seed=args.seed)
         models = {"tied": str(tied), "untied": str(untied_twin(tied, tmp / "untied"))}
-        vocab = bench_recipe(None, args.precision, True).model.vocab_size
+        vocab = model_cfg.vocab_size
         prompts = [torch.randint(3, vocab, (int(torch.randint(50, 91, (), generator=rng)),), generator=rng).tolist()
                    for _ in range(args.prompts)]
         rows = {variant: run_variant(models[variant], variant == "tied", args, prompts, tmp) for variant in VARIANTS}

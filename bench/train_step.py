@@ -58,7 +58,7 @@ LAYOUTS: dict[str, list[tuple[str, dict[str, int]]]] = {  # name -> (label, para
 def layout_recipe(model: str, sizes: dict[str, int], args: argparse.Namespace) -> Recipe:
     """The scalerl recipe for `model` at `sizes` (tp, pp, ep, dp; default 1), sized for the bench's batch."""
     tp, pp, ep, dp = (sizes.get(k, 1) for k in ("tp", "pp", "ep", "dp"))
-    moe_tp = tp > 1 and load_recipe("scalerl", model_preset=model).model.is_moe
+    moe_tp = tp > 1 and LAYOUTS[model] is _MOE_LAYOUTS
     overrides = [f"parallelism.tp={tp}", f"parallelism.pp={pp}", f"parallelism.ep={ep}", f"parallelism.dp={dp}",
                  f"parallelism.sequence_parallel={'true' if moe_tp else 'false'}",
                  f"parallelism.micro_batch_size={args.micro_batch}", f"cluster.gpus_per_node={tp * pp * dp}",
@@ -181,7 +181,7 @@ def compare_with_first_of_kind(results: dict[str, dict[str, dict]]) -> None:
     first: dict[bool, dict] = {}
     for model, rows in results.items():
         row = rows[LAYOUTS[model][0][0]]
-        base = first.setdefault(load_recipe("scalerl", model_preset=model).model.is_moe, row)
+        base = first.setdefault(LAYOUTS[model] is _MOE_LAYOUTS, row)
         ok = "error" not in row and "error" not in base
         row["vs_first_of_kind"] = row["tokens_per_s"] / base["tokens_per_s"] if ok else None
 

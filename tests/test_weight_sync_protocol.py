@@ -89,7 +89,9 @@ def test_server_command_passes_llama4_temperature_tuning(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama4_text", "attn_temperature_tuning": True}))
     cmd = VLLMServerConfig(model=str(tmp_path), port=1).command()
     assert json.loads(cmd[cmd.index("--override-generation-config") + 1]) == {"attn_temperature_tuning": True}
-    assert "--override-generation-config" not in VLLMServerConfig(model="/no/such/dir", port=1).command()
+    plain = VLLMServerConfig(model="/no/such/dir", port=1).command()
+    assert "--override-generation-config" not in plain
+    assert plain[plain.index("--generation-config") + 1] == "vllm"  # a checkpoint's sampling defaults never apply
 
 
 @pytest.mark.parametrize("chunk, block", [(32, "32"), (8192, None), (None, None)])

@@ -213,10 +213,8 @@ class CheckpointServer:
     sleep (vLLM's sleep mode, level 2: weights and KV cache freed) before an export and `serve` wakes it before the
     reload. A server that died between checkpoints is started again on the next export. Served under the run's name,
     behind a key of its own (its dev routes run any worker method); float32 on CPUs, the run's precision on GPUs;
-    `max_model_len` from the benchmarks; its log: RUN/eval/vllm.log. Its sampling is the requests' alone
-    (`--generation-config vllm`): an export carries the generation_config.json of the run's initial checkpoint, whose
-    sampling defaults (released Qwen3: top_k 20, temperature 0.6, top_p 0.95) vLLM's /v1/completions would otherwise
-    apply to every field the harness leaves out (top_k), sampling other than the recipe's rollout."""
+    `max_model_len` from the benchmarks; its log: RUN/eval/vllm.log. Its sampling is the requests' alone, as every
+    server's (`VLLMServerConfig.command`), though an export carries its initial checkpoint's generation_config.json."""
 
     def __init__(self, run_dir: Path, recipe: Recipe, benchmarks: list[Benchmark]):
         import secrets
@@ -268,8 +266,7 @@ class CheckpointServer:
             model=str(export), port=free_port(), dtype=serving_dtype(self.recipe, self.on_gpus), api_key=self.api_key,
             max_model_len=_model_len(self.recipe, self.tokenizer, self.benchmarks),
             tensor_parallel_size=self.recipe.parallelism.generator_tp, seed=self.recipe.trainer.seed,
-            extra_args=("--served-model-name", self.name, "--generation-config", "vllm",
-                        *(("--enable-sleep-mode",) if self.on_gpus else ())),
+            extra_args=("--served-model-name", self.name, *(("--enable-sleep-mode",) if self.on_gpus else ())),
             env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
         self.server = VLLMServer(config, self.run_dir / "eval" / "vllm.log").start()
         self.server.wait_ready(SERVER_READY_TIMEOUT_S)

@@ -135,7 +135,10 @@ class VLLMServerConfig:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--host", self.host, "--port", str(self.port), "--dtype", self.dtype, "--seed", str(self.seed),
                "--tensor-parallel-size", str(self.tensor_parallel_size),
-               "--logprobs-mode", "processed_logprobs"]  # the sampler's own log-probs (after temperature, top-p)
+               "--logprobs-mode", "processed_logprobs",  # the sampler's own log-probs (after temperature, top-p)
+               # sampling is the requests' alone: a checkpoint's generation_config.json (released Qwen3: top_k 20,
+               # temperature 0.6, top_p 0.95) would fill every field a request leaves out (our requests send no top_k)
+               "--generation-config", "vllm"]
         if self.max_model_len is not None:
             cmd += ["--max-model-len", str(self.max_model_len)]
         cmd += self._route_capture_flags()

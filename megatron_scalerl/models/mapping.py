@@ -313,7 +313,7 @@ def hf_names(rule: TensorRule, layer: int | None, expert: int | None = None) -> 
 
 def every_hf_name(rule: TensorRule, layer: int | None, model_cfg: ModelConfig) -> tuple[str, ...]:
     """All HF names of `rule` at global `layer`: one set per expert for experts HF keeps one tensor each."""
-    if rule.is_expert and rule.per_expert:
+    if rule.per_expert:
         return tuple(name for e in range(model_cfg.num_experts) for name in hf_names(rule, layer, e))
     return hf_names(rule, layer)
 

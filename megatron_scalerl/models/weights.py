@@ -100,10 +100,11 @@ def hf_to_megatron_state(
     for rule, layer, local in _rules_of_stage(model_cfg, ranks):
         rank, size = ranks.split_of(rule)
         if rule.is_expert:
+            stacked = None if rule.per_expert else _hf_tensors(hf_state, hf_names(rule, layer))  # read once
             for local_expert in range(experts_per_rank):
                 expert = ranks.ep_rank * experts_per_rank + local_expert
-                hf = _hf_tensors(hf_state, hf_names(rule, layer, expert))
-                full = to_megatron(rule, hf, model_cfg, tp=size, expert=None if rule.per_expert else expert)
+                hf = stacked or _hf_tensors(hf_state, hf_names(rule, layer, expert))
+                full = to_megatron(rule, hf, model_cfg, tp=size, expert=expert)
                 state[megatron_name(rule, local, local_expert)] = shard(rule, full, rank, size)
         else:
             hf = _hf_tensors(hf_state, hf_names(rule, layer))

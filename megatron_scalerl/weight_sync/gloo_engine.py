@@ -101,8 +101,13 @@ def cpu_tied_head(model: torch.nn.Module) -> torch.nn.Module | None:
     weight = getattr(getattr(model, "lm_head", None), "weight", None)
     if not current_platform.is_cpu() or weight is None:
         return None
-    tied = any(p is weight for name, p in model.named_parameters(remove_duplicate=False) if not name.startswith("lm_head."))
-    return model.lm_head if tied else None
+    return model.lm_head if tied_to(model, weight) else None
+
+
+def tied_to(model: torch.nn.Module, weight: torch.Tensor) -> list[str]:
+    """The names of the parameters outside `lm_head` that are the LM head's `weight` itself (tied embeddings)."""
+    return [name for name, p in model.named_parameters(remove_duplicate=False)
+            if p is weight and not name.startswith("lm_head.")]
 
 
 def repack_cpu_tied_head(model: torch.nn.Module) -> None:

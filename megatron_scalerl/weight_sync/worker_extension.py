@@ -43,7 +43,7 @@ from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.utils.serial_utils import numpy2base64
 
-from megatron_scalerl.weight_sync.gloo_engine import cpu_moe_layers, repack_cpu_tied_head
+from megatron_scalerl.weight_sync.gloo_engine import cpu_moe_layers, repack_cpu_tied_head, tied_to
 from megatron_scalerl.weight_sync.protocol import EMBEDDING, LM_HEAD, WEIGHT_UPDATE_IN_PROGRESS, checksum, dtype_name
 
 if TYPE_CHECKING:
@@ -92,8 +92,7 @@ def make_lm_head_fp32(model: torch.nn.Module) -> dict | None:
         raise RuntimeError(f"{WEIGHT_UPDATE_IN_PROGRESS}: call again once it finished")
     if weight.dtype == torch.float32:
         return {"converted_from": None, "checksum": checksum(weight)}
-    tied = [name for name, p in model.named_parameters(remove_duplicate=False)
-            if p is weight and not name.startswith("lm_head.")]
+    tied = tied_to(model, weight)
     if tied and tied != [EMBEDDING]:
         raise RuntimeError(f"fp32_lm_head: the LM head is tied to {tied}, not to {EMBEDDING}: the weight updates "
                            "would not reach its FP32 copy")
