@@ -1,6 +1,6 @@
 """Benchmark: how long a checkpoint stalls the trainer, against the train step it interrupts.
 
-The real trainer (`trainer.role.Trainer` in a scratch run directory, megatron-core model, distributed optimizer) of
+The real trainer (`trainer.trainer.Trainer` in a scratch run directory, megatron-core model, distributed optimizer) of
 the tiny Llama-4 MoE on spawned gloo workers (one thread each), at `--ep` (the demo's EP=2 by default), on the same
 batch as bench/train_step.py (`bench_batch`): `--warmup` steps, then `--steps` times one train step followed by one
 `Trainer.checkpoint()` (model, optimizer and RL state, then the pruning: on CPU megatron-core's asynchronous save
@@ -37,7 +37,7 @@ def measure_rank(rank: int, run_dir: str, sizes: dict[str, int], args: argparse.
     """On one worker: per measured round, the step's and the checkpoint's wall seconds (after a barrier each)."""
     import torch.distributed as dist
 
-    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.trainer import Trainer
 
     recipe = layout_recipe(MODEL, sizes, args)
     batch = bench_batch(recipe, args.max_len)

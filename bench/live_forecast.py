@@ -22,8 +22,8 @@ from pathlib import Path
 
 from pipeline import WORKLOAD_OVERRIDES, figures, run, workload_model  # this folder's pipeline bench: same runs
 
-from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.run.metrics_log import read_metrics
 
 
 def fit_costs(run_dir: Path) -> dict:

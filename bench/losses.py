@@ -30,7 +30,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from megatron_scalerl.algo import LOSSES, policy_loss
+from megatron_scalerl.algo.losses import LOSSES, policy_loss
 
 PARAMS = {
     "cispo": {"eps_max": 4.0},

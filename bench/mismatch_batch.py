@@ -13,8 +13,8 @@ import asyncio
 import torch
 
 from megatron_scalerl.inference.fleet import Fleet, GenerationRequest
-from megatron_scalerl.rollout.generation import generate_sample
-from megatron_scalerl.rollout.groups import RolloutGroup, build_train_batch
+from megatron_scalerl.orchestrator.batch_building import RolloutGroup, build_train_batch
+from megatron_scalerl.orchestrator.generation import generate_sample
 from megatron_scalerl.tasks.problems import Problem
 
 

@@ -41,8 +41,8 @@ from itertools import pairwise
 from pathlib import Path
 
 from megatron_scalerl.launch.local import start_run
-from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.run.metrics_log import read_metrics
 
 WORKLOAD_OVERRIDES = {"demo": [], "random": ["algorithm.zero_variance_filter=false"]}
 

@@ -31,10 +31,10 @@ from mismatch_batch import mismatch_figures, sample, scoring_batch  # bench/, be
 
 from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig
 from megatron_scalerl.models.hf_io import save_random_hf_model
+from megatron_scalerl.orchestrator.generation import route_layers
 from megatron_scalerl.platform import free_port, run_local_workers
 from megatron_scalerl.platform.precision import cpu_bf16_support
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.rollout.generation import route_layers
 
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 MAX_MODEL_LEN = 256
@@ -51,7 +51,7 @@ def bench_recipe(model: str | None, precision: str, preset: str | None = None):
 
 def trainer_arms(rank, run_dir, model, precision, preset, batch):
     """In a worker: {arm: (log-probs packed like batch.input_ids [T], routing agreement)}."""
-    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.trainer import Trainer
 
     fb = Trainer(run_dir, bench_recipe(model, precision, preset)).forward_backward
     out = {}

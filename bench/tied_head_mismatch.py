@@ -63,7 +63,7 @@ def untied_twin(tied_dir: Path, out: Path) -> Path:
 
 def trainer_logprobs(rank, run_dir, model, precision, tied, batch):
     """In a worker: the trainer's log-probs packed like batch.input_ids [T]."""
-    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.trainer import Trainer
 
     return Trainer(run_dir, bench_recipe(model, precision, tied)).forward_backward.logprobs(batch)
 

@@ -1,6 +1,6 @@
 """Benchmark: one CISPO train step of the tiny models at each parallel layout: tokens/s and peak memory per rank.
 
-Every layout runs the real trainer (`trainer.role.Trainer` in a scratch run directory: megatron-core model,
+Every layout runs the real trainer (`trainer.trainer.Trainer` in a scratch run directory: megatron-core model,
 distributed optimizer, `Trainer.train_step`) on spawned gloo workers, one thread each, on the same TrainBatch. The
 baseline is the TP1 single-process layout of the same model, run in the same invocation; ratios are layout / TP1.
 
@@ -110,7 +110,7 @@ def measure_rank(rank: int, run_dir: str, model: str, sizes: dict[str, int], arg
     import torch.distributed as dist
 
     import megatron_scalerl.models.provider  # noqa: F401
-    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.trainer import Trainer
 
     recipe = layout_recipe(model, sizes, args)
     batch = bench_batch(recipe, args.max_len)

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from megatron_scalerl.launch.supervise import LAUNCH_ENV, processes_with_environment
-from megatron_scalerl.metrics import read_metrics
+from megatron_scalerl.run.metrics_log import read_metrics
 
 SCALERL = Path(sys.executable).with_name("scalerl")
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from megatron_scalerl.algo import group_baseline, normalise, select_samples, step_advantages
+from megatron_scalerl.algo.advantages import group_baseline, normalise, step_advantages
+from megatron_scalerl.algo.filters import select_samples
 from megatron_scalerl.recipe import load_recipe
 
 ALGORITHM = load_recipe("scalerl").algorithm

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_scalerl.algo import LOSSES, LossNormalizers, policy_loss
+from megatron_scalerl.algo.aggregation import LossNormalizers
+from megatron_scalerl.algo.losses import LOSSES, policy_loss
 from tests.test_algo_losses import PARAMS
 
 

@@ -9,8 +9,14 @@ from collections import Counter
 import pytest
 import torch
 
-from megatron_scalerl.algo import Continuation, InterruptionPolicy, join_segments, length_metrics, length_penalty
-from megatron_scalerl.algo.length_control import generate_in_stages
+from megatron_scalerl.algo.length_control import (
+    Continuation,
+    InterruptionPolicy,
+    generate_in_stages,
+    join_segments,
+    length_metrics,
+    length_penalty,
+)
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.recipe import load_recipe
 

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from megatron_scalerl.algo import LOSSES, LossNormalizers, loss_params, losses, merge_metrics, policy_loss
+from megatron_scalerl.algo import losses
+from megatron_scalerl.algo.aggregation import LossNormalizers
+from megatron_scalerl.algo.losses import LOSSES, loss_params, merge_metrics, policy_loss
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.recipe import load_recipe
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megatron_scalerl.algo import NoPositiveResampling
+from megatron_scalerl.algo.resampling import NoPositiveResampling
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.recipe import load_recipe
 

@@ -3,7 +3,6 @@ key flags of `scalerl serve` and `scalerl eval`, and the middleware on a real St
 WebSocket handshakes refused without the key, GET /health open, no key: no server). The launched servers:
 tests/test_rollout_serve.py and tests/test_pipeline_run.py."""
 
-import argparse
 import importlib
 import os
 import stat
@@ -15,9 +14,9 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from megatron_scalerl.cli import main
+from megatron_scalerl.commands import main
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.run_dir import API_KEY_FILE, read_api_key_file, run_api_key
+from megatron_scalerl.run.directory import API_KEY_FILE, read_api_key_file, run_api_key
 
 KEY = "k3y-of-the-test"
 
@@ -65,10 +64,10 @@ def test_serve_needs_a_key_and_warns_about_one_on_its_command_line(tmp_path, cap
 
 
 def test_eval_takes_its_key_from_a_file_the_environment_or_the_flag(tmp_path, monkeypatch, capsys):
-    from megatron_scalerl.evaluation.cli import _request, register  # the command's own parser
+    from megatron_scalerl.commands import build_parser
+    from megatron_scalerl.commands.eval import _request
 
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
+    parser = build_parser(["eval"])  # the command's own parser
     key_file = tmp_path / "key"
     key_file.write_text(KEY)
     key_file.chmod(0o600)

@@ -17,8 +17,8 @@ def _save_both_ways_and_load(rank, run_dir):
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.current_device = lambda: "cpu"
     from megatron_scalerl.checkpoint.store import CheckpointStore
+    from megatron_scalerl.trainer.checkpointing import CheckpointWriter, load_trainer
     from megatron_scalerl.trainer.setup import build_model_and_optimizer
-    from megatron_scalerl.trainer.state import CheckpointWriter, load_trainer
     from megatron_scalerl.trainer.step import StepState
 
     recipe = tiny_recipe("tiny_dense", dp=2, extra=FP32)

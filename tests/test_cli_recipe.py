@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megatron_scalerl.cli import main
+from megatron_scalerl.commands import main
 
 
 def test_show_json_is_exactly_one_object(capsys):
@@ -60,7 +60,7 @@ def test_console_script_never_prints_a_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("base: scalerl\ntrainer: {lr: fast}\n")
     exe = os.path.join(os.path.dirname(sys.executable), "scalerl")
-    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "megatron_scalerl.cli"]
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "megatron_scalerl.commands"]
     proc = subprocess.run(cmd + ["recipe", "validate", str(bad)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

@@ -1,15 +1,42 @@
-"""Every `scalerl` command builds the whole parser (megatron_scalerl/cli.py imports each command module), so the
-command modules defer their heavy imports into the command functions: `scalerl --help`, `scalerl recipe show` and
-the others start without torch, megatron-core, vLLM, scipy or matplotlib."""
+"""`scalerl` imports only the command it runs (megatron_scalerl/commands/__init__.py: a static table of every command,
+each command's module imported when chosen): `scalerl --help` imports no command module and nothing heavy, and
+`scalerl recipe ...` (run on submit hosts and to read recipes) starts without torch, megatron-core, vLLM, scipy or
+matplotlib."""
 
 import subprocess
 import sys
 
+import pytest
+
+from megatron_scalerl.commands import COMMANDS, build_parser
+
 HEAVY = ("torch", "megatron.core", "vllm", "transformers", "scipy", "matplotlib")
 
 
-def test_building_the_scalerl_parser_imports_nothing_heavy():
-    probe = ("import sys; from megatron_scalerl.cli import build_parser; build_parser(); "
-             f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))")
+def _loaded_after(code: str) -> list[str]:
+    """Which of HEAVY and of the command modules `code` (run in a fresh interpreter) leaves imported."""
+    watched = HEAVY + tuple(module for module, _ in COMMANDS.values())
+    probe = f"import sys\n{code}\nprint('loaded:' + ','.join(m for m in {watched!r} if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
-    assert loaded.stdout.strip() == "", f"building the parser imported {loaded.stdout.strip()}"
+    line = next(line for line in loaded.stdout.splitlines() if line.startswith("loaded:"))
+    return [m for m in line.removeprefix("loaded:").split(",") if m]
+
+
+def test_scalerl_help_lists_every_command_and_imports_none_of_them():
+    loaded = _loaded_after("from megatron_scalerl.commands import main\n"
+                           "try:\n    main(['--help'])\nexcept SystemExit:\n    pass")
+    assert loaded == [], f"`scalerl --help` imported {loaded}"
+    help_text = build_parser([]).format_help()
+    assert all(name in help_text and help.split()[0] in help_text for name, (_, help) in COMMANDS.items())
+
+
+def test_a_recipe_command_imports_its_own_module_and_nothing_heavy():
+    loaded = _loaded_after("from megatron_scalerl.commands import main\nmain(['recipe', 'validate', 'scalerl'])")
+    assert loaded == ["megatron_scalerl.commands.recipe"], f"`scalerl recipe validate` imported {loaded}"
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_command_module_registers_its_arguments(name):
+    parser = build_parser([name])
+    chosen = parser._subparsers._group_actions[0].choices[name]
+    assert chosen._actions[1:], f"`scalerl {name}` has no arguments: its module's register() added none"

@@ -129,7 +129,7 @@ def _grade(tmp_path, completions: list[tuple[str, str]], *flags: str, env: dict 
     problems, answers = tmp_path / "problems.jsonl", tmp_path / "completions.jsonl"
     problems.write_text("".join(json.dumps(p) + "\n" for p in (ASSERTS, BUILTINS, STDIN, FLOATS, QUEUE)))
     answers.write_text("".join(json.dumps({"id": key, "completion": _fence(code)}) + "\n" for key, code in completions))
-    return subprocess.run([sys.executable, "-m", "megatron_scalerl.cli", "grade", "--verifier", "code", "--problems",
+    return subprocess.run([sys.executable, "-m", "megatron_scalerl.commands", "grade", "--verifier", "code", "--problems",
                            str(problems), "--completions", str(answers), "--json", "--workers", "2", *flags],
                           capture_output=True, text=True, timeout=300, env=env)
 

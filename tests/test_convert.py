@@ -81,7 +81,7 @@ def tied(tmp_path_factory) -> Path:
 
 
 def _scalerl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_scalerl.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "megatron_scalerl.commands", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -182,8 +182,8 @@ def _train_from_converted(rank, recipe_yaml: str, run_dir: str, hf_dir: str) -> 
     same weights; then one step and a trainer checkpoint; the trained model's HF export."""
     from megatron_scalerl.models.weights import export_hf_state
     from megatron_scalerl.recipe import load_recipe
-    from megatron_scalerl.trainer.role import Trainer
     from megatron_scalerl.trainer.setup import build_model_and_optimizer
+    from megatron_scalerl.trainer.trainer import Trainer
     from tests.trainer_utils import rl_batch
 
     recipe = load_recipe(recipe_yaml)
@@ -307,7 +307,7 @@ def test_interrupted_conversion_leaves_no_output(dense, tmp_path):
     import time
 
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_scalerl.cli", "convert", "hf-to-megatron", "--hf",
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_scalerl.commands", "convert", "hf-to-megatron", "--hf",
                              str(dense), "--out", str(out)], start_new_session=True, stderr=subprocess.DEVNULL)
     partial = tmp_path / ".out.partial"
     deadline = time.monotonic() + 120

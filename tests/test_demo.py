@@ -21,16 +21,45 @@ def model_dir(tmp_path_factory):
 def test_model_and_tokenizer_fit_the_recipe(model_dir):
     from transformers import AutoConfig, AutoTokenizer
 
-    from megatron_scalerl.rollout.generation import length_control_policy
+    from megatron_scalerl.algo.length_control import InterruptionPolicy
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     assert len(tokenizer) <= RECIPE.model.vocab_size == config.vocab_size
     assert config.eos_token_id == tokenizer.eos_token_id
-    policy = length_control_policy(RECIPE, tokenizer)  # the phrase fits its token reserve
+    policy = InterruptionPolicy.from_recipe(RECIPE, tokenizer)  # the phrase fits its token reserve
     assert 0 < len(policy.phrase_ids) <= RECIPE.algorithm.length_control.phrase_token_reserve
     text = "Calculate 7 + 8. gives 15.\n</think>\n\\boxed{15}"
     assert tokenizer.decode(tokenizer(text, add_special_tokens=False).input_ids) == text
+
+
+def test_the_chat_template_renders_every_demo_prompt_as_the_demo_trains_on_it(model_dir):
+    """The demo tokenizer's chat template (saved with it) is the plain format's: every training prompt of the demo
+    and demo_mix sources (math and code templates) renders through it to the text and token ids the run trains on
+    without it. A system message comes first; an assistant turn continues the opened thinking and ends with EOS;
+    other roles are refused."""
+    from jinja2.exceptions import TemplateError
+    from transformers import AutoTokenizer
+
+    from megatron_scalerl.tasks.problems import load_sources
+    from megatron_scalerl.tasks.prompts import PLAIN_CHAT_TEMPLATE, render_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer.chat_template == PLAIN_CHAT_TEMPLATE
+    problems = [p for recipe in (RECIPE, load_recipe("demo_mix"))
+                for source in load_sources(recipe.data.train, seed=recipe.trainer.seed) for p in source.problems]
+    assert {p.template for p in problems} == {"math", "code"}
+    for problem in problems:
+        text = render_prompt(problem.problem, tokenizer, problem.template)
+        assert text == render_prompt(problem.problem, None, problem.template)
+        assert tokenizer(text).input_ids == tokenizer(render_prompt(problem.problem, template=problem.template)).input_ids
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"},
+            {"role": "assistant", "content": "one and one\n</think>\n\\boxed{2}"}, {"role": "user", "content": "2+2?"}]
+    assert tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+        "Be brief.\n\nProblem: 1+1?\nSolution: <think>\none and one\n</think>\n\\boxed{2}<|end_of_text|>"
+        "Problem: 2+2?\nSolution: <think>\n")
+    with pytest.raises(TemplateError, match="not tool"):
+        tokenizer.apply_chat_template([{"role": "tool", "content": "4"}], tokenize=False)
 
 
 def test_warm_start_trains_evaluates_and_writes_a_checkpoint(model_dir, tmp_path):
@@ -83,7 +112,7 @@ def test_init_only_builds_a_tiny_hf_checkpoint_with_its_tokenizer(tmp_path, caps
     """`scalerl demo --init-only DIR` (the README's SLURM walk): a model any run can start from (`--model hf:DIR`)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from megatron_scalerl.cli import main
+    from megatron_scalerl.commands import main
 
     assert main(["demo", "--init-only", str(tmp_path / "moe")]) == 0
     assert f"--model hf:{tmp_path / 'moe'}" in capsys.readouterr().out
@@ -133,6 +162,10 @@ def test_a_cached_demo_model_is_reused_only_when_built_from_the_same_settings(tm
     (tmp_path / BUILD_RECORD).write_text(json.dumps(old))
     reuse, why = cached_model_verdict(tmp_path, settings)
     assert not reuse and "other settings (model.rope_scaling.high_freq_factor)" in why
+    before_chat = {key: value for key, value in settings.items() if key != "chat_template"}
+    (tmp_path / BUILD_RECORD).write_text(json.dumps(before_chat))  # a tokenizer without a chat template: rebuilt
+    reuse, why = cached_model_verdict(tmp_path, settings)
+    assert not reuse and "other settings (chat_template)" in why
     (tmp_path / BUILD_RECORD).write_text(json.dumps(settings)[:20])  # cut short
     reuse, why = cached_model_verdict(tmp_path, settings)
     assert not reuse and "build.json is unreadable" in why
@@ -144,7 +177,7 @@ def test_a_cached_demo_model_is_reused_only_when_built_from_the_same_settings(tm
 def test_the_demo_ends_with_the_runs_train_inference_mismatch(tmp_path, capsys):
     """`mismatch_summary` over the trainer's steps, with routing agreement when the run captured routes; `--routing`
     maps to the recipe keys it names (and, as `--set`, belongs to the RL run, not `--init-only`)."""
-    from megatron_scalerl.cli import main
+    from megatron_scalerl.commands import main
     from megatron_scalerl.demo.run import ROUTING, mismatch_summary
 
     assert mismatch_summary(tmp_path) == "train/inference mismatch: no trainer step logged"

@@ -13,9 +13,9 @@ import pytest
 
 from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.fileio import dump_yaml
-from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.run_dir import read_finished
+from megatron_scalerl.run.directory import read_finished
+from megatron_scalerl.run.metrics_log import read_metrics
 from megatron_scalerl.tasks.problems import load_sources
 from megatron_scalerl.tasks.rewards import grade_here, strip_thinking
 

@@ -10,12 +10,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megatron_scalerl.cli import main
+from megatron_scalerl.commands import main
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.evaluation.harness import load_benchmark
 from megatron_scalerl.evaluation.watch import load_benchmarks, metric_figures, watch_settings
-from megatron_scalerl.metrics import MetricsLog
 from megatron_scalerl.recipe import DataSource, LocalBenchmark, load_recipe
+from megatron_scalerl.run.metrics_log import MetricsLog
 from megatron_scalerl.tasks.prompts import INSTRUCTIONS
 from megatron_scalerl.tasks.synthetic import generate
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from megatron_scalerl.algo.length_control import InterruptionPolicy
-from megatron_scalerl.cli import main
+from megatron_scalerl.commands import main
 from megatron_scalerl.evaluation.sampling import SamplingSettings, TextSegment, sample_completion
-from megatron_scalerl.metrics import MetricsLog, read_metrics
 from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.run.metrics_log import MetricsLog, read_metrics
 from megatron_scalerl.tasks.code_verifier import FAILURE_KINDS
 from megatron_scalerl.tasks.synthetic import generate
 
@@ -200,7 +200,7 @@ def test_watcher_evaluates_checkpoints_as_they_appear_once_each(model, recipe_fi
     publish(3)  # not a multiple of --every 2, not the last step: never evaluated
     unfinished = publish(2, complete=False)  # being written: no manifest yet
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    watcher = subprocess.Popen([sys.executable, "-m", "megatron_scalerl.cli", "eval", "watch", str(run_dir), "--every",
+    watcher = subprocess.Popen([sys.executable, "-m", "megatron_scalerl.commands", "eval", "watch", str(run_dir), "--every",
                                 "2", "--samples", "2", "--poll", "2"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -228,7 +228,7 @@ def test_watcher_evaluates_checkpoints_as_they_appear_once_each(model, recipe_fi
     assert not (run_dir / "eval" / "iter_0000003").exists()
     assert not (run_dir / "eval" / "iter_0000002" / "hf").exists()  # the export is removed once evaluated
     # a restarted watcher finds nothing left to do (the datasets named: a file, and a name of the run's recipe)
-    again = subprocess.run([sys.executable, "-m", "megatron_scalerl.cli", "eval", "watch", str(run_dir), "--every",
+    again = subprocess.run([sys.executable, "-m", "megatron_scalerl.commands", "eval", "watch", str(run_dir), "--every",
                             "2", "--dataset", str(three_problems), "--dataset", "mycode", "--once"],
                            capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0 and "evaluated 0 checkpoint(s)" in again.stdout, again.stderr[-2000:]

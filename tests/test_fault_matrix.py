@@ -26,9 +26,9 @@ from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.batches.train_batch import BatchError, decode
 from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.http_json import request_json
-from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.run_dir import read_finished
+from megatron_scalerl.run.directory import read_finished
+from megatron_scalerl.run.metrics_log import read_metrics
 from tests.launch_utils import (
     generator_url,
     launch,
@@ -126,7 +126,7 @@ def healed(model, tmp_path_factory):
         (f"batch {first_batch}", lambda: RolloutStream(run_dir).next_index() > first_batch,
          lambda: os.kill(trainer_worker(run_dir, 1), signal.SIGKILL)),
         ("a trainer step after restart 1", stepped_after_restarts(run_dir, 1),
-         lambda: os.kill(*pids(f"megatron_scalerl.rollout.orchestrator --run-dir {run_dir}"), signal.SIGKILL)),
+         lambda: os.kill(*pids(f"megatron_scalerl.orchestrator --run-dir {run_dir}"), signal.SIGKILL)),
         ("a trainer step after restart 2", stepped_after_restarts(run_dir, 2),
          lambda: _kill_mid_push(run_dir, rng, found)),
         ("an unread batch after restart 3, corrupted",

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megatron_scalerl.cli import main
+from megatron_scalerl.commands import main
 from megatron_scalerl.forecast.synthetic import paper_run, synthetic_curve
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

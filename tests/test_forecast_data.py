@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from megatron_scalerl.cli import main
+from megatron_scalerl.commands import main
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.forecast.data import load_curve, parse_gpu_hours
 from megatron_scalerl.recipe import load_recipe

@@ -100,7 +100,7 @@ def test_a_further_curve_is_fitted_under_its_own_keys_and_report(tmp_path):
     """An eval watcher's curve beside the validation: `forecast/eval/aime24/...` and RUN/forecast/eval/aime24/; the
     stop rule reads the primary curve only."""
     from megatron_scalerl.forecast.data import MetricsTable
-    from megatron_scalerl.rollout.live_forecast import fit_run, further_curves
+    from megatron_scalerl.orchestrator.live_forecast import fit_run, further_curves
 
     _metrics_file(tmp_path, eval_every=3)
     assert further_curves(MetricsTable.read(tmp_path)) == {"eval/aime24": "eval/aime24/mean_at_k"}
@@ -117,7 +117,7 @@ def test_a_further_curve_is_fitted_under_its_own_keys_and_report(tmp_path):
 def test_the_fit_runs_beside_the_event_loop_and_writes_its_report_atomically(tmp_path):
     """The orchestrator's LiveForecaster on a run directory's metrics: the loop that drives generation keeps its
     pace (a 10 ms ticker) while the fitting process works for seconds, and RUN/forecast/ holds a complete report."""
-    from megatron_scalerl.rollout.live_forecast import LiveForecaster
+    from megatron_scalerl.orchestrator.live_forecast import LiveForecaster
 
     _metrics_file(tmp_path)
     config = load_recipe("scalerl", ["forecast.resamples=400"]).forecast
@@ -166,7 +166,7 @@ def test_stop_at_fraction_is_refused_where_it_could_never_fire():
 
 def test_a_finished_record_names_a_known_reason(tmp_path):
     from megatron_scalerl.errors import UserError
-    from megatron_scalerl.run_dir import read_finished, write_finished
+    from megatron_scalerl.run.directory import read_finished, write_finished
 
     assert read_finished(tmp_path) is None
     write_finished(tmp_path, "max_gpu_hours", 7, 0.25)

@@ -18,7 +18,7 @@ def _jsonl(path, rows):
 
 
 def _grade(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_scalerl.cli", "grade", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "megatron_scalerl.commands", "grade", *args], capture_output=True,
                           text=True, timeout=120)
 
 

@@ -4,12 +4,12 @@ import os
 
 import pytest
 
-from megatron_scalerl.cli import main
-from megatron_scalerl.launch.roles import generator_command, prepare_run_dir, serving_dtype, trainer_command
+from megatron_scalerl.commands import main
+from megatron_scalerl.launch.roles import generator_command, prepare_run_dir, trainer_command
 from megatron_scalerl.launch.supervise import STOP_TIMEOUT_S
-from megatron_scalerl.platform.precision import with_resolved_precision
+from megatron_scalerl.platform.precision import serving_dtype, with_resolved_precision
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.run_dir import read_generators, write_generators
+from megatron_scalerl.run.directory import read_generators, write_generators
 
 RECIPE = load_recipe("scalerl", model_preset="tiny_moe")
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.gpu_hours import ComputeMeter, parse_sacct, record_job
 from megatron_scalerl.launch import supervise
 from megatron_scalerl.launch.allocation import Allocation, Group, Node, _per_node_count, lost_nodes, nodes_not_yet_gone
 from megatron_scalerl.launch.preflight import node_problems, parse_nccl_tests
@@ -29,7 +28,8 @@ from megatron_scalerl.launch.supervise import (
 )
 from megatron_scalerl.platform import free_port
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.run_dir import STOP_FILE, read_generators, stop_requested
+from megatron_scalerl.run.directory import STOP_FILE, read_generators, stop_requested
+from megatron_scalerl.run.gpu_hours import ComputeMeter, parse_sacct, record_job
 
 NCCL_TESTS = Path(__file__).parent / "data" / "nccl_tests"
 SBATCH_FILES = Path(__file__).resolve().parents[1] / "slurm"

@@ -20,22 +20,23 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_scalerl"
 
 # The order of docs/design.md, section 5: a unit may import the units of lower layers only.
 LAYERS = [
-    {"errors", "choices", "recipe_rules", "rope_note"},
+    {"errors", "choices", "rope_note"},
     # __init__: the package's, which imports rope_note; families: the model families' pure side (HF config.json
     # translation, layer plans, serving specifics)
-    {"__init__", "fileio", "command_line", "http_json", "families"},
-    {"recipe", "run_dir"},
-    {"algo", "forecast", "metrics", "gpu_hours", "batches"},
+    {"__init__", "fileio", "http_json", "families"},
+    {"recipe", "run"},
+    {"algo", "forecast", "batches"},
     {"platform", "tasks"},
     {"checkpoint"},
     {"models"},
     {"weight_sync"},
     {"inference"},
-    {"rollout", "trainer"},
-    {"launch"},
+    {"orchestrator", "trainer"},
+    {"launch", "rollout"},
     {"evaluation", "verify"},
-    {"demo", "recipe_cli", "convert_cli", "forecast_cli", "grade_cli"},
+    {"demo"},
     {"sweep"},
+    {"commands"},
     {"cli"},
 ]
 FAMILY_MODEL_SIDE = "model"  # families/<name>/model: a family's torch side, in the `models` unit (models/family.py)
@@ -164,12 +165,50 @@ def _deferred_imports_without_a_reason(tree: ast.AST, lines: list[str]) -> list[
 
 def test_an_import_of_ours_inside_a_function_says_why():
     """The package's own modules are imported at the top of a module. The exception defers a heavy import (torch,
-    megatron-core, vLLM, scipy, matplotlib) out of a module that must stay light (a command module: every `scalerl`
-    command imports them all to build its parser; a process that must start fast): it says so with a
-    `# deferred: <why>` comment on the import or on the first import of its run."""
+    megatron-core, vLLM, scipy, matplotlib) out of a module that must stay light (a process that must start fast, a
+    command that must answer fast): it says so with a `# deferred: <why>` comment on the import or on the first
+    import of its run."""
     bare = []
     for path in sorted(PACKAGE.rglob("*.py")):
         text = path.read_text()
         bare += [f"{path.relative_to(PACKAGE.parent)}:{line}"
                  for line in _deferred_imports_without_a_reason(ast.parse(text), text.splitlines())]
     assert not bare, "imports inside functions without a '# deferred: <why>' comment:\n  " + "\n  ".join(bare)
+
+
+DESIGN = PACKAGE.parent / "docs" / "design.md"
+
+
+def unit_imports() -> dict[str, set[str]]:
+    """{unit: the other units its modules import}."""
+    out: dict[str, set[str]] = defaultdict(set)
+    for module, targets in import_graph().items():
+        out[_unit(module)] |= {_unit(t) for t in targets if _unit(t) != _unit(module)}
+    return out
+
+
+def design_table() -> dict[str, tuple[int, set[str]]]:
+    """docs/design.md section 5's table: {unit: (its layer, the units its "What they import of ours" cell names)};
+    that cell reads `unit: a, b; unit2: c` (`-`: nothing)."""
+    text = DESIGN.read_text()
+    section = text[text.index("## 5. The order of the package's layers"):text.index("## 6.")]
+    table = {}
+    for row in section.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].isdigit():
+            continue
+        for entry in cells[3].split(";"):
+            unit, _, names = entry.partition(":")
+            imported = {n.strip().strip("`") for n in names.split(",")} - {"-", ""}
+            table[unit.strip().strip("`")] = (int(cells[0]), imported)
+    return table
+
+
+def test_the_design_docs_table_is_the_import_graph():
+    table, graph = design_table(), unit_imports()
+    layer = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+    wrong = [f"  {unit}: layer {table.get(unit, ('missing',))[0]} in the table, {layer[unit]} in LAYERS"
+             for unit in sorted(layer) if table.get(unit, (None,))[0] != layer[unit]]
+    wrong += [f"  {unit}: the table says it imports {sorted(table[unit][1])}, it imports {sorted(graph[unit])}"
+              for unit in sorted(layer) if unit in table and table[unit][1] != graph[unit]]
+    assert not wrong, "docs/design.md section 5 disagrees with the code (regenerate its last column):\n" + "\n".join(wrong)

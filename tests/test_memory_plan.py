@@ -97,7 +97,7 @@ def _saved_by_forward(rank, model, layout, recompute):
 
 
 def _step(rank, run_dir, model, recompute):
-    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.trainer import Trainer
 
     trainer = Trainer(run_dir, _recipe(model, {}, recompute))
     return [(m["train/loss"], m["train/grad_norm"]) for m in (trainer.train_step(rl_batch(s)) for s in (0, 1))]
@@ -220,7 +220,7 @@ def test_the_released_qwen3_presets_fit_80_gib_gpus(preset):
 
 def test_plan_command_says_whether_the_layout_fits():
     def plan(*args):
-        return subprocess.run([sys.executable, "-m", "megatron_scalerl.cli", "recipe", "show", "scalerl",
+        return subprocess.run([sys.executable, "-m", "megatron_scalerl.commands", "recipe", "show", "scalerl",
                                "--model", "llama4_scout_17b_16e", "--plan", "--json", *args],
                               capture_output=True, text=True, timeout=120)
     fits, too_small = plan(), plan("--gpu-gib", "40")
@@ -260,7 +260,7 @@ def test_plan_names_changes_after_which_the_layout_fits(case):
 
 def test_plan_command_prints_what_to_set():
     preset, settings, gpu_gib = NOT_FITTING["30b_no_recompute_tp1"]
-    out = subprocess.run([sys.executable, "-m", "megatron_scalerl.cli", "recipe", "show", "scalerl", "--model", preset,
+    out = subprocess.run([sys.executable, "-m", "megatron_scalerl.commands", "recipe", "show", "scalerl", "--model", preset,
                           "--plan", "--gpu-gib", str(gpu_gib), *(f"--set={s}" for s in settings)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stderr

@@ -92,7 +92,7 @@ TRAIN_263 = [*VOCAB_263, "trainer.precision=fp32"]  # fp32, so TP2 and TP1 agree
 def _train_and_save(rank, run_dir, hf, tp):
     """Two steps at `tp` from the HF weights in a new run `run_dir`, checkpointing after the first: the (loss, grad
     norm) of each step."""
-    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.trainer import Trainer
     from tests.trainer_utils import rl_batch, tiny_recipe
 
     trainer = Trainer(run_dir, tiny_recipe(tp=tp, hf=hf, extra=TRAIN_263))
@@ -109,7 +109,7 @@ def _at_tp1(rank, run_dir, single_run_dir, hf):
     """At TP1: the two steps from the HF weights (in `single_run_dir`), then the second step again from the TP2
     checkpoint in `run_dir`, the resumed model's vocab rows and whether its padding rows are still all zero."""
     from megatron_scalerl.models.weights import unwrap_model
-    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.trainer import Trainer
     from tests.trainer_utils import rl_batch, tiny_recipe
 
     single = _train_and_save(rank, single_run_dir, hf, 1)

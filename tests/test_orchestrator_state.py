@@ -13,10 +13,8 @@ from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.batches.train_batch import CorruptBatchError
 from megatron_scalerl.checkpoint.store import CheckpointStore, publish
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.metrics import REWOUND_FILE, MetricsLog, logged_wall_hours, read_metrics
-from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.rollout.orchestrator import Orchestrator
-from megatron_scalerl.rollout.orchestrator_state import (
+from megatron_scalerl.orchestrator.orchestrator import Orchestrator
+from megatron_scalerl.orchestrator.state import (
     ABANDONED_DIR,
     ABANDONED_NOTE,
     SavedState,
@@ -24,8 +22,10 @@ from megatron_scalerl.rollout.orchestrator_state import (
     rewind_to_checkpoint,
     save_state,
 )
-from megatron_scalerl.run_dir import CURRICULUM_FILE, PREVIOUS_CURRICULUM_FILE
-from tests.test_rollout_stream import make_batch
+from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.run.directory import CURRICULUM_FILE, PREVIOUS_CURRICULUM_FILE
+from megatron_scalerl.run.metrics_log import REWOUND_FILE, MetricsLog, logged_wall_hours, read_metrics
+from tests.test_batches_stream import make_batch
 
 PROMPTS_PER_BATCH = 2
 

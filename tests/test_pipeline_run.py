@@ -8,7 +8,7 @@ orchestrator and its trainer are SIGKILLed (the launch restarts both from the la
 finishes it. Nothing may be lost or recorded twice: each trainer step, batch and validation once in metrics.jsonl
 (the lost ones in metrics.rewound.jsonl), every prompt in one batch only, every token within the staleness bound,
 and every step, before and after the faults, replays the routes its generator returned. (A clean stop, SIGTERM or
-RUN/stop_requested, checkpoints the trainer's current step: tests/test_trainer_role.py.)
+RUN/stop_requested, checkpoints the trainer's current step: tests/test_trainer.py.)
 """
 
 import json
@@ -27,9 +27,9 @@ from megatron_scalerl.fileio import atomic_write_text, dump_yaml, load_yaml
 from megatron_scalerl.forecast.live import STATUS_CODES
 from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.launch.supervise import LAUNCH_ENV, processes_with_environment
-from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.run_dir import read_finished
+from megatron_scalerl.run.directory import read_finished
+from megatron_scalerl.run.metrics_log import read_metrics
 from tests.launch_utils import generator_url, launch, leftovers, pids, run_key, stepped_after_restarts
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -101,7 +101,7 @@ def run(tmp_path_factory):
     killed_at: list[int] = []
 
     def kill_orchestrator_and_trainer():
-        kill("megatron_scalerl.rollout.orchestrator")
+        kill("megatron_scalerl.orchestrator --run-dir")
         kill("-u -m megatron_scalerl.trainer")
 
     launches["first"] = launch(fresh, [

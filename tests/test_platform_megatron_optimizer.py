@@ -54,8 +54,8 @@ def _checks(rank, run_dir):
         optimizer_parts,
         patch_torch_adam_checkpoint_load,
     )
+    from megatron_scalerl.trainer.checkpointing import CheckpointWriter, load_trainer
     from megatron_scalerl.trainer.setup import build_model_chunks, head_weight, optimizer_config
-    from megatron_scalerl.trainer.state import CheckpointWriter, load_trainer
     from megatron_scalerl.trainer.step import ForwardBackward, StepState
 
     recipe = tiny_recipe("tiny_moe", extra=BF16)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from megatron_scalerl.batches.stream import RolloutStream
-from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.run_dir import read_finished
+from megatron_scalerl.run.directory import read_finished
+from megatron_scalerl.run.metrics_log import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

@@ -3,7 +3,7 @@
 1. README.md is at most `MAX_README_CHARS` characters (measurements live in docs/benchmarks.md, history in
    CHANGELOG.md).
 2. Every `scalerl` command the README shows, in fenced code blocks and in inline code, names real (sub)commands of
-   `megatron_scalerl.cli.build_parser()`, and every `--flag` after it exists on that subcommand's parser; every
+   `megatron_scalerl.commands.build_parser()`, and every `--flag` after it exists on that subcommand's parser; every
    `make` target it names is a target of the Makefile; no Python one-liner (`python -c`) stands in for a command.
 3. No file of the repository cites the development notes kept beside the checkout (`OUTSIDE_NOTES`): users do not
    have them.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_scalerl.cli import build_parser
+from megatron_scalerl.commands import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

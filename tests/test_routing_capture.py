@@ -37,10 +37,10 @@ from megatron_scalerl.inference.vllm_server import (
     reload_from_disk,
 )
 from megatron_scalerl.models.hf_io import save_random_hf_model
+from megatron_scalerl.orchestrator.batch_building import RolloutGroup, build_train_batch
+from megatron_scalerl.orchestrator.generation import Sample, generate_sample, route_layers
 from megatron_scalerl.platform import free_port, run_local_workers
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.rollout.generation import Sample, generate_sample, route_layers
-from megatron_scalerl.rollout.groups import RolloutGroup, build_train_batch
 from megatron_scalerl.tasks.problems import Problem
 from tests.hf_routing import routed
 from tests.trainer_utils import FP32, run_scenarios, tiny_recipe
@@ -351,7 +351,7 @@ def test_routing_altered_inside_the_server_comes_back_altered(moe):
 def _trainer_logprobs(rank, run_dir, preset, checkpoint, batch):
     """The Megatron trainer (fp32, one process, one micro-batch) of model `preset` on `batch`: its log-probs
     replaying the batch's routes, then with its own routing."""
-    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.trainer import Trainer
 
     recipe = tiny_recipe(preset, hf=checkpoint, mbs=64,
                          extra=(*FP32, "model.moe_layer_interval=2", "algorithm.routing_replay=true"))

@@ -119,7 +119,7 @@ def _one_process(rank, run_dir, hf, model):
     """Replay on and off on one model (mbs 16: one micro-batch), all before its one optimizer step."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.trainer import Trainer
 
     trainer = Trainer(run_dir, _recipe(model, True, hf, mbs=16))
     fb, batch = trainer.forward_backward, _batch(model)
@@ -155,7 +155,7 @@ def _step(trainer, batch):
 
 
 def _layout(rank, run_dir, hf, model, layout):
-    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.trainer import Trainer
 
     return _step(Trainer(run_dir, _recipe(model, True, hf, **layout)), _batch(model))
 

@@ -14,9 +14,9 @@ import pytest
 from safetensors import safe_open
 
 from megatron_scalerl.batches.stream import RolloutStream
-from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.run_dir import read_finished
+from megatron_scalerl.run.directory import read_finished
+from megatron_scalerl.run.metrics_log import read_metrics
 from tests.launch_utils import leftovers
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

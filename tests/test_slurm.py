@@ -20,7 +20,7 @@ import pytest
 
 from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.launch.supervise import processes_with_environment
-from megatron_scalerl.metrics import read_metrics
+from megatron_scalerl.run.metrics_log import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_CLUSTER = REPO / "slurm" / "local-cluster"
@@ -59,7 +59,7 @@ def models(tmp_path_factory):
     """The tiny models, built as the README's SLURM walk builds them: `scalerl demo --init-only DIR`."""
     root = tmp_path_factory.mktemp("models")
     for name in ("tiny_moe", "tiny_dense"):
-        done = subprocess.run([sys.executable, "-m", "megatron_scalerl.cli", "demo", "--init-only", str(root / name),
+        done = subprocess.run([sys.executable, "-m", "megatron_scalerl.commands", "demo", "--init-only", str(root / name),
                                "--model", name, "--seed", "3"], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
     return {name: root / name for name in ("tiny_moe", "tiny_dense")}

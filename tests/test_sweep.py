@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_scalerl.cli import main
+from megatron_scalerl.commands import main
 from megatron_scalerl.errors import RecipeError, UserError
-from megatron_scalerl.metrics import read_metrics
 from megatron_scalerl.recipe import apply_overrides, diff, flatten, load_recipe, preset_names, resolve_dict
-from megatron_scalerl.run_dir import STOP_TIMEOUT_S, read_finished, write_finished
+from megatron_scalerl.run.directory import STOP_TIMEOUT_S, read_finished, write_finished
+from megatron_scalerl.run.metrics_log import read_metrics
 from megatron_scalerl.sweep.manifest import load_manifest, merge, ordered_runs, save_manifest
 from megatron_scalerl.sweep.plan import BaseSpec, Variant, base_fields, grid_variants, preset_variant, run_recipe
 from megatron_scalerl.sweep.runs import Sweep, SweepRun, covers, not_done, refuse_live_launchers
@@ -492,9 +492,9 @@ def _reported_run(run_dir: Path, paper, seed: int, sets: list[str], finished: in
 
 
 def test_the_report_of_a_sweep_leaves_out_what_is_not_done_or_cannot_be_fitted(tmp_path, monkeypatch, capsys):
+    from megatron_scalerl.commands.sweep import _final_report
     from megatron_scalerl.forecast import predict
     from megatron_scalerl.forecast.synthetic import PaperRun
-    from megatron_scalerl.sweep.cli import _final_report
     from megatron_scalerl.sweep.report import report_sweep
 
     base = PaperRun("base", C_mid=2542, B=1.92, A=0.610, budget=16000)

@@ -84,8 +84,8 @@ def _train_at_pp2(rank: int, recipe_yaml: str, run_dir: str) -> dict:
     from megatron.core import parallel_state
 
     from megatron_scalerl.models.weights import unwrap_model
-    from megatron_scalerl.trainer.role import Trainer
     from megatron_scalerl.trainer.setup import head_weight
+    from megatron_scalerl.trainer.trainer import Trainer
     from tests.trainer_utils import rl_batch
 
     recipe = load_recipe(recipe_yaml)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_scalerl.trainer.microbatches import assign_to_ranks, build_microbatches
-from tests.test_rollout_stream import make_batch
+from tests.test_batches_stream import make_batch
 
 
 def test_assignment_balances_tokens_deterministically():

@@ -26,16 +26,16 @@ def _train_and_save(rank, run_dir, hf, layout):
     """Train STEPS steps, checkpointing after steps 0, 1, 2; the losses, and the weights and compute (wall hours) as
     saved at step 2."""
     from megatron_scalerl.checkpoint.store import read_rl_state
-    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.trainer import Trainer
 
     trainer = Trainer(run_dir, tiny_recipe(hf=hf, **layout, extra=BF16))
     trainer.checkpoint()
     losses, saved = [], {}
     for seed in range(STEPS):
         losses.append(trainer.train_step(rl_batch(seed))["train/loss"])
-        if trainer.state.step in (1, 2):
+        if trainer.checkpointing.step in (1, 2):
             trainer.checkpoint()
-        if trainer.state.step == 2:
+        if trainer.checkpointing.step == 2:
             saved = _weights(trainer)
     return {"losses": losses, "weights": saved, "hours": read_rl_state(trainer.store.path(2))["wall_hours"],
             "precision": trainer.recipe.trainer.precision}
@@ -44,12 +44,12 @@ def _train_and_save(rank, run_dir, hf, layout):
 def _resume(rank, run_dir, hf, layout):
     """A trainer at `layout` in `run_dir` (it resumes from the newest valid checkpoint): the step it resumed at, the
     compute it counts from, the weights right after the load and the losses of the remaining steps."""
-    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.trainer import Trainer
 
     trainer = Trainer(run_dir, tiny_recipe(hf=hf, **layout, extra=BF16))
-    iteration, hours, weights = trainer.state.step, trainer.compute.wall_hours_before, _weights(trainer)
+    iteration, hours, weights = trainer.checkpointing.step, trainer.compute.wall_hours_before, _weights(trainer)
     losses = [trainer.train_step(rl_batch(seed))["train/loss"] for seed in range(iteration, STEPS)]
-    return {"iteration": iteration, "hours": hours, "version": trainer.state.updates, "losses": losses,
+    return {"iteration": iteration, "hours": hours, "version": trainer.checkpointing.updates, "losses": losses,
             "weights": weights}
 
 
@@ -152,7 +152,7 @@ def _verify(*args):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "megatron_scalerl.cli", "verify", "logits", *args],
+    proc = subprocess.run([sys.executable, "-m", "megatron_scalerl.commands", "verify", "logits", *args],
                           capture_output=True, text=True, timeout=300)
     return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else proc.stderr
 

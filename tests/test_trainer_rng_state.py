@@ -1,4 +1,4 @@
-"""A checkpoint's per-rank RNG file (`trainer.state`): written as tensors only, read back with
+"""A checkpoint's per-rank RNG file (`trainer.checkpointing`): written as tensors only, read back with
 `torch.load(weights_only=True)`; a file holding any other object (a pickled callable) is never unpickled, and one of
 another layout is not used: its states are not restored, with a warning naming it. The exact resume through it: tests/test_trainer_resume.py."""
 
@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from megatron_scalerl.trainer.state import _rng_state, read_rng_state
+from megatron_scalerl.trainer.checkpointing import _rng_state, read_rng_state
 
 
 def test_the_rng_states_written_read_back_with_weights_only_and_continue_the_same_draws(tmp_path):

@@ -19,7 +19,7 @@ def _steps(rank, run_dir, recipe_kwargs, seeds):
     """Train on the batches `seeds`; returns this rank's (loss, grad norm) per step and, per HF weight this rank's
     pipeline stage holds, the norm of its total update (weights after - before, full tensors gathered over TP/EP)."""
     from megatron_scalerl.models import export_hf_state
-    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.trainer import Trainer
 
     recipe = tiny_recipe(**recipe_kwargs, extra=FP32)
     trainer = Trainer(run_dir, recipe)
@@ -100,7 +100,7 @@ def test_dense_layouts_match_one_process(dense_reference, hf_dir, layout, tmp_pa
 
 
 def _learning(rank, run_dir):
-    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.trainer import Trainer
 
     trainer = Trainer(run_dir, tiny_recipe(extra=["trainer.lr=3e-3"]))
     batch = rl_batch(7)
@@ -111,7 +111,7 @@ def _learning(rank, run_dir):
 
     before = objective()
     losses = [trainer.train_step(batch)["train/loss"] for _ in range(4)]
-    return before, objective(), losses, trainer.state.updates
+    return before, objective(), losses, trainer.checkpointing.updates
 
 
 def test_cispo_steps_on_a_fixed_batch_improve_the_policy(single_rank):
@@ -123,8 +123,8 @@ def test_cispo_steps_on_a_fixed_batch_improve_the_policy(single_rank):
 def _non_finite(rank, run_dir):
     import dataclasses
 
-    from megatron_scalerl.trainer.role import Trainer
     from megatron_scalerl.trainer.step import NonFiniteError
+    from megatron_scalerl.trainer.trainer import Trainer
 
     trainer = Trainer(run_dir, tiny_recipe(extra=["trainer.max_consecutive_nonfinite=2"]))
     good = rl_batch(0)
@@ -137,7 +137,7 @@ def _non_finite(rank, run_dir):
     try:
         trainer.train_step(bad)
     except NonFiniteError as exc:
-        return m["train/skipped"], unchanged, trainer.state.updates, trainer.state.skipped_steps, str(exc)
+        return m["train/skipped"], unchanged, trainer.checkpointing.updates, trainer.checkpointing.skipped_steps, str(exc)
     return None
 
 
@@ -167,8 +167,8 @@ def test_moe_layouts_match_one_process(moe_reference, moe_hf_dir, layout, tmp_pa
 
 
 def _bf16_step(rank, run_dir, fp32_lm_head, hf):
-    from megatron_scalerl.trainer.role import Trainer
     from megatron_scalerl.trainer.setup import head_weight
+    from megatron_scalerl.trainer.trainer import Trainer
 
     trainer = Trainer(run_dir, tiny_recipe(hf=hf, extra=[*BF16, f"trainer.fp32_lm_head={str(fp32_lm_head).lower()}"]))
     metrics = trainer.train_step(rl_batch(0))

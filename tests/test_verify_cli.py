@@ -13,7 +13,7 @@ from megatron_scalerl.recipe import load_recipe
 
 
 def _scalerl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_scalerl.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "megatron_scalerl.commands", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -6,13 +6,12 @@ import json
 import pytest
 import torch
 
-from megatron_scalerl.inference.vllm_server import VLLMServerConfig, find_tcmalloc
+from megatron_scalerl.inference.vllm_server import WORKER_EXTENSION, VLLMServerConfig, find_tcmalloc
 from megatron_scalerl.weight_sync.export import bucketed
 from megatron_scalerl.weight_sync.protocol import (
     EMBEDDING,
     LM_HEAD,
     MIB,
-    WORKER_EXTENSION,
     Bucket,
     checksum,
     rank_offsets,
@@ -109,8 +108,8 @@ def test_worker_extension_registers_gloo_and_fits_vllm_worker():
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    from megatron_scalerl.weight_sync import worker_extension
-    from megatron_scalerl.weight_sync.gloo_engine import GlooWeightTransferEngine
+    from megatron_scalerl.inference import worker_extension
+    from megatron_scalerl.inference.gloo_engine import GlooWeightTransferEngine
 
     assert WeightTransferEngineFactory._registry["gloo"]() is GlooWeightTransferEngine
     methods = [name for name in vars(worker_extension.ScaleRLWorkerExtension) if not name.startswith("__")]

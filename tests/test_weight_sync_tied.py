@@ -4,7 +4,7 @@ embedding and the LM head) from the real trainer (fp32, FP32 head) into a vllm-c
 The server starts from checkpoint A; the trainer, started from checkpoint B, pushes its weights with checksums on.
 Afterwards the server answers as transformers does on B, and its greedy log-probs are the trainer's own for the
 same tokens (the trainer's fused FP32 log-prob op on its live weights, `ForwardBackward.logprobs`). The serving side
-of a tied FP32 head under a 16-bit body is in test_rollout_serve.py.
+of a tied FP32 head under a 16-bit body is in test_inference_serve.py.
 """
 
 import pytest
@@ -22,7 +22,7 @@ MODEL = "tiny_qwen3"
 def _push_and_score(rank: int, recipe, url: str, config: WeightSyncConfig, run_dir: str) -> dict:
     """The trainer pushes its weights (version 1) to the server at `url`, then scores the server's greedy
     continuations itself: {"stats", "outputs" (the server's), "trainer_logprobs" (per prompt, completion tokens)}."""
-    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.trainer import Trainer
     from megatron_scalerl.weight_sync.sender import WeightSender, push_weights
 
     trainer = Trainer(run_dir, recipe)

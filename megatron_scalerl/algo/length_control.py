@@ -15,7 +15,7 @@ budget does not depend on the order in which samples are drawn. Generation runs 
      A second stage that stops on its limit instead of EOS leaves the sample truncated.
 
 The phrase tokens were not sampled by the policy: they are out of the loss mask (`join_segments`). The two requests
-are made by `generate_in_stages`, the one flow of training (token ids, `rollout.generation`) and evaluation (text,
+are made by `generate_in_stages`, the one flow of training (token ids, `orchestrator.generation`) and evaluation (text,
 `evaluation.sampling`); each side says how a request is made and joins the stages its own way.
 
 Length penalty (mode `length_penalty`, DAPO-style, on correct answers only), |y| the completion length in tokens:
@@ -69,6 +69,17 @@ class InterruptionPolicy:
         self.answer_budget = answer_budget
         self.max_new_tokens = max_new_tokens
         self.seed = seed
+
+    @classmethod
+    def from_recipe(cls, recipe: Any, tokenizer: Any) -> InterruptionPolicy | None:
+        """The recipe's setting (algorithm.length_control.mode): forced interruption -> its policy, the phrase
+        tokenised by `tokenizer` (no special tokens); length_penalty or none -> None (one request up to
+        rollout.max_new_tokens; the penalty is added to the reward, `length_penalty`)."""
+        config = recipe.algorithm.length_control
+        if config.mode != "interruption":
+            return None
+        return cls.from_config(config, phrase_ids=tokenizer.encode(config.interruption_phrase, add_special_tokens=False),
+                               max_new_tokens=recipe.rollout.max_new_tokens, seed=recipe.trainer.seed)
 
     @classmethod
     def from_config(cls, config: Any, *, phrase_ids: Sequence[int], max_new_tokens: int,

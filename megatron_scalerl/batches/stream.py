@@ -4,7 +4,7 @@ Each side programs against its interface, `BatchWriter` or `BatchReader`; `Rollo
 today, a folder `RUN/rollouts/` of files `batch_NNNNNNNN.safetensors` (`train_batch.encode`) written atomically by
 the orchestrator and read in order by the trainer. The trainer's checkpoint records the index of the next batch to
 read, so a resumed run continues exactly where it stopped. A batch index is never written twice; batches sampled
-past a resumed checkpoint are moved aside, not rewritten (`rollout/orchestrator_state.py`).
+past a resumed checkpoint are moved aside, not rewritten (`orchestrator/state.py`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 megatron-core's sharded state dicts are layout-independent: what a TP2 model saves loads into a TP1/PP2/EP2 one.
 Saving and loading split the work across data-parallel replicas (each writes / reads its share). The trainer
-(`trainer.state`) saves model + optimizer through here; tools that only need the weights (`scalerl verify logits
+(`trainer.checkpointing`) saves model + optimizer through here; tools that only need the weights (`scalerl verify logits
 --megatron`, conversion) read them with `load_model_weights`, and the architecture with `checkpoint_model_config`.
 """
 

@@ -5,7 +5,9 @@ the recipe's own prompts, so nothing comes from a hub.
 
 The tokenizer's corpus is what the run will feed it: each problem rendered with its own source's template, a worked
 completion in its domain's format (`solution_text`: thinking, then `\\boxed{...}` or a ```python block) and the
-interruption phrase, which therefore becomes a handful of tokens.
+interruption phrase, which therefore becomes a handful of tokens. The tokenizer's chat template is that format's
+(`prompts.PLAIN_CHAT_TEMPLATE`): a chat client of `scalerl serve` (the OpenAI chat route) sends the model the text the
+run trains on, and `render_prompt` renders the same prompts with it as without it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from megatron_scalerl.models.hf_io import save_random_hf_model
 from megatron_scalerl.models.tokenizer import special_token_ids, train_tokenizer
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.tasks.problems import Problem, load_sources
-from megatron_scalerl.tasks.prompts import THINK_CLOSE, THINK_OPEN, render_prompt
+from megatron_scalerl.tasks.prompts import PLAIN_CHAT_TEMPLATE, THINK_CLOSE, THINK_OPEN, render_prompt
 
 PHRASE_REPEATS = 200  # copies of the interruption phrase in the corpus: enough for BPE to merge it into few tokens
 
@@ -41,10 +43,12 @@ def tokenizer_corpus(recipe: Recipe) -> list[str]:
 
 
 def build_model(recipe: Recipe, out_dir: str | Path, *, seed: int = 0) -> Path:
-    """Write an HF checkpoint of `recipe.model` with random weights and the trained tokenizer; returns `out_dir`."""
+    """Write an HF checkpoint of `recipe.model` with random weights and the trained tokenizer (with the plain
+    format's chat template); returns `out_dir`."""
     out = Path(out_dir)
     tokenizer = train_tokenizer(tokenizer_corpus(recipe), vocab_size=recipe.model.vocab_size,
                                 markers=(THINK_OPEN, THINK_CLOSE))
+    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
     save_random_hf_model(recipe.model, out, seed=seed)
     tokenizer.save_pretrained(out)
     config = json.loads((out / "config.json").read_text())

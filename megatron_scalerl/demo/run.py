@@ -20,7 +20,7 @@ until every domain reaches its target, the plot has one line per domain (`val/<d
 combined one, and the demo ends by saying, per domain, whether its validation rose (`domain_verdicts`).
 The models of steps 1-2 live beside the run (`RUN_model/`), so a second demo reuses them while they were built
 from the same settings (`RUN_model/build.json`: the model preset and its model section, the data, the seed, the
-warm start's); otherwise they are built again, and the demo says which setting changed.
+tokenizer's chat template, the warm start's); otherwise they are built again, and the demo says which setting changed.
 
 `--routing measure` has the generator return each token's routed experts (`rollout.capture_routes`) so the trainer
 logs `train/routing_agreement`; `--routing replay` replays them (`algorithm.routing_replay`, the `scalerl_r3`
@@ -35,17 +35,24 @@ the SLURM walk in the README does. Every tiny model gets the demo's tokenizer, t
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_scalerl.demo.model import build_model
+from megatron_scalerl.demo.sft import warm_start
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_json, fsync_tree, replace_durably
-from megatron_scalerl.metrics import read_metrics
+from megatron_scalerl.forecast import plots, report
+from megatron_scalerl.forecast.data import MetricsTable, load_curve
+from megatron_scalerl.forecast.live import recipe_options
+from megatron_scalerl.forecast.plots import curve_png
+from megatron_scalerl.forecast.predict import make_forecast
 from megatron_scalerl.recipe import Recipe, apply_overrides, changed_fields, resolve_dict, validate
+from megatron_scalerl.run.metrics_log import read_metrics
+from megatron_scalerl.tasks.prompts import PLAIN_CHAT_TEMPLATE
 
 WARM_START_TARGET = 0.2  # sampled held-out pass rate at which the supervised stage stops
 # Share of the supervised completions that stop inside the thinking block (no answer, scored wrong): the warm-started
@@ -64,25 +71,6 @@ TINY_MODELS = ("tiny_moe", "tiny_dense", "tiny_qwen3", "tiny_qwen3_moe")
 BUILD_RECORD = "build.json"
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("demo", help="the one-command CPU demo: build, warm-start and RL-train a tiny model")
-    parser.add_argument("--run-dir", type=Path, help="the run directory (default: runs/demo, with --mix runs/demo_mix)")
-    parser.add_argument("--mix", action="store_true",
-                        help="math and code in one run (the demo_mix recipe): one validation curve per domain")
-    parser.add_argument("--steps", type=int, help="RL steps (default: the demo recipe's trainer.max_steps)")
-    parser.add_argument("--routing", choices=list(ROUTING), default="off",
-                        help="MoE routing: measure = the generator returns its routes and the trainer logs "
-                             "train/routing_agreement; replay = the trainer also replays them (default: off)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="change the RL run's recipe (repeatable), e.g. trainer.precision=bf16")
-    parser.add_argument("--init-only", type=Path, metavar="DIR",
-                        help="only build the tiny model (random weights) and its tokenizer into DIR, then exit")
-    parser.add_argument("--model", choices=TINY_MODELS, default=TINY_MODELS[0],
-                        help="the tiny model the demo builds and trains (with --init-only: builds)")
-    parser.add_argument("--seed", type=int, help="with --init-only: weight seed (default: the recipe's trainer.seed)")
-    parser.set_defaults(func=_demo)
-
-
 def demo_recipe(preset: str, model: str, overrides: Sequence[str] = ()) -> Recipe:
     """The demo recipe `preset` (demo, demo_mix) on tiny model preset `model` (one of `TINY_MODELS`): the demo's own
     settings with that preset's model section, the demo's expert parallelism for an MoE model and data parallelism
@@ -97,11 +85,13 @@ def demo_recipe(preset: str, model: str, overrides: Sequence[str] = ()) -> Recip
 
 
 def build_settings(recipe, **stage) -> dict:
-    """What a demo model is built from: the recipe's model and training data, the seed and the warm start's own
-    settings (`stage`). A cached model built from other settings is not reused."""
+    """What a demo model is built from: the recipe's model and training data, the seed, the tokenizer's chat
+    template and the warm start's own settings (`stage`). A cached model built from other settings (or before its
+    tokenizer had a chat template) is not reused."""
     return {"model": recipe.model.model_dump(mode="json"),
             "data": [source.model_dump(mode="json") for source in recipe.data.train], "seed": recipe.trainer.seed,
-            "interruption_phrase": recipe.algorithm.length_control.interruption_phrase, **stage}
+            "interruption_phrase": recipe.algorithm.length_control.interruption_phrase,
+            "chat_template": PLAIN_CHAT_TEMPLATE, **stage}
 
 
 def cached_model_verdict(model_root: Path, settings: dict) -> tuple[bool, str | None]:
@@ -125,8 +115,6 @@ def cached_model_verdict(model_root: Path, settings: dict) -> tuple[bool, str | 
 def warm_started_model(recipe, model_root: Path) -> Path:
     """The warm-started checkpoint, built (random model, then the supervised stage) unless already there from the
     same settings (`build_settings`)."""
-    from megatron_scalerl.demo.model import build_model  # deferred, as every heavy import here: torch (see cli.py)
-    from megatron_scalerl.demo.sft import warm_start
 
     warm = model_root / "warm_start"
     settings = build_settings(recipe, warm_start_target=WARM_START_TARGET, unclosed_fraction=UNCLOSED_FRACTION)
@@ -154,8 +142,6 @@ def warm_started_model(recipe, model_root: Path) -> Path:
 def plot_validation(run_dir: Path, domains: Sequence[str] = ()) -> Path:
     """`RUN/val_pass_rate.png`: the validation pass rate against GPU-hours, read as the forecaster reads it; with
     several `domains`, each domain's (`val/<domain>/pass_rate`) as a line of its own beside it."""
-    from megatron_scalerl.forecast.data import MetricsTable  # deferred: scipy, matplotlib
-    from megatron_scalerl.forecast.plots import curve_png
 
     table = MetricsTable.read(run_dir)
     per_domain = [table.curve(f"val/{domain}/pass_rate") for domain in domains] if len(domains) > 1 else []
@@ -169,7 +155,6 @@ def domain_verdicts(run_dir: Path, domains: list[str]) -> list[str]:
     `RISE_POINTS` validations), and whether it rose: by more than `RISE_SIGMAS` binomial standard errors of the
     difference, from the samples per validation the run logged (`val/<domain>/samples`). Then one line naming the
     domains that did not rise, if any."""
-    from megatron_scalerl.forecast.data import MetricsTable  # deferred: scipy, matplotlib
 
     table = MetricsTable.read(run_dir)
     lines, flat = [], []
@@ -190,7 +175,6 @@ def domain_verdicts(run_dir: Path, domains: list[str]) -> list[str]:
 
 def init_only(out_dir: Path, model_preset: str, seed: int | None) -> int:
     """`--init-only`: the tiny model of `model_preset` with random weights and the demo's tokenizer in `out_dir`."""
-    from megatron_scalerl.demo.model import build_model  # deferred: torch
 
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"{out_dir} is not an empty directory: --init-only writes a new model directory")
@@ -198,41 +182,6 @@ def init_only(out_dir: Path, model_preset: str, seed: int | None) -> int:
     build_model(recipe, out_dir, seed=recipe.trainer.seed if seed is None else seed)
     print(f"demo: {model_preset} (random weights) and its tokenizer in {out_dir}; start a run from it with "
           f"--model hf:{out_dir}", flush=True)
-    return 0
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from megatron_scalerl.launch.local import start_run  # deferred: torch
-
-    if args.init_only is not None:
-        if args.steps is not None or args.mix or args.routing != "off" or args.overrides:
-            raise UserError("--steps, --mix, --routing and --set are the demo's RL run: --init-only trains nothing")
-        return init_only(args.init_only, args.model, args.seed)
-    if args.seed is not None:
-        raise UserError("--seed goes with --init-only (the demo itself trains with its recipe's seed)")
-    preset = "demo_mix" if args.mix else "demo"
-    run_dir: Path = args.run_dir or Path("runs") / preset
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise UserError(f"{run_dir} exists: remove it for a new demo, or continue it with "
-                        f"`scalerl train --run-dir {run_dir} --resume`")
-    base = demo_recipe(preset, args.model)
-    warm = warm_started_model(base, run_dir.with_name(run_dir.name + "_model"))
-    overrides = [f"trainer.init_from={warm.resolve()}", *ROUTING[args.routing], *args.overrides]
-    if args.steps:
-        overrides.append(f"trainer.max_steps={args.steps}")
-    recipe = demo_recipe(preset, args.model, overrides)
-    code = start_run(run_dir, recipe, warm)
-    if code != 0:
-        return code
-    domains = recipe.data.domains()
-    print(f"demo: validation curve {plot_validation(run_dir, domains)}", flush=True)
-    print_forecast(run_dir, recipe)
-    print(f"demo: {mismatch_summary(run_dir)}", flush=True)
-    if len(domains) > 1:
-        print("demo: validation pass rate by domain, start -> end (the mean of the last "
-              f"{RISE_POINTS} validations):", flush=True)
-        for line in domain_verdicts(run_dir, domains):
-            print(f"demo:   {line}", flush=True)
     return 0
 
 
@@ -255,10 +204,6 @@ def mismatch_summary(run_dir: Path) -> str:
 def print_forecast(run_dir: Path, recipe) -> None:
     """The end-of-run report (`scalerl forecast fit`'s), printed and, as the live forecast's last one, in
     RUN/forecast/: on the recipe's forecast settings and the validation's own noise (held-out prompts x samples)."""
-    from megatron_scalerl.forecast import plots, report  # deferred: scipy, matplotlib
-    from megatron_scalerl.forecast.data import load_curve
-    from megatron_scalerl.forecast.live import recipe_options
-    from megatron_scalerl.forecast.predict import make_forecast
 
     forecast = make_forecast(load_curve(run_dir), recipe_options(recipe))
     document = report.forecast_document(forecast, plots.forecast_png(forecast))

@@ -19,7 +19,7 @@ all its tests pass, so pass@k of a code benchmark is pass@k over tests.
 
 Writes into `out/`: `problems.jsonl` (one line per problem: its samples' text, answer (the last `\\boxed{}`, or for the
 code template the final code block), verdict, share of tests passed, kind of failure, tokens, truncation,
-interruption, grader time-out) and then `summary.json` (`evaluation.metrics.summarize`: `mean_at_k`, `pass_at_k`
+interruption, grader time-out) and then `summary.json` (`evaluation.pass_at_k.summarize`: `mean_at_k`, `pass_at_k`
 keyed by k, `cons_at_k`, lengths, truncation; `tests_passed_mean`: the mean share of a sample's tests passed (1 or 0
 per sample without tests); `failures`: samples per kind of failure (`Grade.failure`); plus what was evaluated and
 how). Both are written atomically, the summary last: a directory with a summary.json holds a finished evaluation.
@@ -37,12 +37,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_scalerl.algo.length_control import InterruptionPolicy
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.evaluation.metrics import extract_boxed, summarize
+from megatron_scalerl.evaluation.pass_at_k import extract_boxed, summarize
 from megatron_scalerl.evaluation.sampling import CompletionClient, SamplingSettings, sample_completion
 from megatron_scalerl.fileio import atomic_write_text
 from megatron_scalerl.recipe import SHIPPED_BENCHMARKS, DataSource, LocalBenchmark, Recipe
-from megatron_scalerl.rollout.generation import length_control_policy
 from megatron_scalerl.tasks.code_verifier import final_code_block
 from megatron_scalerl.tasks.problems import Problem, load_source
 from megatron_scalerl.tasks.prompts import render_prompt
@@ -106,7 +106,7 @@ def sampling_settings(recipe: Recipe, tokenizer: Any) -> SamplingSettings:
     control = recipe.algorithm.length_control
     return SamplingSettings(temperature=recipe.rollout.temperature, top_p=recipe.rollout.top_p,
                             max_new_tokens=recipe.rollout.max_new_tokens,
-                            policy=length_control_policy(recipe, tokenizer) if tokenizer is not None else None,
+                            policy=InterruptionPolicy.from_recipe(recipe, tokenizer) if tokenizer is not None else None,
                             interruption_phrase=control.interruption_phrase)
 
 

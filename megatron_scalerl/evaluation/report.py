@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_bytes, atomic_write_text
-from megatron_scalerl.metrics import read_metrics
+from megatron_scalerl.run.metrics_log import read_metrics
 
 _MEAN = re.compile(r"^eval/([^/]+)/mean_at_k$")
 

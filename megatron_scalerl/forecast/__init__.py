@@ -5,8 +5,8 @@
     forecast.fit.A, forecast.predictions(), forecast.recommendation()
 
 Modules: data (load and check curves), sigmoid (the law and its fits), powerlaw, uncertainty (bootstrap), predict
-(one run's forecast), compare, backtest, synthetic (curves from the paper's parameters), plots, report. The command, `scalerl forecast`, is
-`megatron_scalerl.forecast_cli` (outside the package, so that `scalerl --help` never imports numpy and scipy).
+(one run's forecast), compare, backtest, synthetic (curves from the paper's parameters), plots, report. The
+command, `scalerl forecast`, is `megatron_scalerl.commands.forecast`.
 """
 
 from megatron_scalerl.forecast.backtest import Backtest, run_backtest

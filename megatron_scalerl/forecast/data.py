@@ -33,7 +33,7 @@ import numpy as np
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.run_dir import RECIPE_FILE
+from megatron_scalerl.run.directory import RECIPE_FILE
 
 DEFAULT_METRIC = "val/pass_rate"
 DEFAULT_COMPUTE = "gpu_hours"

@@ -3,7 +3,7 @@
 vLLM returns each sample's routes on `/inference/v1/generate` (`choices[0].routed_experts`: base64 `.npy` bytes of
 [prompt + completion - 1 - routed_experts_prompt_start, decoder layers, top-k], uint8 up to 256 experts) when it
 captures them (`--enable-return-routed-experts`, Model Runner V2 only). Where it cannot, our servers capture the
-same routes in the worker (`weight_sync.worker_extension.RouteCapture`) and this middleware (`--middleware`, see
+same routes in the worker (`inference.worker_routes.RouteCapture`) and this middleware (`--middleware`, see
 `vllm_server.VLLMServerConfig.capture_routes`) puts them where vLLM would: before the first generation it starts
 the workers' capture (`scalerl_capture_routes`, once per API server process); after each JSON answer of one choice
 it takes the request's routes from the workers (`scalerl_take_routes`, through the engine's collective RPC; the

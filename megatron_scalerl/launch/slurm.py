@@ -26,7 +26,7 @@ Settings (the sbatch file's defaults, or `sbatch --export=ALL,NAME=VALUE`):
 
 SLURM's time-limit warning (`#SBATCH --signal=B:USR1@SECONDS`) stops the roles in order (the trainer checkpoints)
 and requeues the job (`scontrol requeue`); the requeued job continues the run from its checkpoints, once the stream
-is rewound to the checkpoint the trainer resumes from (`rollout.orchestrator_state.rewind_to_checkpoint`). SIGTERM
+is rewound to the checkpoint the trainer resumes from (`orchestrator.state.rewind_to_checkpoint`). SIGTERM
 (scancel) stops them the same way without a requeue. A role that fails on an allocation that lost a node (one SLURM
 reports not answering) ends the roles; the job waits for SLURM to declare the node DOWN and is requeued then
 (`requeue_after_node_loss`). A generator that keeps failing on a node that answers is given up and the run goes on
@@ -54,7 +54,6 @@ from functools import partial
 from pathlib import Path
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.gpu_hours import record_job
 from megatron_scalerl.launch.allocation import (
     GENERATOR_GROUP,
     TRAINER_GROUP,
@@ -72,14 +71,15 @@ from megatron_scalerl.launch.roles import (
     prepare_run_dir,
     restart_budget,
     say_launch_notes,
-    serving_dtype,
     tokenizer_source,
     trainer_command,
 )
 from megatron_scalerl.launch.supervise import ALLOCATION_LOST, Role, run_roles
+from megatron_scalerl.orchestrator.state import rewind_to_checkpoint
+from megatron_scalerl.platform.precision import serving_dtype
 from megatron_scalerl.recipe import ClusterConfig, Recipe, load_recipe, slurm_minutes
-from megatron_scalerl.rollout.orchestrator_state import rewind_to_checkpoint
-from megatron_scalerl.run_dir import RECIPE_FILE, clear_stop_request, request_stop, run_api_key, write_generators
+from megatron_scalerl.run.directory import RECIPE_FILE, clear_stop_request, request_stop, run_api_key, write_generators
+from megatron_scalerl.run.gpu_hours import record_job
 
 # The recipe's fields that are sbatch options: (the option's long and short spelling, its SBATCH_* input variable,
 # the field of `scontrol show job`)

@@ -53,9 +53,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_scalerl.algo.versions import LOST_TAG, parse_version
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.http_json import ServerError, request_json
-from megatron_scalerl.run_dir import API_KEY_ENV, STOP_TIMEOUT_S
+from megatron_scalerl.run.directory import API_KEY_ENV, STOP_TIMEOUT_S
 
 POLL_S = 1.0
 QUICK_EXIT_S = 60.0  # a generator that exits this soon after its start counts as a quick exit
@@ -186,7 +187,9 @@ def _wait_ready(generators: list[Role], urls: list[str], trainer: Role, timeout_
     """Return once every generator answers /health; UserError naming the role, with its log's tail, when a generator
     exits first or the trainer (starting meanwhile) fails, or when `timeout_s` seconds pass. (A trainer that exits 0
     had nothing left to train: the orchestrator still runs.)"""
-    from megatron_scalerl.inference.vllm_server import wait_healthy  # deferred: torch (`scalerl sweep` imports us)
+    from megatron_scalerl.inference.vllm_server import (
+        wait_healthy,  # deferred: torch; the supervisor process stays light
+    )
 
     def trainer_alive() -> None:
         code = trainer.process.poll()
@@ -381,7 +384,6 @@ def _tag_lost(url: str, api_key: str | None) -> bool:
     trainer died inside a push (the server is paused: only a push pauses it), first close the update it may have left
     open (/finish_weight_update, tagged lost: the restarted trainer's push replaces every weight). Whether the tag
     was taken within CONTROL_TIMEOUT_S (False: stuck, e.g. in a receive; it is started again)."""
-    from megatron_scalerl.algo.versions import LOST_TAG  # deferred: the algo package imports torch
 
     try:
         if (_control(url, "/is_paused", api_key, method="GET") or {}).get("is_paused"):
@@ -399,7 +401,6 @@ def _wait_version(url: str, version: int, trainer: Role, timeout_s: float, api_k
     """Whether the generator at `url`, its weights tagged lost (`_tag_lost`) or fresh, serves policy `version` or a
     later one (its /weight_info: the restarted trainer may have trained on by then) within `timeout_s` seconds;
     UserError with the trainer's log tail when the trainer exits first without it there."""
-    from megatron_scalerl.algo.versions import parse_version  # deferred: the algo package imports torch
 
     deadline = time.monotonic() + timeout_s
     while True:

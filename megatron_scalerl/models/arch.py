@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.recipe import ModelConfig, ParallelismConfig
-from megatron_scalerl.recipe_rules import layout_problems
+from megatron_scalerl.recipe.rules import layout_problems
 
 
 def check_model_layout(model_cfg: ModelConfig, parallel_cfg: ParallelismConfig) -> None:

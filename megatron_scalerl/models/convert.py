@@ -45,7 +45,7 @@ from megatron_scalerl.models.tokenizer import TOKENIZER_FILES
 from megatron_scalerl.platform.distributed import initialize_model_parallel
 from megatron_scalerl.platform.local_workers import WorkerError, run_local_workers
 from megatron_scalerl.recipe import ModelConfig, ParallelismConfig, read_hf_config
-from megatron_scalerl.run_dir import RECIPE_FILE
+from megatron_scalerl.run.directory import RECIPE_FILE
 
 HF_EXTRAS_DIR = "hf"  # inside a converted Megatron checkpoint: the source's config.json and tokenizer files
 HF_EXTRA_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)

@@ -1,5 +1,5 @@
 """What to change when a layout does not fit (`scalerl recipe show --plan`): changes of one or two layout settings,
-each checked by the recipe's rules (`recipe_rules.cross_field_problems`) and planned again (`memory_plan`). Pure
+each checked by the recipe's rules (`recipe.rules.cross_field_problems`) and planned again (`memory_plan`). Pure
 arithmetic, like the plan itself.
 
 Trainer knobs, each one step from the recipe's value: full recomputation (activations: only each layer's input is
@@ -23,7 +23,7 @@ from megatron_scalerl.models.memory_plan import (
     trainer_plan,
 )
 from megatron_scalerl.recipe import Recipe
-from megatron_scalerl.recipe_rules import cross_field_problems
+from megatron_scalerl.recipe.rules import cross_field_problems
 
 MAX_CHANGES = 4  # at most this many changes that fit are reported
 

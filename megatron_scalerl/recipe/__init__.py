@@ -3,12 +3,16 @@
     schema.py   the typed sections (ModelConfig, ParallelismConfig, ..., Recipe): types and ranges, no defaults
                 (those live in recipes/scalerl.yaml); slurm_minutes for the cluster's time limit
     loading.py  presets (recipes/*.yaml, recipes/models/*.yaml, `hf:DIR`), `--set` overrides, validation with the
-                first bad field named (cross-field rules: recipe_rules.py), load_recipe; flatten / changed_fields /
-                diff to compare recipes
+                first bad field named (cross-field rules: rules.py), load_recipe; flatten / changed_fields /
+                diff to compare recipes; preset_catalogue (the presets, for explain)
+    explain.py  what a key means, from the schema's descriptions, the presets and the rules' source (rule_reads.py):
+                explain_key, key_table, annotate_yaml (`scalerl recipe explain`, `show --explain`), the nearest
+                known keys to an unknown one
 
 Everything else imports from here: `from megatron_scalerl.recipe import Recipe, load_recipe`.
 """
 
+from megatron_scalerl.recipe.explain import annotate_yaml, explain_key, key_table, schema_keys
 from megatron_scalerl.recipe.loading import (
     PRESET_DIR,
     apply_overrides,
@@ -19,6 +23,7 @@ from megatron_scalerl.recipe.loading import (
     model_config_from_hf,
     model_preset_names,
     parse_override,
+    preset_catalogue,
     preset_names,
     read_hf_config,
     resolve_dict,
@@ -53,18 +58,23 @@ __all__ = [
     "RopeScaling",
     "SHIPPED_BENCHMARKS",
     "TrainerConfig",
+    "annotate_yaml",
     "apply_overrides",
     "benchmark_name",
     "changed_fields",
     "diff",
+    "explain_key",
     "flatten",
+    "key_table",
     "load_recipe",
     "model_config_from_hf",
     "model_preset_names",
     "parse_override",
+    "preset_catalogue",
     "preset_names",
     "read_hf_config",
     "resolve_dict",
+    "schema_keys",
     "slurm_minutes",
     "validate",
 ]

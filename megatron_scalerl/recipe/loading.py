@@ -8,8 +8,10 @@ Resolution order (later wins):
   3. the file's own keys,
   4. `--set a.b.c=value` overrides from the command line.
 
-Validation (`validate`) checks the types and ranges of schema.py, then the cross-field rules of recipe_rules.py, and
-raises RecipeError naming the first bad field. flatten / changed_fields / diff compare recipes field by field.
+Validation (`validate`) checks the types and ranges of schema.py, then the cross-field rules of rules.py, and
+raises RecipeError naming the first bad field (an unknown key with the nearest known ones, explain.py). flatten /
+changed_fields / diff compare recipes field by field; preset_catalogue gathers the presets `scalerl recipe explain`
+compares a key across.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from megatron_scalerl import families
 from megatron_scalerl.errors import RecipeError, UserError
 from megatron_scalerl.families.hf import read_config_json
 from megatron_scalerl.fileio import load_yaml, parse_yaml
+from megatron_scalerl.recipe.explain import Presets, unknown_key_hint
+from megatron_scalerl.recipe.rules import cross_field_problems
 from megatron_scalerl.recipe.schema import ModelConfig, Recipe
-from megatron_scalerl.recipe_rules import cross_field_problems
 
 PRESET_DIR = Path(__file__).parent.parent / "recipes"  # megatron_scalerl/recipes/
 MODEL_PRESET_DIR = PRESET_DIR / "models"
@@ -186,7 +189,7 @@ def validate(data: dict[str, Any], source: str | None = None) -> Recipe:
             loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
             path = _format_loc(loc)
             if err["type"] == "extra_forbidden":
-                reason = "unknown key"
+                reason = "unknown key" + unknown_key_hint(tuple(err["loc"]), err.get("input"))
             elif err["type"] == "missing":
                 reason = "missing required key"
             else:
@@ -236,3 +239,23 @@ def diff(a: Recipe, b: Recipe) -> list[tuple[str, Any, Any]]:
     """Fields whose values differ: (dotted path, value in a, value in b), sorted by path; `name` excluded."""
     fa, fb = flatten(a.to_dict()), flatten(b.to_dict())
     return [(k, fa.get(k), fb.get(k)) for k in changed_fields(fa, fb) if k != "name"]
+
+
+def preset_catalogue() -> Presets:
+    """Every preset as a recipe mapping with the schema's defaults filled in (pydantic's checks only: a preset's
+    cross-field rules and its `dp` are not applied), against the default recipe (`DEFAULT_BASE`) and the files it is
+    made of: what `scalerl recipe explain` compares."""
+
+    def filled(data: dict[str, Any]) -> dict[str, Any]:
+        return Recipe.model_validate(data).model_dump(mode="json")
+
+    base_file = PRESET_DIR / f"{DEFAULT_BASE}.yaml"
+    files = [(f"recipes/{DEFAULT_BASE}.yaml", base_file.read_text())]
+    model_preset = _read_mapping(base_file).get("model_preset")
+    if isinstance(model_preset, str) and model_preset in model_preset_names():
+        files.append((f"recipes/models/{model_preset}.yaml ({DEFAULT_BASE}.yaml's model_preset)",
+                      (MODEL_PRESET_DIR / f"{model_preset}.yaml").read_text()))
+    return Presets(DEFAULT_BASE, filled(resolve_dict(DEFAULT_BASE)),
+                   {name: filled(resolve_dict(name)) for name in preset_names()},
+                   {name: filled(resolve_dict(DEFAULT_BASE, model_preset=name)) for name in model_preset_names()},
+                   files)

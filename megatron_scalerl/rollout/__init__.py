@@ -1,2 +1,2 @@
-"""The orchestrator's side of a run: admission, generating and grading groups, building batches, validation, the
-live forecast, and the saved state a resume continues from."""
+"""The orchestrator's old home, kept for scripts: `python -m megatron_scalerl.rollout.orchestrator` starts
+`python -m megatron_scalerl.orchestrator`. Everything else lives in `megatron_scalerl.orchestrator`."""

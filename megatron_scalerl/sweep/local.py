@@ -32,7 +32,7 @@ from typing import BinaryIO
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.launch.local import cpu_threads_per_process, cuda_devices
 from megatron_scalerl.launch.supervise import kill_carrying
-from megatron_scalerl.run_dir import STOP_TIMEOUT_S
+from megatron_scalerl.run.directory import STOP_TIMEOUT_S
 from megatron_scalerl.sweep.runs import SWEEP_RUN_ENV, Sweep, SweepRun, outcome
 
 POLL_S = 1.0
@@ -104,7 +104,7 @@ def _free_block(free: set[int], width: int, total: int) -> range | None:
 
 
 def _command(run: SweepRun, resume: bool, tokenizer: str | None) -> list[str]:
-    train = [sys.executable, "-m", "megatron_scalerl.cli", "train", "--run-dir", str(run.run_dir)]
+    train = [sys.executable, "-m", "megatron_scalerl.commands", "train", "--run-dir", str(run.run_dir)]
     if resume:
         return [*train, "--resume"]
     return [*train, "--recipe", str(run.recipe_file), *(["--tokenizer", tokenizer] if tokenizer else [])]

@@ -39,7 +39,7 @@ from typing import Any
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_json
 from megatron_scalerl.recipe import changed_fields
-from megatron_scalerl.run_dir import read_finished
+from megatron_scalerl.run.directory import read_finished
 from megatron_scalerl.sweep.plan import BASE_VARIANT, Variant
 
 SCHEMA = "scalerl.sweep/1"

@@ -28,8 +28,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.forecast import plots
+from megatron_scalerl.forecast import report as documents
+from megatron_scalerl.forecast.ablation import make_ablation
+from megatron_scalerl.forecast.data import MetricsTable
+from megatron_scalerl.forecast.live import recipe_options
+from megatron_scalerl.forecast.predict import ForecastOptions, make_forecast
 from megatron_scalerl.recipe import Recipe, load_recipe
-from megatron_scalerl.run_dir import RECIPE_FILE, read_finished
+from megatron_scalerl.run.directory import RECIPE_FILE, read_finished
 from megatron_scalerl.sweep.manifest import ordered_runs
 from megatron_scalerl.sweep.plan import BASE_VARIANT
 from megatron_scalerl.sweep.runs import not_done
@@ -57,7 +63,6 @@ class ReportRun:
 
 def _read(variant: str, run_dir: Path, label: str) -> ReportRun:
     """The run in `run_dir`, its curve named `label`."""
-    from megatron_scalerl.forecast.data import MetricsTable  # deferred, as each below: scipy (`scalerl` imports us)
 
     recipe_file = run_dir / RECIPE_FILE
     recipe = load_recipe(recipe_file) if recipe_file.is_file() else None
@@ -121,8 +126,6 @@ def given_runs(run_dirs: list[Path]) -> tuple[str, list[ReportRun], list[dict]]:
 def _options(runs: list[ReportRun], base: str) -> ForecastOptions:
     """The ablation's ForecastOptions, one for all runs: those of the base's first run's recipe, else the
     forecaster's defaults."""
-    from megatron_scalerl.forecast.live import recipe_options  # deferred: scipy
-    from megatron_scalerl.forecast.predict import ForecastOptions
 
     first = next((r for r in runs if r.variant == base), None)
     if first is not None and first.recipe is not None:
@@ -136,7 +139,6 @@ def _options(runs: list[ReportRun], base: str) -> ForecastOptions:
 def _draws_warnings(runs: list[ReportRun], base: str, options: ForecastOptions) -> list[str]:
     """One warning for each variant whose runs' own recipes score another number of completions per validation than
     `options` (the base's) models."""
-    from megatron_scalerl.forecast.live import recipe_options  # deferred: scipy
 
     warnings = []
     for variant in dict.fromkeys(r.variant for r in runs if r.variant != base):
@@ -151,7 +153,6 @@ def _draws_warnings(runs: list[ReportRun], base: str, options: ForecastOptions) 
 def _fittable(runs: list[ReportRun], options, left_out: list[dict]) -> list[ReportRun]:
     """The runs whose point fit succeeds with `options` (each in its own try: a failure leaves that run out, with
     its path and the error, in `left_out`)."""
-    from megatron_scalerl.forecast.predict import make_forecast  # deferred: scipy
 
     kept = []
     for run in runs:
@@ -167,9 +168,6 @@ def report(base: str, runs: list[ReportRun], left_out: list[dict], out: Path | N
     """Fit, judge, print (markdown, or one JSON object with `as_json`) and, with `out`, write the report of `runs`
     (those of variant `base` are the base's) with `left_out`; the files written. UserError when the base or every
     variant has no run left to fit."""
-    from megatron_scalerl.forecast import plots  # deferred: scipy, matplotlib
-    from megatron_scalerl.forecast import report as documents
-    from megatron_scalerl.forecast.ablation import make_ablation
 
     options = _options(runs, base)
     runs = _fittable(runs, options, left_out)
@@ -200,7 +198,6 @@ def domain_ablations(base: str, runs: list[ReportRun], options: ForecastOptions,
     """{curve: its ablation} for every domain curve (`val/<domain>/pass_rate`, logged by recipes with several
     domains) that every run has, each judged like the primary curve with the noise of the domain's own validation
     (its `val/<domain>/samples` in the base's first run). A domain that cannot be fitted gets a warning instead."""
-    from megatron_scalerl.forecast.ablation import make_ablation  # deferred: scipy
 
     logged = [{key: row for _, row in r.metrics.rows for key in row if DOMAIN_CURVE.match(key)} for r in runs]
     shared = sorted(set.intersection(*(set(keys) for keys in logged))) if logged else []

@@ -37,7 +37,7 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text, load_yaml
 from megatron_scalerl.launch.supervise import processes_with_environment
 from megatron_scalerl.recipe import Recipe, validate
-from megatron_scalerl.run_dir import GENERATORS_FILE, RECIPE_FILE, read_finished
+from megatron_scalerl.run.directory import GENERATORS_FILE, RECIPE_FILE, read_finished
 from megatron_scalerl.sweep.manifest import manifest_path, save_manifest
 
 # What a launch writes once the run directory is prepared (generators.json) and what its roles write: a run that has

@@ -36,11 +36,34 @@ INSTRUCTIONS = {  # by template (a source's `template`)
     "code": f"Think step by step between {THINK_OPEN} and {THINK_CLOSE}, then give your solution as one Python "
             "program in a ```python fenced code block.",
 }
+# The plain format (`Problem: ...\nSolution: <think>\n`, what `render_prompt` writes without a chat template) as a
+# chat template, for the tokenizers we train (the demo's): a user message renders exactly as `render_prompt` renders
+# a prompt, so a chat client and the training see the same text. A system message comes first, its text and a blank
+# line; an assistant message continues the thinking block (THINK_OPEN) its generation prompt opened and ends with
+# EOS, as the completions trained on do; other roles are refused. No BOS: the tokenizer adds it when it encodes a
+# prompt (vLLM's chat route adds it when asked: `add_special_tokens`).
+PLAIN_CHAT_TEMPLATE = r"""
+{%- for message in messages -%}
+  {%- if message['role'] == 'system' -%}
+    {{- message['content'] + '\n\n' -}}
+  {%- elif message['role'] == 'user' -%}
+    {{- 'Problem: ' + message['content'] + '\nSolution: ' -}}
+  {%- elif message['role'] == 'assistant' -%}
+    {%- if not message['content'].startswith('<think>') -%}{{- '<think>\n' -}}{%- endif -%}
+    {{- message['content'] + eos_token -}}
+  {%- else -%}
+    {{- raise_exception('the plain Problem/Solution chat template renders system, user and assistant messages, not '
+                        + message['role']) -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<think>\n' -}}{%- endif -%}
+"""
 
 
 def render_prompt(problem: str, tokenizer: Any = None, template: str = "math") -> str:
     """The text the generator continues: the problem and the template's instruction as the user's message (through
-    the tokenizer's chat template when it has one, else "Problem: ...\\nSolution: "), then the opened thinking block.
+    the tokenizer's chat template when it has one, else "Problem: ...\\nSolution: "), then the opened thinking block
+    (unless the chat template's generation prompt opens it, as `PLAIN_CHAT_TEMPLATE` and DeepSeek-R1's do).
     Everything the model writes up to `THINK_CLOSE` is thinking (`rewards.strip_thinking` drops it)."""
     message = f"{problem.strip()}\n\n{INSTRUCTIONS[template]}"
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
@@ -48,7 +71,7 @@ def render_prompt(problem: str, tokenizer: Any = None, template: str = "math") -
                                              add_generation_prompt=True)
     else:
         head = f"Problem: {message}\nSolution: "
-    return f"{head}{THINK_OPEN}\n"
+    return head if head.endswith(f"{THINK_OPEN}\n") else f"{head}{THINK_OPEN}\n"
 
 
 def split_validation(sources: list[Source], holdout: int, *, seed: int) -> tuple[list[Source], list[Problem]]:

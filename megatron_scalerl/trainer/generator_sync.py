@@ -38,7 +38,7 @@ from megatron_scalerl.algo.versions import NO_VERSION, parse_version
 from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.platform.distributed import from_rank0
 from megatron_scalerl.recipe import Recipe
-from megatron_scalerl.run_dir import API_KEY_ENV, read_generators
+from megatron_scalerl.run.directory import API_KEY_ENV, read_generators
 from megatron_scalerl.weight_sync.protocol import WeightSyncError
 from megatron_scalerl.weight_sync.sender import WeightSender, WeightSyncConfig, push_weights
 

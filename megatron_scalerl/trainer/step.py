@@ -3,7 +3,7 @@
 `ForwardBackward` runs megatron-core's forward/backward schedule over this rank's micro-batches with the policy loss
 (and, forward only, the current policy's log-probs); `grad_norm` and `clip_and_update` finish the step on the
 optimizer; `lr_at` is the learning-rate schedule and `StepState` the count of steps that a checkpoint keeps. The
-trainer (`trainer/role.Trainer.train_step`) puts them together.
+trainer (`trainer/trainer.Trainer.train_step`) puts them together.
 
 Split invariance: every DP rank reads the whole TrainBatch, so each computes the step's `LossNormalizers` itself
 (no communication) and every micro-batch's loss is its exact share of the full-batch loss. Megatron's schedules
@@ -28,7 +28,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_scalerl.algo import LossNormalizers, loss_params, merge_metrics, policy_loss
+from megatron_scalerl.algo.aggregation import LossNormalizers
+from megatron_scalerl.algo.losses import loss_params, merge_metrics, policy_loss
 from megatron_scalerl.batches.train_batch import TrainBatch
 from megatron_scalerl.platform.distributed import all_gathered, current_device
 from megatron_scalerl.platform.megatron_optimizer import optimizer_parts

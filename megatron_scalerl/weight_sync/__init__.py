@@ -4,10 +4,10 @@
     sender.WeightSender(urls, WeightSyncConfig(...)).connect()                           trainer rank 0's driver
     sender.push_weights(model, model_cfg, config, sender_or_None, weight_version)      collective, every rank
     transport            trainer rank 0's end of the broadcast: gloo (CPU) or vLLM's NCCL (GPU)
-    gloo_engine          the CPU receiver (vLLM weight-transfer backend "gloo")
-    worker_extension     vLLM worker extension: registers the receiver; FP32 LM head; checksums
     protocol             buckets, wire dtypes, group ranks, checksums (shared by both sides)
 
-Submodules are imported explicitly: the server side (gloo_engine, worker_extension) must not pull in megatron-core,
-and the trainer side imports vLLM only where it talks to servers.
+The servers' side lives in `inference/`: `gloo_engine` (the CPU receiver, vLLM weight-transfer backend "gloo") and
+`worker_extension` (the vLLM worker plugin that registers it; FP32 LM head; checksums). Submodules are imported
+explicitly: the server side must not pull in megatron-core, and the trainer side imports vLLM only where it talks to
+servers.
 """

@@ -22,13 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# `--worker-extension-cls` of our servers (`weight_sync.worker_extension`; importing it registers the gloo receiver).
-WORKER_EXTENSION = "megatron_scalerl.weight_sync.worker_extension.ScaleRLWorkerExtension"
 # The worker extension's refusal to convert the LM head while a weight update holds it empty (callers retry on it).
 WEIGHT_UPDATE_IN_PROGRESS = "the LM head is being reloaded by a weight update"
 # The only tensor that keeps FP32 on the wire and on the server when `fp32_lm_head` is on: the LM head, which with
 # tied embeddings is the embedding (one tensor; the server keeps its embedding in the serving dtype and an FP32 copy
-# as the head, `worker_extension.make_lm_head_fp32`).
+# as the head, `fp32_head.make_lm_head_fp32`).
 LM_HEAD = "lm_head.weight"
 EMBEDDING = "model.embed_tokens.weight"
 MIB = 1024 * 1024

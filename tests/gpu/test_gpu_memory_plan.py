@@ -68,7 +68,7 @@ def measure(rank: int, recipe, run_dir) -> dict:
 
     import torch
 
-    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.trainer import Trainer
 
     cuda = torch.cuda.is_available()
     trainer = Trainer(run_dir, recipe)

@@ -32,8 +32,8 @@ def test_pipeline_rl_k_run(tmp_path, gpu_figures):
     from megatron_scalerl.algo.off_policy import staleness_bound
     from megatron_scalerl.demo.model import build_model
     from megatron_scalerl.launch.supervise import LAUNCH_ENV, processes_with_environment
-    from megatron_scalerl.metrics import read_metrics
     from megatron_scalerl.recipe import load_recipe
+    from megatron_scalerl.run.metrics_log import read_metrics
     from tests.gpu.summary import node_facts
     from tests.test_pipeline_run import STEPS, _launch
 

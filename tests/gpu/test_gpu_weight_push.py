@@ -71,7 +71,7 @@ def push_worker(rank: int, recipe, url: str, config, run_dir: Path, out_dir: Pat
 
     from megatron_scalerl.models import export_hf_state
     from megatron_scalerl.platform.distributed import from_rank0
-    from megatron_scalerl.trainer.role import Trainer
+    from megatron_scalerl.trainer.trainer import Trainer
     from megatron_scalerl.weight_sync.protocol import checksum, head_tensor, wire_dtype
     from megatron_scalerl.weight_sync.sender import WeightSender, push_weights
     from tests.trainer_utils import rl_batch

@@ -1,0 +1,74 @@
+"""The recipe's length-control setting picks the generation policy; the thinking-closed check on token ids; an
+interrupted sample's two requests joined on token ids (a fake fleet)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from megatron_scalerl.algo.length_control import InterruptionPolicy
+from megatron_scalerl.algo.versions import NO_VERSION
+from megatron_scalerl.inference.fleet import Generation, GenerationRequest
+from megatron_scalerl.orchestrator.generation import contains, generate_sample
+from megatron_scalerl.recipe import load_recipe
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    words = "Okay , time is up . Let me stop thinking and formulate a final answer now </think>".split()
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, **{w: i + 1 for i, w in enumerate(dict.fromkeys(words))}},
+                                           unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
+
+
+def test_interruption_setting_builds_the_recipes_policy():
+    recipe = load_recipe("scalerl", model_preset="tiny_moe")
+    policy = InterruptionPolicy.from_recipe(recipe, _tokenizer())
+    control = recipe.algorithm.length_control
+    tokenizer = _tokenizer()
+    assert policy.phrase_ids == tuple(tokenizer.encode(control.interruption_phrase, add_special_tokens=False))
+    assert policy.phrase_ids[-1] == tokenizer.convert_tokens_to_ids("</think>")  # the phrase closes thinking
+    assert (policy.answer_budget, policy.max_new_tokens) == (control.answer_budget, recipe.rollout.max_new_tokens)
+    assert control.think_budget_min <= policy.think_budget("p/0") <= control.think_budget_max
+
+
+def test_length_penalty_and_none_generate_in_one_request():
+    for mode in ("length_penalty", "none"):
+        recipe = load_recipe("scalerl", [f"algorithm.length_control.mode={mode}"], model_preset="tiny_moe")
+        assert InterruptionPolicy.from_recipe(recipe, _tokenizer()) is None
+
+
+def test_contains_finds_a_contiguous_run():
+    assert contains([5, 1, 2, 3], [2, 3]) and not contains([5, 2, 9, 3], [2, 3]) and not contains([1, 2], [])
+
+
+class _FakeFleet:
+    """Answers each request with `max_tokens` tokens (ids 1, 2, ...) of version 4, stopping on its limit."""
+
+    def __init__(self):
+        self.requests = []
+
+    async def generate(self, request, *, server=None):
+        self.requests.append((request, server))
+        n = request.max_tokens
+        return Generation(request.key, request.prompt_ids, list(range(1, n + 1)), [-0.5] * n, [4] * n, "length",
+                          server or "http://gen0")
+
+
+def test_an_interrupted_sample_joins_its_stages_on_token_ids():
+    policy = InterruptionPolicy(think_budget_min=6, think_budget_max=6, phrase_ids=[90, 91], phrase_token_reserve=2,
+                                answer_budget=3, max_new_tokens=11, seed=0)
+    fleet = _FakeFleet()
+    request = GenerationRequest("p/0", [7, 8], max_tokens=11, seed=10)
+    sample = asyncio.run(generate_sample(fleet, request, policy, think_close_ids=[99]))
+    (first, _), (second, server) = fleet.requests
+    assert (first.max_tokens, first.seed) == (6, 10)
+    assert (second.key, second.max_tokens, second.seed, server) == ("p/0#answer", 3, 11, "http://gen0")
+    assert second.prompt_ids == [7, 8, 1, 2, 3, 4, 5, 6, 90, 91]
+    assert sample.completion_ids == [1, 2, 3, 4, 5, 6, 90, 91, 1, 2, 3]
+    assert sample.versions == [4] * 6 + [NO_VERSION] * 2 + [4] * 3
+    assert sample.loss_mask == [True] * 6 + [False] * 2 + [True] * 3
+    assert sample.logprobs == [-0.5] * 6 + [0.0] * 2 + [-0.5] * 3
+    assert sample.interrupted and sample.truncated and sample.finish_reason == "length"
