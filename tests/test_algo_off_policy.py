@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_scalerl.algo.off_policy import last_push_step, pushes_weights_after, staleness_bound
+from megatron_scalerl.algo.off_policy import last_push_step, next_push_step, pushes_weights_after, staleness_bound
 
 
 @pytest.mark.parametrize("k", [1, 2, 8])
@@ -28,6 +28,12 @@ def test_the_last_push_is_the_schedules():
     assert [last_push_step("ppo", 4, s) for s in range(10)] == [0, 0, 0, 0, 4, 4, 4, 4, 8, 8]
     assert all(pushes_weights_after("ppo", 4, last_push_step("ppo", 4, s)) for s in range(4, 20))
     assert pushes_weights_after("ppo", 4, 6, last_step=6) and not pushes_weights_after("ppo", 4, 5, last_step=6)
+
+
+def test_the_next_push_is_the_first_version_served_from_a_step_on():
+    assert [next_push_step("pipeline", 4, s, 9) for s in range(11)] == [*range(10), 9]
+    assert [next_push_step("ppo", 4, s, 9) for s in range(11)] == [0, 4, 4, 4, 4, 8, 8, 8, 8, 9, 9]
+    assert all(pushes_weights_after("ppo", 4, next_push_step("ppo", 4, s, 9), last_step=9) for s in range(10))
 
 
 def test_unknown_modes_are_refused():

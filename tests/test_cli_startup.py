@@ -40,3 +40,15 @@ def test_every_command_module_registers_its_arguments(name):
     parser = build_parser([name])
     chosen = parser._subparsers._group_actions[0].choices[name]
     assert chosen._actions[1:], f"`scalerl {name}` has no arguments: its module's register() added none"
+
+
+@pytest.mark.parametrize("old, new", [("megatron_scalerl.cli", "megatron_scalerl.commands"),
+                                      ("megatron_scalerl.rollout.orchestrator", "megatron_scalerl.orchestrator")])
+def test_the_old_module_names_still_start_the_same_programs(old, new):
+    """Scripts written against the old layout (`python -m megatron_scalerl.cli ...`, the orchestrator's old module)
+    keep working: the same program, the same flags."""
+    def usage(module: str) -> str:
+        return subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=300,
+                              check=True).stdout
+
+    assert usage(old) == usage(new)

@@ -19,6 +19,7 @@ from megatron_scalerl.checkpoint.sharded import checkpoint_model_config
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.models.convert import (
     HF_EXTRAS_DIR,
+    hf_extras_source,
     hf_to_megatron,
     megatron_dtypes,
     megatron_to_hf,
@@ -197,6 +198,22 @@ def _train_from_converted(rank, recipe_yaml: str, run_dir: str, hf_dir: str) -> 
     trainer.checkpoint()
     trained = {k: v.clone() for k, v in export_hf_state(trainer.model[0], recipe.model)}
     return {"same_start": same_start, "trained": trained}
+
+
+def test_a_trainer_checkpoints_config_and_tokenizer_come_from_where_its_run_started(tmp_path):
+    """A run's checkpoint RUN/checkpoints/iter_N: its run's recipe.yaml names `trainer.init_from` (its `hf/` when that
+    is a converted checkpoint); without a recipe.yaml, nothing; a damaged one is an error naming it."""
+    ckpt = tmp_path / "run" / "checkpoints" / "iter_0000001"
+    ckpt.mkdir(parents=True)
+    assert hf_extras_source(ckpt) is None
+    source = tmp_path / "converted"
+    (source / HF_EXTRAS_DIR).mkdir(parents=True)
+    recipe = tmp_path / "run" / "recipe.yaml"
+    recipe.write_text(load_recipe("demo", [f"trainer.init_from={source}"]).to_yaml())
+    assert hf_extras_source(ckpt) == source / HF_EXTRAS_DIR
+    recipe.write_text(recipe.read_text().replace("trainer:\n", "trainer:\n  no_such_key: 1\n"))
+    with pytest.raises(UserError, match=f"{recipe}: trainer.no_such_key: unknown key"):
+        hf_extras_source(ckpt)
 
 
 @pytest.mark.slow

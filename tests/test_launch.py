@@ -99,6 +99,7 @@ def test_on_gpus_each_role_gets_its_own_devices_within_those_the_launch_was_give
 @pytest.mark.parametrize("argv, message", [
     (["train"], "give --recipe"),
     (["train", "--resume"], "--resume needs --run-dir of an existing run"),
+    (["train", "--resume", "--run-dir", "{tmp}/empty"], "{tmp}/empty: no recipe.yaml, not a run directory"),
     (["train", "--recipe", "scalerl", "--model", "tiny_moe", "--run-dir", "{tmp}/empty"],
      "the run needs a tokenizer"),
     (["train", "--recipe", "scalerl", "--model", "tiny_moe", "--run-dir", "{tmp}/used", "--tokenizer", "{tok}"],
@@ -110,7 +111,7 @@ def test_train_refuses_bad_input_in_one_line(tmp_path, tokenizer_dir, capsys, ar
     argv = [a.format(tmp=tmp_path, tok=tokenizer_dir) for a in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1
+    assert message.format(tmp=tmp_path) in err and err.count("\n") == 1
 
 
 def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, tokenizer_dir):
@@ -120,3 +121,29 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, tokenizer_dir
     with pytest.raises(UserError, match=r"tokenizer .*: 2\d\d ids, more than model.vocab_size 128"):
         prepare_run_dir(tmp_path / "run", small, tokenizer_dir, cuda=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_an_hf_init_of_another_shape_is_refused_before_any_model_is_built(tmp_path, capsys):
+    """`trainer.init_from` an HF checkpoint (`scalerl demo --init-only`: the demo's tiny MoE) whose config.json says
+    other num_layers and hidden_size than the recipe: `scalerl train` refuses it before anything is written or any
+    role starts, naming the file and both fields; a trainer rank started on its own refuses it before it builds its
+    model (no parallel state is set up here: a build would fail otherwise)."""
+    from megatron_scalerl.errors import UserError
+    from megatron_scalerl.recipe import require_init_from_matches
+    from megatron_scalerl.trainer.setup import build_model_chunks
+
+    model = tmp_path / "model"
+    assert main(["demo", "--init-only", str(model)]) == 0
+    capsys.readouterr()
+    other = ["model.num_layers=2", "model.hidden_size=48"]
+    argv = ["train", "--recipe", "demo", "--model", f"hf:{model}", *(a for o in other for a in ("--set", o)),
+            "--run-dir", str(tmp_path / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{model / 'config.json'} describes another model than the recipe's model section (2 field(s) differ)" in err
+    assert "model.hidden_size: 48 in the recipe, 128 in config.json; model.num_layers: 2 in the recipe, 4 in " \
+        "config.json" in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(UserError, match=r"config\.json describes another model .*model\.num_layers: 2 in the recipe"):
+        build_model_chunks(load_recipe("demo", other, model_preset=f"hf:{model}"))
+    assert require_init_from_matches(load_recipe("demo", model_preset=f"hf:{model}")) is None  # its own model: fine

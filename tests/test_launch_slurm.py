@@ -16,7 +16,7 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.launch import supervise
 from megatron_scalerl.launch.allocation import Allocation, Group, Node, _per_node_count, lost_nodes, nodes_not_yet_gone
 from megatron_scalerl.launch.preflight import node_problems, parse_nccl_tests
-from megatron_scalerl.launch.slurm import cluster_notes, cluster_options, job_roles
+from megatron_scalerl.launch.slurm import cluster_notes, cluster_options, job_roles, sbatch_lines
 from megatron_scalerl.launch.supervise import (
     ALLOCATION_LOST,
     LAUNCH_ENV,
@@ -127,6 +127,9 @@ def test_the_recipes_partition_account_and_time_limit_are_sbatch_options_unless_
     assert cluster_options(cluster, script, {}) == ["--partition=gpu", "--time=00:30:00"]
     assert cluster_options(cluster, script, {"SBATCH_TIMELIMIT": "1:00:00", "SBATCH_PARTITION": ""}) == [
         "--partition=gpu"]
+    read_once = sbatch_lines(script)  # a sweep's way: the file's options read once, handed to every run
+    assert read_once == ["--job-name=x", "-A", "other"]
+    assert cluster_options(cluster, read_once, {}) == cluster_options(cluster, script, {})
     for name in ("scalerl_moe", "scalerl_dense"):  # the shipped files choose none of the three
         assert cluster_options(DEMO.cluster, SBATCH_FILES / f"{name}.sbatch", {}) == ["--time=00:30:00"]
 

@@ -101,7 +101,7 @@ def run(tmp_path_factory):
     killed_at: list[int] = []
 
     def kill_orchestrator_and_trainer():
-        kill("megatron_scalerl.orchestrator --run-dir")
+        kill("megatron_scalerl.orchestrator")
         kill("-u -m megatron_scalerl.trainer")
 
     launches["first"] = launch(fresh, [
@@ -204,6 +204,10 @@ def test_resume_finishes_the_run_without_repeating_or_losing_work(run):
     validated = sorted(r["step"] for r in batches if "val/pass_rate" in r)
     assert validated[0] == 0 and validated[-1] == STEPS and len(validated) >= 3, validated
     assert len(validated) == len(set(validated))  # each policy's validation once
+    # every scheduled validation (each step: data.validation_interval=1) taken or, its weights gone, missed: once
+    scheduled = sorted([int(r["val/scheduled_step"]) for r in batches if "val/pass_rate" in r]
+                       + [r["step"] for r in batches if "val/missed" in r])
+    assert scheduled == list(range(STEPS + 1)), scheduled
     assert all(r["gpu_hours"] > 0 for r in batches)
     # the live forecast, through both launches: a row after the validations, at their steps (a fit once 5 or more
     # validations are in; whether this short run gets there depends on its timing: tests/test_forecast_live.py

@@ -165,3 +165,39 @@ def test_bad_files(tmp_path):
     incomplete.write_text("name: x\n")
     with pytest.raises(RecipeError, match="missing required key"):
         rc.load_recipe(incomplete)
+
+
+def test_a_runs_recipe_has_one_loader_naming_the_run_directory_and_the_file(tmp_path):
+    from megatron_scalerl.run.directory import RECIPE_FILE
+
+    with pytest.raises(UserError, match=f"^{tmp_path}: no recipe.yaml, not a run directory"):
+        rc.load_run_recipe(tmp_path, RECIPE_FILE)
+    assert rc.load_run_recipe(tmp_path, RECIPE_FILE, missing_ok=True) is None
+    written = rc.load_recipe("demo")
+    (tmp_path / RECIPE_FILE).write_text(written.to_yaml())
+    assert rc.load_run_recipe(tmp_path, RECIPE_FILE) == written
+    assert rc.load_run_recipe(tmp_path, RECIPE_FILE, ["trainer.lr=0.5"]).trainer.lr == 0.5  # a trainer's --set
+    (tmp_path / RECIPE_FILE).write_text(written.to_yaml().replace("  lr: ", "  lr: -"))
+    with pytest.raises(RecipeError, match=f"^{tmp_path / RECIPE_FILE}: trainer.lr: "):
+        rc.load_run_recipe(tmp_path, RECIPE_FILE)
+
+
+@pytest.mark.parametrize("model", rc.model_preset_names())
+def test_an_hf_init_is_checked_against_the_model_section_field_by_field(tmp_path, model):
+    """Every model preset's own config.json (as `scalerl convert` and the demo write it) passes; one that differs
+    in two fields is refused naming the file and both, each with the recipe's value and config.json's."""
+    import json
+
+    from megatron_scalerl import families
+
+    recipe = rc.load_recipe("scalerl", [f"trainer.init_from={tmp_path}"], model_preset=model)
+    rc.require_init_from_matches(recipe)  # a directory without config.json (a Megatron checkpoint): not this check
+    config = families.hf_config_dict(recipe.model)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rc.require_init_from_matches(recipe)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2, "rms_norm_eps": 0.5}))
+    with pytest.raises(UserError, match=rf"^trainer.init_from: {tmp_path / 'config.json'} describes another model "
+                       rf"than the recipe's model section \(2 field\(s\) differ\): model.norm_eps: "
+                       rf"{recipe.model.norm_eps!r} in the recipe, 0.5 in config.json; model.num_layers: "
+                       rf"{recipe.model.num_layers} in the recipe, 2 in config.json; "):
+        rc.require_init_from_matches(recipe)

@@ -22,7 +22,7 @@ from megatron_scalerl.recipe import apply_overrides, diff, flatten, load_recipe,
 from megatron_scalerl.run.directory import STOP_TIMEOUT_S, read_finished, write_finished
 from megatron_scalerl.run.metrics_log import read_metrics
 from megatron_scalerl.sweep.manifest import load_manifest, merge, ordered_runs, save_manifest
-from megatron_scalerl.sweep.plan import BaseSpec, Variant, base_fields, grid_variants, preset_variant, run_recipe
+from megatron_scalerl.sweep.plan import BaseSpec, Variant, base_fields, grid_variants, preset_variant, variant_recipe
 from megatron_scalerl.sweep.runs import Sweep, SweepRun, covers, not_done, refuse_live_launchers
 from tests import test_slurm
 
@@ -61,9 +61,9 @@ def test_a_loo_preset_on_demo_changes_only_what_it_names(name):
     assert {k: v for k, v in laid.items() if demo.get(k) != v} == {k: v for k, v in named.items() if demo.get(k) != v}
     assert named  # each preset names something
     spec = _spec()
-    base = run_recipe(spec, Variant("base", "base"), 0, "b")
+    base = variant_recipe(spec, Variant("base", "base"), 0, "b")
     try:
-        recipe = run_recipe(spec, preset_variant(name), 0, "v")
+        recipe = variant_recipe(spec, preset_variant(name), 0, "v")
     except RecipeError as exc:  # a field demo's sizes reject: said, naming the variant and the field
         assert name == "loo_length_penalty" and "variant loo_length_penalty on base demo" in str(exc), exc
         assert "algorithm.length_control.penalty_max_len" in str(exc)
@@ -77,7 +77,7 @@ def test_grid_gives_one_variant_per_point_and_checks_its_keys():
     base = resolve_dict("demo")
     grid = grid_variants(["trainer.lr=1e-6,5e-7", "rollout.k=2,4"], base)
     assert [v.name for v in grid] == ["lr-1e-6_k-2", "lr-1e-6_k-4", "lr-5e-7_k-2", "lr-5e-7_k-4"]
-    recipe = run_recipe(_spec(), grid[1], 0, "x")
+    recipe = variant_recipe(_spec(), grid[1], 0, "x")
     assert (recipe.trainer.lr, recipe.rollout.k) == (1e-6, 4)
     with pytest.raises(UserError, match=r"--grid lr: not a field of the base recipe \(did you mean trainer.lr\?\)"):
         grid_variants(["lr=1e-6"], base)
@@ -87,12 +87,13 @@ def test_grid_gives_one_variant_per_point_and_checks_its_keys():
 
 def test_seeds_steps_and_budget_reach_each_runs_recipe():
     spec = _spec(steps=7, budget=2.5)
-    runs = [run_recipe(spec, preset_variant("loo_dapo_loss"), i, f"r{i}") for i in range(2)]
+    runs = [variant_recipe(spec, preset_variant("loo_dapo_loss"), i, f"r{i}") for i in range(2)]
     base_seed = load_recipe("demo").trainer.seed
     assert [r.trainer.seed for r in runs] == [base_seed, base_seed + 1]
     assert all(r.trainer.max_steps == 7 and r.trainer.max_gpu_hours == 2.5 and r.algorithm.loss == "dapo"
                for r in runs)
-    assert run_recipe(_spec(), Variant("base", "base"), 0, "b").trainer.max_steps == load_recipe("demo").trainer.max_steps
+    assert variant_recipe(_spec(), Variant("base", "base"), 0, "b").trainer.max_steps == \
+        load_recipe("demo").trainer.max_steps
 
 
 def test_the_manifest_merges_extensions_and_refuses_what_would_change_the_sweep(tmp_path):
@@ -126,7 +127,7 @@ def test_the_manifest_merges_extensions_and_refuses_what_would_change_the_sweep(
 
 def _started_run(sweep_dir: Path, key: str, steps: int, finished: int | None) -> SweepRun:
     """A run directory as a launch leaves it (recipe.yaml, generators.json) that ended at `finished` steps."""
-    recipe = run_recipe(_spec(steps=steps), Variant("base", "base"), 0, "x")
+    recipe = variant_recipe(_spec(steps=steps), Variant("base", "base"), 0, "x")
     run = SweepRun(key, sweep_dir / key, recipe)
     run.run_dir.mkdir(parents=True)
     (run.run_dir / "recipe.yaml").write_text(recipe.to_yaml())
@@ -161,7 +162,7 @@ def test_a_finished_run_is_done_until_the_sweep_asks_for_more_then_its_recipe_is
 
 
 def test_a_slurm_run_is_submitted_with_the_sbatch_file_of_its_model_and_sizes_from_its_recipe(tmp_path, monkeypatch):
-    from megatron_scalerl.sweep.slurm import CHECKOUT, job_name, sbatch_command
+    from megatron_scalerl.sweep.slurm import CHECKOUT, SbatchFiles, job_name, sbatch_command
 
     for variable in ("SBATCH_PARTITION", "SBATCH_ACCOUNT", "SBATCH_TIMELIMIT"):
         monkeypatch.delenv(variable, raising=False)
@@ -171,7 +172,8 @@ def test_a_slurm_run_is_submitted_with_the_sbatch_file_of_its_model_and_sizes_fr
     recipes = {"base/seed0": load_recipe("demo", ["cluster.partition=gpu"]),
                "base/seed1": load_recipe("demo", model_preset="tiny_dense")}
     sweep = Sweep(tmp_path, manifest, {k: SweepRun(k, tmp_path / k, r) for k, r in recipes.items()})
-    moe, dense = (sbatch_command(sweep, sweep.runs[k]) for k in recipes)
+    files = SbatchFiles()
+    moe, dense = (sbatch_command(sweep, sweep.runs[k], files) for k in recipes)
     assert moe[-1] == str(CHECKOUT / "slurm" / "scalerl_moe.sbatch")
     assert dense[-1] == str(CHECKOUT / "slurm" / "scalerl_dense.sbatch")
     # the recipe's partition and time limit in each het component (sbatch does not carry them all over)
@@ -179,13 +181,61 @@ def test_a_slurm_run_is_submitted_with_the_sbatch_file_of_its_model_and_sizes_fr
         "--partition=gpu", "--time=00:30:00", "--nodes=2", "--gpus-per-node=1", ":", "--partition=gpu",
         "--time=00:30:00", "--nodes=1", "--gpus-per-node=1"]
     monkeypatch.setenv("SBATCH_TIMELIMIT", "2:00:00")  # the submitter's own choice wins
-    assert not any(option.startswith("--time") for option in sbatch_command(sweep, sweep.runs["base/seed0"]))
+    assert not any(option.startswith("--time") for option in sbatch_command(sweep, sweep.runs["base/seed0"], files))
     assert f"--job-name={job_name(tmp_path, 'base/seed0')}" in moe and job_name(tmp_path, "base/seed0") != \
         job_name(tmp_path / "other", "base/seed0")
     exports = dict(item.split("=", 1) for item in moe[-2].removeprefix("--export=").split(",")[1:])
     assert exports["SCALERL_RUN_DIR"] == str(tmp_path / "base/seed0")
     assert exports["SCALERL_RECIPE"] == str(tmp_path / "base/seed0.recipe.yaml")
     assert exports["SCALERL_MODEL"] == exports["SCALERL_SET"] == ""  # the sbatch files' own defaults do not apply
+
+
+def test_a_sweep_reads_each_sbatch_file_once(tmp_path, monkeypatch):
+    """The `#SBATCH` lines of an sbatch file are read at the sweep's first run of its model, not again per run: a
+    line added later reaches the next sweep only."""
+    import shutil
+
+    from megatron_scalerl.sweep import slurm
+
+    monkeypatch.delenv("SBATCH_TIMELIMIT", raising=False)
+    (tmp_path / "slurm").mkdir()
+    script = tmp_path / "slurm" / "scalerl_moe.sbatch"
+    shutil.copy(slurm.CHECKOUT / "slurm" / script.name, script)
+    monkeypatch.setattr(slurm, "CHECKOUT", tmp_path)
+    manifest = merge(tmp_path, None, **_request(base="demo", seeds=2), slurm=True)
+    sweep = Sweep(tmp_path, manifest, {k: SweepRun(k, tmp_path / k, load_recipe("demo")) for k in ordered_runs(
+        manifest)})
+    files = slurm.SbatchFiles()
+    first = slurm.sbatch_command(sweep, sweep.runs["base/seed0"], files)
+    lines = script.read_text().splitlines()
+    script.write_text("\n".join([lines[0], "#SBATCH --time=2:00:00", *lines[1:]]) + "\n")
+    second = slurm.sbatch_command(sweep, sweep.runs["base/seed1"], files)
+    assert "--time=00:30:00" in first and "--time=00:30:00" in second  # the file as the sweep first read it
+    assert "--time=00:30:00" not in slurm.sbatch_command(sweep, sweep.runs["base/seed1"], slurm.SbatchFiles())
+
+
+def test_progress_lines_count_the_runs_and_estimate_the_time_left():
+    """One line per start and end: the run's place, how long it took, how many are done, and the time left from the
+    mean of the runs finished so far, over the runs that go at once (2 here)."""
+    from megatron_scalerl.sweep.progress import SweepProgress
+
+    entries = {key: {"state": "planned"} for key in ("a/seed0", "a/seed1", "b/seed0", "b/seed1")}
+    entries["b/seed1"]["state"] = "done"  # done before this sweep began
+    now = [0.0]
+    progress = SweepProgress(list(entries), entries, 2, clock=lambda: now[0])
+    assert progress.start("a/seed0") == "sweep: run 1/4 a/seed0 started"
+    now[0] = 10.0
+    progress.start("a/seed1")
+    now[0], entries["a/seed0"]["state"] = 252.0, "done"
+    # left: a/seed1 has 252 - 242 s to go, b/seed0 252 s; two at once: 131 s
+    assert progress.end("a/seed0", "exit 0") == \
+        "sweep: run 1/4 a/seed0 finished in 4m12s (exit 0); 2 of 4 done, ~2m11s left"
+    now[0], entries["a/seed1"]["state"] = 300.0, "failed"
+    assert progress.end("a/seed1", "exit 1") == \
+        "sweep: run 2/4 a/seed1 failed after 4m50s (exit 1); 2 of 4 done, 1 failed, ~4m12s left"
+    progress.start("b/seed0")
+    now[0], entries["b/seed0"]["state"] = 400.0, "done"
+    assert progress.end("b/seed0", "job 7") == "sweep: run 3/4 b/seed0 finished in 1m40s (job 7); 3 of 4 done, 1 failed"
 
 
 def test_parallel_runs_must_fit_the_cores_or_the_gpus(monkeypatch):
@@ -397,7 +447,8 @@ def test_a_stopped_local_run_leaves_none_of_its_processes_behind(tmp_path, monke
         left = run.live_processes()
         for pid, _ in left:
             os.kill(pid, signal.SIGKILL)
-    assert left == [] and "left behind by its launcher" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert left == [] and "left behind by its launcher" in out and "sweep: run 1/1 base/seed0 started\n" in out
     assert refused and f"run base/seed0 still has 2 process(es) on this machine (SCALERL_SWEEP_RUN={run.marker}" in \
         refused[0]
     assert manifest["runs"][run.key]["state"] == "stopped"
@@ -448,8 +499,11 @@ def test_a_slurm_sweep_follows_every_job_it_left_and_never_submits_a_done_run(tm
     # left by an earlier watcher: base/seed0 (running) and loo_dapo_loss/seed1 (queued, last in order); with
     # --max-concurrent 2 nothing is submitted until one ends; squeue fails twice in a row (tolerated); base/seed1
     # finishes some other way meanwhile (it is then not submitted)
+    def runs(fake: _FakeSlurm) -> None:
+        fake.queue[name["loo_dapo_loss/seed1"]] = (7, "RUNNING")
+
     fake = _FakeSlurm({name["base/seed0"]: (5, "RUNNING"), name["loo_dapo_loss/seed1"]: (7, "PENDING")},
-                      {2: _failed_squeue, 3: _failed_squeue, 4: end("base/seed0"), 6: end("base/seed1"),
+                      {2: _failed_squeue, 3: _failed_squeue, 4: end("base/seed0"), 5: runs, 6: end("base/seed1"),
                        7: end("loo_dapo_loss/seed0", "loo_dapo_loss/seed1")})
     monkeypatch.setattr(slurm, "_slurm", fake)
     assert slurm.run_slurm(sweep, keys, 2, 0.001) == 0
@@ -458,6 +512,10 @@ def test_a_slurm_sweep_follows_every_job_it_left_and_never_submits_a_done_run(tm
     assert "base/seed0: following job 5 (running)" in out and "loo_dapo_loss/seed1: following job 7 (queued)" in out
     assert out.index("base/seed0: done") < out.index("loo_dapo_loss/seed0: submitted as job 101")
     assert "base/seed1: done" in out and "not submitted" in out
+    # the sweep's progress: a job followed while running has no start of its own; one seen starting has
+    assert "sweep: run 1/4 base/seed0 finished (job 5); 1 of 4 done\n" in out
+    assert out.index("sweep: run 4/4 loo_dapo_loss/seed1 started\n") < out.index(
+        "sweep: run 4/4 loo_dapo_loss/seed1 finished in ")
     assert err.count("trying again in 0.001 s") == 2 and "(2 of 3 in a row)" in err
     assert {manifest["runs"][k]["state"] for k in keys} == {"done"}
     # three failed polls in a row end the watching (the jobs go on)
@@ -495,6 +553,7 @@ def test_the_report_of_a_sweep_leaves_out_what_is_not_done_or_cannot_be_fitted(t
     from megatron_scalerl.commands.sweep import _final_report
     from megatron_scalerl.forecast import predict
     from megatron_scalerl.forecast.synthetic import PaperRun
+    from megatron_scalerl.sweep import report as sweep_report
     from megatron_scalerl.sweep.report import report_sweep
 
     base = PaperRun("base", C_mid=2542, B=1.92, A=0.610, budget=16000)
@@ -515,7 +574,7 @@ def test_the_report_of_a_sweep_leaves_out_what_is_not_done_or_cannot_be_fitted(t
             raise RuntimeError("Optimal parameters not found: the maximum number of function evaluations is exceeded")
         return real(curve, options)
 
-    monkeypatch.setattr(predict, "make_forecast", failing)
+    monkeypatch.setattr(sweep_report, "make_forecast", failing)  # as sweep/report.py imports it
     report_sweep(tmp_path, manifest, as_json=True)
     data = json.loads(capsys.readouterr().out)
     assert data["base"]["runs"] == [str(tmp_path / "base/seed0")]

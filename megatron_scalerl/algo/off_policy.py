@@ -37,3 +37,10 @@ def last_push_step(mode: str, k: int, step: int) -> int:
     serving any version from it to `step` is current (after a restart it gets `step`'s weights themselves)."""
     _check(mode, k)
     return step if mode == "pipeline" else step - step % k
+
+
+def next_push_step(mode: str, k: int, step: int, last_step: int) -> int:
+    """The earliest step >= `step` whose weights the schedule sends, at most `last_step` (always sent): the first
+    version the generators serve from `step` on."""
+    _check(mode, k)
+    return min(step if mode == "pipeline" else step + (-step) % k, last_step)

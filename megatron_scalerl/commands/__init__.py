@@ -60,7 +60,8 @@ def _chosen(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `scalerl ... | head` ends quietly
+    # `scalerl ... | head` ends quietly; the caller's own handling comes back after (main called from Python)
+    previous = signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = build_parser(_chosen(argv)).parse_args(argv)
@@ -71,3 +72,5 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGPIPE, previous)

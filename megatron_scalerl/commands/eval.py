@@ -30,9 +30,10 @@ from megatron_scalerl.commands.serve import add_api_key_arguments, api_key_from
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.evaluation.harness import EvalRequest, evaluate, load_benchmark
 from megatron_scalerl.evaluation.report import write_report
-from megatron_scalerl.evaluation.watch import run_recipe, watch, watch_settings
+from megatron_scalerl.evaluation.watch import watch, watch_settings
 from megatron_scalerl.models.tokenizer import has_tokenizer
-from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.recipe import load_recipe, load_run_recipe
+from megatron_scalerl.run.directory import RECIPE_FILE
 
 
 def _add_sampling(parser: argparse.ArgumentParser, samples: int | None, default: str | None = None) -> None:
@@ -106,7 +107,7 @@ def _aime(args: argparse.Namespace) -> int:
 
 
 def _watch(args: argparse.Namespace) -> int:
-    recipe = run_recipe(args.run_dir)
+    recipe = load_run_recipe(args.run_dir, RECIPE_FILE)
     settings = watch_settings(recipe.eval, os.environ, every=args.every, datasets=args.datasets,
                               samples=args.samples, once=args.once)
     request = _request(args, samples=settings.samples, endpoint="", model="", out=args.run_dir)

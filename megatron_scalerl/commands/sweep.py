@@ -39,8 +39,8 @@ from megatron_scalerl.sweep.plan import (
     base_fields,
     grid_variants,
     preset_variant,
-    run_recipe,
     variant_notes,
+    variant_recipe,
 )
 from megatron_scalerl.sweep.report import given_runs, report, report_sweep
 from megatron_scalerl.sweep.runs import Sweep, SweepRun, refuse_live_launchers
@@ -177,7 +177,7 @@ def _plan(sweep_dir: Path, manifest: dict, spec: BaseSpec) -> Sweep:
     runs = {}
     for key, entry in manifest["runs"].items():
         variant = Variant(entry["variant"], **manifest["variants"][entry["variant"]])
-        recipe = run_recipe(spec, variant, entry["seed_index"], f"{sweep_dir.name}-{key.replace('/', '-')}")
+        recipe = variant_recipe(spec, variant, entry["seed_index"], f"{sweep_dir.name}-{key.replace('/', '-')}")
         entry["seed"] = recipe.trainer.seed
         runs[key] = SweepRun(key, sweep_dir / entry["run_dir"], recipe)
     base = runs["base/seed0"].recipe

@@ -12,7 +12,7 @@ from pathlib import Path
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.launch.local import run_local, start_run
 from megatron_scalerl.launch.roles import tokenizer_source
-from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.recipe import load_recipe, load_run_recipe
 from megatron_scalerl.run.directory import RECIPE_FILE
 
 
@@ -28,11 +28,11 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     if args.resume:
-        if args.run_dir is None or not (args.run_dir / RECIPE_FILE).is_file():
+        if args.run_dir is None:
             raise UserError(f"--resume needs --run-dir of an existing run (with its {RECIPE_FILE})")
         if args.recipe or args.model_preset or args.overrides:
             raise UserError("--resume continues the run's own recipe.yaml: drop --recipe, --model and --set")
-        return run_local(args.run_dir, load_recipe(args.run_dir / RECIPE_FILE), resume=True)
+        return run_local(args.run_dir, load_run_recipe(args.run_dir, RECIPE_FILE), resume=True)
     if not args.recipe:
         raise UserError("give --recipe (a preset name or YAML file), or --resume with --run-dir")
     recipe = load_recipe(args.recipe, args.overrides, args.model_preset)

@@ -48,7 +48,6 @@ from megatron_scalerl.fileio import atomic_write_json, fsync_tree, replace_durab
 from megatron_scalerl.forecast import plots, report
 from megatron_scalerl.forecast.data import MetricsTable, load_curve
 from megatron_scalerl.forecast.live import recipe_options
-from megatron_scalerl.forecast.plots import curve_png
 from megatron_scalerl.forecast.predict import make_forecast
 from megatron_scalerl.recipe import Recipe, apply_overrides, changed_fields, resolve_dict, validate
 from megatron_scalerl.run.metrics_log import read_metrics
@@ -146,7 +145,7 @@ def plot_validation(run_dir: Path, domains: Sequence[str] = ()) -> Path:
     table = MetricsTable.read(run_dir)
     per_domain = [table.curve(f"val/{domain}/pass_rate") for domain in domains] if len(domains) > 1 else []
     path = run_dir / "val_pass_rate.png"
-    path.write_bytes(curve_png(table.curve(), *per_domain))
+    path.write_bytes(plots.curve_png(table.curve(), *per_domain))
     return path
 
 

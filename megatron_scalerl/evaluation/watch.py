@@ -54,9 +54,8 @@ from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig,
 from megatron_scalerl.models.convert import megatron_to_hf
 from megatron_scalerl.platform.local_workers import free_port
 from megatron_scalerl.platform.precision import serving_dtype
-from megatron_scalerl.recipe import EvalConfig, LocalBenchmark, Recipe, benchmark_name, load_recipe
+from megatron_scalerl.recipe import EvalConfig, LocalBenchmark, Recipe, benchmark_name
 from megatron_scalerl.rope_note import note_once
-from megatron_scalerl.run.directory import RECIPE_FILE
 from megatron_scalerl.run.metrics_log import MetricsLog, read_metrics
 from megatron_scalerl.tasks.prompts import render_prompt
 
@@ -141,13 +140,6 @@ def evaluated_recipe(recipe: Recipe, settings: WatchSettings) -> Recipe:
     rollout = recipe.rollout.model_copy(update={"temperature": settings.temperature,
                                                 "max_new_tokens": settings.max_new_tokens})
     return recipe.model_copy(update={"rollout": rollout})
-
-
-def run_recipe(run_dir: Path) -> Recipe:
-    """The run's own recipe (RUN/recipe.yaml); UserError when `run_dir` holds no run."""
-    if not (run_dir / RECIPE_FILE).is_file():
-        raise UserError(f"{run_dir}: no recipe.yaml, not a run directory")
-    return load_recipe(run_dir / RECIPE_FILE)
 
 
 def eval_dir(run_dir: Path, iteration: int) -> Path:

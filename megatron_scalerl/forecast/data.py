@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.recipe import load_run_recipe
 from megatron_scalerl.run.directory import RECIPE_FILE
 
 DEFAULT_METRIC = "val/pass_rate"
@@ -221,10 +221,10 @@ def _gpu_count(path, evaluated, gpus, run_dir) -> tuple[float | None, str]:
         if gpus <= 0:
             raise UserError(f"--gpus must be > 0, got {gpus}")
         return float(gpus), f"--gpus {gpus}"
-    recipe_file = (run_dir or path.parent) / RECIPE_FILE
-    if recipe_file.is_file():
-        total = load_recipe(recipe_file).cluster.total_gpus
-        return float(total), f"{total} from {recipe_file.name}"
+    recipe = load_run_recipe(run_dir or path.parent, RECIPE_FILE, missing_ok=True)
+    if recipe is not None:
+        total = recipe.cluster.total_gpus
+        return float(total), f"{total} from {RECIPE_FILE}"
     raise UserError(f"{path}: wall clock but no GPU count: pass --gpus N (every GPU the run holds, trainers and "
                     f"generators), log '{GPU_COUNT_COLUMN}', or keep recipe.yaml beside the metrics")
 

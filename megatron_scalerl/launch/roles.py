@@ -27,7 +27,7 @@ from megatron_scalerl.launch.supervise import Restarts
 from megatron_scalerl.models.tokenizer import TOKENIZER_FILES, has_tokenizer, special_token_ids
 from megatron_scalerl.orchestrator.state import rewind_to_checkpoint
 from megatron_scalerl.platform.precision import Precision, resolve_precision, with_resolved_precision
-from megatron_scalerl.recipe import Recipe
+from megatron_scalerl.recipe import Recipe, require_init_from_matches
 from megatron_scalerl.rope_note import note_once
 from megatron_scalerl.run.directory import RECIPE_FILE, STOP_TIMEOUT_S, clear_stop_request
 from megatron_scalerl.run.metrics_log import MetricsLog
@@ -48,9 +48,11 @@ def tokenizer_source(recipe: Recipe, given: Path | None) -> Path:
 def prepare_run_dir(run_dir: Path, recipe: Recipe, tokenizer_dir: Path, *, cuda: bool) -> Recipe:
     """Write `recipe.yaml` and `model/` (config.json + tokenizer files) into `run_dir`; the recipe as written, its
     `trainer.precision` resolved for the trainer's device (`cuda`: GPUs, else this CPU; `platform.precision`), so
-    that the run's record says what it trained in."""
+    that the run's record says what it trained in. An HF `trainer.init_from` of another model than the recipe's is
+    refused first, before anything is written or any role starts (`recipe.require_init_from_matches`)."""
     from transformers import AutoTokenizer
 
+    require_init_from_matches(recipe)
     say_rope_note(recipe)  # before AutoTokenizer, which may read a config.json of the model
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if len(tokenizer) > recipe.model.vocab_size:

@@ -77,7 +77,7 @@ from megatron_scalerl.launch.roles import (
 from megatron_scalerl.launch.supervise import ALLOCATION_LOST, Role, run_roles
 from megatron_scalerl.orchestrator.state import rewind_to_checkpoint
 from megatron_scalerl.platform.precision import serving_dtype
-from megatron_scalerl.recipe import ClusterConfig, Recipe, load_recipe, slurm_minutes
+from megatron_scalerl.recipe import ClusterConfig, Recipe, load_recipe, load_run_recipe, slurm_minutes
 from megatron_scalerl.run.directory import RECIPE_FILE, clear_stop_request, request_stop, run_api_key, write_generators
 from megatron_scalerl.run.gpu_hours import record_job
 
@@ -106,10 +106,11 @@ def _chooses(tokens: list[str], long: str, short: str) -> bool:
     return any(t == long or t.startswith(long + "=") or t.startswith(short) for t in tokens)
 
 
-def cluster_options(cluster: ClusterConfig, script: Path, env: Mapping[str, str]) -> list[str]:
+def cluster_options(cluster: ClusterConfig, script: Path | list[str], env: Mapping[str, str]) -> list[str]:
     """sbatch options for the recipe's partition, account (when it names them) and time limit, each unless an
-    SBATCH_* variable in `env` or an `#SBATCH` line of `script` chooses it already."""
-    chosen = sbatch_lines(script)
+    SBATCH_* variable in `env` or an `#SBATCH` line of `script` chooses it already. `script`: the sbatch file, or
+    its options as `sbatch_lines` read them (a sweep reads each file once, not once per run)."""
+    chosen = sbatch_lines(script) if isinstance(script, Path) else script
     options = []
     for field, (long, short, variable, _) in CLUSTER_OPTIONS.items():
         value = getattr(cluster, field)
@@ -187,11 +188,12 @@ def job_roles(run_dir: Path, recipe: Recipe, alloc: Allocation, *, resume: bool,
     return generators, urls, trainer, orchestrator
 
 
-def run_recipe(run_dir: Path, env: dict[str, str]) -> tuple[Recipe, bool]:
-    """(recipe, exists): the run's own recipe.yaml when the directory has one (a requeued or follow-up job), else
-    the new run's from SCALERL_RECIPE / SCALERL_MODEL / SCALERL_SET."""
-    if (run_dir / RECIPE_FILE).is_file():
-        return load_recipe(run_dir / RECIPE_FILE), True
+def job_recipe(run_dir: Path, env: dict[str, str]) -> tuple[Recipe, bool]:
+    """(recipe, exists): what the job runs: the run's own recipe.yaml when the directory has one (a requeued or
+    follow-up job), else the new run's from SCALERL_RECIPE / SCALERL_MODEL / SCALERL_SET."""
+    existing = load_run_recipe(run_dir, RECIPE_FILE, missing_ok=True)
+    if existing is not None:
+        return existing, True
     if not env.get("SCALERL_RECIPE"):
         raise UserError(f"{run_dir} holds no run yet and SCALERL_RECIPE is not set: submit with "
                         "--export=ALL,SCALERL_RECIPE=<preset or YAML>")
@@ -291,7 +293,7 @@ def run_job(env: dict[str, str]) -> int:
 
     run_dir = _run_dir(env)
     alloc = Allocation.from_env(env)
-    recipe, resume = run_recipe(run_dir, env)
+    recipe, resume = job_recipe(run_dir, env)
     alloc.check(recipe)
     for note in cluster_notes(recipe.cluster, scontrol("show", "job", "-o", str(alloc.job_id))):
         print(note, flush=True)
@@ -333,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
 
         run_dir = _run_dir(env)
         alloc = Allocation.from_env(env)
-        recipe, _ = run_recipe(run_dir, env)
+        recipe, _ = job_recipe(run_dir, env)
         alloc.check(recipe)
         run_preflight(run_dir, recipe, alloc, env, cuda=torch.cuda.is_available())
         print("preflight passed", flush=True)

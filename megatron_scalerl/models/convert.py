@@ -37,14 +37,14 @@ from megatron_scalerl.checkpoint.sharded import checkpoint_model_config, load_mo
 from megatron_scalerl.checkpoint.store import publish, read_rl_state, require_complete, sha256_file
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.families import hf_config_dict
-from megatron_scalerl.fileio import DEFAULT_FILE_MODE, fsync_tree, load_yaml, replace_durably
+from megatron_scalerl.fileio import DEFAULT_FILE_MODE, fsync_tree, replace_durably
 from megatron_scalerl.models.arch import check_model_layout
 from megatron_scalerl.models.hf_io import INDEX_FILE, LazyHFState, hf_tensor_shapes
 from megatron_scalerl.models.mapping import hf_parameter_names
 from megatron_scalerl.models.tokenizer import TOKENIZER_FILES
 from megatron_scalerl.platform.distributed import initialize_model_parallel
 from megatron_scalerl.platform.local_workers import WorkerError, run_local_workers
-from megatron_scalerl.recipe import ModelConfig, ParallelismConfig, read_hf_config
+from megatron_scalerl.recipe import ModelConfig, ParallelismConfig, load_run_recipe, read_hf_config
 from megatron_scalerl.run.directory import RECIPE_FILE
 
 HF_EXTRAS_DIR = "hf"  # inside a converted Megatron checkpoint: the source's config.json and tokenizer files
@@ -245,12 +245,12 @@ def hf_extras_source(ckpt: Path) -> Path | None:
     `trainer.init_from`, or that checkpoint's own `hf/` when it is a converted one)."""
     if (ckpt / HF_EXTRAS_DIR).is_dir():
         return ckpt / HF_EXTRAS_DIR
-    recipe_file = ckpt.parent.parent / RECIPE_FILE
-    if ckpt.parent.name == "checkpoints" and recipe_file.is_file():
-        init_from = (load_yaml(recipe_file).get("trainer") or {}).get("init_from")
-        if init_from:
-            source = Path(init_from)
-            return source / HF_EXTRAS_DIR if (source / HF_EXTRAS_DIR).is_dir() else source
+    if ckpt.parent.name != "checkpoints":
+        return None
+    run = load_run_recipe(ckpt.parent.parent, RECIPE_FILE, missing_ok=True)
+    if run is not None and run.trainer.init_from:
+        source = Path(run.trainer.init_from)
+        return source / HF_EXTRAS_DIR if (source / HF_EXTRAS_DIR).is_dir() else source
     return None
 
 

@@ -12,11 +12,14 @@ State (`state.py`): saved as `RUN/curriculum.json` before each batch, so `--resu
 state that matches the stream's last batch; a resume first sets aside the batches sampled after the state the
 trainer's checkpoint holds (policies the resumed trainer no longer has) and goes on from that state.
 
-Validation (`validation.py`): at policy version 0, at the first version seen past each multiple of
-`data.validation_interval`, and at the last step. After each validation the run's curve is refitted in a process of
+Validation (`validation.py`): at policy version 0, at each multiple of `data.validation_interval` and at the last
+step, each at the first version of its interval seen; the batch that would take the trainer past an interval whose
+validation has not started is held back until it has, and one a resumed run left without its validation is
+recorded as missed (`val/missed`). After each validation the run's curve is refitted in a process of
 its own (`live_forecast`, the recipe's `forecast` section): its `forecast/*` figures are logged at the validation's
 step, the progress line shows the status and A, and `RUN/forecast/` holds the latest report. Metrics
-(`metrics.jsonl`, role orchestrator) per batch at step b + 1, the trainer step that trains it.
+(`metrics.jsonl`, role orchestrator) per batch at step b + 1, the trainer step that trains it; the console line
+per batch ends with the time so far and to go (`progress.py`).
 
 The end: after `trainer.max_steps` batches and the validation of the last step; or earlier, once the run's compute
 reaches `trainer.max_gpu_hours` (checked after each batch) or the live forecast finds the ceiling reached
@@ -47,14 +50,15 @@ from megatron_scalerl.orchestrator.admission import Admission
 from megatron_scalerl.orchestrator.batch_building import RolloutGroup, build_train_batch
 from megatron_scalerl.orchestrator.group_generation import GroupGenerator
 from megatron_scalerl.orchestrator.live_forecast import LiveForecaster
+from megatron_scalerl.orchestrator.progress import Progress
 from megatron_scalerl.orchestrator.state import (
     SavedState,
     load_state,
     rewind_to_checkpoint,
     save_state,
 )
-from megatron_scalerl.orchestrator.validation import Validation
-from megatron_scalerl.recipe import Recipe, load_recipe
+from megatron_scalerl.orchestrator.validation import Validation, ValidationSchedule
+from megatron_scalerl.recipe import Recipe, load_run_recipe
 from megatron_scalerl.run.directory import (
     API_KEY_ENV,
     CURRICULUM_FILE,
@@ -74,6 +78,7 @@ from megatron_scalerl.tasks.sandbox import require_sandbox
 log = logging.getLogger("megatron_scalerl.orchestrator")
 
 VERSION_POLL_S = 0.5
+HOLD_POLL_S = 0.1  # while a batch is held back for a validation (validation.py): the trainer waits for the poll
 FORECAST_DRAIN_S = 120.0  # at the end: how long the last live forecast may take to land
 IDLE_SAMPLE_S = 0.2
 
@@ -104,10 +109,11 @@ class Orchestrator:
                                   wandb_project=recipe.logging.wandb_project, run_name=recipe.name)
         self.compute = ComputeMeter(run_dir, recipe.cluster.total_gpus)
         self.live = LiveForecaster(run_dir, recipe.forecast, eval_draws=validation_draws(recipe))
-        self.validation = Validation(held_out, domains=recipe.data.domains(),
-                                     interval=recipe.data.validation_interval,
-                                     samples=recipe.data.validation_generations, last=self.max_batches,
-                                     metrics=self.metrics, compute=self.compute, live=self.live)
+        schedule = ValidationSchedule(recipe.data.validation_interval, self.max_batches, recipe.rollout.off_policy,
+                                      recipe.rollout.k)
+        self.validation = Validation(held_out, domains=recipe.data.domains(), schedule=schedule,
+                                     samples=recipe.data.validation_generations, metrics=self.metrics,
+                                     compute=self.compute, live=self.live)
         self.finished: dict[int, RolloutGroup] = {}  # group index -> finished group, not yet in a batch
         self.tasks: set[asyncio.Task] = set()
         self.failure: BaseException | None = None  # the first task that raised: it ends the run
@@ -123,6 +129,8 @@ class Orchestrator:
             clear_finished(run_dir)  # continued: it ends again on its own terms (e.g. a raised max_steps)
         elif self.stream.next_index() > 0 or (run_dir / CURRICULUM_FILE).exists():
             raise UserError(f"{run_dir} already has rollouts or {CURRICULUM_FILE}: pass --resume to continue that run")
+        self.progress = Progress(max_batches=self.max_batches, budget=recipe.trainer.max_gpu_hours,
+                                 written=self.admission.written, gpu_hours=float(self.compute.figures()["gpu_hours"]))
 
     # ---- state ----------------------------------------------------------------------------------------------
 
@@ -132,7 +140,8 @@ class Orchestrator:
         save_state(self.run_dir, SavedState(
             batch=admission.written - 1, next_group=admission.next_group, sampler=self.sampler.state_dict(),
             resampling=self.resampling.state_dict(), validated=sorted(self.validation.done),
-            pending=admission.pending_keys(), wall_hours=self.compute.wall_hours()), new_batch=new_batch)
+            pending=admission.pending_keys(), wall_hours=self.compute.wall_hours(),
+            missed=sorted(self.validation.missed)), new_batch=new_batch)
 
     def _restore(self) -> None:
         """Continue from the saved state after the stream's last batch, once the stream is rewound to the trainer's
@@ -149,8 +158,7 @@ class Orchestrator:
         except UserError as exc:
             raise UserError(f"{path}: {exc}") from None
         self.admission.restore(state.batch + 1, state.next_group, state.pending)
-        # validations of policies after the trainer's checkpoint were of lost work (their rows are set aside)
-        self.validation.done = {version for version in state.validated if version <= resumed_step}
+        self.validation.restore(state.validated, state.missed, up_to=resumed_step, last_batch=state.batch)
         self.compute.wall_hours_before = max(state.wall_hours, self.compute.wall_hours_before)
         log.info("resumed from %s: %d batches written, %d prompts to admit again", path.name, self.admission.written,
                  len(self.admission.requeued))
@@ -196,7 +204,8 @@ class Orchestrator:
         admission = self.admission
         while admission.written < self.max_batches and self.ended_early is None:
             async with self.changed:
-                await self.changed.wait_for(lambda: len(self.finished) >= self.batch_size)
+                await self.changed.wait_for(lambda: len(self.finished) >= self.batch_size
+                                            and self.validation.may_write(admission.written))
                 chosen = [self.finished.pop(i) for i in sorted(self.finished)[:self.batch_size]]
             fresh, stale = admission.settle(chosen)
             for group in fresh:
@@ -231,10 +240,13 @@ class Orchestrator:
         self.window = {"idle": 0, "polls": 0}
         written = self.admission.written
         self.metrics.log(written, figures)
+        time_words = self.progress.words(written=written, gpu_hours=figures["gpu_hours"],
+                                         wall_hours=figures["wall_hours"])
         print(f"batch {written}/{self.max_batches} | reward {figures['rollout/reward_mean']:+.3f} | "
               f"pass {figures['rollout/pass_rate']:.3f} | filtered {figures['rollout/filtered_groups']:.0f} | "
               f"staleness {figures['staleness/max']:.0f} | generator idle "
               f"{100 * figures['rollout/generator_idle_fraction']:.0f}% | {figures['rollout/tokens_per_s']:.0f} tok/s"
+              f" | {time_words}"
               + (f" | {self.live.words}" if self.live.words else "")
               + (f" | {self.sandbox_warning}" if self.sandbox_warning else ""), flush=True)
         budget = self.recipe.trainer.max_gpu_hours
@@ -245,7 +257,7 @@ class Orchestrator:
     # ---- policy version, validation, idle time ----------------------------------------------------------------
 
     async def _watch_versions(self) -> None:
-        """Poll the generators' policy version; start the validations it calls for."""
+        """Poll the generators' policy version (more often while a batch is held back for a validation)."""
         while True:
             versions = [v for v in await asyncio.gather(*(self.fleet.weight_version(s.url)
                                                           for s in self.fleet.servers.values() if s.up))
@@ -253,12 +265,19 @@ class Orchestrator:
             latest = max(versions, default=None)
             if latest is not None and latest != self.version:
                 await self._set_version(latest)
-                if self.validation.due(latest):
-                    self._start_validation(latest)
-            await asyncio.sleep(VERSION_POLL_S)
+            for _ in range(round(VERSION_POLL_S / HOLD_POLL_S)):
+                await asyncio.sleep(HOLD_POLL_S)
+                if not self.validation.may_write(self.admission.written):
+                    break  # a batch is held back until a version the trainer may have pushed by now is seen
 
-    def _start_validation(self, version: int) -> None:
-        self.validation.started[version] = self._spawn(self.validation.run(version, self.groups.generate))
+    def _validate(self, version: int) -> None:
+        """The generators serve `version`: start its validation if its interval's is due, and record the scheduled
+        validations whose intervals passed unseen as missed (validation.py)."""
+        start, missed = self.validation.due(version)
+        for scheduled in missed:
+            self.validation.record_missed(scheduled, version)
+        if start:
+            self.validation.started[version] = self._spawn(self.validation.run(version, self.groups.generate))
 
     async def _count_idle(self) -> None:
         while True:
@@ -287,9 +306,11 @@ class Orchestrator:
             await self._set_version(version)
 
     async def _set_version(self, version: int) -> None:
-        """The generators' policy version is now `version`: wake admission control and the final validation."""
+        """The generators' policy version is now `version`: start the validation it calls for, wake admission
+        control, a held-back batch and the final validation."""
         async with self.changed:
             self.version = version
+            self._validate(version)
             self.changed.notify_all()
 
     # ---- run ------------------------------------------------------------------------------------------------
@@ -323,11 +344,9 @@ class Orchestrator:
         log.info("all %d batches written; waiting for the trainer's final weights to validate them",
                  self.admission.written)
         async with self.changed:
-            await self.changed.wait_for(lambda: self.version is not None and self.version >= last)
-        if last not in validation.started and last not in validation.done:
-            self._start_validation(last)
-        if last in validation.started:
-            await validation.started[last]
+            await self.changed.wait_for(lambda: validation.schedule.owner(last) in validation.settled())
+        if validation.started:  # the last one, and any still running
+            await asyncio.wait(list(validation.started.values()))
         if self.failure is not None:
             raise self.failure
         self._save_state(new_batch=False)
@@ -397,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
 
     orchestrator = None
     try:
-        recipe = load_recipe(args.run_dir / RECIPE_FILE)
+        recipe = load_run_recipe(args.run_dir, RECIPE_FILE)
         generators = read_generators(args.run_dir)
         if generators is None:
             raise UserError(f"{args.run_dir}: no generators.json: the orchestrator needs the run's generators")

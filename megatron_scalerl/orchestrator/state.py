@@ -1,10 +1,11 @@
 """The orchestrator's saved state, and where a resumed orchestrator continues.
 
 The state (`SavedState`, in `RUN/curriculum.json`): the prompt sampler's position, the No-Positive-Resampling history,
-the policy versions validated, the prompts admitted but in no batch yet, and `batch`, the index of the last batch
-formed. It is saved before batch b is written, with `batch` = b (so it may describe a batch that is not on disk yet),
-after the previous state is copied to `curriculum.prev.json` (`curriculum.json` itself is replaced atomically, never
-missing); and in place when a batch comes out empty and at the run's end. A resume continues from whichever of the
+the policy versions validated and the scheduled validations missed (`validation.py`), the prompts admitted but in no
+batch yet, and `batch`, the index of the last batch formed. It is saved before batch b is written, with `batch` = b
+(so it may describe a batch that is not on disk yet), after the previous state is copied to `curriculum.prev.json`
+(`curriculum.json` itself is replaced atomically, never missing); and in place when a batch comes out empty and at
+the run's end. A resume continues from whichever of the
 two has `batch` = the stream's last index (`load_state`): no batch index is written twice and no admitted prompt is
 forgotten.
 
@@ -44,7 +45,8 @@ The launchers' rewind (`metrics=True`, before any role starts) also makes `RUN/m
 and each validation once: the records of work the resume redoes (`lost_record`: trainer steps after the checkpoint's
 step N; validations and forecasts of policies after N; the batch rows of batches no longer in the stream; evaluations
 of checkpoints after N) move to `RUN/metrics.rewound.jsonl` (`metrics.set_aside`). A resumed orchestrator forgets the
-validations of policies after N, so they are made again for the new policies of those versions.
+validations of policies after N (and the scheduled ones missed after N), so they are made again for the new policies
+of those versions.
 
 The orchestrator's wall-clock hours go on from the most it saved or logged (`metrics.logged_wall_hours`, the set-aside records
 included): time spent on an abandoned timeline, or after the last saved state of an orchestrator that was killed,
@@ -56,7 +58,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -84,6 +86,8 @@ class SavedState:
     validated: list[int]  # policy versions whose validation is in metrics.jsonl
     pending: list[str]  # prompt keys admitted but in no batch: admitted again first
     wall_hours: float  # the orchestrator's wall-clock hours over its restarts
+    missed: list[int] = field(default_factory=list)  # scheduled validations recorded missed (`val/missed`); a state
+    # saved before there were any records has none
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1) + "\n"
@@ -95,7 +99,7 @@ class SavedState:
             state = cls(batch=int(record["batch"]), next_group=int(record["next_group"]),
                         sampler=dict(record["sampler"]), resampling=dict(record["resampling"]),
                         validated=[int(v) for v in record["validated"]], pending=[str(k) for k in record["pending"]],
-                        wall_hours=float(record["wall_hours"]))
+                        wall_hours=float(record["wall_hours"]), missed=[int(v) for v in record.get("missed", [])])
         except (KeyError, TypeError, ValueError) as exc:
             expected = ", ".join(f.name for f in fields(cls))
             raise UserError(f"{source}: malformed orchestrator state ({type(exc).__name__}: {exc}); expected "

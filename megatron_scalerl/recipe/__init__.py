@@ -4,7 +4,8 @@
                 (those live in recipes/scalerl.yaml); slurm_minutes for the cluster's time limit
     loading.py  presets (recipes/*.yaml, recipes/models/*.yaml, `hf:DIR`), `--set` overrides, validation with the
                 first bad field named (cross-field rules: rules.py), load_recipe; flatten / changed_fields /
-                diff to compare recipes; preset_catalogue (the presets, for explain)
+                diff to compare recipes; preset_catalogue (the presets, for explain); load_run_recipe (a run's own
+                RUN/recipe.yaml); require_init_from_matches (an HF trainer.init_from of the recipe's model)
     explain.py  what a key means, from the schema's descriptions, the presets and the rules' source (rule_reads.py):
                 explain_key, key_table, annotate_yaml (`scalerl recipe explain`, `show --explain`), the nearest
                 known keys to an unknown one
@@ -20,12 +21,14 @@ from megatron_scalerl.recipe.loading import (
     diff,
     flatten,
     load_recipe,
+    load_run_recipe,
     model_config_from_hf,
     model_preset_names,
     parse_override,
     preset_catalogue,
     preset_names,
     read_hf_config,
+    require_init_from_matches,
     resolve_dict,
     validate,
 )
@@ -67,12 +70,14 @@ __all__ = [
     "flatten",
     "key_table",
     "load_recipe",
+    "load_run_recipe",
     "model_config_from_hf",
     "model_preset_names",
     "parse_override",
     "preset_catalogue",
     "preset_names",
     "read_hf_config",
+    "require_init_from_matches",
     "resolve_dict",
     "schema_keys",
     "slurm_minutes",

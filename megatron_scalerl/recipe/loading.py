@@ -11,7 +11,8 @@ Resolution order (later wins):
 Validation (`validate`) checks the types and ranges of schema.py, then the cross-field rules of rules.py, and
 raises RecipeError naming the first bad field (an unknown key with the nearest known ones, explain.py). flatten /
 changed_fields / diff compare recipes field by field; preset_catalogue gathers the presets `scalerl recipe explain`
-compares a key across.
+compares a key across. A run's own recipe (RUN/recipe.yaml) is read by `load_run_recipe` alone;
+`require_init_from_matches` refuses an HF `trainer.init_from` whose config.json describes another model.
 """
 
 from __future__ import annotations
@@ -213,6 +214,41 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] = (), model_prese
     """Resolve a preset name or recipe file, apply the model preset and overrides, validate."""
     data = resolve_dict(name_or_path, overrides, model_preset)
     return validate(data, source=str(name_or_path))
+
+
+def load_run_recipe(run_dir: str | Path, file_name: str, overrides: list[str] = (), *,
+                    missing_ok: bool = False) -> Recipe | None:
+    """The recipe of the run in `run_dir`: its file `file_name` (`run.directory.RECIPE_FILE`, written by the
+    launcher), with `overrides` applied (a trainer's `--set`), validated. A missing file is a UserError naming the
+    run directory and the file (None with `missing_ok`); a damaged one a RecipeError naming the file and the field."""
+    path = Path(run_dir) / file_name
+    if not path.is_file():
+        if missing_ok:
+            return None
+        raise UserError(f"{run_dir}: no {file_name}, not a run directory (a run's launcher writes it)")
+    return load_recipe(path, overrides)
+
+
+def require_init_from_matches(recipe: Recipe) -> None:
+    """Refuse an HF checkpoint `trainer.init_from` (a directory with a config.json) of another model than
+    `recipe.model`: its config.json, translated by its family (`model_config_from_hf`), must agree with the model
+    section on every field the translation gives; else a UserError naming the file and each differing field (the
+    recipe's value, config.json's). The weights would not fit the model the trainer builds (a shape), or would
+    compute another function than the checkpoint's (a RoPE base, a norm epsilon). Run by the launcher before any
+    role starts and by every trainer rank before it builds its model. A Megatron checkpoint (no config.json at its
+    top) is checked against the model config it stores (`checkpoint.sharded.require_model_config`)."""
+    source = recipe.trainer.init_from
+    if not source or not (Path(source) / "config.json").is_file():
+        return
+    path, raw = read_config_json(source)
+    theirs = model_config_from_hf(raw, str(path))
+    ours, given = recipe.model.model_dump(mode="json"), theirs.model_dump(mode="json")
+    differing = sorted(k for k in theirs.model_fields_set if ours[k] != given[k])
+    if differing:
+        fields = "; ".join(f"model.{k}: {ours[k]!r} in the recipe, {given[k]!r} in config.json" for k in differing)
+        raise UserError(f"trainer.init_from: {path} describes another model than the recipe's model section "
+                        f"({len(differing)} field(s) differ): {fields}; start from a checkpoint of the recipe's "
+                        f"model, or take the model section from this one (--model hf:{path.parent})")
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, Any]:

@@ -16,7 +16,8 @@ Ctrl-C or SIGTERM: every running run is sent SIGTERM (its launcher stops its rol
 checkpointing its step), the sweep waits for their ordered stops (`stop_wait_s`: each role's STOP_TIMEOUT_S plus a
 minute), SIGKILLs what is left of each run (its launcher's process group and every process carrying its marker:
 the roles run in sessions of their own), then exits 128 + the signal; `scalerl sweep` again continues. A run that
-fails is recorded (`failed`, its exit code) and the others go on; the next sweep resumes it.
+fails is recorded (`failed`, its exit code) and the others go on; the next sweep resumes it. Each run's start and
+end get a line with the sweep's progress (sweep/progress.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.launch.local import cpu_threads_per_process, cuda_devices
 from megatron_scalerl.launch.supervise import kill_carrying
 from megatron_scalerl.run.directory import STOP_TIMEOUT_S
+from megatron_scalerl.sweep.progress import SweepProgress
 from megatron_scalerl.sweep.runs import SWEEP_RUN_ENV, Sweep, SweepRun, outcome
 
 POLL_S = 1.0
@@ -122,6 +124,7 @@ def run_local(sweep: Sweep, keys: list[str], parallel: int, *, cuda: bool) -> in
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     active: dict[str, _Active] = {}
     failed: list[str] = []
+    progress = SweepProgress(keys, sweep.manifest["runs"], parallel)
     try:
         while (todo or active) and not stop:
             while todo and len(active) < parallel and not stop:
@@ -135,6 +138,7 @@ def run_local(sweep: Sweep, keys: list[str], parallel: int, *, cuda: bool) -> in
                     env["OMP_NUM_THREADS"] = str(cpu_threads_per_process(parallel * run.processes))
                 entry = _start(sweep, run, devices, env)
                 if entry is not None:
+                    print(progress.start(run.key), flush=True)
                     active[run.key] = entry
                     free.difference_update(devices)
             time.sleep(POLL_S)
@@ -149,6 +153,7 @@ def run_local(sweep: Sweep, keys: list[str], parallel: int, *, cuda: bool) -> in
                 free.update(entry.devices)
                 if not _finish(sweep, key, code):
                     failed.append(key)
+                print(progress.end(key, f"exit {code}"), flush=True)
     finally:
         for sig in previous:  # a second Ctrl-C must not cut the runs' ordered stops short
             signal.signal(sig, signal.SIG_IGN)

@@ -151,7 +151,7 @@ def grid_variants(specs: list[str], base: dict[str, Any]) -> list[Variant]:
     return variants
 
 
-def run_recipe(spec: BaseSpec, variant: Variant, seed_index: int, name: str) -> Recipe:
+def variant_recipe(spec: BaseSpec, variant: Variant, seed_index: int, name: str) -> Recipe:
     """The validated recipe of run (`variant`, seed `seed_index`), named `name`. Errors name the variant."""
     data = spec.base_dict()
     seed = data.get("trainer", {}).get("seed", 0)

@@ -34,7 +34,7 @@ from megatron_scalerl.forecast.ablation import make_ablation
 from megatron_scalerl.forecast.data import MetricsTable
 from megatron_scalerl.forecast.live import recipe_options
 from megatron_scalerl.forecast.predict import ForecastOptions, make_forecast
-from megatron_scalerl.recipe import Recipe, load_recipe
+from megatron_scalerl.recipe import Recipe, load_run_recipe
 from megatron_scalerl.run.directory import RECIPE_FILE, read_finished
 from megatron_scalerl.sweep.manifest import ordered_runs
 from megatron_scalerl.sweep.plan import BASE_VARIANT
@@ -64,8 +64,7 @@ class ReportRun:
 def _read(variant: str, run_dir: Path, label: str) -> ReportRun:
     """The run in `run_dir`, its curve named `label`."""
 
-    recipe_file = run_dir / RECIPE_FILE
-    recipe = load_recipe(recipe_file) if recipe_file.is_file() else None
+    recipe = load_run_recipe(run_dir, RECIPE_FILE, missing_ok=True)
     metrics = MetricsTable.read(run_dir)
     return ReportRun(variant, replace(metrics.curve(), name=label), recipe, metrics)
 

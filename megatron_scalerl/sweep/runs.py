@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.fileio import atomic_write_text, load_yaml
+from megatron_scalerl.fileio import atomic_write_text
 from megatron_scalerl.launch.supervise import processes_with_environment
-from megatron_scalerl.recipe import Recipe, validate
+from megatron_scalerl.recipe import Recipe, load_run_recipe, validate
 from megatron_scalerl.run.directory import GENERATORS_FILE, RECIPE_FILE, read_finished
 from megatron_scalerl.sweep.manifest import manifest_path, save_manifest
 
@@ -168,7 +168,7 @@ class Sweep:
 
     def _extend(self, run: SweepRun) -> None:
         path = run.run_dir / RECIPE_FILE
-        old = validate(load_yaml(path), source=str(path))  # a damaged file: an error naming it and the field
+        old = load_run_recipe(run.run_dir, RECIPE_FILE)  # a damaged file: an error naming it and the field
         wanted = {**({"max_steps": self.steps} if self.steps is not None else {}),
                   **({"max_gpu_hours": self.budget} if self.budget is not None else {})}
         if all(getattr(old.trainer, k) == v for k, v in wanted.items()):

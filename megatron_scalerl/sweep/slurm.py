@@ -3,7 +3,8 @@
 Each run is submitted from the checkout that holds `slurm/` (as the README's walk does), with the job's sizes taken
 from the run's recipe (its cluster section: trainer nodes : generator nodes, `gpus_per_node` GPUs each; its
 partition and account when it names them, and its time limit, unless an SBATCH_* variable or an `#SBATCH` line of
-the sbatch file chooses them: `launch.slurm.cluster_options`) and its settings exported:
+the sbatch file chooses them: `launch.slurm.cluster_options`; each sbatch file's `#SBATCH` lines are read once per
+sweep, `SbatchFiles`) and its settings exported:
 
     sbatch --parsable --job-name=sweep-<id>-<variant>-seedI --output=SWEEP/VARIANT/seedI.slurm-%j.out \
         [--partition=P --account=A] --time=L --nodes=T --gpus-per-node=G : [...] --time=L --nodes=N ... \
@@ -18,7 +19,8 @@ it: it counts towards `--max-concurrent` at once and its run is never submitted 
 done is checked again right before it is submitted (`Sweep.prepare`). A failed `squeue` is said and tried again on
 the next poll; `SQUEUE_TRIES` failures in a row end the watching (the jobs go on). `sbatch` and `squeue` run in
 sessions of their own, bounded by SLURM_TIMEOUT_S each, so that a Ctrl-C reaches only the sweep. Ctrl-C or SIGTERM
-stops the watching only: the jobs go on, and `scalerl sweep` again follows them.
+stops the watching only: the jobs go on, and `scalerl sweep` again follows them. A run's start (its job first seen
+running) and end get a line with the sweep's progress (sweep/progress.py).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from pathlib import Path
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.launch.allocation import slurm_client
-from megatron_scalerl.launch.slurm import cluster_options
+from megatron_scalerl.launch.slurm import cluster_options, sbatch_lines
+from megatron_scalerl.recipe import Recipe
+from megatron_scalerl.sweep.progress import SweepProgress
 from megatron_scalerl.sweep.runs import Sweep, SweepRun, outcome
 
 CHECKOUT = Path(__file__).resolve().parents[2]  # the repository: slurm/*.sbatch and the venv the jobs run
@@ -65,20 +69,35 @@ def queued(names: list[str]) -> dict[str, tuple[int, str]]:
     return jobs
 
 
-def sbatch_command(sweep: Sweep, run: SweepRun) -> list[str]:
-    """The `sbatch` command line of run `run` (see the module docstring)."""
-    recipe, cluster = run.recipe, run.recipe.cluster
-    script = CHECKOUT / "slurm" / ("scalerl_moe.sbatch" if recipe.model.is_moe else "scalerl_dense.sbatch")
-    if not script.is_file():
-        raise UserError(f"{script}: not found; --slurm submits the repository's sbatch files: run the sweep from the "
-                        "checkout's venv")
+class SbatchFiles:
+    """The repository's sbatch files a sweep submits, each read once (on first use): its path and the options of
+    its `#SBATCH` lines (`launch.slurm.sbatch_lines`)."""
+
+    def __init__(self) -> None:
+        self._options: dict[Path, list[str]] = {}
+
+    def for_recipe(self, recipe: Recipe) -> tuple[Path, list[str]]:
+        """(the sbatch file of `recipe`'s model, MoE or dense; its `#SBATCH` options)."""
+        script = CHECKOUT / "slurm" / ("scalerl_moe.sbatch" if recipe.model.is_moe else "scalerl_dense.sbatch")
+        if script not in self._options:
+            if not script.is_file():
+                raise UserError(f"{script}: not found; --slurm submits the repository's sbatch files: run the sweep "
+                                "from the checkout's venv")
+            self._options[script] = sbatch_lines(script)
+        return script, self._options[script]
+
+
+def sbatch_command(sweep: Sweep, run: SweepRun, files: SbatchFiles) -> list[str]:
+    """The `sbatch` command line of run `run` (see the module docstring); `files`: the sweep's sbatch files."""
+    cluster = run.recipe.cluster
+    script, chosen = files.for_recipe(run.recipe)
     settings = {"SCALERL_RUN_DIR": str(run.run_dir.resolve()), "SCALERL_RECIPE": str(run.recipe_file.resolve()),
                 "SCALERL_MODEL": "", "SCALERL_SET": "", "SCALERL_TOKENIZER": sweep.manifest.get("tokenizer") or "",
                 "SCALERL_PYTHON": sys.executable}
     for name, value in settings.items():
         if "," in value:
             raise UserError(f"{name}={value}: sbatch --export cannot carry a comma; choose paths without one")
-    where = cluster_options(cluster, script, os.environ)  # per het component: sbatch propagates not all of them
+    where = cluster_options(cluster, chosen, os.environ)  # per het component: sbatch propagates not all of them
     sizes = [*where, f"--nodes={cluster.trainer_nodes}", f"--gpus-per-node={cluster.gpus_per_node}", ":",
              *where, f"--nodes={cluster.generator_nodes}", f"--gpus-per-node={cluster.gpus_per_node}"]
     output = run.run_dir.with_name(f"{run.run_dir.name}.slurm-%j.out").resolve()
@@ -94,6 +113,7 @@ def run_slurm(sweep: Sweep, keys: list[str], max_concurrent: int | None, poll_s:
     active: dict[str, int] = {}  # run key -> polls it was missing from the queue
     failed: list[str] = []
     stop: list[int] = []
+    files, progress = SbatchFiles(), SweepProgress(keys, sweep.manifest["runs"], max_concurrent)
     previous = {sig: signal.signal(sig, lambda signum, _frame: stop.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -113,13 +133,16 @@ def run_slurm(sweep: Sweep, keys: list[str], max_concurrent: int | None, poll_s:
                 active[key] = 0 if names[key] in jobs else active[key] + 1
                 if names[key] in jobs and sweep.manifest["runs"][key]["state"] != jobs[names[key]][1]:
                     sweep.update(key, state=jobs[names[key]][1])
+                    if jobs[names[key]][1] == "running" and key not in progress.running:  # not again after a requeue
+                        print(progress.start(key), flush=True)
                 if active[key] >= GONE_POLLS:
                     del active[key]
                     if not _ended(sweep, key):
                         failed.append(key)
+                    print(progress.end(key, f"job {sweep.manifest['runs'][key]['slurm_job']}"), flush=True)
             while todo and (max_concurrent is None or len(active) < max_concurrent) and not stop:
                 key = todo.pop(0)
-                if _submit(sweep, sweep.runs[key]):
+                if _submit(sweep, sweep.runs[key], files):
                     active[key] = 0
             _sleep(poll_s if active else 0, stop)
     finally:
@@ -155,14 +178,14 @@ def _sleep(seconds: float, stop: list[int]) -> None:
         time.sleep(min(1.0, deadline - time.monotonic()))
 
 
-def _submit(sweep: Sweep, run: SweepRun) -> bool:
+def _submit(sweep: Sweep, run: SweepRun, files: SbatchFiles) -> bool:
     """Submit run `run` (`Sweep.prepare` first); False when it turned out to be done (nothing submitted)."""
     mode = sweep.prepare(run.key)
     if mode is None:
         print(f"sweep: {run.key}: done ({sweep.manifest['runs'][run.key]['finished']}); not submitted", flush=True)
         return False
     run.run_dir.parent.mkdir(parents=True, exist_ok=True)
-    job = int(_slurm(*sbatch_command(sweep, run)).strip().split(";")[0])
+    job = int(_slurm(*sbatch_command(sweep, run, files)).strip().split(";")[0])
     sweep.update(run.key, state="queued", slurm_job=job, exit_code=None)
     print(f"sweep: {run.key}: {'resubmitted' if mode == 'resume' else 'submitted'} as job {job} (output "
           f"{run.run_dir.with_name(f'{run.run_dir.name}.slurm-{job}.out')})", flush=True)

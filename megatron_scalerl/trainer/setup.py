@@ -19,7 +19,7 @@ from megatron_scalerl.models.weights import unwrap_model
 from megatron_scalerl.platform import initialize_model_parallel
 from megatron_scalerl.platform.megatron_optimizer import prepare_optimizer
 from megatron_scalerl.platform.precision import trainer_dtype
-from megatron_scalerl.recipe import Recipe
+from megatron_scalerl.recipe import Recipe, require_init_from_matches
 
 
 def head_weight(chunk: torch.nn.Module) -> torch.Tensor:
@@ -69,7 +69,8 @@ def load_initial_weights(gpt: torch.nn.Module, recipe: Recipe) -> None:
 
 
 def build_model_chunks(recipe: Recipe, *, hidden_states_out: bool = True) -> list:
-    """This rank's model (initialised from `trainer.init_from` when set: `load_initial_weights`), ready for training.
+    """This rank's model (initialised from `trainer.init_from` when set: `load_initial_weights`; an HF checkpoint of
+    another model than `recipe.model` is refused first, `recipe.require_init_from_matches`), ready for training.
 
     The last stage returns hidden states for the fused log-prob op (`emit_hidden_states`); `hidden_states_out=False`
     keeps megatron's logits [b, s, padded vocab / tp] instead (what `scalerl verify` compares with HF)."""
@@ -77,6 +78,7 @@ def build_model_chunks(recipe: Recipe, *, hidden_states_out: bool = True) -> lis
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.transformer.module import Float16Module
 
+    require_init_from_matches(recipe)  # an HF init_from of another model: refused before any weight is built
     dtype = trainer_dtype(recipe)
     gpt = build_model(recipe.model, recipe.parallelism, fp32_lm_head=recipe.trainer.fp32_lm_head,
                       params_dtype=dtype, pre_process=ps.is_pipeline_first_stage(),

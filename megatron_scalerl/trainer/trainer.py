@@ -53,7 +53,7 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.platform import destroy_distributed, init_distributed
 from megatron_scalerl.platform.distributed import from_rank0
 from megatron_scalerl.platform.precision import resolve_precision, with_precision
-from megatron_scalerl.recipe import Recipe, load_recipe
+from megatron_scalerl.recipe import Recipe, load_recipe, load_run_recipe
 from megatron_scalerl.run.directory import CURRICULUM_FILE, RECIPE_FILE, STOP_TIMEOUT_S, stop_requested
 from megatron_scalerl.run.gpu_hours import ComputeMeter
 from megatron_scalerl.run.metrics_log import MetricsLog, logged_wall_hours
@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
 
     try:
-        recipe = load_recipe(args.recipe or args.run_dir / RECIPE_FILE, args.overrides)
+        recipe = (load_recipe(args.recipe, args.overrides) if args.recipe
+                  else load_run_recipe(args.run_dir, RECIPE_FILE, args.overrides))
         try:
             info = init_distributed(recipe.cluster.backend, recipe.cluster.collective_timeout_s)
         except RuntimeError as exc:  # rendezvous failed or timed out: the message names the address and rank
