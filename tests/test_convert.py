@@ -317,6 +317,7 @@ def test_existing_output_is_never_overwritten(dense, tmp_path):
         hf_to_megatron(dense, tmp_path / "out", ParallelismConfig())
 
 
+@pytest.mark.slow  # an end-to-end run of its own (make test-fast stays under 10 minutes)
 def test_interrupted_conversion_leaves_no_output(dense, tmp_path):
     """Killed mid-conversion: OUT does not exist (the work sits under a hidden temporary name), and a rerun works."""
     import os

@@ -50,6 +50,7 @@ def test_in_a_run_our_processes_drop_only_that_message(scout_style_config):
     assert MESSAGE_START not in err and "another rope warning" in err
 
 
+@pytest.mark.slow  # an end-to-end run of its own (make test-fast stays under 10 minutes)
 def test_in_a_run_vllms_processes_drop_it_through_the_plugin(scout_style_config):
     """What vLLM's API server and engine core call at start (`load_general_plugins`), without importing us."""
     code = f"from vllm.plugins import load_general_plugins; load_general_plugins(); {LOAD.format(dir=scout_style_config)}"

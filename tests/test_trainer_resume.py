@@ -33,9 +33,9 @@ def _train_and_save(rank, run_dir, hf, layout):
     losses, saved = [], {}
     for seed in range(STEPS):
         losses.append(trainer.train_step(rl_batch(seed))["train/loss"])
-        if trainer.checkpointing.step in (1, 2):
+        if trainer.state.step in (1, 2):
             trainer.checkpoint()
-        if trainer.checkpointing.step == 2:
+        if trainer.state.step == 2:
             saved = _weights(trainer)
     return {"losses": losses, "weights": saved, "hours": read_rl_state(trainer.store.path(2))["wall_hours"],
             "precision": trainer.recipe.trainer.precision}
@@ -47,9 +47,9 @@ def _resume(rank, run_dir, hf, layout):
     from megatron_scalerl.trainer.trainer import Trainer
 
     trainer = Trainer(run_dir, tiny_recipe(hf=hf, **layout, extra=BF16))
-    iteration, hours, weights = trainer.checkpointing.step, trainer.compute.wall_hours_before, _weights(trainer)
+    iteration, hours, weights = trainer.state.step, trainer.compute.wall_hours_before, _weights(trainer)
     losses = [trainer.train_step(rl_batch(seed))["train/loss"] for seed in range(iteration, STEPS)]
-    return {"iteration": iteration, "hours": hours, "version": trainer.checkpointing.updates, "losses": losses,
+    return {"iteration": iteration, "hours": hours, "version": trainer.state.updates, "losses": losses,
             "weights": weights}
 
 

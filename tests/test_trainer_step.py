@@ -111,7 +111,7 @@ def _learning(rank, run_dir):
 
     before = objective()
     losses = [trainer.train_step(batch)["train/loss"] for _ in range(4)]
-    return before, objective(), losses, trainer.checkpointing.updates
+    return before, objective(), losses, trainer.state.updates
 
 
 def test_cispo_steps_on_a_fixed_batch_improve_the_policy(single_rank):
@@ -137,7 +137,7 @@ def _non_finite(rank, run_dir):
     try:
         trainer.train_step(bad)
     except NonFiniteError as exc:
-        return m["train/skipped"], unchanged, trainer.checkpointing.updates, trainer.checkpointing.skipped_steps, str(exc)
+        return m["train/skipped"], unchanged, trainer.state.updates, trainer.state.skipped_steps, str(exc)
     return None
 
 

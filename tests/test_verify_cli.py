@@ -31,6 +31,7 @@ def _report(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # an end-to-end run of its own (make test-fast stays under 10 minutes)
 def test_verify_logits_tp1(moe_dir):
     report = _report(_scalerl("verify", "logits", "--hf", moe_dir))
     assert report["layout"] == "TP1xPP1xEP1" and report["world_size"] == 1
@@ -51,6 +52,7 @@ def qwen3_dirs(tmp_path_factory) -> dict[str, str]:
     return dirs
 
 
+@pytest.mark.slow  # an end-to-end run of its own (make test-fast stays under 10 minutes)
 @pytest.mark.parametrize("preset", ["tiny_qwen3", "tiny_qwen3_moe"])
 def test_verify_logits_qwen3(preset, qwen3_dirs):
     """Both Qwen3 families verify (model_type qwen3 / qwen3_moe); no attention chunk, so 64 tokens by default."""
