@@ -324,6 +324,18 @@ http.server.HTTPServer(("127.0.0.1", port), Server).serve_forever()
 """
 
 
+def _until_answering(port: int, timeout_s: float = 60.0) -> None:
+    """Return once something accepts connections on 127.0.0.1:`port` (AssertionError after `timeout_s` seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing answers on port {port} after {timeout_s:g} s"
+            time.sleep(0.05)
+
+
 @pytest.mark.parametrize("mode, said", [
     ("stuck", "did not get the restarted trainer's weights (policy 4 or later) within 2 s: starting it again"),
     ("deaf", "cannot be readied for the restarted trainer (stuck in a receive of the failed trainer's weights?): "
@@ -341,6 +353,7 @@ def test_after_a_restart_a_generator_serves_the_restarted_trainers_weights_befor
     port = free_port()
     generator = Role("generator 0", [sys.executable, "-c", WEIGHT_INFO, str(port), str(tmp_path / "started"), mode],
                      tmp_path / "g.log").start()
+    _until_answering(port)  # a loaded machine may start it slower than the trainer fails: the modes are about later
     marker = tmp_path / "failed_once"
     trainer = _role(tmp_path, "trainer", f"import pathlib, sys, time\np = pathlib.Path({str(marker)!r})\n"
                                          "if not p.exists(): p.touch(); sys.exit(3)\ntime.sleep(4)").start()
