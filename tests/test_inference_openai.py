@@ -7,10 +7,8 @@ completion's."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 
 import openai
 import pytest
@@ -18,10 +16,9 @@ import pytest
 from megatron_scalerl.platform import free_port
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.tasks.prompts import INSTRUCTIONS, render_prompt
-from tests.test_inference_serve import _read_ready_line
+from tests.test_inference_serve import KEY, _read_ready_line, start_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-KEY = "chat-s3cret"
 PROBLEM = "Calculate 7 + 8."
 MESSAGE = f"{PROBLEM}\n\n{INSTRUCTIONS['math']}"  # the user message of its prompt (`render_prompt`)
 
@@ -35,11 +32,7 @@ def test_the_openai_client_lists_completes_and_chats_with_the_demo_model_and_nee
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompt_ids = tokenizer(render_prompt(PROBLEM, tokenizer)).input_ids  # BOS, then the text the run trains on
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron_scalerl.cli", "serve", "--model", model, "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "512", "--log", str(tmp_path / "vllm.log")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "SCALERL_API_KEY": KEY})
+    proc = start_serve(model, port, tmp_path / "vllm.log", "--dtype", "float32", "--max-model-len", "512")
     try:
         assert "API key on every route" in _read_ready_line(proc, 300)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)

@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
@@ -51,6 +52,16 @@ def _live_group_members(pgid: int) -> list[int]:
         except (ProcessLookupError, psutil.NoSuchProcess):
             pass
     return live
+
+
+def start_serve(model: str, port: int, log: Path, *flags: str) -> subprocess.Popen:
+    """`scalerl serve --model MODEL --port PORT --log LOG FLAGS...` as a user runs it, with the tests' API key; stdout
+    and stderr piped (`_read_ready_line` reads its ready line)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "megatron_scalerl.commands", "serve", "--model", model, "--port", str(port),
+         "--log", str(log), *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "SCALERL_API_KEY": KEY})
 
 
 def _read_ready_line(proc: subprocess.Popen, timeout_s: float) -> str:
@@ -92,12 +103,8 @@ def test_serve_guards_routes_keeps_an_fp32_head_through_syncs_and_stops_cleanly(
     model = tiny_hf_checkpoint(tmp_path / "model", "tiny_dense", seed=4)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron_scalerl.commands", "serve", "--model", model, "--port", str(port),
-         "--dtype", "float16", "--max-model-len", "256", "--log", str(tmp_path / "vllm.log"),
-         "--health-interval", "2"],  # as a user runs it: nothing for vLLM beyond our flags
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "SCALERL_API_KEY": KEY})
+    proc = start_serve(model, port, tmp_path / "vllm.log", "--dtype", "float16", "--max-model-len", "256",
+                       "--health-interval", "2")  # as a user runs it: nothing for vLLM beyond our flags
     try:
         ready = _read_ready_line(proc, 300)
         assert f"at {url}" in ready and "FP32 LM head" in ready and "API key on every route" in ready
@@ -170,11 +177,7 @@ def test_serve_gives_a_tied_qwen3_an_fp32_head_and_keeps_it_through_syncs(tmp_pa
     assert LM_HEAD not in weights and not torch.equal(weights[EMBEDDING].half().float(), weights[EMBEDDING])
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron_scalerl.commands", "serve", "--model", model, "--port", str(port),
-         "--dtype", "float16", "--max-model-len", "256", "--log", str(tmp_path / "vllm.log")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "SCALERL_API_KEY": KEY})
+    proc = start_serve(model, port, tmp_path / "vllm.log", "--dtype", "float16", "--max-model-len", "256")
     try:
         assert "FP32 LM head" in _read_ready_line(proc, 300)
         (head,) = request_json(url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=30,
