@@ -17,7 +17,6 @@ from megatron_scalerl.algo.length_control import InterruptionPolicy
 from megatron_scalerl.algo.versions import NO_VERSION
 from megatron_scalerl.inference.fleet import Fleet, GenerationRequest
 from megatron_scalerl.orchestrator.generation import contains, generate_sample
-from megatron_scalerl.weight_sync.export import bucketed
 from megatron_scalerl.weight_sync.sender import WeightSender, WeightSyncConfig
 from tests.trainer_utils import tiny_hf_checkpoint
 from tests.weight_sync_utils import PROMPTS, start_server, wait_all_ready
@@ -53,7 +52,7 @@ def _push(checkpoint: str, urls: list[str], version: int) -> None:
     weights = load_file(f"{checkpoint}/model.safetensors")
     sender = WeightSender(urls, SYNC).connect()
     try:
-        sender.send(bucketed(iter(weights.items()), 2**19), version)
+        sender.send(weights.items(), version)
     finally:
         sender.close()
 
@@ -145,7 +144,7 @@ def test_a_weight_sync_in_flight_tags_tokens_with_their_versions(fleet_servers):
             running = [asyncio.create_task(fleet.generate(r)) for r in _requests(8, 200, prefix=f"inflight{version}-")]
             await asyncio.sleep(0.2)
             await asyncio.get_running_loop().run_in_executor(
-                None, lambda: sender.send(bucketed(iter(weights.items()), 2**19), version))
+                None, lambda: sender.send(weights.items(), version))
             return await asyncio.gather(*running)
 
     try:

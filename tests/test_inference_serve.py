@@ -32,8 +32,7 @@ from megatron_scalerl.commands.serve import _watch
 from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig
 from megatron_scalerl.platform import free_port
-from megatron_scalerl.weight_sync.export import bucketed
-from megatron_scalerl.weight_sync.protocol import EMBEDDING, LM_HEAD, checksum, wire_dtype
+from megatron_scalerl.weight_sync.protocol import EMBEDDING, LM_HEAD, checksum
 from megatron_scalerl.weight_sync.sender import WeightSender, WeightSyncConfig
 from tests.trainer_utils import tiny_hf_checkpoint
 from tests.weight_sync_utils import hf_greedy, server_greedy
@@ -150,12 +149,10 @@ def _sync_twice(url: str, weights: dict[str, torch.Tensor], *, tied: bool) -> di
     """Send `weights` to the server at `url` twice (the second sync is a reload of a reloaded model), the head in
     FP32 and the rest in float16; the server's report of its FP32 head after."""
     sender = WeightSender([url], WeightSyncConfig(bucket_mib=0.5, serving_dtype=torch.float16, timeout_s=30.0,
-                                                  checksums=True, api_key=KEY)).connect()
+                                                  checksum_every=1, api_key=KEY)).connect()
     try:
         for version in (1, 2):
-            buckets = bucketed(((name, t.to(wire_dtype(name, torch.float16, True, tied=tied)))
-                                for name, t in weights.items()), 2**19)
-            assert sender.send(buckets, version).checksums_verified == len(weights)
+            assert sender.send(weights.items(), version, tied=tied).checksums_verified == len(weights)
     finally:
         sender.close()
     (head,) = request_json(url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=30,

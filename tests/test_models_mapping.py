@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -256,3 +257,48 @@ def test_temperature_scales_follow_hf_formula():
     positions = torch.arange(20.0)
     torch.testing.assert_close(scales, torch.log1p(torch.floor((positions + 1.0) / 8.0)) * 0.1 + 1.0)
     assert scales[6] == 1.0 and scales[7] > 1.0
+
+
+@pytest.mark.parametrize("preset,tp,ep,etp", [("tiny_dense", 2, 1, 1), ("tiny_qwen3", 2, 1, 1),
+                                              ("tiny_moe", 2, 2, 1), ("tiny_moe", 1, 2, 2),
+                                              ("tiny_qwen3_moe", 2, 2, 2)])
+def test_hf_slices_of_every_rank_tile_every_hf_tensor_once(preset, tp, ep, etp, tmp_path):
+    """What weight sync sends without gathering (`hf_slices`, each rank its own shard's slices of HF tensors),
+    assembled as the generators assemble it (`protocol.Assembler`), is the HF checkpoint bit for bit (oracle: the
+    checkpoint transformers made), over every TP / expert-TP / EP rank of a stage; the vocabulary padding never
+    travels."""
+    from megatron_scalerl.models.weights import _exported_rules
+    from megatron_scalerl.weight_sync.protocol import Assembler, Bucket, Piece
+
+    cfg = model_cfg(preset)
+    cfg = cfg.model_copy(update={"moe_layer_interval": 2}) if cfg.is_moe else cfg
+    AutoModelForCausalLM.from_config(hf_config(cfg)).save_pretrained(tmp_path)
+    hf_state = load_file(tmp_path / "model.safetensors")
+    assembler, done = Assembler(), {}
+    experts_per_rank = cfg.num_experts // ep if cfg.is_moe else 0
+    for tp_rank in range(tp):
+        for ep_rank in range(ep):
+            for etp_rank in range(etp):
+                ranks = RankLayout(tp_rank, tp, etp_rank, etp, ep_rank, ep, range(cfg.num_layers), True, True)
+                state = hf_to_megatron_state(hf_state, cfg, ranks)
+                pieces = []
+                for rule, layer, local in _exported_rules(cfg, ranks):
+                    if rule.is_expert and tp_rank or not rule.is_expert and (ep_rank or etp_rank):
+                        continue  # one sender per shard (the TP group's, the expert group's)
+                    rank, size = ranks.split_of(rule)
+                    for local_expert in range(experts_per_rank) if rule.is_expert else (None,):
+                        expert = None if local_expert is None else ep_rank * experts_per_rank + local_expert
+                        shard_ = state[mapping.megatron_name(rule, local, local_expert)]
+                        for piece in mapping.hf_slices(rule, shard_, cfg, rank=rank, size=size, expert=expert):
+                            pieces.append(Piece(piece.name.format(layer=layer), piece.tensor, piece.full_shape,
+                                                piece.start))
+                if not pieces:
+                    continue
+                bucket = Bucket.pack(0, pieces)
+                for name, tensor in assembler.add(bucket.header(), bucket.packed):
+                    assert name not in done, f"{name} completed twice"
+                    done[name] = tensor
+    assert assembler.incomplete() == []
+    assert sorted(done) == sorted(hf_state)
+    for name, tensor in done.items():
+        assert torch.equal(tensor, hf_state[name]), name

@@ -26,7 +26,7 @@ from megatron_scalerl.recipe.schema import (
 # A number's description names what it counts or measures in one of these words.
 UNITS = ("tokens", "steps", "GPUs", "GPU-hours", "nodes", "samples", "prompts", "problems", "layers", "features",
          "count", "seconds", "minutes", "fraction", "ratio", "dimensionless", "reward", "norm", "times", "stages",
-         "replicas", "no unit")
+         "replicas", "MiB", "no unit")
 
 
 def _held(annotation) -> set:

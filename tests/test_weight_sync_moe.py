@@ -55,7 +55,7 @@ def synced(request, tmp_path_factory):
         wait_all_ready([server])
         pushes = [(tiny_recipe(model, ep=2, dp=2, hf=ckpt, extra=FP32), version, False)
                   for version, ckpt in ((1, b), (2, b_new_experts))]
-        config = WeightSyncConfig(bucket_mib=1.0, serving_dtype=torch.float32, timeout_s=60.0, checksums=True)
+        config = WeightSyncConfig(bucket_mib=1.0, serving_dtype=torch.float32, timeout_s=60.0, checksum_every=1)
         ranks = run_local_workers(push_and_read, 2, pushes, [server.url], config, timeout_s=400)
         yield {"dirs": (a, b, b_new_experts), "ranks": ranks}
     finally:

@@ -7,13 +7,16 @@ import pytest
 import torch
 
 from megatron_scalerl.inference.vllm_server import WORKER_EXTENSION, VLLMServerConfig, find_tcmalloc
-from megatron_scalerl.weight_sync.export import bucketed
 from megatron_scalerl.weight_sync.protocol import (
     EMBEDDING,
     LM_HEAD,
     MIB,
+    Assembler,
     Bucket,
+    Piece,
+    bucket_header,
     checksum,
+    group_buckets,
     rank_offsets,
     wire_dtype,
 )
@@ -25,24 +28,44 @@ def _named(*sizes, dtype=torch.float32):
 
 def test_buckets_respect_size_order_and_dtype():
     named = _named(10, 10, 30, 5) + [("h", torch.ones(3, dtype=torch.bfloat16)), ("i", torch.ones(2))]
-    buckets = list(bucketed(iter(named), bucket_bytes=80))  # 20 fp32 elements
-    assert [b.names for b in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["h"], ["i"]]  # t2 (120 B) alone
-    assert [b.index for b in buckets] == [0, 1, 2, 3, 4]
-    assert sum(b.nbytes for b in buckets) == sum(t.numel() * t.element_size() for _, t in named)
+    groups = group_buckets([Piece.of(p) for p in named], 80, lambda name: dict(named)[name].dtype)  # 20 fp32
+    assert [[p.name for p in g] for g in groups] == [["t0", "t1"], ["t2"], ["t3"], ["h"], ["i"]]  # t2 (120 B) alone
+    # sizes count in the wire dtype: cast to bf16, everything fits in two buckets of 80 bytes
+    halves = group_buckets([Piece.of(p) for p in named], 80, lambda name: torch.bfloat16)
+    assert [[p.name for p in g] for g in halves] == [["t0", "t1"], ["t2", "t3", "h", "i"]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bucket_round_trip_through_header(dtype):
     named = [(name, torch.randn(*shape).to(dtype)) for name, shape in (("a", (3, 4)), ("b", (5,)), ("c", (2, 3)))]
-    bucket = Bucket.pack(7, named)
+    pieces = [Piece.of(p) for p in named]
+    bucket = Bucket.pack(7, pieces)
     header = json.loads(json.dumps(bucket.header()))  # plain JSON, as it travels
+    assert header == bucket_header(7, pieces, lambda name: dtype)  # the plan's header, computed without packing
     received = Bucket.empty_from_header(header, torch.device("cpu"))
     received.packed.copy_(bucket.packed)
     for (name, tensor), (got_name, got) in zip(named, received.tensors(), strict=True):
         assert got_name == name and got.dtype == tensor.dtype and torch.equal(got, tensor)
-    name = str(dtype).removeprefix("torch.")
-    assert bucket.update_info() == {"names": ["a", "b", "c"], "dtype_names": [name] * 3, "shapes": [[3, 4], [5], [2, 3]]}
     assert "bucket 7 (3 tensors" in bucket.describe()
+
+
+def test_assembler_refuses_slices_that_do_not_fit():
+    full = torch.arange(12.0).reshape(4, 3)
+    top, bottom = Piece("w", full[:2], (4, 3), (0, 0)), Piece("w", full[2:], (4, 3), (2, 0))
+    assembler = Assembler()
+    first = Bucket.pack(0, [top])
+    assert assembler.add(first.header(), first.packed) == [] and assembler.incomplete() == ["w"]
+    second = Bucket.pack(1, [bottom])
+    ((name, whole),) = assembler.add(second.header(), second.packed)
+    assert name == "w" and torch.equal(whole, full) and assembler.incomplete() == []
+    outside = Bucket.pack(2, [Piece("w", full[2:], (4, 3), (3, 0))])
+    with pytest.raises(ValueError, match="w: slice at \\[3, 0\\] of shape \\[2, 3\\] outside \\[4, 3\\]"):
+        assembler.add(outside.header(), outside.packed)
+    other = Bucket.pack(3, [Piece("w", full[:2].double(), (4, 3), (0, 0))])
+    assembler.add(other.header(), other.packed)  # w, float64 now
+    mixed = Bucket.pack(4, [Piece("w", full[:2], (4, 3), (2, 0))])
+    with pytest.raises(ValueError, match="w: a slice of shape \\[4, 3\\] torch.float32 after slices of"):
+        assembler.add(mixed.header(), mixed.packed)
 
 
 def test_group_ranks_follow_server_worker_counts():
@@ -70,7 +93,7 @@ def test_server_command_enables_weight_transfer():
     config = VLLMServerConfig(model="/m", port=8123, dtype="float32", tensor_parallel_size=2, api_key="k")
     cmd = config.command()
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "gloo"}  # no CUDA here
+    assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "scalerl"}  # our receiver
     assert cmd[cmd.index("--worker-extension-cls") + 1] == WORKER_EXTENSION and "--enable-scale-out" in cmd
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2" and "--enforce-eager" in cmd
     env = config.environment({})
@@ -103,14 +126,15 @@ def test_server_block_size_divides_the_attention_chunk(tmp_path, chunk, block):
         "--block-size") == 1  # the caller's own choice wins
 
 
-def test_worker_extension_registers_gloo_and_fits_vllm_worker():
+def test_worker_extension_registers_our_receiver_and_fits_vllm_worker():
     pytest.importorskip("vllm")
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.v1.worker.cpu_worker import CPUWorker
 
     from megatron_scalerl.inference import worker_extension
-    from megatron_scalerl.inference.gloo_engine import GlooWeightTransferEngine
+    from megatron_scalerl.inference.weight_receiver import ScaleRLWeightTransferEngine
 
-    assert WeightTransferEngineFactory._registry["gloo"]() is GlooWeightTransferEngine
+    for name in ("scalerl", "gloo"):  # "gloo": its name before
+        assert WeightTransferEngineFactory._registry[name]() is ScaleRLWeightTransferEngine
     methods = [name for name in vars(worker_extension.ScaleRLWorkerExtension) if not name.startswith("__")]
     assert methods and all(not hasattr(CPUWorker, name) for name in methods)  # vLLM asserts this at start-up

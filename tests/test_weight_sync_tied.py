@@ -47,7 +47,7 @@ def test_tied_model_sync_gives_the_server_the_trainers_logprobs(tmp_path):
         server.wait_ready(300)
         before = server_greedy(server.url)
         recipe = tiny_recipe(MODEL, hf=b, extra=FP32)
-        config = WeightSyncConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=30.0, checksums=True)
+        config = WeightSyncConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=30.0, checksum_every=1)
         (run_dir := tmp_path / "run").mkdir()
         (result,) = run_local_workers(_push_and_score, 1, recipe, server.url, config, str(run_dir), timeout_s=400)
     finally:

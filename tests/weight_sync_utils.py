@@ -100,22 +100,24 @@ def weight_version(url: str) -> str:
 
 def sync_scenario(rank: int, recipe, urls: list[str], config, version: int, kill_pid: int | None = None,
                   kill_after_bucket: int = 1) -> dict:
-    """On every trainer rank: build the real trainer from `recipe`, connect rank 0 to the servers, push the weights.
-    With `kill_pid`, rank 0 SIGKILLs that server's process group once bucket `kill_after_bucket` reached it.
+    """On every trainer rank: build the real trainer from `recipe`, connect every rank to the servers (each sending
+    rank forms its group), push the weights. With `kill_pid`, rank 0 SIGKILLs that server's process group once its
+    bucket `kill_after_bucket` left.
     Returns {"stats", "error", "seconds"} (the WeightSyncError's message, if any)."""
     import os
     import signal
 
+    from megatron_scalerl.models.weights import sends_weights
     from megatron_scalerl.trainer.setup import build_model_and_optimizer
     from megatron_scalerl.weight_sync.protocol import WeightSyncError
     from megatron_scalerl.weight_sync.sender import WeightSender, push_weights
 
     def kill(bucket):
-        if kill_pid is not None and bucket.index == kill_after_bucket:
+        if kill_pid is not None and rank == 0 and bucket.index == kill_after_bucket:
             os.killpg(kill_pid, signal.SIGKILL)
 
     model, _ = build_model_and_optimizer(recipe)
-    sender = WeightSender(urls, config).connect() if rank == 0 else None
+    sender = WeightSender(urls, config, sends=sends_weights()).connect()
     start = time.monotonic()
     stats, error = None, None
     try:
@@ -123,8 +125,7 @@ def sync_scenario(rank: int, recipe, urls: list[str], config, version: int, kill
     except WeightSyncError as exc:
         error = str(exc)
     seconds = time.monotonic() - start
-    if sender is not None:
-        sender.close()
+    sender.close()
     return {"stats": stats, "error": error, "seconds": seconds}
 
 

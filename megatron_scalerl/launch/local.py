@@ -31,6 +31,7 @@ from megatron_scalerl.launch.roles import (
     trainer_command,
 )
 from megatron_scalerl.launch.supervise import Role, run_roles
+from megatron_scalerl.launch.weight_sync_checks import check_weight_sync, generator_free_bytes
 from megatron_scalerl.orchestrator.state import rewind_to_checkpoint
 from megatron_scalerl.platform.local_workers import free_port
 from megatron_scalerl.platform.precision import serving_dtype
@@ -46,13 +47,23 @@ CPU_GENERATOR_PRIORITY = ["nice", "-n", "10"]
 def start_run(run_dir: Path, recipe: Recipe, tokenizer_dir: Path) -> int:
     """A new run of `recipe` in `run_dir` (absent, or with no file in it: empty folders, such as a file system
     mounted at RUN/checkpoints beforehand, are fine) with the tokenizer in `tokenizer_dir`: prepare the run
-    directory, then `run_local`; the exit code."""
+    directory, then `run_local`; the exit code. A recipe this machine cannot run (`check_weight_sync_here`) is
+    refused before anything is written."""
     import torch
 
     if run_dir.exists() and any(path.is_file() for path in run_dir.rglob("*")):
         raise UserError(f"{run_dir} is not empty: continue it with --resume, or choose another --run-dir")
+    check_weight_sync_here(recipe, cuda=torch.cuda.is_available())
     recipe = prepare_run_dir(run_dir, recipe, tokenizer_dir, cuda=torch.cuda.is_available())
     return run_local(run_dir, recipe, resume=False)
+
+
+def check_weight_sync_here(recipe: Recipe, *, cuda: bool) -> None:
+    """The `weight_sync` section's refusals (`check_weight_sync`) for a run whose generators all run on this
+    machine (`cuda`: on its GPUs), their free memory measured here (`generator_free_bytes`)."""
+    free = generator_free_bytes(cuda=cuda, generators_here=recipe.generator_servers,
+                                generator_tp=recipe.parallelism.generator_tp)
+    check_weight_sync(recipe, cuda=cuda, free_bytes_per_worker=free)
 
 
 def cpu_threads_per_process(processes: int) -> int:
@@ -107,6 +118,7 @@ def run_local(run_dir: Path, recipe: Recipe, *, resume: bool, ready_timeout_s: f
     """Run every role of `recipe` on this machine until the run ends (see the module docstring); the exit code."""
     import torch
 
+    check_weight_sync_here(recipe, cuda=torch.cuda.is_available())
     if resume:  # before any role starts: the trainer must not read a batch of a timeline it left
         rewind_to_checkpoint(run_dir, partial(print, flush=True), metrics=True)
     api_key, key_source = run_api_key(run_dir)

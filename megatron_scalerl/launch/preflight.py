@@ -3,13 +3,16 @@
 1. Every node of both het groups (one task each, `node`): the run directory is visible and writable, the model
    (RUN/model, or `trainer.init_from` before the run exists) readable, the job's ports free, and, on GPUs, as many
    GPUs as the recipe counts on with the memory its layout needs (`models/memory_plan.py`, `scalerl recipe show
-   --plan`).
+   --plan`); with `weight_sync.staging: on`, each generator node has room beside every generator for one copy of the
+   weights (`launch/weight_sync_checks.py`). Before it, in the batch step, the rest of the `weight_sync` section's
+   refusals (`check_weight_sync`: nccl without CUDA).
 2. The trainer nodes' all-reduce bus bandwidth (`allreduce`, one task per trainer GPU): NVIDIA nccl-tests'
    `all_reduce_perf` when it is on PATH (its "# Avg bus bandwidth" line), else a torch.distributed all-reduce over
    the trainer's backend (NCCL on GPUs, gloo on CPUs). Below SCALERL_MIN_BUSBW_GBPS (GB/s; default 20 on GPUs, 0 on
    CPUs, where the figure is only reported) the job stops.
 
     python -m megatron_scalerl.launch.preflight node --run-dir R --model M --ports P,.. [--gpus N --need-gib X]
+        [--staging-bytes B --generators K]
     python -m megatron_scalerl.launch.preflight allreduce --master HOST:PORT --backend gloo|nccl
 """
 
@@ -53,8 +56,10 @@ def parse_nccl_tests(text: str) -> float:
 # ---- the per-node check -------------------------------------------------------------------------------------
 
 
-def node_problems(run_dir: Path, model: Path, ports: list[int], gpus: int | None, need_gib: float | None) -> list[str]:
-    """What is wrong on this node for the run (empty: ready)."""
+def node_problems(run_dir: Path, model: Path, ports: list[int], gpus: int | None, need_gib: float | None,
+                  staging_bytes: int | None = None, generators: int = 1) -> list[str]:
+    """What is wrong on this node for the run (empty: ready). `staging_bytes`: one copy of the weights (bytes) that
+    each of this node's `generators` needs free beside it (`weight_sync.staging: on`); None: not asked."""
     problems = []
     where = run_dir if run_dir.exists() else run_dir.parent
     probe = where / f".preflight-{socket.gethostname()}-{os.getpid()}"
@@ -85,6 +90,13 @@ def node_problems(run_dir: Path, model: Path, ports: list[int], gpus: int | None
             if have < need_gib:
                 problems.append(f"GPUs hold {have:.1f} GiB, the layout needs {need_gib:.1f} GiB per GPU "
                                 "(scalerl recipe show RECIPE --plan)")
+    if staging_bytes is not None:
+        from megatron_scalerl.launch.weight_sync_checks import generator_free_bytes, staging_refusal  # deferred: torch
+
+        free = generator_free_bytes(cuda=bool(gpus), generators_here=generators,
+                                    generator_tp=max(1, (gpus or 1) // generators))
+        if free is not None and staging_bytes > free:
+            problems.append(staging_refusal(staging_bytes, free))
     return problems
 
 
@@ -133,20 +145,26 @@ def _step(command: list[str], what: str) -> str:
 
 def run_preflight(run_dir: Path, recipe: Recipe, alloc: Allocation, env: dict[str, str], *, cuda: bool
                   ) -> float | None:
-    """Both checks over the allocation (`cuda`: the nodes run on GPUs); raises UserError naming the node and the
-    problem. Returns the measured bus bandwidth (GB/s; None with a single trainer process)."""
-    from megatron_scalerl.models.memory_plan import generator_plan, trainer_plan  # deferred: torch, which the
-    # node check (`preflight node`, started on every node) needs only on GPUs
+    """Both checks over the allocation (`cuda`: the nodes run on GPUs), after the `weight_sync` section's refusals
+    (`check_weight_sync`; staging's memory is measured on the generator nodes by their node check); raises UserError
+    naming the node and the problem. Returns the measured bus bandwidth (GB/s; None with a single trainer process)."""
+    from megatron_scalerl.launch.weight_sync_checks import check_weight_sync, staging_bytes  # deferred (both):
+    from megatron_scalerl.models.memory_plan import generator_plan, trainer_plan  # torch, which the node check
+    # (`preflight node`, started on every node) needs only on GPUs or to check staging
 
+    check_weight_sync(recipe, cuda=cuda, free_bytes_per_worker=None)
+    staging = ["--staging-bytes", str(staging_bytes(recipe, cuda=cuda)), "--generators",
+               str(max(1, recipe.cluster.gpus_per_node // recipe.parallelism.generator_tp))
+               ] if recipe.weight_sync.staging == "on" else []
     model = run_dir / "model" if (run_dir / "model").is_dir() else Path(recipe.trainer.init_from or run_dir / "model")
     servers = recipe.generator_servers
     ports = ",".join(map(str, [alloc.base_port, alloc.base_port + 1, *alloc.generator_ports(servers)]))
     python = [sys.executable, "-m", "megatron_scalerl.launch.preflight"]
-    for group, nodes, plan in ((TRAINER_GROUP, alloc.trainer, trainer_plan(recipe)),
-                               (GENERATOR_GROUP, alloc.generator, generator_plan(recipe))):
+    for group, nodes, plan, checks in ((TRAINER_GROUP, alloc.trainer, trainer_plan(recipe), []),
+                                       (GENERATOR_GROUP, alloc.generator, generator_plan(recipe), staging)):
         gpus = ["--gpus", str(recipe.cluster.gpus_per_node), "--need-gib", f"{plan.total_gib:.2f}"] if cuda else []
         out = _step(srun(group, nodes=len(nodes.nodes), name="preflight") + ["--label"] + python + [
-            "node", "--run-dir", str(run_dir), "--model", str(model), "--ports", ports, *gpus],
+            "node", "--run-dir", str(run_dir), "--model", str(model), "--ports", ports, *gpus, *checks],
             f"node check of het group {group} ({', '.join(n.name for n in nodes.nodes)})")
         print(out.strip(), flush=True)
     if recipe.cluster.trainer_gpus < 2:
@@ -183,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     node.add_argument("--ports", default="")
     node.add_argument("--gpus", type=int)
     node.add_argument("--need-gib", type=float)
+    node.add_argument("--staging-bytes", type=int)
+    node.add_argument("--generators", type=int, default=1)
     allreduce = sub.add_parser("allreduce")
     allreduce.add_argument("--master", required=True)
     allreduce.add_argument("--backend", choices=["gloo", "nccl"], required=True)
@@ -196,13 +216,16 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"busbw_gbps": busbw}), flush=True)
         return 0
     ports = [int(p) for p in args.ports.split(",") if p]
-    problems = node_problems(args.run_dir, args.model, ports, args.gpus, args.need_gib)
+    problems = node_problems(args.run_dir, args.model, ports, args.gpus, args.need_gib, args.staging_bytes,
+                             args.generators)
     host = os.environ.get("SLURMD_NODENAME", socket.gethostname())
     if problems:
         print(f"preflight failed on {host}: {'; '.join(problems)}", flush=True)
         return 1
     print(f"preflight ok on {host}: run directory, model, {len(ports)} port(s)"
-          + (f", {args.gpus} GPU(s) with >= {args.need_gib:.1f} GiB" if args.gpus else ""), flush=True)
+          + (f", {args.gpus} GPU(s) with >= {args.need_gib:.1f} GiB" if args.gpus else "")
+          + (f", room to stage {args.staging_bytes / 2**30:.2f} GiB of weights per generator"
+             if args.staging_bytes is not None else ""), flush=True)
     return 0
 
 

@@ -331,3 +331,79 @@ def hf_parameter_names(model_cfg: ModelConfig) -> list[str]:
         for rule in layer_rules(model_cfg, layer):
             names.extend(every_hf_name(rule, layer, model_cfg))
     return names
+
+
+# ---- one rank's shard -> slices of HF tensors (weight sync without gathers) --------------------------------------
+
+
+@dataclass(frozen=True)
+class HFSlice:
+    """A box of one HF tensor held by one rank: `tensor` is HF tensor `name`[start[0]:start[0]+tensor.shape[0], ...]
+    of the full HF shape `full_shape` (a view of the rank's shard; `name` keeps its `{layer}` template)."""
+
+    name: str
+    tensor: Tensor
+    full_shape: tuple[int, ...]
+    start: tuple[int, ...]
+
+
+def _rows(name: str, piece: Tensor, rank: int, size: int) -> HFSlice:
+    """Slice `rank` of `size` equal row blocks of HF tensor `name`."""
+    rows = piece.shape[0]
+    return HFSlice(name, piece, (rows * size, *piece.shape[1:]), (rows * rank, *[0] * (piece.dim() - 1)))
+
+
+def _split_qkv_groups(fused: Tensor, groups: int, per_group: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`split_qkv` of `groups` query groups (a TP shard holds num_query_groups / tp of them, whole)."""
+    hidden = fused.shape[-1]
+    q, k, v = fused.reshape(groups, (per_group + 2) * d, hidden).split([per_group * d, d, d], dim=1)
+    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+
+
+def _dense_slices(rule: TensorRule, local: Tensor, model_cfg: ModelConfig, rank: int, size: int) -> list[HFSlice]:
+    """HF slices of a non-expert rule from TP rank `rank`'s shard `local` (of `size` ranks)."""
+    if rule.split == "none":
+        return [HFSlice(rule.hf[0], local, tuple(local.shape), (0,) * local.dim())] if rank == 0 else []
+    if rule.fuse == "copy" and rule.split == "dim1":
+        cols = local.shape[1]
+        return [HFSlice(rule.hf[0], local, (local.shape[0], cols * size), (0, cols * rank))]
+    if rule.fuse == "copy":
+        return [_rows(rule.hf[0], local, rank, size)]
+    if rule.fuse == "vocab":
+        rows = local.shape[0]
+        real = real_vocab_rows(model_cfg.vocab_size, rank * rows, rows)
+        full = (model_cfg.vocab_size, *local.shape[1:])
+        return [HFSlice(rule.hf[0], local[:real], full, (rank * rows, 0))] if real else []
+    if rule.fuse == "qkv":
+        groups, d = model_cfg.num_query_groups, model_cfg.head_dim
+        parts = _split_qkv_groups(local, groups // size, model_cfg.num_attention_heads // groups, d)
+        return [_rows(name, part, rank, size) for name, part in zip(rule.hf, parts, strict=True)]
+    gate, up = local.chunk(2, dim=0)  # a glu shard is [its gate rows; its up rows]
+    return [_rows(rule.hf[0], gate, rank, size), _rows(rule.hf[1], up, rank, size)]
+
+
+def hf_slices(rule: TensorRule, local: Tensor, model_cfg: ModelConfig, *, rank: int, size: int,
+              expert: int | None = None) -> list[HFSlice]:
+    """The slices of HF tensors that this rank's shard `local` of `rule` holds (TP or expert-TP rank `rank` of
+    `size`; `expert`: the global index of a routed expert's tensor): together, over all ranks, they tile every HF
+    tensor of the rule exactly once (replicated tensors come from rank 0 alone; vocabulary padding rows from none).
+    Names keep `{layer}`; an expert's are formatted with `expert`. Views of `local`, no copy (`to_hf` without the
+    gather)."""
+    if not rule.is_expert:
+        return _dense_slices(rule, local, model_cfg, rank, size)
+    assert expert is not None, f"{rule.megatron}: expert rules need the global expert index"
+    if rule.per_expert:
+        plain = TensorRule(rule.megatron, tuple(n.replace("{expert}", str(expert)) for n in rule.hf), rule.fuse,
+                           rule.split)
+        return _dense_slices(plain, local, model_cfg, rank, size)
+    experts = model_cfg.num_experts
+    if rule.fuse == "expert_down":  # linear_fc2 [h, f/size] -> down_proj[e] [f, h] rows rank*f/size..
+        cols = local.shape[1]
+        return [HFSlice(rule.hf[0], local.t().unsqueeze(0), (experts, cols * size, local.shape[0]),
+                        (expert, cols * rank, 0))]
+    # expert_glu: linear_fc1 [gate_r; up_r] [2f/size, h] -> gate_up_proj[e] [h, 2f]: gate columns, then up columns
+    gate, up = local.chunk(2, dim=0)
+    f_local = gate.shape[0]
+    full = (experts, local.shape[1], 2 * f_local * size)
+    return [HFSlice(rule.hf[0], gate.t().unsqueeze(0), full, (expert, 0, f_local * rank)),
+            HFSlice(rule.hf[0], up.t().unsqueeze(0), full, (expert, 0, f_local * (size + rank)))]

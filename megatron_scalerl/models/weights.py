@@ -4,6 +4,8 @@
     load_hf_state(model, hf_state, model_cfg)               # the same, copied into the model (checked complete)
     for name, tensor in export_hf_state(model, model_cfg):  # collective over TP and EP groups: full HF tensors
         ...                                                 # of this pipeline stage's layers (HF global names)
+    for piece in export_hf_slices(model, model_cfg):        # no collective: the slices of HF tensors this rank sends
+        ...
 
 `hf_state` is any mapping from HF names to tensors (a dict, or `hf_io.LazyHFState` reading safetensors on demand).
 """
@@ -23,10 +25,12 @@ from megatron_scalerl.models.layer_specs import stage_layers
 from megatron_scalerl.models.mapping import (
     TE_ALIASES,
     TIED_OUTPUT_LAYER,
+    HFSlice,
     Split,
     TensorRule,
     every_hf_name,
     hf_names,
+    hf_slices,
     layer_rules,
     megatron_name,
     model_rules,
@@ -246,3 +250,33 @@ def export_hf_state(model: torch.nn.Module, model_cfg: ModelConfig, *, to_first_
             tensors = to_hf(rule, full, model_cfg)
         for template, tensor in tensors.items():
             yield template.format(layer=layer), tensor
+
+
+def export_hf_slices(model: torch.nn.Module, model_cfg: ModelConfig) -> Iterator[HFSlice]:
+    """The slices of HF tensors (global layer names, `mapping.hf_slices`) this rank sends so that, over every rank,
+    each HF tensor of the model is covered exactly once, with no collective: a dense tensor's slices come from the
+    ranks of data-parallel rank 0 (each TP rank its own shard), a routed expert's from expert-data-parallel rank 0
+    (each EP rank its own experts, each expert-TP rank its shard). Views of the live parameters (model dtypes)."""
+    model = unwrap_model(model)
+    ranks = RankLayout.current(model.config)
+    params = dict(model.named_parameters())
+    dense = parallel_state.get_data_parallel_rank() == 0
+    experts = parallel_state.get_expert_data_parallel_rank() == 0
+    experts_per_rank = model_cfg.num_experts // ranks.ep_size if model_cfg.is_moe else 0
+    for rule, layer, local in _exported_rules(model_cfg, ranks):
+        if not (experts if rule.is_expert else dense):
+            continue
+        rank, size = ranks.split_of(rule)
+        for local_expert in range(experts_per_rank) if rule.is_expert else (None,):
+            expert = None if local_expert is None else ranks.ep_rank * experts_per_rank + local_expert
+            shard_ = params[resolve_parameter_name(megatron_name(rule, local, local_expert), params)].detach()
+            for piece in hf_slices(rule, shard_, model_cfg, rank=rank, size=size, expert=expert):
+                yield HFSlice(piece.name.format(layer=layer), piece.tensor, piece.full_shape, piece.start)
+
+
+def sends_weights() -> bool:
+    """Whether this rank has slices to send (`export_hf_slices`): data-parallel rank 0 (dense weights) or
+    expert-data-parallel rank 0 (experts). True outside megatron's parallel state (one process holds it all)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return True
+    return parallel_state.get_data_parallel_rank() == 0 or parallel_state.get_expert_data_parallel_rank() == 0

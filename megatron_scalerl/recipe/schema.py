@@ -14,7 +14,7 @@ import math
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from megatron_scalerl import choices, families
 from megatron_scalerl.fileio import dump_yaml
@@ -49,6 +49,14 @@ def _slurm_time(text: str) -> str:
 
 
 SlurmTime = Annotated[str, AfterValidator(_slurm_time)]
+
+
+def _on_off(value: Any) -> Any:
+    """YAML 1.1 reads a bare on / off (in a file or a `--set`) as true / false: the words meant."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+OnOffAuto = Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)]
 
 
 class Section(BaseModel):
@@ -508,6 +516,21 @@ class ClusterConfig(Section):
         return (self.trainer_nodes + self.generator_nodes) * self.gpus_per_node
 
 
+class WeightSyncConfig(Section):
+    """How the trainer's weights reach the generators after each update (weight_sync/, issue 39). What this machine
+    cannot run (nccl without CUDA, staging that does not fit) is refused by the launch (launch/weight_sync_checks.py),
+    never here: recipes load on submit hosts and in `scalerl recipe show`."""
+
+    transport: Literal["auto", "nccl", "gloo", "disk"] = Field(
+        "auto", description="auto (nccl with CUDA, else gloo), nccl, gloo, or disk: safetensors files in the run dir")
+    bucket_mib: PosFloat = Field(
+        64.0, description="weights packed into one transfer, the most a sender holds at a time (MiB)")
+    staging: OnOffAuto = Field(
+        "auto", description="on: receive while generating, pause only to apply; off: pause all sync; auto: on if it fits")
+    checksum_every: NonNeg = Field(
+        0, description="every N-th sync the receivers' checksums are compared with the senders' (count); 0: never")
+
+
 class Recipe(Section):
     name: str = Field(description="the recipe's name: its preset or file (with +MODEL when a model preset is applied)")
     model: ModelConfig = Field(description="the model's architecture")
@@ -523,6 +546,10 @@ class Recipe(Section):
         None, description="the run's live forecast; null: none (run directories from before it existed)")
     # the default lets a recipe.yaml written before the section load unchanged
     launch: LaunchConfig = Field(LaunchConfig(), description="how a launch heals itself: restarts of failed roles")
+    # the default lets a recipe.yaml written before the section load unchanged
+    weight_sync: WeightSyncConfig = Field(
+        default_factory=WeightSyncConfig,
+        description="how the trainer's weights reach the generators: transport, buckets, staging, checksums")
 
     @property
     def captures_routes(self) -> bool:

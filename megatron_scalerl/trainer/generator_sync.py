@@ -15,8 +15,10 @@ Rank 0 talks to the servers and tells the other ranks what to do (`from_rank0`),
 through the collective export:
 - `first_push`: at the trainer's start (the launcher starts it beside the generators), wait until a generator
   answers, then `push`: no step is trained before the fleet serves the trainer's weights.
-- `push`: the servers that answer (/weight_info) get the weights in flight (`WeightSender`: pause(keep) -> update ->
-  resume). When the set of live servers changed, the broadcast group is formed again. A sync that fails (a server
+- `push`: the servers that answer (/weight_info) get the weights in flight (`WeightSender`: every sending rank its
+  own slices, received while the servers generate where they have the room, paused only to load them). When the
+  set of live servers changed, the senders' groups are formed again. The recipe's `weight_sync` section sets the
+  transport, bucket size, staging and checksum interval. A sync that fails (a server
   died during it) is retried once without the servers that stopped answering; a second failure raises.
 - `catch_up`: a live server whose weight version is not the trainer's (it came up after the first push, it
   restarted and serves its start-up weights, or it was down during a push) gets a push. The trainer calls it while it
@@ -36,16 +38,17 @@ import torch
 from megatron_scalerl.algo.off_policy import last_push_step
 from megatron_scalerl.algo.versions import NO_VERSION, parse_version
 from megatron_scalerl.http_json import ServerError, request_json
+from megatron_scalerl.models.weights import sends_weights
 from megatron_scalerl.platform.distributed import from_rank0
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.run.directory import API_KEY_ENV, read_generators
 from megatron_scalerl.weight_sync.protocol import WeightSyncError
-from megatron_scalerl.weight_sync.sender import WeightSender, WeightSyncConfig, push_weights
+from megatron_scalerl.weight_sync.sender import SyncStats, WeightSender, WeightSyncConfig, push_weights
 
 log = logging.getLogger("megatron_scalerl.trainer")
 
 HEALTH_TIMEOUT_S = 5.0
-BUCKET_MIB = 64.0  # buckets of the live sync (MiB): one in memory at a time on trainer rank 0
+WEIGHT_SYNC_DIR = "weight_sync"  # RUN/weight_sync/: the disk transport's files (`weight_sync.transport: disk`)
 
 
 class GeneratorLink:
@@ -66,9 +69,12 @@ class GeneratorLink:
         if found is None:
             return None
         urls, dtype = found
-        config = WeightSyncConfig(bucket_mib=BUCKET_MIB, serving_dtype=getattr(torch, dtype),
+        section = recipe.weight_sync
+        config = WeightSyncConfig(bucket_mib=section.bucket_mib, serving_dtype=getattr(torch, dtype),
                                   fp32_lm_head=recipe.trainer.fp32_lm_head,
                                   timeout_s=float(recipe.cluster.collective_timeout_s),
+                                  transport=section.transport, disk_dir=str(Path(run_dir) / WEIGHT_SYNC_DIR),
+                                  staging=section.staging, checksum_every=section.checksum_every,
                                   api_key=os.environ.get(API_KEY_ENV))
         return cls(urls, recipe, config, is_rank0=is_rank0)
 
@@ -92,15 +98,11 @@ class GeneratorLink:
                 served[url] = parse_version((info or {}).get("weight_version"))
         return served
 
-    def _connect(self, live: list[str], restarted: bool) -> str | None:
-        """(Re)form the broadcast group with `live` when it changed, or when one of its servers `restarted` (it no
-        longer serves the version the group last delivered, perhaps after a restart between two pushes: its receiver
-        is new); returns an error message or None."""
-        if self.sender is not None and self.sender.urls == live and self.sender.failed is None and not restarted:
-            return None
+    def _connect(self, live: list[str]) -> str | None:
+        """Collective: (re)form the senders' groups with the servers `live`; returns an error message or None."""
         self._close()
         try:
-            self.sender = WeightSender(live, self.config).connect()
+            self.sender = WeightSender(live, self.config, sends=sends_weights()).connect()
             return None
         except (WeightSyncError, ServerError) as exc:
             self._close()
@@ -113,12 +115,15 @@ class GeneratorLink:
 
     # ---- collective -------------------------------------------------------------------------------------------
 
-    def _prepare(self) -> tuple[list[str], str | None]:
-        """Rank 0: the live servers, and the error of (re)forming the group with them (None: ready to send)."""
+    def _prepare(self) -> tuple[list[str], bool]:
+        """Rank 0: the live servers, and whether the groups must be formed again: the live set changed, the last
+        sync failed, or a server `restarted` (it no longer serves the version the groups last delivered, perhaps
+        after a restart between two pushes: its receiver is new)."""
         served = self._served()
         restarted = any(version != self.sent_version for version in served.values())
         live = list(served)
-        return live, self._connect(live, restarted) if live else None
+        current = self.sender is not None and self.sender.urls == live and self.sender.failed is None
+        return live, bool(live) and (restarted or not current)
 
     def first_push(self, model_chunks: list, version: int, *, timeout_s: float, stopping: Callable[[], bool],
                    poll_s: float = 0.5) -> None:
@@ -144,19 +149,19 @@ class GeneratorLink:
             if attempt == 2:
                 log.warning("weight sync of version %d failed (%s); trying again with the servers that answer",
                             version, error)
-            live, error = from_rank0(self._prepare() if self.is_rank0 else None)
+            live, reconnect = from_rank0(self._prepare() if self.is_rank0 else None)
             if not live:
                 log.warning("no generator answers: version %d is sent when one is back", version)
                 return {"sync/generators": 0.0}
+            error = self._connect(live) if reconnect else None
             if error is None:
                 try:
                     stats = push_weights(model_chunks, self.model_cfg, self.config, self.sender, version)
                     self.sent_version = version
-                    return {"sync/generators": float(len(live)), "sync/seconds": stats.seconds if stats else 0.0}
+                    return {"sync/generators": float(len(live)), **(sync_metrics(stats) if stats else {})}
                 except WeightSyncError as exc:
                     error = str(exc)
-            if self.is_rank0:
-                self._close()
+            self._close()
         raise WeightSyncError(f"weight sync of version {version} failed twice: {error}")
 
     def catch_up(self, model_chunks: list, version: int) -> bool:
@@ -175,5 +180,12 @@ class GeneratorLink:
         return True
 
     def close(self) -> None:
-        if self.is_rank0:
-            self._close()
+        self._close()
+
+
+def sync_metrics(stats: SyncStats) -> dict[str, float]:
+    """A sync's metrics: `sync/seconds` (the whole sync), `sync/paused_s` (the generators not generating),
+    `sync/bytes` (over every sender; each reaches every generator worker), `sync/staged` (1: received while
+    generating)."""
+    return {"sync/seconds": stats.seconds, "sync/paused_s": stats.paused_s, "sync/bytes": float(stats.bytes),
+            "sync/staged": float(stats.staged)}

@@ -1,13 +1,15 @@
-"""Live weight sync: the sharded Megatron trainer -> N vLLM servers, over vLLM's own weight-transfer protocol.
+"""Live weight sync: the sharded Megatron trainer -> N vLLM servers, each sending rank straight to every worker.
 
-    export.export_buckets(model, model_cfg, bucket_mib, serving_dtype, fp32_lm_head)   HF-named buckets on rank 0
-    sender.WeightSender(urls, WeightSyncConfig(...)).connect()                           trainer rank 0's driver
-    sender.push_weights(model, model_cfg, config, sender_or_None, weight_version)      collective, every rank
-    transport            trainer rank 0's end of the broadcast: gloo (CPU) or vLLM's NCCL (GPU)
-    protocol             buckets, wire dtypes, group ranks, checksums (shared by both sides)
+    sender.WeightSender(urls, WeightSyncConfig(...), sends=models.weights.sends_weights()).connect()   every rank
+    sender.push_weights(model, model_cfg, config, sender, weight_version)    collective, every rank: one sync
+    fleet_control.FleetControl   trainer rank 0's HTTP to every server at once: the plan, pause, update, resume
+    transport                    `WeightTransport` and its transports (gloo, NCCL, disk), used by both ends
+    protocol                     pieces, buckets and their headers (the plan), the `Assembler`, wire dtypes, group
+                                 ranks, checksums, the gloo rendezvous (shared by both sides)
 
-The servers' side lives in `inference/`: `gloo_engine` (the CPU receiver, vLLM weight-transfer backend "gloo") and
-`worker_extension` (the vLLM worker plugin that registers it; FP32 LM head; checksums). Submodules are imported
-explicitly: the server side must not pull in megatron-core, and the trainer side imports vLLM only where it talks to
-servers.
+Each sending rank sends its own slices of HF tensors (`models.weights.export_hf_slices`: no gather, no funnel
+through one rank) over its own group. The servers' side lives in `inference/`: `weight_receiver` (the receiver,
+vLLM weight-transfer backend "scalerl", alias "gloo") and `worker_extension` (the vLLM worker plugin that registers
+it; staging, checksums, FP32 LM head). Submodules are imported explicitly: the server side must not pull in
+megatron-core, and the trainer side imports vLLM only where it talks to servers.
 """

@@ -1,22 +1,27 @@
-"""What trainer and servers agree on: buckets, wire dtypes, the broadcast group's ranks, per-tensor checksums, and
-how the gloo broadcast group meets.
+"""What trainer and servers agree on: the pieces a sender sends, buckets and their headers (a sync's plan), how
+received slices become whole tensors (`Assembler`), wire dtypes, the groups' ranks, per-slice checksums, and how a
+gloo group meets.
 
-Shared by the trainer side (`export`, `sender`, `transport`) and the server side (`gloo_engine`), and light to import
-(torch only; vLLM's unpacking helper is imported where it is used).
+Shared by the trainer side (`sender`, `fleet_control`, `transport`) and the server side
+(`inference.weight_receiver`), and light to import (torch only).
 
-The gloo group's rendezvous is a TCPStore hosted by trainer rank 0 on one interface (`local_address_towards` the
-servers). The store has no authentication: whoever connects may read and write any key it can name. So every key of
-the group lives under a per-connection secret (`gloo_group`: a `PrefixStore`), which the trainer mints for each
-connection and hands each server inside its `/init_weight_transfer_engine` payload, over the API-key-guarded route;
-gloo's own connections listen on that same interface.
+Every sending trainer rank hosts the rendezvous of its own group. For gloo it is a TCPStore on one interface
+(`local_address_towards` the servers; `transport.GlooTransport`). The store has no authentication: whoever connects
+may read and write any key it can name. So every key of the group lives under a per-connection secret (`gloo_group`:
+a `PrefixStore`), which the sender mints for each connection and hands each server inside its
+`/init_weight_transfer_engine` payload, over the API-key-guarded route; gloo's own connections listen on that same
+interface.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,57 +68,174 @@ def packed_sizes(dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[int
     return [torch.Size(shape).numel() * d.itemsize for d, shape in zip(dtypes, shapes, strict=True)]
 
 
+@dataclass(frozen=True)
+class Piece:
+    """What travels: HF tensor `name`'s box at `start` ([dims]) of shape `tensor.shape` in a tensor of `full_shape`
+    (`models.mapping.HFSlice` has these fields; a whole tensor is `Piece.whole(name, tensor)`)."""
+
+    name: str
+    tensor: Tensor
+    full_shape: tuple[int, ...]
+    start: tuple[int, ...]
+
+    @classmethod
+    def whole(cls, name: str, tensor: Tensor) -> Piece:
+        return cls(name, tensor, tuple(tensor.shape), (0,) * tensor.dim())
+
+    @classmethod
+    def of(cls, item: Any) -> Piece:
+        """A (name, whole tensor) pair or an object with Piece's fields, as a Piece."""
+        if isinstance(item, tuple):
+            return cls.whole(*item)
+        return item if isinstance(item, cls) else cls(item.name, item.tensor, item.full_shape, item.start)
+
+    def cast(self, dtype: torch.dtype) -> Piece:
+        return self if self.tensor.dtype == dtype else Piece(self.name, self.tensor.to(dtype), self.full_shape,
+                                                             self.start)
+
+
+def group_buckets(pieces: list[Piece], bucket_bytes: int, dtype_of: Callable[[str], torch.dtype]
+                  ) -> list[list[Piece]]:
+    """Pieces in order, grouped into buckets of at most `bucket_bytes` bytes once cast to `dtype_of(name)` (an
+    oversized piece alone) and of one dtype (every tensor starts at a multiple of its element size when packed)."""
+    groups: list[list[Piece]] = []
+    size, dtype = 0, None
+    for piece in pieces:
+        wire = dtype_of(piece.name)
+        nbytes = piece.tensor.numel() * wire.itemsize
+        if not groups or size + nbytes > bucket_bytes and size or wire != dtype:
+            groups.append([])
+            size, dtype = 0, wire
+        groups[-1].append(piece)
+        size += nbytes
+    return groups
+
+
+def bucket_header(index: int, pieces: list[Piece], dtype_of: Callable[[str], torch.dtype]) -> dict:
+    """`Bucket.header` of the bucket `pieces` make once cast to `dtype_of(name)`, without packing them."""
+    dtypes = [dtype_of(p.name) for p in pieces]
+    shapes = [list(p.tensor.shape) for p in pieces]
+    return {"index": index, "names": [p.name for p in pieces], "dtype_names": [dtype_name(d) for d in dtypes],
+            "shapes": shapes, "full_shapes": [list(p.full_shape) for p in pieces],
+            "starts": [list(p.start) for p in pieces], "nbytes": sum(packed_sizes(dtypes, shapes))}
+
+
+def slice_key(name: str, start: list[int] | tuple[int, ...]) -> str:
+    """How a slice of an HF tensor is named in checksum reports: "model.layers.0.mlp.down_proj.weight[0,64]"."""
+    return f"{name}[{','.join(str(i) for i in start)}]"
+
+
 @dataclass
 class Bucket:
-    """Some HF-named full tensors packed back to back into one uint8 buffer (`packed`, [sum of their bytes]) on the
-    trainer's device: one `/update_weights` call and one broadcast. `index` counts from 0 within one sync."""
+    """Slices of HF-named tensors packed back to back into one uint8 buffer (`packed`, [sum of their bytes]): one
+    broadcast from one sender. Slice i is `names[i]`[starts[i][0] : starts[i][0] + shapes[i][0], ...] of a tensor of
+    shape `full_shapes[i]` (a whole tensor: `starts[i]` all 0 and `shapes[i] == full_shapes[i]`). `index` counts from
+    0 within one sender's sync."""
 
     index: int
     names: list[str]
     dtypes: list[torch.dtype]
     shapes: list[list[int]]
+    full_shapes: list[list[int]]
+    starts: list[list[int]]
     packed: Tensor
 
     @classmethod
-    def pack(cls, index: int, named: list[tuple[str, Tensor]]) -> Bucket:
-        """The tensors' bytes back to back (a lone tensor's own storage when it is contiguous: no copy)."""
-        flat = [t.contiguous().view(-1).view(torch.uint8) for _, t in named]
+    def pack(cls, index: int, pieces: list[Piece]) -> Bucket:
+        """The pieces' bytes back to back (a lone contiguous tensor's own storage: no copy)."""
+        flat = [p.tensor.contiguous().view(-1).view(torch.uint8) for p in pieces]
         packed = flat[0] if len(flat) == 1 else torch.cat(flat)
-        return cls(index, [n for n, _ in named], [t.dtype for _, t in named], [list(t.shape) for _, t in named],
-                   packed)
+        return cls(index, [p.name for p in pieces], [p.tensor.dtype for p in pieces],
+                   [list(p.tensor.shape) for p in pieces], [list(p.full_shape) for p in pieces],
+                   [list(p.start) for p in pieces], packed)
 
     @property
     def nbytes(self) -> int:
         return int(self.packed.numel())
 
     def tensors(self) -> list[tuple[str, Tensor]]:
-        """(name, view into `packed`) with each tensor's dtype and shape."""
-        from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
-
-        return unpack_tensor(self.packed, self.names, self.shapes, self.dtypes, packed_sizes(self.dtypes, self.shapes))
+        """(name, view into `packed`) of each slice with its dtype and shape."""
+        return unpack(self.packed, self.names, self.shapes, self.dtypes)
 
     def header(self) -> dict:
-        """Everything but the bytes, as plain Python (sent ahead of `packed` between trainer ranks)."""
+        """Everything but the bytes, as plain JSON (the plan's entry for this bucket)."""
         return {"index": self.index, "names": self.names, "dtype_names": [dtype_name(d) for d in self.dtypes],
-                "shapes": self.shapes}
+                "shapes": self.shapes, "full_shapes": self.full_shapes, "starts": self.starts, "nbytes": self.nbytes}
 
     @classmethod
     def empty_from_header(cls, header: dict, device: torch.device) -> Bucket:
-        """A bucket with `header`'s tensors and an uninitialised buffer to receive `packed` into."""
+        """A bucket with `header`'s slices and an uninitialised buffer to receive `packed` into."""
         dtypes = [getattr(torch, n) for n in header["dtype_names"]]
         size = sum(packed_sizes(dtypes, header["shapes"]))
-        return cls(header["index"], header["names"], dtypes, header["shapes"],
-                   torch.empty(size, dtype=torch.uint8, device=device))
+        return cls(header["index"], header["names"], dtypes, header["shapes"], header["full_shapes"],
+                   header["starts"], torch.empty(size, dtype=torch.uint8, device=device))
 
-    def update_info(self) -> dict:
-        """The `/update_weights` payload of vLLM's dense backends (names, dtype_names, shapes)."""
-        header = self.header()
-        return {"names": header["names"], "dtype_names": header["dtype_names"], "shapes": header["shapes"]}
+    def checksums(self) -> dict[str, str]:
+        """`checksum` of each slice, by `slice_key`."""
+        return {slice_key(name, start): checksum(tensor)
+                for (name, tensor), start in zip(self.tensors(), self.starts, strict=True)}
 
     def describe(self) -> str:
         """For error messages: "bucket 3 (12 tensors, 4.0 MiB: model.layers.2.… .. lm_head.weight)"."""
-        span = self.names[0] if len(self.names) == 1 else f"{self.names[0]} .. {self.names[-1]}"
-        return f"bucket {self.index} ({len(self.names)} tensors, {self.nbytes / MIB:.1f} MiB: {span})"
+        return describe_header(self.header())
+
+
+def describe_header(header: dict) -> str:
+    """`Bucket.describe` from a bucket's header."""
+    names = header["names"]
+    span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+    return f"bucket {header['index']} ({len(names)} tensors, {header['nbytes'] / MIB:.1f} MiB: {span})"
+
+
+def unpack(packed: Tensor, names: list[str], shapes: list[list[int]], dtypes: list[torch.dtype]
+           ) -> list[tuple[str, Tensor]]:
+    """(name, view into `packed`) of each tensor packed back to back."""
+    out, offset = [], 0
+    for name, shape, dtype, size in zip(names, shapes, dtypes, packed_sizes(dtypes, shapes), strict=True):
+        out.append((name, packed[offset:offset + size].view(dtype).view(shape)))
+        offset += size
+    return out
+
+
+class Assembler:
+    """Whole HF tensors from the slices of received buckets, in any order (`add` returns those it completed).
+
+    A slice that is a whole tensor is passed on as the view into its bucket it is; the slices of a split one are
+    copied into a tensor of its full shape (allocated at its first slice, on its device) until its elements are all
+    there. A slice that falls outside its tensor, or one whose dtype or full shape disagrees with earlier slices of
+    the same name, is refused (ValueError naming the tensor)."""
+
+    def __init__(self) -> None:
+        self.partial: dict[str, tuple[Tensor, int]] = {}  # name -> (full tensor, elements still missing)
+
+    def add(self, header: dict, packed: Tensor) -> list[tuple[str, Tensor]]:
+        dtypes = [getattr(torch, n) for n in header["dtype_names"]]
+        done = []
+        views = unpack(packed, header["names"], header["shapes"], dtypes)
+        for (name, piece), full_shape, start in zip(views, header["full_shapes"], header["starts"], strict=True):
+            if list(piece.shape) == list(full_shape):
+                done.append((name, piece))
+                continue
+            full, missing = self.partial.get(name) or (
+                torch.empty(full_shape, dtype=piece.dtype, device=piece.device), math.prod(full_shape))
+            if list(full.shape) != list(full_shape) or full.dtype != piece.dtype:
+                raise ValueError(f"{name}: a slice of shape {list(full_shape)} {piece.dtype} after slices of "
+                                 f"{list(full.shape)} {full.dtype}")
+            box = tuple(slice(s, s + n) for s, n in zip(start, piece.shape, strict=True))
+            if any(s < 0 or s + n > f for s, n, f in zip(start, piece.shape, full_shape, strict=True)):
+                raise ValueError(f"{name}: slice at {start} of shape {list(piece.shape)} outside {list(full_shape)}")
+            full[box].copy_(piece)
+            missing -= piece.numel()
+            if missing:
+                self.partial[name] = (full, missing)
+            else:
+                self.partial.pop(name, None)
+                done.append((name, full))
+        return done
+
+    def incomplete(self) -> list[str]:
+        """Names of tensors some of whose slices have not arrived."""
+        return list(self.partial)
 
 
 def rank_offsets(world_sizes: list[int]) -> tuple[list[int], int]:

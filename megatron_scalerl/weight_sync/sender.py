@@ -1,256 +1,330 @@
-"""The trainer-side driver: push the trainer's weights to N vLLM servers at once over vLLM's weight-transfer protocol.
+"""The trainer side of weight sync: every sending rank sends its own weights; rank 0 drives the servers.
 
-    config = WeightSyncConfig(bucket_mib=256, serving_dtype=torch.bfloat16, timeout_s=120)
-    sender = WeightSender(["http://gen0:8000", "http://gen1:8000"], config).connect() if rank == 0 else None
-    push_weights(trainer.model, recipe.model, config, sender, weight_version=state.step)  # every rank
+    config = WeightSyncConfig(bucket_mib=64, serving_dtype=torch.bfloat16, timeout_s=120)
+    sender = WeightSender(urls, config, sends=weights.sends_weights()).connect()      # every trainer rank
+    push_weights(trainer.model, recipe.model, config, sender, weight_version=step)    # every trainer rank
 
-One broadcast group holds trainer rank 0 (group rank 0, hosting the rendezvous) and every server's workers: server i
-at rank offset 1 + the worker counts of the servers before it (`protocol.rank_offsets`; each server reports its
-count on `/get_world_size`). The transport is the machine's process-group backend (`platform.resolve_backend`):
-vLLM's own NCCL engine on GPUs, our gloo engine (`gloo_engine`) on CPUs. A sync, on every server concurrently:
-`/start_weight_update`; per bucket `/update_weights` (names, dtype names, shapes) while rank 0 broadcasts the
-bucket; `/finish_weight_update` with the policy version (`algo.versions.version_tag`); `/reset_prefix_cache`
-(running requests are re-queued, so no KV block computed with the old weights is reused). With `pause_generation`
-(the default) the sync is wrapped in `/pause?mode=keep` ... `/resume`, the one place that pauses the servers:
-running requests freeze in place and continue on the new weights (PipelineRL's in-flight update); a failed sync
-leaves the servers paused, so nothing is generated from half-updated weights. Every HTTP call and broadcast waits at
-most `timeout_s` seconds; a failure raises WeightSyncError naming the server (and whether it still answers /health) and
-the bucket. After a failure the sender must be closed; the servers need a complete sync before serving again.
+Who sends what: each trainer rank that holds weights no other rank sends (`models.weights.export_hf_slices`: TP
+shards from every TP rank of data-parallel rank 0, experts from every EP rank, each pipeline stage its own layers)
+sends its slices of HF tensors from its own rank over its own group to every generator worker: no gather, nothing
+funnelled through one rank. Rank 0 also drives the servers over HTTP (`fleet_control.FleetControl`). Group g holds
+sender g (rank 0 of the group) and every server's workers (`protocol.rank_offsets`); its transport is gloo, NCCL or
+disk (`transport.py`), chosen by `WeightSyncConfig.transport`.
 
-Checksum mode (`checksums=True`): the receivers record a checksum of every tensor they received and the sender
-compares them (`/collective_rpc` `scalerl_weight_checksums`, one answer per worker) with its own after the sync:
-a mismatch names the server, worker, bucket and tensor. Needs a receiver that records them (the gloo engine).
+One sync (`WeightSender.send`, collective over the trainer's ranks):
+  1. every sender groups its slices into buckets; the headers reach rank 0 (`all_gathered`): the plan, every
+     bucket of every sender, is one JSON object;
+  2. rank 0 hands the plan to every server in one call: staged (`scalerl_stage_weights`: the workers receive in the
+     background into staging tensors and go on generating) or not (pause(keep), `/start_weight_update`, one
+     `/update_weights` with the plan: the workers receive and load as the tensors complete);
+  3. every sender sends its buckets, concurrently with the others;
+  4. rank 0: checksums when due (every `checksum_every`-th sync: each received slice's against its sender's; a
+     mismatch is logged and the whole sync sent again, once); staged: pause(keep), `/start_weight_update`,
+     `/update_weights {"staged": true}` (loads only), then for both `/finish_weight_update` with the policy version,
+     `/reset_prefix_cache` (running requests recompute their KV), `/resume`.
+Running requests freeze at the pause and continue on the new weights (PipelineRL's in-flight update). A failed
+sync leaves a staged server generating on its old weights (the staging is dropped), an unstaged one paused (nothing
+is generated from half-updated weights) until a complete sync. `SyncStats.paused_s` is the time the servers were
+paused, `seconds` the whole sync.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
 
 import torch
 
-from megatron_scalerl.algo.versions import version_tag
-from megatron_scalerl.http_json import ServerError, request_json
-from megatron_scalerl.platform.distributed import from_rank0, resolve_backend
-from megatron_scalerl.recipe import ModelConfig
-from megatron_scalerl.weight_sync.export import export_buckets
+from megatron_scalerl.models.weights import export_hf_slices
+from megatron_scalerl.platform.distributed import all_gathered, from_rank0, resolve_backend
+from megatron_scalerl.platform.distributed import rank as trainer_rank
+from megatron_scalerl.weight_sync.fleet_control import FleetControl
 from megatron_scalerl.weight_sync.protocol import (
     MIB,
     Bucket,
+    Piece,
     WeightSyncError,
-    checksum,
+    bucket_header,
+    group_buckets,
     local_address_towards,
-    rank_offsets,
+    wire_dtype,
 )
-from megatron_scalerl.weight_sync.transport import make_transport
+from megatron_scalerl.weight_sync.transport import WeightTransport, make_transport
 
 log = logging.getLogger("megatron_scalerl.weight_sync")
+STAGING_SLACK = 1.25  # staging needs this many times the sync's bytes free on every worker (`staging: auto`)
 
 
 @dataclass(frozen=True)
 class WeightSyncConfig:
     """`bucket_mib`: bucket size (MiB); `serving_dtype`: the servers' dtype (the LM head stays FP32 with
-    `fp32_lm_head`); `timeout_s`: bound (seconds) on each HTTP call, broadcast and the rendezvous; `checksums`:
-    verify every tensor's checksum on every server worker after each sync; `api_key`: the servers' key;
-    `pause_generation`: freeze the servers' running requests during the update (pause(keep) -> update -> resume)."""
+    `fp32_lm_head`); `timeout_s`: bound (seconds) on each HTTP call, each receive and the rendezvous;
+    `transport`: auto (nccl with CUDA, else gloo), gloo, nccl or disk (`disk_dir`: the shared folder the disk
+    senders write under); `staging`: auto (on when every worker has the room), on or off; `checksum_every`: compare
+    every received slice's checksum with its sender's every N-th sync (0: never); `api_key`: the servers' key;
+    `pause_generation`: freeze the servers' running requests while weights are loaded (off only for tests that
+    need the servers to have nothing running)."""
 
-    bucket_mib: float = 256.0
+    bucket_mib: float = 64.0
     serving_dtype: torch.dtype = torch.bfloat16
     fp32_lm_head: bool = True
     timeout_s: float = 120.0
-    checksums: bool = False
+    transport: str = "auto"
+    disk_dir: str | None = None
+    staging: str = "auto"
+    checksum_every: int = 0
     api_key: str | None = None
     pause_generation: bool = True
+
+    def resolved_transport(self) -> str:
+        return resolve_backend("auto") if self.transport == "auto" else self.transport
 
 
 @dataclass(frozen=True)
 class SyncStats:
     weight_version: int  # the policy version the servers now serve
-    buckets: int
-    bytes: int
-    seconds: float
-    checksums_verified: int  # tensors x server workers compared (0 without checksum mode)
+    buckets: int  # over every sender
+    bytes: int  # over every sender (each reaches every server worker)
+    seconds: float  # the whole sync, from the plan to the resume
+    paused_s: float  # the servers were paused (not generating)
+    staged: bool
+    checksums_verified: int  # slices x server workers compared (0 when not due)
 
 
 class WeightSender:
-    """Trainer rank 0's side of weight sync to the servers at `urls` (base URLs, e.g. "http://gen0:8000")."""
+    """One trainer rank's end of weight sync (every rank has one; see the module docstring). `urls`: the servers
+    (read on rank 0); `sends`: this rank sends weights (`models.weights.sends_weights()`)."""
 
-    def __init__(self, urls: list[str], config: WeightSyncConfig, *, master_address: str | None = None):
-        if not urls:
-            raise ValueError("WeightSender needs at least one server URL")
-        self.urls = [u.rstrip("/") for u in urls]
+    def __init__(self, urls: list[str], config: WeightSyncConfig, *, sends: bool = True,
+                 master_address: str | None = None):
         self.config = config
-        self.backend = resolve_backend("auto")
-        if config.checksums and self.backend != "gloo":
-            raise ValueError(f"checksum mode needs receivers that record checksums (the gloo engine); the "
-                             f"{self.backend} receiver is vLLM's own and does not")
-        # where the servers reach our rendezvous: this machine's address on the route to the first one
+        self.sends = sends
+        self.rank = trainer_rank()
+        rank = self.rank
+        self.control = FleetControl(urls, timeout_s=config.timeout_s, api_key=config.api_key) if rank == 0 else None
+        self.urls = self.control.urls if self.control else list(urls)
         self.master_address = master_address or local_address_towards(
             urllib.parse.urlsplit(self.urls[0]).hostname or "127.0.0.1")
-        self.pool = ThreadPoolExecutor(max_workers=len(urls) + 1, thread_name_prefix="weight-sync")
-        self.transport = make_transport(self.backend, bucket_bytes=int(config.bucket_mib * MIB))
-        self.world_sizes: list[int] = []
+        self.transport: WeightTransport | None = None
+        self.senders: list[int] = []  # trainer ranks that send, in group order
+        self.syncs = 0
+        self.room: int | None = None  # the fewest bytes a worker can stage in (rank 0)
         self.failed: str | None = None
 
-    # ---- HTTP to every server at once -------------------------------------------------------------------------
+    def _transport(self) -> WeightTransport:
+        name = self.config.resolved_transport()
+        if name == "disk" and not self.config.disk_dir:
+            raise ValueError("weight_sync.transport: disk needs a shared folder (WeightSyncConfig.disk_dir)")
+        return make_transport(name, directory=Path(self.config.disk_dir or ".") / f"sender-{self.rank}")
 
-    def _call(self, url: str, path: str, body: Any = None, **kwargs: Any) -> Any:
-        return request_json(url, path, body, timeout_s=self.config.timeout_s, api_key=self.config.api_key, **kwargs)
-
-    def _health(self, url: str) -> str:
-        try:
-            request_json(url, "/health", method="GET", timeout_s=min(5.0, self.config.timeout_s))
-            return "answers /health"
-        except ServerError as exc:
-            return f"does not answer /health: {exc}"
-
-    def _wait(self, labelled: dict[Future, str], what: str) -> list[Any]:
-        """Results of `labelled` futures in order. On the first failure, or after `timeout_s`, raise WeightSyncError
-        naming `what`, every failed or silent party (a server URL or the trainer's broadcast) and, for each server,
-        whether it still answers /health."""
-        done, pending = wait(labelled, timeout=self.config.timeout_s + 5, return_when=FIRST_EXCEPTION)
-        failures = [f for f in done if f.exception() is not None]
-        if not failures and not pending:
-            return [f.result() for f in labelled]
-        if failures:  # let the other parties' errors arrive: the broadcast often fails because a server died
-            more, pending = wait(pending, timeout=min(5.0, self.config.timeout_s))
-            failures += [f for f in more if f.exception() is not None]
-        parts = [f"{labelled[f]}: {f.exception()}" for f in failures]
-        parts += [f"{labelled[f]}: no answer within {self.config.timeout_s:g} s" for f in pending]
-        servers = [label for label in labelled.values() if label in self.urls]
-        health = [f"{url} {self._health(url)}" for url in servers]
-        self.failed = f"weight sync ({what}) failed: " + "; ".join(parts) + (" [" + "; ".join(health) + "]"
-                                                                            if health else "")
-        raise WeightSyncError(self.failed)
-
-    def _each(self, what: str, fn: Callable[[str], Any]) -> list[Any]:
-        return self._wait({self.pool.submit(fn, url): url for url in self.urls}, what)
-
-    # ---- protocol ---------------------------------------------------------------------------------------------
+    def _agree(self, error: str | None, what: str) -> None:
+        """Collective: raise WeightSyncError on every rank if any rank had an `error`."""
+        errors = [e for e in all_gathered(error) if e]
+        if errors:
+            self.failed = self.failed or f"{what}: " + "; ".join(errors)
+            raise WeightSyncError(self.failed)
 
     def connect(self) -> WeightSender:
-        """Form the broadcast group with every server's workers (and make their LM heads FP32 if asked)."""
-        answers = self._each("GET /get_world_size", lambda url: self._call(url, "/get_world_size", method="GET"))
-        self.world_sizes = [int(a["world_size"]) for a in answers]
-        offsets, world = rank_offsets(self.world_sizes)
-        if self.config.fp32_lm_head and self.config.serving_dtype != torch.float32:
-            self._each("FP32 LM head", lambda url: self._call(url, "/collective_rpc",
-                                                              {"method": "scalerl_fp32_lm_head"}))
-        rendezvous = self.transport.listen(self.master_address)  # a new one (port, secret) per connection
-        init = {url: self.transport.worker_init_info(offset, world, self.config)
-                for url, offset in zip(self.urls, offsets, strict=True)}
-        futures = {self.pool.submit(self._call, url, "/init_weight_transfer_engine", {"init_info": init[url]}): url
-                   for url in self.urls}
-        futures[self.pool.submit(self.transport.open, world, self.config.timeout_s)] = (
-            f"trainer rendezvous at {rendezvous} ({world} ranks)")
-        self._wait(futures, "connect")
+        """Collective: every sender opens its group, every server worker joins all of them (the LM heads made FP32
+        first if asked)."""
+        error, endpoint = None, None
+        if self.sends:
+            try:
+                self.transport = self._transport()
+                endpoint = self.transport.listen(self.master_address)
+            except (OSError, RuntimeError, ValueError) as exc:
+                error = f"trainer rank {self.rank}: {exc}"
+        endpoints = all_gathered(endpoint)
+        self._agree(error, "weight sync connect")
+        self.senders = [r for r, e in enumerate(endpoints) if e is not None]
+        world = None
+        if self.control is not None:
+            try:
+                sizes = self.control.world_sizes()
+                if self.config.fp32_lm_head and self.config.serving_dtype != torch.float32:
+                    self.control.rpc("FP32 LM head", "scalerl_fp32_lm_head")
+                joins = self.control.submit_connect([e for e in endpoints if e], sizes, self.config.timeout_s)
+                world = 1 + sum(sizes)
+            except WeightSyncError as exc:
+                error = str(exc)
+        error, world = from_rank0((error, world))
+        self._agree(error if self.rank == 0 else None, "weight sync connect")
+        if self.sends:
+            try:
+                self.transport.open(world, self.config.timeout_s)
+            except (OSError, RuntimeError) as exc:
+                error = f"trainer rank {self.rank}: forming its group of {world} ranks: {exc}"
+        if self.control is not None and error is None:
+            try:
+                self.control.wait(joins, "connect")
+                self.control.close_open_updates()
+                if self.config.staging != "off":
+                    self.room = self.control.staging_room()
+            except WeightSyncError as exc:
+                error = str(exc)
+        self._agree(error, "weight sync connect")
         return self
 
-    def send(self, buckets: Iterable[Bucket], weight_version: int,
-             progress: Callable[[Bucket], None] | None = None) -> SyncStats:
-        """One full update of every server from `buckets` (the whole model), tagged policy version `weight_version`;
-        `progress(bucket)` is called after each bucket reached every server."""
+    # ---- one sync -----------------------------------------------------------------------------------------------
+
+    def send(self, pieces: Iterable, weight_version: int, progress: Callable[[Bucket], None] | None = None, *,
+             tied: bool = False) -> SyncStats | None:
+        """Collective: one full update of every server, tagged policy version `weight_version`, from every rank's
+        `pieces` ((name, whole tensor) pairs or slices with `Piece`'s fields; any dtype: each is cast to its wire
+        dtype as its bucket is packed: `protocol.wire_dtype`, `tied` for a model whose LM head is its embedding).
+        `progress(bucket)` is called on a sender after each of its buckets left. Returns the stats on rank 0, None elsewhere."""
         if self.failed is not None:
             raise WeightSyncError(f"weight sender unusable after an earlier failure: {self.failed}")
-        if not self.world_sizes:
+        if not self.senders:
             raise WeightSyncError("weight sender not connected: call connect() first")
-        try:
-            return self._send(buckets, weight_version, progress)
-        except WeightSyncError as exc:  # e.g. the export failed: the servers are left inside an update
-            self.failed = self.failed or str(exc)
-            raise
+        pieces = [Piece.of(p) for p in pieces] if self.sends else []
+        config = self.config
 
-    def _send(self, buckets: Iterable[Bucket], version: int, progress: Callable[[Bucket], None] | None) -> SyncStats:
+        def dtype_of(name: str) -> torch.dtype:
+            return wire_dtype(name, config.serving_dtype, config.fp32_lm_head, tied=tied)
+
+        for attempt in (1, 2):
+            stats, resend = self._sync(pieces, weight_version, dtype_of, progress)
+            if not resend:
+                return stats
+            if attempt == 1:
+                log.warning("weight sync of version %d: checksums disagree (%s); sending it all again",
+                            weight_version, resend)
+        self.failed = f"weight sync of version {weight_version}: checksums disagree twice: {resend}"
+        raise WeightSyncError(self.failed)
+
+    def _sync(self, pieces: list[Piece], version: int, dtype_of: Callable[[str], torch.dtype],
+              progress: Callable[[Bucket], None] | None) -> tuple[SyncStats | None, str | None]:
         start = time.monotonic()
-        if self.config.pause_generation:
-            self._each("POST /pause", lambda url: self._call(url, "/pause", query={"mode": "keep",
-                                                                                  "clear_cache": False}))
-        self._each("POST /start_weight_update", lambda url: self._call(url, "/start_weight_update"))
-        sent: dict[str, tuple[str, int]] = {}  # name -> (checksum, bucket index)
-        count = total = 0
-        for bucket in buckets:
-            info = {**bucket.update_info(), **self.transport.update_extras(bucket)}
-            futures = {self.pool.submit(self._call, url, "/update_weights", {"update_info": info}): url
-                       for url in self.urls}
-            futures[self.pool.submit(self.transport.broadcast, bucket, self.config.timeout_s)] = "trainer broadcast"
-            self._wait(futures, bucket.describe())
-            if self.config.checksums:
-                sent.update((name, (checksum(t), bucket.index)) for name, t in bucket.tensors())
-            count, total = count + 1, total + bucket.nbytes
-            if progress is not None:
-                progress(bucket)
-            del bucket, futures  # let the next bucket be exported without this one alive
-        self._each("POST /finish_weight_update",
-                   lambda url: self._call(url, "/finish_weight_update", {"weight_version": version_tag(version)}))
-        self._each("POST /reset_prefix_cache", self._reset_prefix_cache)
-        if self.config.pause_generation:
-            self._each("POST /resume", lambda url: self._call(url, "/resume"))
-        verified = self._verify_checksums(sent) if self.config.checksums else 0
-        return SyncStats(version, count, total, time.monotonic() - start, verified)
+        self.syncs += 1
+        check = self.config.checksum_every > 0 and self.syncs % self.config.checksum_every == 0
+        groups = group_buckets(pieces, max(1, int(self.config.bucket_mib * MIB)), dtype_of)
+        headers = [bucket_header(i, group, dtype_of) for i, group in enumerate(groups)]
+        every = all_gathered(headers if self.sends else None)
+        plan = {"sync": f"v{version}-{secrets.token_hex(4)}", "checksums": check,
+                "senders": [every[r] for r in self.senders]}
+        total = sum(h["nbytes"] for sender in plan["senders"] for h in sender)
+        staged, paused_s, error, updates = False, 0.0, None, {}
+        if self.control is not None:
+            staged = self._staged(total)
+            try:
+                if staged:
+                    self.control.stage(plan)
+                else:
+                    paused_s -= time.monotonic()
+                    if self.config.pause_generation:
+                        self.control.pause()
+                    self.control.start_update()
+                    updates = self.control.submit_update({"plan": plan})
+            except WeightSyncError as exc:
+                error = str(exc)
+        plan["sync"], error = from_rank0((plan["sync"], error))
+        self._agree(error if self.rank == 0 else None, f"weight sync of version {version}")
+        sent_sums: dict[str, str] = {}
+        if self.sends:
+            error = self._send_buckets(groups, dtype_of, plan["sync"], check, sent_sums, progress)
+        sums = all_gathered(sent_sums if check else None)
+        errors = [e for e in all_gathered(error) if e]
+        resend, verified, error = None, 0, None
+        if self.control is not None and errors:
+            if staged:
+                self.control.discard_staged()
+            error = "; ".join(errors) + f" [{self.control.health()}]"
+        elif self.control is not None:
+            try:
+                if updates:
+                    self.control.wait(updates, "receive")
+                if check:
+                    resend, verified = self._compare({k: v for s in sums if s for k, v in s.items()})
+                if resend and staged:
+                    self.control.discard_staged()
+                elif resend:  # unstaged: close the session untagged, still paused, and send it all again
+                    self.control.finish_update(None)
+                else:
+                    if staged:
+                        paused_s -= time.monotonic()
+                        if self.config.pause_generation:
+                            self.control.pause()
+                        self.control.start_update()
+                        self.control.wait(self.control.submit_update({"staged": True}), "apply staged")
+                    self.control.finish_update(version)
+                    if self.config.pause_generation:
+                        self.control.resume()
+                    paused_s += time.monotonic()
+            except WeightSyncError as exc:
+                error = str(exc)
+                if staged:
+                    self.control.discard_staged()
+        error, resend = from_rank0((error, resend))
+        self._agree(error if self.rank == 0 else None, f"weight sync of version {version}")
+        if self.control is None:
+            return None, resend
+        return SyncStats(version, sum(len(s) for s in plan["senders"]), total, time.monotonic() - start,
+                         paused_s, staged, verified), resend
 
-    def _reset_prefix_cache(self, url: str) -> None:
-        answer = self._call(url, "/reset_prefix_cache", query={"reset_running_requests": True})
-        if not (answer or {}).get("success", False):
-            raise WeightSyncError(f"{url}: /reset_prefix_cache did not succeed ({answer})")
+    def _staged(self, total_bytes: int) -> bool:
+        if self.config.staging == "on" or self.config.staging == "auto" and self.room is not None:
+            return self.config.staging == "on" or self.room >= STAGING_SLACK * total_bytes
+        return False
 
-    def _verify_checksums(self, sent: dict[str, tuple[str, int]]) -> int:
-        answers = self._each("checksums", lambda url: self._call(url, "/collective_rpc",
-                                                                 {"method": "scalerl_weight_checksums"}))
+    def _send_buckets(self, groups: list[list[Piece]], dtype_of: Callable[[str], torch.dtype], sync: str,
+                      check: bool, sums: dict[str, str], progress: Callable[[Bucket], None] | None) -> str | None:
+        """Pack and send this rank's buckets one at a time; the error message, or None."""
+        bucket = None
+        try:
+            for index, group in enumerate(groups):
+                bucket = Bucket.pack(index, [p.cast(dtype_of(p.name)) for p in group])
+                if check:
+                    sums.update(bucket.checksums())
+                self.transport.send(bucket, sync)
+                if progress is not None:
+                    progress(bucket)
+                del bucket  # one bucket alive at a time
+                bucket = None
+            return None
+        except Exception as exc:
+            what = bucket.describe() if bucket is not None else "its buckets"
+            return f"trainer rank {self.rank} sending {what}: {type(exc).__name__}: {exc}"
+
+    def _compare(self, sent: dict[str, str]) -> tuple[str | None, int]:
+        """(a description of the mismatches or None, slices x workers compared)."""
         problems, verified = [], 0
-        for url, answer in zip(self.urls, answers, strict=True):
-            for worker, received in enumerate(answer["results"]):
-                if received is None:
-                    raise WeightSyncError(f"{url} worker {worker}: its receiver records no checksums (checksum mode "
-                                          f"needs the gloo receiver, initialised with checksums on)")
-                for name, (expected, bucket) in sent.items():
-                    got = received.get(name)
+        for url, workers in zip(self.control.urls, self.control.checksums(), strict=True):
+            for worker, received in enumerate(workers):
+                for key, expected in sent.items():
+                    got = received.get(key)
                     if got != expected:
-                        problems.append(f"{url} worker {worker} bucket {bucket} {name}: trainer {expected}, "
-                                        f"server {got or 'nothing received'}")
+                        problems.append(f"{url} worker {worker} {key}: trainer {expected}, server "
+                                        f"{got or 'nothing received'}")
                     verified += 1
         if problems:
-            raise WeightSyncError(f"weight sync checksum mismatch ({len(problems)}): " + "; ".join(problems[:10]))
-        return verified
+            log.warning("weight sync checksum mismatch (%d): %s", len(problems), "; ".join(problems[:10]))
+            return f"{len(problems)} slices, e.g. {problems[0]}", verified
+        return None, verified
 
     def close(self) -> None:
-        """Release the servers' ends (`/shutdown_weight_transfer_engine`; a server still inside a failed update
-        refuses and keeps its group until its receive times out), leave the group, stop the HTTP threads."""
-        if self.world_sizes:
-            for url in self.urls:
-                try:
-                    request_json(url, "/shutdown_weight_transfer_engine", timeout_s=min(10.0, self.config.timeout_s),
-                                 api_key=self.config.api_key)
-                except ServerError as exc:
-                    log.warning("weight sync: could not release %s: %s", url, exc)
-            self.world_sizes = []
-        self.transport.close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Release the servers' ends, leave the groups, stop the HTTP threads."""
+        if self.control is not None:
+            if self.senders:
+                self.control.release()
+            self.control.close()
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        self.senders = []
 
 
-def push_weights(model_chunks: list, model_cfg: ModelConfig, config: WeightSyncConfig, sender: WeightSender | None,
+def push_weights(model_chunks: list, model_cfg, config: WeightSyncConfig, sender: WeightSender,
                  weight_version: int, progress: Callable[[Bucket], None] | None = None) -> SyncStats | None:
-    """Collective over every trainer rank: export the model (`export.export_buckets`) and, on rank 0 (the only rank
-    with a `sender`), send it. Rank 0's failure reaches every rank as the same WeightSyncError after the export is
-    drained, so no rank is left waiting in a collective. Returns the stats on rank 0, None elsewhere; `progress`:
-    see `WeightSender.send`."""
-    buckets = export_buckets(model_chunks, model_cfg, bucket_mib=config.bucket_mib,
-                             serving_dtype=config.serving_dtype, fp32_lm_head=config.fp32_lm_head)
-    stats, error, failure = None, None, None
-    if sender is not None:
-        try:
-            stats = sender.send(buckets, weight_version, progress)
-        except WeightSyncError as exc:
-            error, failure = str(exc), exc
-        except Exception as exc:  # whatever it is, the other ranks must hear of it rather than wait
-            error, failure = f"weight sync failed on trainer rank 0: {type(exc).__name__}: {exc}", exc
-    for _ in buckets:  # the rest of the export (other ranks' collectives), after a failure or on ranks without one
-        pass
-    error = from_rank0(error)
-    if error is not None:
-        raise WeightSyncError(error) from failure
-    return stats
+    """Collective over every trainer rank: send this rank's slices of the model (`export_hf_slices`) with
+    `sender.send`. Returns the stats on rank 0, None elsewhere."""
+    if len(model_chunks) != 1:
+        raise ValueError(f"weight sync supports one model chunk per rank, got {len(model_chunks)} "
+                         "(virtual pipeline stages are not supported)")
+    pieces = list(export_hf_slices(model_chunks[0], model_cfg)) if sender.sends else []
+    return sender.send(pieces, weight_version, progress, tied=model_cfg.tie_word_embeddings)

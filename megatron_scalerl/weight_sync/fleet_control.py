@@ -1,0 +1,154 @@
+"""Trainer rank 0's control of the generators during weight sync: HTTP to every server at once.
+
+    control = FleetControl(["http://gen0:8000"], timeout_s=120, api_key=key)
+    control.world_sizes()                      # each server's worker count (TP x PP x DP)
+    control.connect(endpoints, world)          # every worker joins every sender's group (in a background thread)
+    control.stage(plan)                        # workers receive the sync in the background, still generating
+    control.pause(); control.start_update(); control.submit_update({"staged": True}); control.finish_update(v)
+
+Every call goes to all servers concurrently and waits at most `timeout_s` seconds; a failure raises WeightSyncError
+naming every server that failed or stayed silent, and whether it still answers /health.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from megatron_scalerl.algo.versions import version_tag
+from megatron_scalerl.http_json import ServerError, request_json
+from megatron_scalerl.weight_sync.protocol import WeightSyncError, rank_offsets
+
+log = logging.getLogger("megatron_scalerl.weight_sync")
+
+
+class FleetControl:
+    """The servers at `urls` (base URLs) as one party of a weight sync (see the module docstring)."""
+
+    def __init__(self, urls: list[str], *, timeout_s: float, api_key: str | None) -> None:
+        if not urls:
+            raise ValueError("weight sync needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout_s = timeout_s
+        self.api_key = api_key
+        self.pool = ThreadPoolExecutor(max_workers=2 * len(urls) + 1, thread_name_prefix="weight-sync")
+
+    def call(self, url: str, path: str, body: Any = None, **kwargs: Any) -> Any:
+        return request_json(url, path, body, timeout_s=self.timeout_s, api_key=self.api_key, **kwargs)
+
+    def _health(self, url: str) -> str:
+        try:
+            request_json(url, "/health", method="GET", timeout_s=min(5.0, self.timeout_s))
+            return "answers /health"
+        except ServerError as exc:
+            return f"does not answer /health: {exc}"
+
+    def health(self) -> str:
+        """Each server's URL and whether it answers /health, for error messages."""
+        return "; ".join(f"{url} {self._health(url)}" for url in self.urls)
+
+    def wait(self, labelled: dict[Future, str], what: str) -> list[Any]:
+        """Results of `labelled` futures in order. On the first failure, or after `timeout_s`, raise WeightSyncError
+        naming `what`, every failed or silent party (a server URL or a trainer sender) and, for each server,
+        whether it still answers /health."""
+        done, pending = wait(labelled, timeout=self.timeout_s + 5, return_when=FIRST_EXCEPTION)
+        failures = [f for f in done if f.exception() is not None]
+        if not failures and not pending:
+            return [f.result() for f in labelled]
+        if failures:  # let the other parties' errors arrive: a broadcast often fails because a server died
+            more, pending = wait(pending, timeout=min(5.0, self.timeout_s))
+            failures += [f for f in more if f.exception() is not None]
+        parts = [f"{labelled[f]}: {f.exception()}" for f in failures]
+        parts += [f"{labelled[f]}: no answer within {self.timeout_s:g} s" for f in pending]
+        health = [f"{url} {self._health(url)}" for url in labelled.values() if url in self.urls]
+        raise WeightSyncError(f"weight sync ({what}) failed: " + "; ".join(parts)
+                              + (" [" + "; ".join(health) + "]" if health else ""))
+
+    def submit_each(self, fn: Callable[[str], Any]) -> dict[Future, str]:
+        return {self.pool.submit(fn, url): url for url in self.urls}
+
+    def each(self, what: str, fn: Callable[[str], Any]) -> list[Any]:
+        return self.wait(self.submit_each(fn), what)
+
+    def rpc(self, what: str, method: str, **kwargs: Any) -> list[list[Any]]:
+        """`/collective_rpc` `method` on every server: per server, its workers' results."""
+        body = {"method": method, **({"kwargs": kwargs} if kwargs else {})}
+        return [answer["results"] for answer in self.each(what, lambda url: self.call(url, "/collective_rpc", body))]
+
+    # ---- the steps of a sync ------------------------------------------------------------------------------------
+
+    def world_sizes(self) -> list[int]:
+        answers = self.each("GET /get_world_size", lambda url: self.call(url, "/get_world_size", method="GET"))
+        return [int(a["world_size"]) for a in answers]
+
+    def submit_connect(self, endpoints: list[dict], world_sizes: list[int], timeout_s: float) -> dict[Future, str]:
+        """Every server's workers join every sender's group (`/init_weight_transfer_engine`), in the background: the
+        senders form their groups meanwhile."""
+        offsets, world = rank_offsets(world_sizes)
+        info = {url: {"endpoints": endpoints, "rank_offset": offset, "world_size": world, "timeout_s": timeout_s}
+                for url, offset in zip(self.urls, offsets, strict=True)}
+        return self.submit_each(lambda url: self.call(url, "/init_weight_transfer_engine", {"init_info": info[url]}))
+
+    def staging_room(self) -> int:
+        """The fewest bytes any worker of any server can stage a sync in (`scalerl_staging_room`)."""
+        return min(w["bytes"] for workers in self.rpc("staging room", "scalerl_staging_room") for w in workers)
+
+    def stage(self, plan: dict) -> None:
+        self.rpc(f"stage sync {plan['sync']}", "scalerl_stage_weights", plan=json.dumps(plan))
+
+    def discard_staged(self) -> None:
+        try:
+            self.rpc("discard staged", "scalerl_discard_staged")
+        except WeightSyncError as exc:
+            log.warning("weight sync: could not discard a staged sync: %s", exc)
+
+    def checksums(self) -> list[list[dict[str, str]]]:
+        """Per server, per worker: the slice checksums of the last sync."""
+        return self.rpc("checksums", "scalerl_weight_checksums")
+
+    def pause(self) -> None:
+        self.each("POST /pause", lambda url: self.call(url, "/pause", query={"mode": "keep", "clear_cache": False}))
+
+    def resume(self) -> None:
+        self.each("POST /resume", lambda url: self.call(url, "/resume"))
+
+    def start_update(self) -> None:
+        self.each("POST /start_weight_update", lambda url: self.call(url, "/start_weight_update"))
+
+    def submit_update(self, update_info: dict) -> dict[Future, str]:
+        return self.submit_each(lambda url: self.call(url, "/update_weights", {"update_info": update_info}))
+
+    def finish_update(self, version: int | None) -> None:
+        """Close the update session tagged `version`, then drop every prefix-cache block computed with the old
+        weights (running requests are re-queued and recompute their KV). `version` None: close it untagged (its
+        weights are about to be sent again)."""
+        body = {} if version is None else {"weight_version": version_tag(version)}
+        self.each("POST /finish_weight_update", lambda url: self.call(url, "/finish_weight_update", body))
+        if version is not None:
+            self.each("POST /reset_prefix_cache", self._reset_prefix_cache)
+
+    def close_open_updates(self) -> None:
+        """Close the update sessions a previous trainer left open (`scalerl_close_update`)."""
+        self.rpc("close open updates", "scalerl_close_update")
+
+    def _reset_prefix_cache(self, url: str) -> None:
+        answer = self.call(url, "/reset_prefix_cache", query={"reset_running_requests": True})
+        if not (answer or {}).get("success", False):
+            raise WeightSyncError(f"{url}: /reset_prefix_cache did not succeed ({answer})")
+
+    def release(self) -> None:
+        """`/shutdown_weight_transfer_engine` on every server (one still inside a failed update refuses and keeps its
+        groups until its receives time out)."""
+        for url in self.urls:
+            try:
+                request_json(url, "/shutdown_weight_transfer_engine", timeout_s=min(10.0, self.timeout_s),
+                             api_key=self.api_key)
+            except ServerError as exc:
+                log.warning("weight sync: could not release %s: %s", url, exc)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+

