@@ -2,13 +2,15 @@
 vLLM TP=2, one at TP=1) over vLLM's weight-transfer routes and our gloo receiver, then each server's greedy tokens
 and log-probs must be transformers' on the trainer's weights (fp32).
 
-One spawned trainer job (2 ranks) runs, in turn: TP=2 pushing checkpoint B (checksum mode, small buckets), PP=2
+A spawned trainer job of 4 ranks pushes checkpoint B at TP=2 PP=2 (four senders, staging off); then one of 2 ranks
+runs, in turn: TP=2 pushing checkpoint B (checksum mode, small buckets), PP=2
 pushing checkpoint C (after the servers cached a long prompt's KV blocks computed with B), and TP=2 pushing B while
 the TP=1 server is killed after rank 0's bucket 1 left: every trainer rank must get the same error, naming that
 server (it no longer answers /health) and a later bucket, within the timeout. The servers start from checkpoint A, so a server that kept any old weight fails.
 """
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -40,9 +42,13 @@ def synced(tmp_path_factory):
         tp2 = tiny_recipe("tiny_dense", tp=2, hf=b, extra=FP32)
         pp2 = tiny_recipe("tiny_dense", pp=2, hf=c, extra=FP32)
         config = WeightSyncConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=TIMEOUT_S, checksum_every=1)
+        tp2pp2 = tiny_recipe("tiny_dense", tp=2, pp=2, hf=b, extra=FP32)
+        urls = [s.url for s in servers]
+        four = run_local_workers(push_and_read, 4, [(tp2pp2, 7, False)], urls, replace(config, staging="off"),
+                                 timeout_s=400)
         per_rank = run_local_workers(push_and_read, 2, [(tp2, 1, False), (pp2, 2, False), (tp2, 3, True)],
-                                     [s.url for s in servers], config, servers[1].process.pid, timeout_s=400)
-        yield {"dirs": (a, b, c), "servers": servers, "before": before, "ranks": per_rank}
+                                     urls, config, servers[1].process.pid, timeout_s=400)
+        yield {"dirs": (a, b, c), "servers": servers, "before": before, "ranks": per_rank, "four": four}
     finally:
         for server in servers:
             server.stop()
@@ -53,6 +59,17 @@ def test_servers_start_on_their_own_weights(synced):
     for before in synced["before"]:
         assert_matches(before, hf_greedy(a), "checkpoint A as loaded by vLLM")
     assert hf_greedy(a) != hf_greedy(b)  # the pushes below change what the servers say
+
+
+def test_tp2_pp2_trainer_updates_both_servers_unstaged(synced):
+    """Four senders (each TP rank of each stage), the servers paused around the whole receive (staging off)."""
+    _, b, _ = synced["dirs"]
+    result = synced["four"][0][0]
+    assert all(rank[0]["error"] is None for rank in synced["four"])
+    assert not result["stats"].staged and result["stats"].paused_s > 0
+    assert result["versions"] == ["7", "7"]
+    for url_outputs in result["outputs"]:
+        assert_matches(url_outputs, hf_greedy(b), "after the TP2 PP2 push of B")
 
 
 def test_tp2_trainer_updates_both_servers(synced):

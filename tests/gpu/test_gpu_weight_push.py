@@ -1,19 +1,20 @@
-"""A weight push from the GPU trainer into a CUDA vLLM server over vLLM's NCCL engine, checked against the trainer's
-weights.
+"""A weight push from the GPU trainer into a CUDA vLLM server over NCCL (one group per sending rank, our receiver),
+checked against the trainer's weights.
 
 One CUDA vLLM server (bf16, the node's last GPU, started from checkpoint A) and the real trainer on the first GPU(s)
 (NCCL; started from checkpoint B, then a few bf16 steps, so its weights are neither A nor B): the trainer pushes
-them (`weight_sync.sender`: `WeightSender` + `push_weights`, vLLM's packed NCCL broadcast, FP32 LM head) and writes
+them (`weight_sync.sender`: `WeightSender` + `push_weights`, NCCL, FP32 LM head, checksums on) and writes
 the same tensors, as the servers should hold them (HF names, bf16, the head FP32), to a checkpoint directory. The
 server then must
   - report the pushed weight version, and answer differently than it did with A;
   - hold exactly the trainer's FP32 head (its checksum, `scalerl_fp32_lm_head`);
   - give exactly the same greedy tokens and log-probs as when it loads the trainer's tensors from that directory
-    (`reload_from_disk`): every tensor arrived, and arrived intact (checksum mode is the gloo receiver's only);
+    (`reload_from_disk`): every tensor arrived, and arrived intact (every slice's checksum compared, too);
   - and the trainer's own log-probs of the server's greedy continuations differ from the server's by no more than
     bf16 arithmetic does (MISMATCH_BOUND nats: both sides bf16 with an FP32 head).
 Dense and MoE at TP1 (2 GPUs), and a model with tied embeddings (tiny_qwen3: the server's head an FP32 copy of its
-embedding, which its CUDA graphs hold in bf16); at TP2 and EP2 (3 GPUs) the trainer gathers its shards first.
+embedding, which its CUDA graphs hold in bf16); at TP2, PP2 and EP2 (3 GPUs) each sending rank sends its own
+slices over its own NCCL group (the per-stage groups); a node with fewer GPUs skips those cases, saying so.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ CASES = [
     pytest.param({"model": "tiny_moe"}, id="moe-tp1"),
     pytest.param({"model": "tiny_qwen3"}, id="tied-tp1"),  # the head an FP32 copy of the CUDA-graphed embedding
     pytest.param({"tp": 2}, id="dense-tp2", marks=pytest.mark.gpu(gpus=3, vllm=True)),
+    pytest.param({"pp": 2}, id="dense-pp2", marks=pytest.mark.gpu(gpus=3, vllm=True)),
     pytest.param({"model": "tiny_moe", "ep": 2, "dp": 2}, id="moe-ep2", marks=pytest.mark.gpu(gpus=3, vllm=True)),
 ]
 
@@ -70,7 +72,8 @@ def push_worker(rank: int, recipe, url: str, config, run_dir: Path, out_dir: Pat
     from safetensors.torch import save_file
 
     from megatron_scalerl.models import export_hf_state
-    from megatron_scalerl.platform.distributed import from_rank0
+    from megatron_scalerl.models.weights import sends_weights
+    from megatron_scalerl.platform.distributed import all_gathered, from_rank0
     from megatron_scalerl.trainer.trainer import Trainer
     from megatron_scalerl.weight_sync.protocol import checksum, head_tensor, wire_dtype
     from megatron_scalerl.weight_sync.sender import WeightSender, push_weights
@@ -80,15 +83,15 @@ def push_worker(rank: int, recipe, url: str, config, run_dir: Path, out_dir: Pat
     trainer = Trainer(run_dir, recipe)
     vocab = recipe.model.vocab_size
     losses = [trainer.train_step(rl_batch(seed, vocab=vocab))["train/loss"] for seed in range(steps)]
-    sender = WeightSender([url], config).connect() if rank == 0 else None
+    sender = WeightSender([url], config, sends=sends_weights()).connect()
     try:
         stats = push_weights(trainer.model, recipe.model, config, sender, steps)
     finally:
-        if sender is not None:
-            sender.close()
-    served = {name: t.detach().to(wire_dtype(name, config.serving_dtype, config.fp32_lm_head,
-                                             tied=recipe.model.tie_word_embeddings)).cpu().contiguous()
-              for name, t in export_hf_state(trainer.model[0], recipe.model)}
+        sender.close()
+    stage = {name: t.detach().to(wire_dtype(name, config.serving_dtype, config.fp32_lm_head,
+                                            tied=recipe.model.tie_word_embeddings)).cpu().contiguous()
+             for name, t in export_hf_state(trainer.model[0], recipe.model)}
+    served = {name: t for part in all_gathered(stage) for name, t in part.items()}  # every pipeline stage's
     outputs = from_rank0(server_greedy(url) if rank == 0 else None)
     batch = continuations_batch(outputs, steps, vocab)
     packed = trainer.forward_backward.logprobs(batch)
@@ -121,7 +124,8 @@ def push_check(root: Path, layout: dict, *, gpu: int | None, serving: str) -> di
     a, b = (tiny_hf_checkpoint(root / name, model, seed=seed) for seed, name in enumerate("ab", 1))
     recipe = tiny_recipe(**layout, hf=b)
     world = recipe.parallelism.tp * recipe.parallelism.pp * layout.get("dp", 1)
-    config = WeightSyncConfig(bucket_mib=BUCKET_MIB, serving_dtype=getattr(torch, serving), timeout_s=120)
+    config = WeightSyncConfig(bucket_mib=BUCKET_MIB, serving_dtype=getattr(torch, serving), timeout_s=120,
+                              checksum_every=1)
     server = start_generator(a, root, gpu=gpu, dtype=serving)
     try:
         server.wait_ready(SERVER_READY_S)
