@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megatron_scalerl.platform import run_local_workers
+from megatron_scalerl.platform.local_workers import WorkerError
 from megatron_scalerl.weight_sync.sender import WeightSyncConfig
 from tests.trainer_utils import FP32, tiny_hf_checkpoint, tiny_recipe
 from tests.weight_sync_utils import (
@@ -25,6 +26,7 @@ from tests.weight_sync_utils import (
     server_greedy,
     start_server,
     wait_all_ready,
+    weight_version,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -44,11 +46,17 @@ def synced(tmp_path_factory):
         config = WeightSyncConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=TIMEOUT_S, checksum_every=1)
         tp2pp2 = tiny_recipe("tiny_dense", tp=2, pp=2, hf=b, extra=FP32)
         urls = [s.url for s in servers]
-        four = run_local_workers(push_and_read, 4, [(tp2pp2, 7, False)], urls, replace(config, staging="off"),
+        four = run_local_workers(push_and_read, 4, [(tp2pp2, 7, None)], urls, replace(config, staging="off"),
                                  timeout_s=400)
-        per_rank = run_local_workers(push_and_read, 2, [(tp2, 1, False), (pp2, 2, False), (tp2, 3, True)],
+        per_rank = run_local_workers(push_and_read, 2, [(tp2, 1, None), (pp2, 2, None), (tp2, 3, "server")],
                                      urls, config, servers[1].process.pid, timeout_s=400)
-        yield {"dirs": (a, b, c), "servers": servers, "before": before, "ranks": per_rank, "four": four}
+        # a sender dies mid-sync (staged): the server must go on serving C, unpaused; a new trainer then syncs it
+        with pytest.raises(WorkerError, match="worker rank (1 died|0 of 2 failed)"):  # whichever is seen first
+            run_local_workers(push_and_read, 2, [(tp2, 4, "sender")], urls[:1], config, timeout_s=400)
+        after_death = {"version": weight_version(urls[0]), "outputs": server_greedy(urls[0])}
+        healed = run_local_workers(push_and_read, 2, [(tp2, 5, None)], urls[:1], config, timeout_s=400)
+        yield {"dirs": (a, b, c), "servers": servers, "before": before, "ranks": per_rank, "four": four,
+               "after_death": after_death, "healed": healed}
     finally:
         for server in servers:
             server.stop()
@@ -102,3 +110,14 @@ def test_dead_server_fails_sync_on_every_rank_within_timeout(synced):
         assert dead in result["error"] and re.search(r"sending bucket [2-9]", result["error"]), result["error"]
         assert "does not answer /health" in result["error"], result["error"]
         assert result["seconds"] < 2 * TIMEOUT_S + 10
+
+
+def test_a_sender_killed_mid_sync_leaves_the_server_whole_and_a_new_trainer_syncs_it(synced):
+    """Staged: the server never loaded anything of the dead sync (it serves C, version 2, as before it); the next
+    trainer's senders form their groups with it again and update it."""
+    _, b, c = synced["dirs"]
+    assert synced["after_death"]["version"] == "2"
+    assert_matches(synced["after_death"]["outputs"], hf_greedy(c), "after a sender died mid-sync")
+    result = synced["healed"][0][0]
+    assert result["error"] is None and result["versions"] == ["5"]
+    assert_matches(result["outputs"][0], hf_greedy(b), "after the next trainer's push")

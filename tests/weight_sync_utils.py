@@ -99,10 +99,11 @@ def weight_version(url: str) -> str:
 
 
 def sync_scenario(rank: int, recipe, urls: list[str], config, version: int, kill_pid: int | None = None,
-                  kill_after_bucket: int = 1) -> dict:
+                  kill_after_bucket: int = 1, die: bool = False) -> dict:
     """On every trainer rank: build the real trainer from `recipe`, connect every rank to the servers (each sending
     rank forms its group), push the weights. With `kill_pid`, rank 0 SIGKILLs that server's process group once its
-    bucket `kill_after_bucket` left.
+    bucket `kill_after_bucket` left; with `die`, trainer rank 1 SIGKILLs itself once its bucket `kill_after_bucket`
+    left (a sender dying mid-sync).
     Returns {"stats", "error", "seconds"} (the WeightSyncError's message, if any)."""
     import os
     import signal
@@ -115,6 +116,8 @@ def sync_scenario(rank: int, recipe, urls: list[str], config, version: int, kill
     def kill(bucket):
         if kill_pid is not None and rank == 0 and bucket.index == kill_after_bucket:
             os.killpg(kill_pid, signal.SIGKILL)
+        if die and rank == 1 and bucket.index == kill_after_bucket:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     model, _ = build_model_and_optimizer(recipe)
     sender = WeightSender(urls, config, sends=sends_weights()).connect()
@@ -131,11 +134,12 @@ def sync_scenario(rank: int, recipe, urls: list[str], config, version: int, kill
 
 def push_and_read(rank: int, pushes: list, urls: list[str], config, kill_pid: int | None = None) -> list[dict]:
     """`run_local_workers` entry. On every trainer rank, each push `(recipe, weight version, kill)` in turn
-    (`sync_scenario`; `kill`: SIGKILL server `kill_pid` during it); after each successful push rank 0 also reads
+    (`sync_scenario`; `kill`: "server" SIGKILLs server `kill_pid` during it, "sender" trainer rank 1); after each successful push rank 0 also reads
     every server's weight version (`versions`) and greedy outputs (`outputs`), in `urls` order."""
     results = []
     for recipe, version, kill in pushes:
-        result = sync_scenario(rank, recipe, urls, config, version, kill_pid=kill_pid if kill else None)
+        result = sync_scenario(rank, recipe, urls, config, version, kill_pid=kill_pid if kill == "server" else None,
+                               die=kill == "sender")
         if rank == 0 and result["error"] is None:
             result["versions"] = [weight_version(url) for url in urls]
             result["outputs"] = [server_greedy(url) for url in urls]

@@ -35,7 +35,7 @@ import secrets
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -96,6 +96,17 @@ class SyncStats:
     checksums_verified: int  # slices x server workers compared (0 when not due)
 
 
+@dataclass
+class Update:
+    """Rank 0's record of one sync attempt: `staged`; `paused_s` (the servers paused, s: -start until it ends);
+    `receiving` (the servers' unstaged `/update_weights` calls in flight); `verified` (checksums compared)."""
+
+    staged: bool
+    paused_s: float = 0.0
+    receiving: dict = field(default_factory=dict)
+    verified: int = 0
+
+
 class WeightSender:
     """One trainer rank's end of weight sync (every rank has one; see the module docstring). `urls`: the servers
     (read on rank 0); `sends`: this rank sends weights (`models.weights.sends_weights()`)."""
@@ -105,8 +116,8 @@ class WeightSender:
         self.config = config
         self.sends = sends
         self.rank = trainer_rank()
-        rank = self.rank
-        self.control = FleetControl(urls, timeout_s=config.timeout_s, api_key=config.api_key) if rank == 0 else None
+        self.control = (FleetControl(urls, timeout_s=config.timeout_s, api_key=config.api_key) if self.rank == 0
+                        else None)
         self.urls = self.control.urls if self.control else list(urls)
         self.master_address = master_address or local_address_towards(
             urllib.parse.urlsplit(self.urls[0]).hostname or "127.0.0.1")
@@ -118,9 +129,11 @@ class WeightSender:
 
     def _transport(self) -> WeightTransport:
         name = self.config.resolved_transport()
-        if name == "disk" and not self.config.disk_dir:
+        if name != "disk":
+            return make_transport(name)
+        if not self.config.disk_dir:
             raise ValueError("weight_sync.transport: disk needs a shared folder (WeightSyncConfig.disk_dir)")
-        return make_transport(name, directory=Path(self.config.disk_dir or ".") / f"sender-{self.rank}")
+        return make_transport(name, directory=Path(self.config.disk_dir) / f"sender-{self.rank}")
 
     def _agree(self, error: str | None, what: str) -> None:
         """Collective: raise WeightSyncError on every rank if any rank had an `error`."""
@@ -177,7 +190,8 @@ class WeightSender:
         """Collective: one full update of every server, tagged policy version `weight_version`, from every rank's
         `pieces` ((name, whole tensor) pairs or slices with `Piece`'s fields; any dtype: each is cast to its wire
         dtype as its bucket is packed: `protocol.wire_dtype`, `tied` for a model whose LM head is its embedding).
-        `progress(bucket)` is called on a sender after each of its buckets left. Returns the stats on rank 0, None elsewhere."""
+        `progress(bucket)` is called on a sender after each of its buckets left. Returns the stats on rank 0 (over
+        both attempts when checksums disagreed once), None elsewhere."""
         if self.failed is not None:
             raise WeightSyncError(f"weight sender unusable after an earlier failure: {self.failed}")
         if not self.senders:
@@ -188,10 +202,13 @@ class WeightSender:
         def dtype_of(name: str) -> torch.dtype:
             return wire_dtype(name, config.serving_dtype, config.fp32_lm_head, tied=tied)
 
+        first = None
         for attempt in (1, 2):
             stats, resend = self._sync(pieces, weight_version, dtype_of, progress)
             if not resend:
-                return stats
+                return stats if first is None or stats is None else replace(
+                    stats, seconds=first.seconds + stats.seconds, paused_s=first.paused_s + stats.paused_s)
+            first = stats
             if attempt == 1:
                 log.warning("weight sync of version %d: checksums disagree (%s); sending it all again",
                             weight_version, resend)
@@ -200,77 +217,94 @@ class WeightSender:
 
     def _sync(self, pieces: list[Piece], version: int, dtype_of: Callable[[str], torch.dtype],
               progress: Callable[[Bucket], None] | None) -> tuple[SyncStats | None, str | None]:
+        """One attempt (collective): the stats on rank 0 and, when checksums disagreed, what disagreed."""
         start = time.monotonic()
         self.syncs += 1
         check = self.config.checksum_every > 0 and self.syncs % self.config.checksum_every == 0
         groups = group_buckets(pieces, max(1, int(self.config.bucket_mib * MIB)), dtype_of)
-        headers = [bucket_header(i, group, dtype_of) for i, group in enumerate(groups)]
-        every = all_gathered(headers if self.sends else None)
+        every = all_gathered([bucket_header(i, g, dtype_of) for i, g in enumerate(groups)] if self.sends else None)
         plan = {"sync": f"v{version}-{secrets.token_hex(4)}", "checksums": check,
                 "senders": [every[r] for r in self.senders]}
-        total = sum(h["nbytes"] for sender in plan["senders"] for h in sender)
-        staged, paused_s, error, updates = False, 0.0, None, {}
+        total = sum(h["nbytes"] for headers in plan["senders"] for h in headers)
+        update, error = None, None
         if self.control is not None:
-            staged = self._staged(total)
-            try:
-                if staged:
-                    self.control.stage(plan)
-                else:
-                    paused_s -= time.monotonic()
-                    if self.config.pause_generation:
-                        self.control.pause()
-                    self.control.start_update()
-                    updates = self.control.submit_update({"plan": plan})
-            except WeightSyncError as exc:
-                error = str(exc)
+            update = Update(staged=self._staged(total))
+            error = self._begin(plan, update)
         plan["sync"], error = from_rank0((plan["sync"], error))
         self._agree(error if self.rank == 0 else None, f"weight sync of version {version}")
-        sent_sums: dict[str, str] = {}
+        sums: dict[str, str] = {}
         if self.sends:
-            error = self._send_buckets(groups, dtype_of, plan["sync"], check, sent_sums, progress)
-        sums = all_gathered(sent_sums if check else None)
+            error = self._send_buckets(groups, dtype_of, plan["sync"], check, sums, progress)
+        every_sum = all_gathered(sums if check else None)
         errors = [e for e in all_gathered(error) if e]
-        resend, verified, error = None, 0, None
-        if self.control is not None and errors:
-            if staged:
-                self.control.discard_staged()
-            error = "; ".join(errors) + f" [{self.control.health()}]"
-        elif self.control is not None:
-            try:
-                if updates:
-                    self.control.wait(updates, "receive")
-                if check:
-                    resend, verified = self._compare({k: v for s in sums if s for k, v in s.items()})
-                if resend and staged:
-                    self.control.discard_staged()
-                elif resend:  # unstaged: close the session untagged, still paused, and send it all again
-                    self.control.finish_update(None)
-                else:
-                    if staged:
-                        paused_s -= time.monotonic()
-                        if self.config.pause_generation:
-                            self.control.pause()
-                        self.control.start_update()
-                        self.control.wait(self.control.submit_update({"staged": True}), "apply staged")
-                    self.control.finish_update(version)
-                    if self.config.pause_generation:
-                        self.control.resume()
-                    paused_s += time.monotonic()
-            except WeightSyncError as exc:
-                error = str(exc)
-                if staged:
-                    self.control.discard_staged()
+        resend = None
+        if self.control is not None:
+            sent = {key: value for part in every_sum if part for key, value in part.items()}
+            error, resend = self._conclude(update, version, errors, sent if check else None)
         error, resend = from_rank0((error, resend))
         self._agree(error if self.rank == 0 else None, f"weight sync of version {version}")
-        if self.control is None:
+        if update is None:
             return None, resend
         return SyncStats(version, sum(len(s) for s in plan["senders"]), total, time.monotonic() - start,
-                         paused_s, staged, verified), resend
+                         update.paused_s, update.staged, update.verified), resend
+
+    def _begin(self, plan: dict, update: Update) -> str | None:
+        """Rank 0, before the senders send: hand the servers the plan, staged (they receive in the background) or
+        not (paused, inside an update session, receiving and loading as the tensors complete); the error or None."""
+        try:
+            if update.staged:
+                self.control.stage(plan)
+            else:
+                self._pause(update)
+                self.control.start_update()
+                update.receiving = self.control.submit_update({"plan": plan})
+            return None
+        except WeightSyncError as exc:
+            return str(exc)
+
+    def _conclude(self, update: Update, version: int, errors: list[str], sent: dict[str, str] | None
+                  ) -> tuple[str | None, str | None]:
+        """Rank 0, after the senders sent (`errors`: theirs; `sent`: their slices' checksums when due): wait for the
+        receive, compare checksums, load what was staged, tag `version`, resume. Returns (error, what disagreed)."""
+        try:
+            if errors:
+                raise WeightSyncError("; ".join(errors) + f" [{self.control.health()}]")
+            if update.receiving:
+                self.control.wait(update.receiving, "receive")
+            resend = None
+            if sent is not None:
+                resend, update.verified = self._compare(sent)
+            if resend and update.staged:
+                self.control.discard_staged()  # nothing of it was loaded; the servers never paused
+                return None, resend
+            if resend:  # unstaged: close the session untagged, still paused, and send it all again
+                self.control.finish_update(None)
+                update.paused_s += time.monotonic()
+                return None, resend
+            if update.staged:
+                self._pause(update)
+                self.control.start_update()
+                self.control.wait(self.control.submit_update({"staged": True}), "apply staged")
+            self.control.finish_update(version)
+            if self.config.pause_generation:
+                self.control.resume()
+            update.paused_s += time.monotonic()
+            return None, None
+        except WeightSyncError as exc:
+            if update.staged:
+                self.control.discard_staged()
+            return str(exc), None
+
+    def _pause(self, update: Update) -> None:
+        update.paused_s -= time.monotonic()
+        if self.config.pause_generation:
+            self.control.pause()
 
     def _staged(self, total_bytes: int) -> bool:
-        if self.config.staging == "on" or self.config.staging == "auto" and self.room is not None:
-            return self.config.staging == "on" or self.room >= STAGING_SLACK * total_bytes
-        return False
+        """Whether this sync is staged: `staging` on, or auto and every worker has the room for it."""
+        if self.config.staging == "auto":
+            return self.room is not None and self.room >= STAGING_SLACK * total_bytes
+        return self.config.staging == "on"
 
     def _send_buckets(self, groups: list[list[Piece]], dtype_of: Callable[[str], torch.dtype], sync: str,
                       check: bool, sums: dict[str, str], progress: Callable[[Bucket], None] | None) -> str | None:
