@@ -10,7 +10,7 @@ loads (`start_weight_update` / `finish_weight_update`); what is ours:
     endpoint: gloo, nccl or disk) at rank `rank_offset` + dp index x TP x PP + worker rank (vLLM's rank rule);
   - the plan: one JSON object per sync naming every sender's buckets (names, dtypes, slice shapes, full shapes,
     starts), so the whole sync is one control call, not one per bucket. Each sender's buckets are received by a
-    thread of their own, concurrently; the slices are assembled into whole HF tensors (`protocol.Assembler`);
+    thread of their own, concurrently (`transport.receive_plan`); the slices are assembled into whole HF tensors (`protocol.Assembler`);
   - `stage(plan)` (worker extension `scalerl_stage_weights`): receive the whole sync in the background into staging
     tensors while the server keeps generating; then `update_weights({"staged": true})`, called inside the update
     session while the server is paused, only loads them. `update_weights({"plan": plan})` instead receives and
@@ -24,7 +24,6 @@ loads (`start_weight_update` / `finish_weight_update`); what is ours:
 
 from __future__ import annotations
 
-import queue
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +33,8 @@ from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, Weight
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-from megatron_scalerl.weight_sync.protocol import Assembler, checksum, describe_header, slice_key, unpack
-from megatron_scalerl.weight_sync.transport import WeightTransport, make_transport
+from megatron_scalerl.weight_sync.protocol import Assembler, checksum, slice_key, unpack
+from megatron_scalerl.weight_sync.transport import WeightTransport, make_transport, receive_plan
 
 
 @dataclass(kw_only=True)
@@ -168,42 +167,10 @@ class ScaleRLWeightTransferEngine(NCCLWeightTransferEngine):
 
     # ---- receiving ---------------------------------------------------------------------------------------------
 
-    def _received(self, plan: dict):
-        """(header, packed bytes) of every bucket of `plan`, each sender's in a thread of its own, in arrival order;
-        a failed receive raises naming the sender and the bucket."""
-        if len(plan["senders"]) != len(self.transports):
-            raise RuntimeError(f"weight sync {plan['sync']}: the plan has {len(plan['senders'])} senders, this "
-                               f"worker joined {len(self.transports)} groups (call /init_weight_transfer_engine)")
-        arrived: queue.Queue = queue.Queue()
-
-        def receive(sender: int, headers: list[dict]) -> None:
-            header = None
-            try:
-                for header in headers:
-                    arrived.put((header, self.transports[sender].receive(header, plan["sync"])))
-                arrived.put(None)
-            except BaseException as exc:
-                what = describe_header(header) if header else "its buckets"
-                arrived.put(RuntimeError(f"weight transfer rank {self.rank}: receiving {what} from trainer sender "
-                                         f"{sender} failed (timeout {self.timeout_s:g} s): {exc}"))
-
-        for sender, headers in enumerate(plan["senders"]):
-            threading.Thread(target=receive, args=(sender, headers), daemon=True,
-                             name=f"scalerl-weights-{sender}").start()
-        running = len(plan["senders"])
-        while running:
-            item = arrived.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-
     def _receive(self, plan: dict, checksums: dict[str, str]):
         """Whole HF tensors of `plan` as they complete (recording slice checksums when the plan asks)."""
         assembler = Assembler()
-        for header, packed in self._received(plan):
+        for header, packed in receive_plan(self.transports, plan, rank=self.rank, timeout_s=self.timeout_s):
             if plan.get("checksums"):
                 dtypes = [getattr(torch, n) for n in header["dtype_names"]]
                 for (name, piece), start in zip(unpack(packed, header["names"], header["shapes"], dtypes),

@@ -27,10 +27,13 @@ from __future__ import annotations
 import base64
 import ctypes
 import json
+import queue
 import secrets
 import shutil
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
@@ -231,6 +234,41 @@ class DiskTransport:
         if self.current:
             self._remove_syncs()
             self.current = ""
+
+
+def receive_plan(transports: list[WeightTransport], plan: dict, *, rank: int, timeout_s: float
+                 ) -> Iterator[tuple[dict, Tensor]]:
+    """A receiver's loop over one sync: (header, packed bytes) of every bucket of `plan` (its "senders": one list
+    of bucket headers per sender, in the order of `transports`), each sender's received by a thread of its own,
+    concurrently, yielded in arrival order. A failed receive raises RuntimeError naming this receiver's `rank`, the
+    sender and the bucket (`timeout_s`: the transports' receive timeout, for the message)."""
+    if len(plan["senders"]) != len(transports):
+        raise RuntimeError(f"weight sync {plan['sync']}: the plan has {len(plan['senders'])} senders, receiver rank "
+                           f"{rank} joined {len(transports)} groups (call /init_weight_transfer_engine)")
+    arrived: queue.Queue = queue.Queue()
+
+    def receive(sender: int, headers: list[dict]) -> None:
+        header = None
+        try:
+            for header in headers:
+                arrived.put((header, transports[sender].receive(header, plan["sync"])))
+            arrived.put(None)
+        except BaseException as exc:  # handed to the consuming thread, which raises it
+            what = describe_header(header) if header else "its buckets"
+            arrived.put(RuntimeError(f"weight transfer rank {rank}: receiving {what} from trainer sender {sender} "
+                                     f"failed (timeout {timeout_s:g} s): {exc}"))
+
+    for sender, headers in enumerate(plan["senders"]):
+        threading.Thread(target=receive, args=(sender, headers), daemon=True, name=f"scalerl-weights-{sender}").start()
+    running = len(plan["senders"])
+    while running:
+        item = arrived.get()
+        if item is None:
+            running -= 1
+        elif isinstance(item, BaseException):
+            raise item
+        else:
+            yield item
 
 
 def make_transport(name: str, *, directory: str | Path | None = None) -> WeightTransport:
