@@ -75,16 +75,23 @@ def test_train_step_bench():
     assert positive(figures["results"]["tiny_qwen3"]["TP1"]["vs_first_of_kind"])
 
 
-def test_weight_sync_bench():
-    figures = run_bench("weight_sync.py", *TINY_MODEL, "--buckets", "1", "--repeats", "1")
-    assert figures["tp"] == 2 and positive(figures["wire_mib"])
-    assert positive(figures["ratio_flat_over_sync_1_MiB"]) and positive(figures["ratio_fresh_over_sync_1_MiB"])
+@pytest.mark.parametrize("layout, tp_pp", [(("--tp", "2"), (2, 1)), (("--pp", "2"), (1, 2))], ids=["tp2", "pp2"])
+def test_weight_sync_bench(layout, tp_pp):
+    figures = run_bench("weight_sync.py", *TINY_MODEL, *layout, "--buckets", "1", "--repeats", "1")
+    assert (figures["tp"], figures["pp"]) == tp_pp and positive(figures["wire_mib"])
+    for key in ("ratio_flat_over_sync_1_MiB", "ratio_fresh_over_sync_1_MiB", "ceiling_sync_1_MiB"):
+        assert positive(figures[key]), key
+    assert positive(figures["core_seconds"]["sync 1 MiB"]["senders"])
+    assert positive(figures["core_seconds"]["sync 1 MiB"]["receivers"])
 
 
 def test_weight_sync_vs_disk_bench():
     figures = run_bench("weight_sync_vs_disk.py", *TINY_MODEL, "--buckets", "1", "--repeats", "1")
-    assert set(figures["results"]) == {"live 1 MiB", "disk round trip"}
-    assert all(positive(r["seconds"]) for r in figures["results"].values())
+    results = figures["results"]
+    assert set(results) == {"live 1 MiB, staging auto", "live 1 MiB, staging off", "disk transport 1 MiB",
+                            "disk round trip"}
+    assert all(positive(r["seconds"]) and positive(r["paused_s"]) for r in results.values())
+    assert results["live 1 MiB, staging off"]["staged"] is False and results["disk round trip"]["staged"] is False
 
 
 @pytest.mark.parametrize("model", [(), ("--preset", "tiny_qwen3_moe")], ids=["dense", "tiny_qwen3_moe"])

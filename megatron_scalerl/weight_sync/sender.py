@@ -360,5 +360,8 @@ def push_weights(model_chunks: list, model_cfg, config: WeightSyncConfig, sender
     if len(model_chunks) != 1:
         raise ValueError(f"weight sync supports one model chunk per rank, got {len(model_chunks)} "
                          "(virtual pipeline stages are not supported)")
+    if config != sender.config:  # the sender's groups, transport and staging were set up for its own
+        raise ValueError(f"push_weights: config {config} is not the sender's {sender.config}: connect a sender "
+                         "with it")
     pieces = list(export_hf_slices(model_chunks[0], model_cfg)) if sender.sends else []
     return sender.send(pieces, weight_version, progress, tied=model_cfg.tie_word_embeddings)
