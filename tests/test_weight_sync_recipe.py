@@ -17,7 +17,6 @@ from megatron_scalerl.launch.weight_sync_checks import (
     generator_free_bytes,
     host_available_bytes,
     staging_bytes,
-    staging_fits,
 )
 from megatron_scalerl.models.memory_plan import param_counts
 from megatron_scalerl.recipe import load_recipe, load_run_recipe
@@ -90,7 +89,6 @@ def test_staging_that_does_not_fit_is_refused_naming_the_sizes():
     assert message.endswith("(use auto or off)")
     check_weight_sync(recipe, cuda=False, free_bytes_per_worker=need)  # fits exactly
     check_weight_sync(recipe, cuda=False, free_bytes_per_worker=None)  # unknown: no refusal
-    assert staging_fits(recipe, need, cuda=False) and not staging_fits(recipe, need - 1, cuda=False)
 
 
 @pytest.mark.parametrize("transport", ["auto", "gloo", "disk"])

@@ -161,8 +161,8 @@ class ScaleRLWeightTransferEngine(NCCLWeightTransferEngine):
             except Exception as exc:
                 self.shutdown()
                 raise RuntimeError(f"weight transfer rank {self.rank}: could not join trainer sender {sender}'s "
-                                   f"{endpoint['transport']} group ({_where(endpoint)}) within "
-                                   f"{self.timeout_s:g} s: {exc}") from exc
+                                   f"{endpoint['transport']} group ({_where(endpoint)}; timeout "
+                                   f"{self.timeout_s:g} s): {type(exc).__name__}: {exc}") from exc
             self.transports.append(transport)
 
     # ---- receiving ---------------------------------------------------------------------------------------------
@@ -171,6 +171,8 @@ class ScaleRLWeightTransferEngine(NCCLWeightTransferEngine):
         """Whole HF tensors of `plan` as they complete (recording slice checksums when the plan asks)."""
         assembler = Assembler()
         for header, packed in receive_plan(self.transports, plan, rank=self.rank, timeout_s=self.timeout_s):
+            if packed.is_cuda:  # received on the transport's stream, read on this thread's: not reused under it
+                packed.record_stream(torch.cuda.current_stream(packed.device))
             if plan.get("checksums"):
                 dtypes = [getattr(torch, n) for n in header["dtype_names"]]
                 for (name, piece), start in zip(unpack(packed, header["names"], header["shapes"], dtypes),
@@ -187,6 +189,8 @@ class ScaleRLWeightTransferEngine(NCCLWeightTransferEngine):
         def run() -> None:
             try:
                 staging.tensors = list(self._receive(plan, staging.checksums))  # views into the received buckets
+                if torch.cuda.is_available():  # the assembling copies, queued on this thread's stream, are done
+                    torch.cuda.current_stream().synchronize()
             except BaseException as exc:
                 staging.error = exc
 
@@ -205,7 +209,11 @@ class ScaleRLWeightTransferEngine(NCCLWeightTransferEngine):
         self.staging = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
+        """The base class's, whose closing `torch.accelerator.synchronize()` raises without an accelerator: on CPUs
+        a load is complete when it returns, on GPUs the device is synchronised."""
         self.receive_weights(self.parse_update_info(update_info))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
 
     def receive_weights(self, update_info: ScaleRLWeightTransferUpdateInfo) -> None:  # type: ignore[override]
         if update_info.staged:
@@ -240,15 +248,6 @@ class ScaleRLWeightTransferEngine(NCCLWeightTransferEngine):
         for transport in self.transports:
             transport.close()
         self.transports = []
-
-
-def available_host_bytes() -> int:
-    """The host's available memory (bytes, /proc/meminfo MemAvailable)."""
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable")
 
 
 def _where(endpoint: dict) -> str:

@@ -8,7 +8,7 @@ class below into its worker; its methods are reached through `POST /collective_r
     scalerl_fp32_lm_head()       keep the LM head in FP32 (weights and logits) under a bf16/fp16 body, a tied one as
                                  an FP32 copy of the embedding; its checksum
     scalerl_staging_room()       bytes this worker can give to staging a sync (free device memory; on CPUs the
-                                 host's available memory shared among the node's workers)
+                                 host's available memory divided among this server's workers)
     scalerl_stage_weights(plan)  receive (plan: JSON) a sync in the background while generating (`weight_receiver`)
     scalerl_close_update()       close an update session a dead trainer left open (called at every connect)
     scalerl_discard_staged()     drop a staged sync (its checksums disagreed, or a sender failed)
@@ -33,11 +33,11 @@ from megatron_scalerl.inference.expert_permutation import permute_experts
 from megatron_scalerl.inference.fp32_head import make_lm_head_fp32
 from megatron_scalerl.inference.weight_receiver import (
     ScaleRLWeightTransferEngine,
-    available_host_bytes,
     cpu_moe_layers,
     repack_cpu_tied_head,
 )
 from megatron_scalerl.inference.worker_routes import RouteCapture
+from megatron_scalerl.weight_sync.protocol import host_available_bytes
 
 # Servers get `{"backend": "scalerl"}` (`vllm_server.WEIGHT_TRANSFER_BACKEND`); "gloo" is the name it had before.
 for _name in ("scalerl", "gloo"):
@@ -72,7 +72,7 @@ class ScaleRLWorkerExtension:
         strings.)"""
         if torch.cuda.is_available():
             return {"bytes": int(torch.cuda.mem_get_info()[0])}
-        return {"bytes": available_host_bytes() // max(1, self.vllm_config.parallel_config.world_size)}
+        return {"bytes": (host_available_bytes() or 0) // max(1, self.vllm_config.parallel_config.world_size)}
 
     def scalerl_stage_weights(self, plan: str) -> None:
         """Receive the sync `plan` (JSON: `/collective_rpc` passes strings) describes in the background, into

@@ -4,7 +4,6 @@ hosts and in `scalerl recipe show`).
 
     check_weight_sync(recipe, *, cuda, free_bytes_per_worker)   the refusals (UserError)
     staging_bytes(recipe, *, cuda)              one copy of the weights as a generator holds them (bytes)
-    staging_fits(recipe, free_bytes, *, cuda)   whether that copy fits beside a generator: what `staging: auto` asks
     generator_free_bytes(*, cuda, generators_here, generator_tp)   a generator worker's memory beside what it serves
 
 Both launchers call them: `launch/local.py` (`scalerl train`) with this machine's memory, and the SLURM job's
@@ -21,6 +20,7 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.models.memory_plan import GIB, VLLM_GPU_MEMORY_UTILIZATION, param_counts
 from megatron_scalerl.platform.precision import serving_dtype
 from megatron_scalerl.recipe import Recipe
+from megatron_scalerl.weight_sync.protocol import host_available_bytes
 
 MEMINFO = Path("/proc/meminfo")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -37,32 +37,12 @@ def staging_bytes(recipe: Recipe, *, cuda: bool) -> int:
     return (counts.total - counts.output) * serve + counts.output * head
 
 
-def staging_fits(recipe: Recipe, free_bytes: int, *, cuda: bool) -> bool:
-    """Whether one copy of the weights (`staging_bytes`) fits in `free_bytes`, the memory a generator has beside
-    what it serves with (`generator_free_bytes`): what `weight_sync.staging: auto` turns staging on by."""
-    return staging_bytes(recipe, cuda=cuda) <= free_bytes
-
-
 def staging_refusal(need_bytes: int, free_bytes: int, where: str = "this node") -> str:
     """The refusal of `weight_sync.staging: on` that does not fit (`need_bytes` > `free_bytes`, both bytes per
     generator worker), naming the key, both sizes in GiB and the way out; `where`: the node measured."""
     return (f"weight_sync.staging: on needs one copy of the model's weights beside each generator worker, "
             f"{need_bytes / GIB:.2f} GiB, and a generator worker on {where} has {free_bytes / GIB:.2f} GiB free beside what "
             "it serves with (use auto or off)")
-
-
-def host_available_bytes(meminfo: Path | None = None) -> int | None:
-    """This host's available memory, MemAvailable of `meminfo` (default /proc/meminfo; bytes); None where it cannot
-    be read."""
-    try:
-        text = (meminfo or MEMINFO).read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key == "MemAvailable" and value.split():
-            return int(value.split()[0]) * 1024  # kB
-    return None
 
 
 def generator_free_bytes(*, cuda: bool, generators_here: int, generator_tp: int) -> int | None:
@@ -79,7 +59,7 @@ def generator_free_bytes(*, cuda: bool, generators_here: int, generator_tp: int)
             return None
         smallest = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
         return int(smallest * (1 - VLLM_GPU_MEMORY_UTILIZATION))
-    available = host_available_bytes()
+    available = host_available_bytes(MEMINFO)
     return None if available is None else available // max(generators_here * generator_tp, 1)
 
 

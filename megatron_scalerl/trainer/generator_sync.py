@@ -62,6 +62,7 @@ class GeneratorLink:
         self.is_rank0 = is_rank0
         self.sender: WeightSender | None = None
         self.sent_version = NO_VERSION  # the version the sender's last push delivered to all its servers
+        self.syncs = 0  # syncs attempted by the senders closed so far (`WeightSender.syncs`)
 
     @classmethod
     def from_run_dir(cls, run_dir: str | Path, recipe: Recipe, *, is_rank0: bool) -> GeneratorLink | None:
@@ -102,7 +103,7 @@ class GeneratorLink:
         """Collective: (re)form the senders' groups with the servers `live`; returns an error message or None."""
         self._close()
         try:
-            self.sender = WeightSender(live, self.config, sends=sends_weights()).connect()
+            self.sender = WeightSender(live, self.config, sends=sends_weights(), syncs=self.syncs).connect()
             return None
         except (WeightSyncError, ServerError) as exc:
             self._close()
@@ -110,6 +111,7 @@ class GeneratorLink:
 
     def _close(self) -> None:
         if self.sender is not None:
+            self.syncs = self.sender.syncs  # the checksum cadence goes on across reconnects
             self.sender.close()
             self.sender = None
 

@@ -2,7 +2,7 @@
 
     control = FleetControl(["http://gen0:8000"], timeout_s=120, api_key=key)
     control.world_sizes()                      # each server's worker count (TP x PP x DP)
-    control.connect(endpoints, world)          # every worker joins every sender's group (in a background thread)
+    control.submit_connect(endpoints, sizes, t)  # every worker joins every sender's group (in the background)
     control.stage(plan)                        # workers receive the sync in the background, still generating
     control.pause(); control.start_update(); control.submit_update({"staged": True}); control.finish_update(v)
 

@@ -21,6 +21,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -239,7 +240,7 @@ class Assembler:
 
 
 def rank_offsets(world_sizes: list[int]) -> tuple[list[int], int]:
-    """Ranks of the broadcast group: trainer rank 0 is rank 0, server i's workers follow the servers before it.
+    """Ranks of a sender's group: the sender is rank 0, server i's workers follow the servers before it.
 
     `world_sizes[i]`: server i's worker count (TP x PP x DP). Returns (rank offset of each server, group size);
     a worker's rank is its server's offset + its global worker rank (vLLM's rule: dp index x TP x PP + worker rank).
@@ -249,6 +250,20 @@ def rank_offsets(world_sizes: list[int]) -> tuple[list[int], int]:
         offsets.append(next_rank)
         next_rank += size
     return offsets, next_rank
+
+
+def host_available_bytes(meminfo: Path | None = None) -> int | None:
+    """This host's available memory, MemAvailable of `meminfo` (default /proc/meminfo; bytes), what staging a sync
+    in host memory can take; None where it cannot be read."""
+    try:
+        text = (meminfo or Path("/proc/meminfo")).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key == "MemAvailable" and value.split():
+            return int(value.split()[0]) * 1024  # kB
+    return None
 
 
 def local_address_towards(host: str) -> str:

@@ -18,8 +18,9 @@ One sync (`WeightSender.send`, collective over the trainer's ranks):
      background into staging tensors and go on generating) or not (pause(keep), `/start_weight_update`, one
      `/update_weights` with the plan: the workers receive and load as the tensors complete);
   3. every sender sends its buckets, concurrently with the others;
-  4. rank 0: checksums when due (every `checksum_every`-th sync: each received slice's against its sender's; a
-     mismatch is logged and the whole sync sent again, once); staged: pause(keep), `/start_weight_update`,
+  4. rank 0: staged, waits until every worker has received it all (`scalerl_weight_checksums` answers then);
+     checksums when due (every `checksum_every`-th sync: each received slice's against its sender's; a mismatch is
+     logged and the whole sync sent again, once); staged: pause(keep), `/start_weight_update`,
      `/update_weights {"staged": true}` (loads only), then for both `/finish_weight_update` with the policy version,
      `/reset_prefix_cache` (running requests recompute their KV), `/resume`.
 Running requests freeze at the pause and continue on the new weights (PipelineRL's in-flight update). A failed
@@ -112,18 +113,17 @@ class WeightSender:
     (read on rank 0); `sends`: this rank sends weights (`models.weights.sends_weights()`)."""
 
     def __init__(self, urls: list[str], config: WeightSyncConfig, *, sends: bool = True,
-                 master_address: str | None = None):
+                 master_address: str | None = None, syncs: int = 0):
         self.config = config
         self.sends = sends
         self.rank = trainer_rank()
         self.control = (FleetControl(urls, timeout_s=config.timeout_s, api_key=config.api_key) if self.rank == 0
                         else None)
         self.urls = self.control.urls if self.control else list(urls)
-        self.master_address = master_address or local_address_towards(
-            urllib.parse.urlsplit(self.urls[0]).hostname or "127.0.0.1")
+        self.master_address = master_address
         self.transport: WeightTransport | None = None
         self.senders: list[int] = []  # trainer ranks that send, in group order
-        self.syncs = 0
+        self.syncs = syncs  # syncs attempted, the checksum cadence's count (carried over reconnects by the caller)
         self.room: int | None = None  # the fewest bytes a worker can stage in (rank 0)
         self.failed: str | None = None
 
@@ -135,7 +135,7 @@ class WeightSender:
             raise ValueError("weight_sync.transport: disk needs a shared folder (WeightSyncConfig.disk_dir)")
         return make_transport(name, directory=Path(self.config.disk_dir) / f"sender-{self.rank}")
 
-    def _agree(self, error: str | None, what: str) -> None:
+    def agree(self, error: str | None, what: str) -> None:
         """Collective: raise WeightSyncError on every rank if any rank had an `error`."""
         errors = [e for e in all_gathered(error) if e]
         if errors:
@@ -144,16 +144,26 @@ class WeightSender:
 
     def connect(self) -> WeightSender:
         """Collective: every sender opens its group, every server worker joins all of them (the LM heads made FP32
-        first if asked)."""
+        first if asked). On failure everything opened is closed again before the error is raised."""
+        try:
+            self._connect()
+        except WeightSyncError:
+            self.close()
+            raise
+        return self
+
+    def _connect(self) -> None:
         error, endpoint = None, None
         if self.sends:
             try:
                 self.transport = self._transport()
-                endpoint = self.transport.listen(self.master_address)
+                address = self.master_address or local_address_towards(
+                    urllib.parse.urlsplit(self.urls[0]).hostname or "127.0.0.1")
+                endpoint = self.transport.listen(address)
             except (OSError, RuntimeError, ValueError) as exc:
                 error = f"trainer rank {self.rank}: {exc}"
         endpoints = all_gathered(endpoint)
-        self._agree(error, "weight sync connect")
+        self.agree(error, "weight sync connect")
         self.senders = [r for r, e in enumerate(endpoints) if e is not None]
         world = None
         if self.control is not None:
@@ -163,10 +173,10 @@ class WeightSender:
                     self.control.rpc("FP32 LM head", "scalerl_fp32_lm_head")
                 joins = self.control.submit_connect([e for e in endpoints if e], sizes, self.config.timeout_s)
                 world = 1 + sum(sizes)
-            except WeightSyncError as exc:
-                error = str(exc)
+            except Exception as exc:
+                error = _message(exc)
         error, world = from_rank0((error, world))
-        self._agree(error if self.rank == 0 else None, "weight sync connect")
+        self.agree(error if self.rank == 0 else None, "weight sync connect")
         if self.sends:
             try:
                 self.transport.open(world, self.config.timeout_s)
@@ -178,10 +188,9 @@ class WeightSender:
                 self.control.close_open_updates()
                 if self.config.staging != "off":
                     self.room = self.control.staging_room()
-            except WeightSyncError as exc:
-                error = str(exc)
-        self._agree(error, "weight sync connect")
-        return self
+            except Exception as exc:
+                error = _message(exc)
+        self.agree(error, "weight sync connect")
 
     # ---- one sync -----------------------------------------------------------------------------------------------
 
@@ -231,7 +240,7 @@ class WeightSender:
             update = Update(staged=self._staged(total))
             error = self._begin(plan, update)
         plan["sync"], error = from_rank0((plan["sync"], error))
-        self._agree(error if self.rank == 0 else None, f"weight sync of version {version}")
+        self.agree(error if self.rank == 0 else None, f"weight sync of version {version}")
         sums: dict[str, str] = {}
         if self.sends:
             error = self._send_buckets(groups, dtype_of, plan["sync"], check, sums, progress)
@@ -242,7 +251,7 @@ class WeightSender:
             sent = {key: value for part in every_sum if part for key, value in part.items()}
             error, resend = self._conclude(update, version, errors, sent if check else None)
         error, resend = from_rank0((error, resend))
-        self._agree(error if self.rank == 0 else None, f"weight sync of version {version}")
+        self.agree(error if self.rank == 0 else None, f"weight sync of version {version}")
         if update is None:
             return None, resend
         return SyncStats(version, sum(len(s) for s in plan["senders"]), total, time.monotonic() - start,
@@ -259,8 +268,8 @@ class WeightSender:
                 self.control.start_update()
                 update.receiving = self.control.submit_update({"plan": plan})
             return None
-        except WeightSyncError as exc:
-            return str(exc)
+        except Exception as exc:  # whatever it is, the other ranks must hear of it rather than wait
+            return _message(exc)
 
     def _conclude(self, update: Update, version: int, errors: list[str], sent: dict[str, str] | None
                   ) -> tuple[str | None, str | None]:
@@ -271,9 +280,11 @@ class WeightSender:
                 raise WeightSyncError("; ".join(errors) + f" [{self.control.health()}]")
             if update.receiving:
                 self.control.wait(update.receiving, "receive")
+            # staged: wait until every worker has it all (its checksums answer then), before pausing anything
+            received = self.control.checksums() if update.staged or sent is not None else None
             resend = None
             if sent is not None:
-                resend, update.verified = self._compare(sent)
+                resend, update.verified = self._compare(sent, received)
             if resend and update.staged:
                 self.control.discard_staged()  # nothing of it was loaded; the servers never paused
                 return None, resend
@@ -290,10 +301,10 @@ class WeightSender:
                 self.control.resume()
             update.paused_s += time.monotonic()
             return None, None
-        except WeightSyncError as exc:
+        except Exception as exc:  # whatever it is, the other ranks must hear of it rather than wait
             if update.staged:
                 self.control.discard_staged()
-            return str(exc), None
+            return _message(exc), None
 
     def _pause(self, update: Update) -> None:
         update.paused_s -= time.monotonic()
@@ -325,10 +336,11 @@ class WeightSender:
             what = bucket.describe() if bucket is not None else "its buckets"
             return f"trainer rank {self.rank} sending {what}: {type(exc).__name__}: {exc}"
 
-    def _compare(self, sent: dict[str, str]) -> tuple[str | None, int]:
-        """(a description of the mismatches or None, slices x workers compared)."""
+    def _compare(self, sent: dict[str, str], received: list[list[dict[str, str]]]) -> tuple[str | None, int]:
+        """(a description of the mismatches or None, slices x workers compared); `received`: per server, per worker,
+        its slices' checksums."""
         problems, verified = [], 0
-        for url, workers in zip(self.control.urls, self.control.checksums(), strict=True):
+        for url, workers in zip(self.control.urls, received, strict=True):
             for worker, received in enumerate(workers):
                 for key, expected in sent.items():
                     got = received.get(key)
@@ -363,5 +375,15 @@ def push_weights(model_chunks: list, model_cfg, config: WeightSyncConfig, sender
     if config != sender.config:  # the sender's groups, transport and staging were set up for its own
         raise ValueError(f"push_weights: config {config} is not the sender's {sender.config}: connect a sender "
                          "with it")
-    pieces = list(export_hf_slices(model_chunks[0], model_cfg)) if sender.sends else []
+    pieces, error = [], None
+    if sender.sends:
+        try:
+            pieces = list(export_hf_slices(model_chunks[0], model_cfg))
+        except Exception as exc:  # every rank must hear of it rather than wait in the sync's first collective
+            error = f"trainer rank {sender.rank}: exporting its slices: {_message(exc)}"
+    sender.agree(error, f"weight sync of version {weight_version}")
     return sender.send(pieces, weight_version, progress, tied=model_cfg.tie_word_embeddings)
+
+
+def _message(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, WeightSyncError) else f"{type(exc).__name__}: {exc}"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import itertools
 import json
 import queue
 import secrets
@@ -126,14 +127,17 @@ class GlooTransport:
 
 
 class NcclTransport:
-    """An NCCL broadcast of each bucket's packed bytes on this process's current CUDA device."""
+    """An NCCL broadcast of each bucket's packed bytes on this process's CUDA device, on a stream of its own (so
+    neither the trainer's nor vLLM's stream waits on it), every wait on it bounded by the timeout: past it, the
+    communicator is aborted and the call raises."""
 
     def __init__(self) -> None:
         self.comm = None
         self.unique_id = b""
-        # The sender calls `open` and `send` from pool threads, whose current device is cuda:0 until set: this
-        # rank's device, as the constructing (main) thread has it.
+        # The receiver's threads start on cuda:0: this process's device, as the constructing (main) thread has it.
         self.device = torch.cuda.current_device()
+        self.stream = torch.cuda.Stream(self.device)
+        self.timeout_s = 120.0
 
     def listen(self, address: str) -> dict:
         """Mint the connection's NCCL unique id (its bootstrap root listens from now on, on the interface NCCL picks,
@@ -147,38 +151,57 @@ class NcclTransport:
         self.unique_id = ctypes.string_at(ctypes.addressof(unique_id), NCCL_UNIQUE_ID_BYTES)
         return {"transport": "nccl", "unique_id": base64.b64encode(self.unique_id).decode()}
 
-    def _connect(self, rank: int, world_size: int) -> None:
+    def _connect(self, rank: int, world_size: int, timeout_s: float) -> None:
+        """Join the communicator (NCCL's init waits for every rank; it cannot be bounded from here)."""
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator  # deferred: CUDA only
 
+        self.timeout_s = timeout_s
         torch.cuda.set_device(self.device)
-        self.comm = PyNcclCommunicator.from_unique_id_bytes(self.unique_id, rank=rank, world_size=world_size,
-                                                            device=self.device)
+        with torch.cuda.stream(self.stream):
+            self.comm = PyNcclCommunicator.from_unique_id_bytes(self.unique_id, rank=rank, world_size=world_size,
+                                                                device=self.device)
+        if self.comm.disabled:  # e.g. VLLM_DISABLE_PYNCCL=1: its broadcasts would do nothing
+            raise RuntimeError("vLLM's NCCL communicator is disabled here (VLLM_DISABLE_PYNCCL?): "
+                               "weight_sync.transport nccl cannot run")
+
+    def _broadcast(self, tensor: Tensor) -> None:
+        """`tensor` from rank 0 to every rank; waits for it, at most `timeout_s` s (then aborts the communicator)."""
+        torch.cuda.set_device(self.device)
+        watchdog = threading.Timer(self.timeout_s, self.close)
+        watchdog.start()
+        try:
+            self.comm.broadcast(tensor, src=0, stream=self.stream)
+            self.stream.synchronize()
+        finally:
+            watchdog.cancel()
+        if self.comm is None:
+            raise TimeoutError(f"NCCL broadcast of {tensor.numel()} bytes not complete within {self.timeout_s:g} s")
 
     def open(self, world_size: int, timeout_s: float) -> None:
-        self._connect(0, world_size)
+        self._connect(0, world_size, timeout_s)
 
     def send(self, bucket: Bucket, sync: str) -> None:
-        torch.cuda.set_device(self.device)
-        # the bucket was packed by kernels queued on the main thread's stream
-        torch.cuda.current_stream().synchronize()
-        self.comm.broadcast(bucket.packed.to(f"cuda:{self.device}"), src=0)
-        torch.cuda.current_stream().synchronize()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the bucket was packed on the caller's stream
+        with torch.cuda.stream(self.stream):
+            packed = bucket.packed.to(f"cuda:{self.device}", non_blocking=True)
+        self._broadcast(packed)
 
     def join(self, endpoint: dict, rank: int, world_size: int, timeout_s: float) -> None:
         self.unique_id = base64.b64decode(endpoint["unique_id"])
-        self._connect(rank, world_size)
+        self._connect(rank, world_size, timeout_s)
 
     def receive(self, header: dict, sync: str) -> Tensor:
-        torch.cuda.set_device(self.device)
-        packed = torch.empty(header["nbytes"], dtype=torch.uint8, device=f"cuda:{self.device}")
-        self.comm.broadcast(packed, src=0)
-        torch.cuda.current_stream().synchronize()
+        """The bytes, complete when this returns; a consumer on another stream must `record_stream` them before it
+        drops them (`weight_receiver` does), so their memory is not reused under its reads."""
+        with torch.cuda.stream(self.stream):
+            packed = torch.empty(header["nbytes"], dtype=torch.uint8, device=f"cuda:{self.device}")
+        self._broadcast(packed)
         return packed
 
     def close(self) -> None:
         if self.comm is not None:
-            self.comm.destroy()
-            self.comm = None
+            comm, self.comm = self.comm, None
+            comm.destroy()
 
 
 class DiskTransport:
@@ -239,28 +262,37 @@ class DiskTransport:
 def receive_plan(transports: list[WeightTransport], plan: dict, *, rank: int, timeout_s: float
                  ) -> Iterator[tuple[dict, Tensor]]:
     """A receiver's loop over one sync: (header, packed bytes) of every bucket of `plan` (its "senders": one list
-    of bucket headers per sender, in the order of `transports`), each sender's received by a thread of its own,
-    concurrently, yielded in arrival order. A failed receive raises RuntimeError naming this receiver's `rank`, the
-    sender and the bucket (`timeout_s`: the transports' receive timeout, for the message)."""
+    of bucket headers per sender, in the order of `transports`). Gloo and disk: each sender's buckets received by a
+    thread of its own, concurrently, yielded in arrival order, at most two per sender waiting to be consumed. NCCL:
+    one thread, bucket i of every sender in sender order, then bucket i + 1 (concurrent NCCL calls on several
+    communicators may deadlock unless every rank issues them in the same order). A failed receive raises
+    RuntimeError naming this receiver's `rank`, the sender and the bucket (`timeout_s`: the transports' timeout,
+    for the message)."""
     if len(plan["senders"]) != len(transports):
         raise RuntimeError(f"weight sync {plan['sync']}: the plan has {len(plan['senders'])} senders, receiver rank "
                            f"{rank} joined {len(transports)} groups (call /init_weight_transfer_engine)")
-    arrived: queue.Queue = queue.Queue()
+    arrived: queue.Queue = queue.Queue(maxsize=2 * max(1, len(transports)))
 
-    def receive(sender: int, headers: list[dict]) -> None:
-        header = None
+    def receive(work: list[tuple[int, dict]]) -> None:
+        sender, header = -1, None
         try:
-            for header in headers:
+            for sender, header in work:
                 arrived.put((header, transports[sender].receive(header, plan["sync"])))
             arrived.put(None)
         except BaseException as exc:  # handed to the consuming thread, which raises it
             what = describe_header(header) if header else "its buckets"
             arrived.put(RuntimeError(f"weight transfer rank {rank}: receiving {what} from trainer sender {sender} "
-                                     f"failed (timeout {timeout_s:g} s): {exc}"))
+                                     f"failed ({type(exc).__name__}, timeout {timeout_s:g} s): {exc}"))
 
-    for sender, headers in enumerate(plan["senders"]):
-        threading.Thread(target=receive, args=(sender, headers), daemon=True, name=f"scalerl-weights-{sender}").start()
-    running = len(plan["senders"])
+    per_sender = [[(sender, h) for h in headers] for sender, headers in enumerate(plan["senders"])]
+    if any(isinstance(t, NcclTransport) for t in transports):
+        rounds = itertools.zip_longest(*per_sender)
+        queues = [[item for round_ in rounds for item in round_ if item is not None]]
+    else:
+        queues = per_sender
+    for index, work in enumerate(queues):
+        threading.Thread(target=receive, args=(work,), daemon=True, name=f"scalerl-weights-{index}").start()
+    running = len(queues)
     while running:
         item = arrived.get()
         if item is None:
