@@ -11,7 +11,8 @@ train/inference mismatch alone (no policy lag): rho = pi_trainer / pi_generator 
 Per arm: `routing_agreement` (the trainer's `train/routing_agreement`), `mismatch_k3` (mean of rho - 1 - log rho,
 as `train/mismatch_k3`), `ratio_max` (largest rho, as `train/ratio_max`), `max_abs_dlogprob`. Ratios are replay /
 baseline. The model: a model preset's (`--model-preset`, default the demo's tiny Llama-4 MoE, top-1 of 4 experts;
-`tiny_qwen3_moe`: top-2 of 8, softmax routing) with random weights (`--seed`), or an HF checkpoint of that preset's
+`tiny_qwen3_moe`: top-2 of 8, softmax routing; `tiny_deepseek_v3`: top-2 of 8 in 2 groups, sigmoid routing with
+the score-correction bias) with random weights (`--seed`), or an HF checkpoint of that preset's
 model (`--model DIR`, e.g. the demo's warm start `runs/demo_model/warm_start`). The first lines print the CPU
 capability torch reports and whether bf16 is native, to write beside the figures. The last line is one JSON object.
 

@@ -4,7 +4,7 @@ Every layout runs the real trainer (`trainer.trainer.Trainer` in a scratch run d
 distributed optimizer, `Trainer.train_step`) on spawned gloo workers, one thread each, on the same TrainBatch. The
 baseline is the TP1 single-process layout of the same model, run in the same invocation; ratios are layout / TP1.
 
-- Layouts: tiny_dense and tiny_qwen3 at TP1, TP2, PP2, DP2; tiny_moe and tiny_qwen3_moe at TP1, EP2 (2 processes:
+- Layouts: tiny_dense and tiny_qwen3 at TP1, TP2, PP2, DP2; tiny_moe, tiny_qwen3_moe, tiny_deepseek_v3 at TP1, EP2 (2 processes:
   the two DP ranks hold half the experts each), TP2xEP2 (4 processes: tp 2 x dp 2, experts over ep 2 with expert-tp
   2) and DP2 (experts replicated, for comparison with EP2). Sequence parallelism only where the recipe requires it
   (MoE with tp > 1). With several models, each model's TP1 is also compared with the first model's of its kind
@@ -24,7 +24,7 @@ baseline is the TP1 single-process layout of the same model, run in the same inv
   compares the two).
 - A layout that fails (e.g. a model that does not build) is reported as failed with the first line of its error.
 
-    OMP_NUM_THREADS=1 python bench/train_step.py [--models tiny_dense,tiny_moe,tiny_qwen3,tiny_qwen3_moe]
+    OMP_NUM_THREADS=1 python bench/train_step.py [--models tiny_dense,tiny_moe,tiny_qwen3,tiny_qwen3_moe,tiny_deepseek_v3]
         [--samples 16 --max-len 128]
         [--micro-batch 1] [--warmup 2 --steps 5] [--precision fp32|bf16]
 """
@@ -52,6 +52,7 @@ _DENSE_LAYOUTS = [("TP1", {}), ("TP2", {"tp": 2}), ("PP2", {"pp": 2}), ("DP2", {
 _MOE_LAYOUTS = [("TP1", {}), ("EP2", {"ep": 2, "dp": 2}), ("TP2xEP2", {"tp": 2, "ep": 2, "dp": 2}), ("DP2", {"dp": 2})]
 LAYOUTS: dict[str, list[tuple[str, dict[str, int]]]] = {  # name -> (label, parallel sizes); the first is the baseline
     "tiny_dense": _DENSE_LAYOUTS, "tiny_moe": _MOE_LAYOUTS, "tiny_qwen3": _DENSE_LAYOUTS, "tiny_qwen3_moe": _MOE_LAYOUTS,
+    "tiny_deepseek_v3": _MOE_LAYOUTS,
 }
 
 

@@ -31,7 +31,8 @@ class _DropRopeNote(logging.Filter):
 def degenerate(rope_scaling) -> bool:
     """Whether a llama3 `rope_scaling` (recipe `RopeScaling` or None) is Scout's kind: high_freq_factor equal to
     low_freq_factor (high < low is a misconfiguration: transformers' warning about it is left alone)."""
-    return rope_scaling is not None and rope_scaling.high_freq_factor == rope_scaling.low_freq_factor
+    return (rope_scaling is not None and rope_scaling.low_freq_factor is not None  # llama3's field (not YaRN's)
+            and rope_scaling.high_freq_factor == rope_scaling.low_freq_factor)
 
 
 def note_once(rope_scaling, env: dict[str, str] | None = None) -> str | None:

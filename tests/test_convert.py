@@ -134,14 +134,21 @@ def qwen3_moe(tmp_path_factory) -> Path:
     return _hf_model(tmp_path_factory.mktemp("qwen3_moe") / "hf", "tiny_qwen3_moe")
 
 
+@pytest.fixture(scope="module")
+def deepseek_v3(tmp_path_factory) -> Path:
+    return _hf_model(tmp_path_factory.mktemp("deepseek_v3") / "hf", "tiny_deepseek_v3")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "family, to_megatron, to_hf",
-    [("qwen3", ["--tp", "2"], ["--pp", "2"]), ("qwen3_moe", ["--ep", "2"], ["--tp", "2"])],
+    [("qwen3", ["--tp", "2"], ["--pp", "2"]), ("qwen3_moe", ["--ep", "2"], ["--tp", "2"]),
+     ("deepseek_v3", ["--tp", "2", "--ep", "2"], ["--pp", "2"])],
 )
 def test_qwen3_round_trips_through_the_cli(family, to_megatron, to_hf, request, tmp_path):
     """Qwen3 (tied embeddings: one tensor, no lm_head.weight, also when the last pipeline stage holds the head) and
-    Qwen3-MoE (one HF tensor per expert, split over 2 expert-parallel ranks, then over TP2) go HF -> Megatron -> HF
+    Qwen3-MoE (one HF tensor per expert, split over 2 expert-parallel ranks, then over TP2) and DeepSeek-V3 (latent
+    attention, the routing bias, shared experts; at TP2xEP2, then over 2 pipeline stages) go HF -> Megatron -> HF
     bit for bit; transformers loads the output and computes exactly the source's logits."""
     from transformers import AutoModelForCausalLM
 
@@ -157,8 +164,12 @@ def test_qwen3_round_trips_through_the_cli(family, to_megatron, to_hf, request, 
         assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
     else:
         assert {f"model.layers.3.mlp.experts.7.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")} <= names
+    if family == "deepseek_v3":
+        assert {"model.layers.3.mlp.gate.e_score_correction_bias", "model.layers.0.mlp.gate_proj.weight",
+                "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"} <= names
     models = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32) for d in (source, out)]
-    assert type(models[1]).__name__ == {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[family]
+    assert type(models[1]).__name__ == {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                                        "deepseek_v3": "DeepseekV3ForCausalLM"}[family]
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(*(model(ids).logits for model in models))

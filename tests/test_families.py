@@ -126,7 +126,8 @@ def test_a_family_refuses_what_its_models_cannot_compute_when_the_recipe_loads()
 @pytest.mark.parametrize(("preset", "field", "value", "owner"), [
     ("tiny_qwen3", "use_qk_norm", True, "llama4"),
     ("tiny_qwen3_moe", "attention_chunk_size", 32, "llama4"),
-    ("tiny_moe", "norm_topk_prob", False, "qwen3_moe"),
+    ("tiny_moe", "norm_topk_prob", False, "deepseek_v3 and qwen3_moe"),
+    ("tiny_qwen3_moe", "kv_lora_rank", 512, "deepseek_v3"),
 ])
 def test_another_familys_field_is_refused(preset, field, value, owner):
     """A family's own model-section fields (`FamilySpec.own_fields`) set on another family's model: refused, named."""

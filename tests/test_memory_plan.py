@@ -6,8 +6,8 @@ the activations are the bytes autograd keeps in one forward of the tiny models (
 "unfused" as on CPU), with and without full recomputation at TP=1, without it over two ranks (TP=2 with sequence
 parallelism, expert TP 2 or 1 beside EP=2: the routed tokens each rank runs); recomputation changes no loss or
 gradient; the parameter counts are the models' own and the released models' (Llama-3.1-8B, Scout, Qwen3-8B,
--30B-A3B, -235B-A22B); the shipped presets fit 80 GiB GPUs; the plan command names the changes that would make a
-layout fit.
+-30B-A3B, -235B-A22B, Moonlight-16B-A3B, DeepSeek-V3); the shipped presets fit 80 GiB GPUs (DeepSeek-V3's trainer
+only); the plan command names the changes that would make a layout fit.
 """
 
 import json
@@ -30,8 +30,10 @@ from tests.trainer_utils import BF16, rl_batch, run_scenarios, tiny_recipe
 
 SEQ, ROWS = 320, 2  # one micro-batch: ROWS rows of SEQ tokens (max_prompt_tokens + max_new_tokens = SEQ)
 PLAN_SETTINGS = ("cluster.trainer_nodes=1", "rollout.max_prompt_tokens=16", f"rollout.max_new_tokens={SEQ - 16}")
-MODELS = ["tiny_dense", "tiny_moe", "tiny_qwen3", "tiny_qwen3_moe"]  # Llama-3, Llama-4, Qwen3, Qwen3-MoE
-STEP_MODELS = ["tiny_dense", "tiny_moe", "tiny_qwen3_moe"]  # trainer steps (~15 s each): dense, and each routing
+# Llama-3, Llama-4, Qwen3, Qwen3-MoE, DeepSeek-V3 (multi-latent attention)
+MODELS = ["tiny_dense", "tiny_moe", "tiny_qwen3", "tiny_qwen3_moe", "tiny_deepseek_v3"]
+STEP_MODELS = ["tiny_dense", "tiny_moe", "tiny_qwen3_moe", "tiny_deepseek_v3"]  # trainer steps (~15 s each): dense,
+# and each routing
 # two ranks: name -> (model, layout); TP with sequence parallelism; expert TP follows tp unless given
 SPLIT = {
     "tiny_dense/tp2": ("tiny_dense", {"tp": 2}),
@@ -40,8 +42,9 @@ SPLIT = {
     "tiny_qwen3_moe/ep2": ("tiny_qwen3_moe", {"ep": 2, "dp": 2}),
     "tiny_qwen3_moe/tp2": ("tiny_qwen3_moe", {"tp": 2}),  # expert TP 2: each rank runs both ranks' routed tokens
     "tiny_qwen3_moe/tp2ep2": ("tiny_qwen3_moe", {"tp": 2, "ep": 2, "expert_tp": 1}),  # experts folded onto TP ranks
+    "tiny_deepseek_v3/tp2": ("tiny_deepseek_v3", {"tp": 2}),  # MLA's down-projections and latent norms whole on both
 }
-SPLIT_ACTIVATIONS = ["tiny_qwen3/tp2", "tiny_qwen3_moe/tp2", "tiny_qwen3_moe/tp2ep2"]
+SPLIT_ACTIVATIONS = ["tiny_qwen3/tp2", "tiny_qwen3_moe/tp2", "tiny_qwen3_moe/tp2ep2", "tiny_deepseek_v3/tp2"]
 
 
 def _recipe(model, layout, recompute="none"):
@@ -216,6 +219,38 @@ def test_the_released_qwen3_presets_fit_80_gib_gpus(preset):
     assert kv_sequences(recipe, 80) >= recipe.rollout.generations_per_prompt
     if recipe.model.is_moe:
         assert not trainer_plan(recipe, recompute=False).fits(80)
+
+
+# the released DeepSeek-V3 family models' sizes (their model cards; Moonlight's rounded to 16B and 3B): total,
+# activated parameters, and the tolerance of the cards' precision
+DEEPSEEK_SIZES = {"moonlight_16b_a3b": (16e9, 3e9, 0.05), "deepseek_v3_671b": (671e9, 37e9, 0.02)}
+
+
+@pytest.mark.parametrize("preset", DEEPSEEK_SIZES)
+def test_the_released_deepseek_v3_presets(preset):
+    """The plan counts the released models' parameters and the preset's trainer fits 80 GiB GPUs (at Moonlight's 8k
+    context, at 16k tokens for DeepSeek-V3, which needs its recomputation). Moonlight's generator fits with room
+    for a prompt's samples; DeepSeek-V3's does not at any layout within a node (~162 GiB per GPU at TP8)."""
+    recipe = load_recipe("scalerl", model_preset=preset)
+    total, activated, rel = DEEPSEEK_SIZES[preset]
+    assert param_counts(recipe).total == pytest.approx(total, rel=0.01)
+    assert _activated(recipe) == pytest.approx(activated, rel=rel)
+    assert trainer_plan(recipe).fits(80), preset
+    tokens = recipe.rollout.max_prompt_tokens + recipe.rollout.max_new_tokens
+    if preset == "moonlight_16b_a3b":
+        assert tokens == recipe.model.max_position_embeddings == 8192
+        assert generator_plan(recipe).fits(80, 0.9) and kv_sequences(recipe, 80) >= recipe.rollout.generations_per_prompt
+    else:
+        assert tokens == 16384 and not trainer_plan(recipe, recompute=False).fits(80)
+        assert recipe.parallelism.generator_tp == recipe.cluster.gpus_per_node and generator_changes(recipe, 80) == []
+        assert generator_plan(recipe).total_gib == pytest.approx(162.4, abs=0.5)
+
+
+def test_multi_latent_attention_caches_its_latent():
+    """vLLM's MLA cache: kv_lora_rank + qk_rope_head_dim bf16 values per token and layer, whole on every TP rank."""
+    recipe = load_recipe("scalerl", model_preset="deepseek_v3_671b")
+    per_token = recipe.model.num_layers * (512 + 64) * 2
+    assert generator_plan(recipe).parts["kv cache, one full-length sequence"] == 16384 * per_token
 
 
 def test_plan_command_says_whether_the_layout_fits():

@@ -1,8 +1,8 @@
 """HF <-> Megatron mapping tables, HF configs, RoPE frequencies and Llama-4 attention helpers (no process groups).
 
 Oracles: transformers' own models/configs/RoPE code and the checkpoints it writes, the released Llama-3.1-8B /
-Llama-4-Scout / Qwen3-0.6B / Qwen3-8B / Qwen3-30B-A3B / Qwen3-235B-A22B configs, and masked attention written out
-directly.
+Llama-4-Scout / Qwen3-0.6B / Qwen3-8B / Qwen3-30B-A3B / Qwen3-235B-A22B / DeepSeek-V3 / Moonlight-16B-A3B configs,
+and masked attention written out directly.
 """
 
 from __future__ import annotations
@@ -88,6 +88,38 @@ QWEN3_235B_A22B = {
     "vocab_size": 151936,
 }
 
+# The released config.json of deepseek-ai/DeepSeek-V3 (DeepSeek-R1's is the same), the keys we read or refuse, and of
+# moonshotai/Moonlight-16B-A3B(-Instruct).
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                            "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280,
+}
+# converted to bf16 (quantization_config dropped) and without the multi-token-prediction layer, as the family reads it
+DEEPSEEK_V3_BF16 = {**{k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"},
+                    "num_nextn_predict_layers": 0}
+MOONLIGHT_16B_A3B = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "bos_token_id": 163584,
+    "eos_token_id": 163586, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 11264, "kv_lora_rank": 512, "max_position_embeddings": 8192, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2,
+    "norm_topk_prob": True, "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27,
+    "num_key_value_heads": 16, "num_nextn_predict_layers": 0, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 50000.0,
+    "routed_scaling_factor": 2.446, "scoring_func": "sigmoid", "tie_word_embeddings": False, "topk_group": 1,
+    "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 163840,
+}
+
 
 def model_cfg(preset: str):
     return load_recipe("scalerl", model_preset=preset).model
@@ -112,6 +144,18 @@ def test_presets_have_the_released_dimensions():
     assert model_config_from_hf(QWEN3_8B) == model_cfg("qwen3_8b")
     assert model_config_from_hf(QWEN3_30B_A3B) == model_cfg("qwen3_30b_a3b")
     assert model_config_from_hf(QWEN3_235B_A22B) == model_cfg("qwen3_235b_a22b")
+    assert model_config_from_hf(DEEPSEEK_V3_BF16) == model_cfg("deepseek_v3_671b")
+    assert model_config_from_hf(MOONLIGHT_16B_A3B) == model_cfg("moonlight_16b_a3b")
+
+
+def test_released_deepseek_v3_is_refused_until_converted():
+    """The released FP8 checkpoint is refused naming quantization_config; converted to bf16, its multi-token-
+    prediction layer naming num_nextn_predict_layers."""
+    with pytest.raises(UserError, match=r"^x/config.json: quantization_config='fp8'"):
+        model_config_from_hf(DEEPSEEK_V3, "x/config.json")
+    bf16 = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}
+    with pytest.raises(UserError, match=r"^x/config.json: num_nextn_predict_layers=1"):
+        model_config_from_hf(bf16, "x/config.json")
 
 
 @pytest.mark.parametrize(
@@ -119,7 +163,9 @@ def test_presets_have_the_released_dimensions():
     [
         ({"attention_bias": True}, "attention_bias=True is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling rope_type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn rope scaling lacks original_max_position"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}},
+         "rope_type yarn is not computed by arch llama3"),
         ({"model_type": "mistral"}, "model_type 'mistral'"),
     ],
 )
@@ -135,7 +181,7 @@ def test_hf_config_refusals(change, message):
         (QWEN3_0_6B, {"layer_types": ["full_attention"] * 27 + ["sliding_attention"]},
          "layer_types ['full_attention', 'sliding_attention'] is not supported"),
         (QWEN3_0_6B, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
-         "rope_scaling rope_type 'yarn' is not supported"),
+         "does not describe a supported model: Value error, rope_scaling: rope_type yarn is not computed by arch qwen3"),
         (QWEN3_0_6B, {"attention_bias": True}, "attention_bias=True is not supported"),
         (QWEN3_30B_A3B, {"mlp_only_layers": [0, 2, 3]},
          "mlp_only_layers (with decoder_sparse_step 1) is not a regular every-N-th-layer pattern"),

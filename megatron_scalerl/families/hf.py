@@ -1,5 +1,5 @@
 """The HF `config.json` keys every family shares (the Llama-style decoder: RMSNorm, SwiGLU, GQA, RoPE with optional
-llama3 frequency scaling, no biases), both ways, and reading a checkpoint's config.json.
+llama3 or YaRN frequency scaling, no biases), both ways, and reading a checkpoint's config.json.
 
 A family's own keys are its `FamilySpec.hf_fields` / `model_fields`; `families.hf_config_dict` and
 `families.model_section_from_hf` put the two together. Written: the transformers-5 spelling (`rope_parameters`);
@@ -21,13 +21,14 @@ if TYPE_CHECKING:
     from megatron_scalerl.recipe import ModelConfig
 
 LLAMA3_ROPE = "llama3"  # HF's rope_type of Llama-3-style frequency scaling (recipe `model.rope_scaling`)
+YARN_ROPE = "yarn"  # HF's rope_type of YaRN scaling (DeepSeek-V3; the family says whether it computes it)
 
 
 def shared_hf_fields(model_cfg: ModelConfig, family: FamilySpec) -> dict[str, Any]:
     """The config.json keys every family writes (dtype float32; token ids are left to the tokenizer files)."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model_cfg.rope_theta}
     if model_cfg.rope_scaling is not None:
-        rope = {"rope_type": LLAMA3_ROPE, "rope_theta": model_cfg.rope_theta, **model_cfg.rope_scaling.model_dump()}
+        rope = {"rope_theta": model_cfg.rope_theta, **model_cfg.rope_scaling.hf_fields()}
     return {
         "architectures": [family.hf_architecture],
         "model_type": family.hf_model_type,
@@ -79,17 +80,28 @@ def _rope(config: dict[str, Any], source: str) -> tuple[float, dict[str, float |
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return float(theta), None
-    if kind != LLAMA3_ROPE:
-        raise UserError(f"{source}: {key} rope_type {kind!r} is not supported (default or {LLAMA3_ROPE})")
+    if kind not in (LLAMA3_ROPE, YARN_ROPE):
+        raise UserError(f"{source}: {key} rope_type {kind!r} is not supported (default, {LLAMA3_ROPE} or {YARN_ROPE})")
     try:
+        if kind == YARN_ROPE:
+            return float(theta), dict(
+                rope_type=YARN_ROPE,
+                factor=float(params["factor"]),
+                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+                beta_fast=float(params.get("beta_fast", 32.0)),
+                beta_slow=float(params.get("beta_slow", 1.0)),
+                mscale=float(params.get("mscale", 1.0)),
+                mscale_all_dim=float(params.get("mscale_all_dim", 0.0)),
+            )
         return float(theta), dict(
+            rope_type=LLAMA3_ROPE,
             factor=float(params["factor"]),
             low_freq_factor=float(params["low_freq_factor"]),
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
     except KeyError as exc:
-        raise UserError(f"{source}: {LLAMA3_ROPE} rope scaling lacks {exc.args[0]}") from None
+        raise UserError(f"{source}: {kind} rope scaling lacks {exc.args[0]}") from None
 
 
 def every_nth(flags: list[bool], source: str, field: str) -> int | None:

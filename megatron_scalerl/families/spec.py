@@ -27,10 +27,18 @@ class LayerPlan:
     # head_dim (Qwen3: HF q_norm / k_norm, megatron-core's qk_layernorm); None: none
     qk_norm: Literal["l2", "rms"] | None
     attention_chunk: int | None  # tokens: a query sees only its own chunk of the sequence; None: the whole prefix
-    shared_expert: bool = False  # MoE layers: a shared expert of `moe_ffn_hidden_size` beside the routed ones
+    # MoE layers: shared experts beside the routed ones (count), megatron-core's one SwiGLU of this many times
+    # `moe_ffn_hidden_size` (Llama-4: 1; DeepSeek-V3: `model.n_shared_experts`)
+    shared_experts: int = 0
     # MoE layers: the router's weight scales each routed token before its expert (Llama-4); False: it scales the
     # expert's output
     expert_input_weighted: bool = False
+    # MoE layers: the router chooses experts by score + a per-expert score-correction bias that RL does not train
+    # (DeepSeek-V3: HF `e_score_correction_bias`, megatron-core's FP32 `router.expert_bias` buffer)
+    router_expert_bias: bool = False
+    # multi-latent attention (DeepSeek-V3: the model section's q_lora_rank ... v_head_dim) instead of GQA; its KV
+    # cache holds a latent of kv_lora_rank + qk_rope_head_dim features per token
+    latent_attention: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,3 +68,6 @@ class FamilySpec:
     # Serving: config.json -> the generation settings vLLM must be given (`--override-generation-config`) to compute
     # what the trainer computes; None: none.
     generation_overrides: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # the HF rope_type values the family's models compute: "default" (no scaling), "llama3", "yarn"; a recipe whose
+    # `model.rope_scaling` is another is refused when it loads
+    rope_types: tuple[str, ...] = ("default", "llama3")

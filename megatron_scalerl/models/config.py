@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron_scalerl.families import layer_plan
 from megatron_scalerl.models.arch import check_model_layout
@@ -24,10 +24,12 @@ from megatron_scalerl.recipe import ModelConfig, ParallelismConfig
 
 
 @dataclass
-class ScaleRLTransformerConfig(TransformerConfig):
-    """TransformerConfig plus the Llama-4 attention settings megatron-core 0.16.1 lacks (read by
-    `families/llama4/model/attention.py`)."""
+class ScaleRLTransformerConfig(MLATransformerConfig):
+    """megatron-core's TransformerConfig with its multi-latent-attention fields (`MLATransformerConfig`, off unless
+    a family's `config_fields` turns `multi_latent_attention` on: DeepSeek-V3) plus the Llama-4 attention settings
+    megatron-core 0.16.1 lacks (read by `families/llama4/model/attention.py`)."""
 
+    multi_latent_attention: bool = False  # MLATransformerConfig's default is on
     attention_chunk_size: int | None = None  # tokens; RoPE layers attend only within their chunk
     attn_temperature_tuning: bool = False  # NoPE layers scale queries by log1p(floor((pos+1)/floor_scale))*s+1
     attn_floor_scale: float = 8192.0  # tokens

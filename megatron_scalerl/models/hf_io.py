@@ -125,8 +125,9 @@ def hf_tensor_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def save_random_hf_model(model_cfg: ModelConfig, directory: str | Path, *, seed: int, std: float = 0.02) -> Path:
-    """Write an HF checkpoint of `model_cfg` with transformers' own random init (normal(0, `std`) weights) and
-    norm weights drawn from U(0.5, 1.5), so that a norm mapped to the wrong place shows. Returns the directory."""
+    """Write an HF checkpoint of `model_cfg` with transformers' own random init (normal(0, `std`) weights), norm
+    weights drawn from U(0.5, 1.5) and the checkpoint's buffers (DeepSeek-V3's routing bias, zero at init) from
+    U(-0.1, 0.1), so that a norm or a bias mapped to the wrong place shows. Returns the directory."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -137,5 +138,9 @@ def save_random_hf_model(model_cfg: ModelConfig, directory: str | Path, *, seed:
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
+        persistent = model.state_dict()
+        for name, buffer in model.named_buffers():
+            if name in persistent and buffer.is_floating_point():
+                buffer.uniform_(-0.1, 0.1)
     model.save_pretrained(directory)
     return Path(directory)

@@ -31,6 +31,7 @@ masked out of every softmax: `models.provider` for the model's logits, `trainer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -88,9 +89,10 @@ class TensorRule:
 @dataclass(frozen=True)
 class ArchitectureMapping:
     """The table of one model family: its per-layer rules (attention, dense MLP, MoE MLP: empty without experts);
-    the model-level rules (embedding, final norm, LM head) are every family's."""
+    the model-level rules (embedding, final norm, LM head) are every family's. `attention` may be a function of the
+    model section where the family's attention has optional parts (DeepSeek-V3's q low-rank projection)."""
 
-    attention: tuple[TensorRule, ...]
+    attention: tuple[TensorRule, ...] | Callable[[ModelConfig], tuple[TensorRule, ...]]
     dense_mlp: tuple[TensorRule, ...]
     moe_mlp: tuple[TensorRule, ...]
 
@@ -114,6 +116,31 @@ def attention_rules(hf: str) -> tuple[TensorRule, ...]:
     )
 
 
+def latent_attention_rules(hf: str, *, q_lora: bool) -> tuple[TensorRule, ...]:
+    """Multi-latent attention (DeepSeek-V3; its two norms included) whose HF names start with `hf`: q through
+    q_a_proj [q_lora_rank, h], q_a_layernorm and q_b_proj [heads*(nope+rope), q_lora_rank] with `q_lora`, else
+    q_proj; kv_a_proj_with_mqa [kv_lora_rank + rope, h] (the latent, then the shared RoPE key: megatron's order),
+    kv_a_layernorm, kv_b_proj [heads*(nope+v), kv_lora_rank] (per head [k nope; v], as megatron's); o_proj.
+    The down-projections and the latents' norms are whole on every TP rank (`platform.layer_backend`; TE names the
+    norms `linear_*_up_proj.layer_norm_weight`: `TE_ALIASES`), the up-projections split by heads."""
+    a, m = hf + "self_attn.", _L + "self_attention."
+    if q_lora:
+        query = (TensorRule(m + "linear_q_down_proj.weight", (a + "q_a_proj.weight",)),
+                 TensorRule(m + "q_layernorm.weight", (a + "q_a_layernorm.weight",)),
+                 TensorRule(m + "linear_q_up_proj.weight", (a + "q_b_proj.weight",), split="dim0"))
+    else:
+        query = (TensorRule(m + "linear_q_proj.weight", (a + "q_proj.weight",), split="dim0"),)
+    return (
+        TensorRule(_L + "input_layernorm.weight", (hf + "input_layernorm.weight",)),
+        *query,
+        TensorRule(m + "linear_kv_down_proj.weight", (a + "kv_a_proj_with_mqa.weight",)),
+        TensorRule(m + "kv_layernorm.weight", (a + "kv_a_layernorm.weight",)),
+        TensorRule(m + "linear_kv_up_proj.weight", (a + "kv_b_proj.weight",), split="dim0"),
+        TensorRule(m + "linear_proj.weight", (a + "o_proj.weight",), split="dim1"),
+        TensorRule(_L + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",)),
+    )
+
+
 def dense_mlp_rules(hf: str) -> tuple[TensorRule, ...]:
     """A SwiGLU MLP whose HF names start with `hf` (gate_proj, up_proj, down_proj)."""
     return (
@@ -131,6 +158,12 @@ def qk_norm_rules(hf: str) -> tuple[TensorRule, ...]:
 def router_rule(hf: str) -> TensorRule:
     """The router [num_experts, h] of a MoE layer, named `hf` in HF (e.g. `...feed_forward.router.weight`)."""
     return TensorRule(_L + "mlp.router.weight", (hf,))
+
+
+def router_bias_rule(hf: str) -> TensorRule:
+    """The router's score-correction bias [num_experts] (FP32; megatron's `router.expert_bias` buffer, which the
+    trainer never updates: DeepSeek-V3's `mlp.gate.e_score_correction_bias`), named `hf` in HF."""
+    return TensorRule(_L + "mlp.router.expert_bias", (hf,))
 
 
 _EXPERT = _L + "mlp.experts.local_experts.{expert}."
@@ -174,13 +207,17 @@ TIED_OUTPUT_LAYER = TensorRule("output_layer.weight", ("model.embed_tokens.weigh
 TE_ALIASES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    # multi-latent attention: the latents' norms, fused into their up-projections
+    "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+    "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
 }
 
 
 def layer_rules(model_cfg: ModelConfig, layer: int) -> tuple[TensorRule, ...]:
     """Rules of global 0-based `layer`."""
     table = model_parts(model_cfg).mapping
-    return table.attention + (table.moe_mlp if layer_plan(model_cfg, layer).moe else table.dense_mlp)
+    attention = table.attention(model_cfg) if callable(table.attention) else table.attention
+    return attention + (table.moe_mlp if layer_plan(model_cfg, layer).moe else table.dense_mlp)
 
 
 def model_rules(model_cfg: ModelConfig, *, first_stage: bool, last_stage: bool) -> tuple[TensorRule, ...]:

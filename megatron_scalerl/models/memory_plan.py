@@ -1,27 +1,31 @@
 """Will it fit: per-GPU memory of the trainer's layout and of a generator's, from the recipe alone (pure arithmetic).
 What differs between model families comes per layer from the family's `LayerPlan` (`families.layer_plan`): a MoE
-or a dense MLP (a shared expert; where the router's weight applies), QK norm, RoPE, and the attention chunk that
-bounds the scores unfused attention keeps.
+or a dense MLP (shared experts; where the router's weight applies; a score-correction bias), GQA or multi-latent
+attention (MLA), QK norm, RoPE, and the attention chunk that bounds the scores unfused attention keeps.
 
 Trainer, per GPU of the most loaded pipeline stage (bytes):
-- weights: the stage's share of parameters (dense ones / tp, routed experts / (ep x expert_tp), embedding and output
-  layer / tp on their stages) x 2 in bf16 or 4 in fp32 (the FP32 head always 4; a tied embedding is the head, and a
-  pipeline's last stage holds a copy of it);
+- weights: the stage's share of parameters (dense ones / tp, but norms, routers and MLA's down-projections whole on
+  every TP rank; routed experts / (ep x expert_tp), embedding and output layer / tp on their stages) x 2 in bf16 or
+  4 in fp32 (the FP32 head always 4; a tied embedding is the head, and a pipeline's last stage holds a copy of it);
+  a router's score-correction bias is an FP32 buffer beside an FP32 token count per expert (no gradient);
 - gradients: 4 bytes per parameter (Megatron's main grads are FP32: grad_reduce_in_fp32);
 - optimizer: Adam's two moments (+ the FP32 master copy in bf16) = 8 (12) bytes per parameter, sharded over the
   parameter's data-parallel group by the distributed optimizer (experts: the expert-data-parallel group);
 - activations of the micro-batches in flight (1F1B keeps `pp` of them on the first stage: the stage's layers x pp =
   all layers' worth of one micro-batch) at micro_batch_size x (max_prompt_tokens + max_new_tokens) tokens: per layer
-  the tensors autograd keeps (norm inputs, q/k/v and their norms, RoPE's cos and sin, attention output, MLP inputs,
-  SwiGLU halves, the router's scores and the top-k copies of each routed token, gathered over expert TP), split by
+  the tensors autograd keeps (norm inputs, q/k/v and their norms, MLA's latents, RoPE's cos and sin, attention
+  output, MLP inputs, SwiGLU halves, the router's scores and the top-k copies of each routed token, gathered over
+  expert TP; DeepSeek-V3's FP32 routing keeps ~2 x experts bytes per token more: not counted, ~0.1%), split by
   tp (sequence parallelism splits the rest), or with full recomputation the layer inputs only plus one layer's
   working set; Transformer Engine kernels (GPU: flash attention, no scores kept) or torch
   ones (CPU: unfused attention keeps rows x heads x seq x window scores; tests/test_memory_plan.py measures these);
 - the FP32 head's chunked log-probs: 1024-token chunks of FP32 logits (forward, softmax, gradient);
 - a fixed runtime reserve (CUDA context, NCCL buffers, allocator slack).
 
-Generator (one vLLM server of generator_tp GPUs), per GPU: all weights / generator_tp (the head FP32 with
-`fp32_lm_head`; a tied one an FP32 copy beside the embedding), the KV cache of at least one sequence at full length
+Generator (one vLLM server of generator_tp GPUs), per GPU: all weights / generator_tp but the norms, routers and
+MLA's down-projections, whole on every GPU (the head FP32 with `fp32_lm_head`; a tied one an FP32 copy beside the
+embedding; MLA's kv_b_proj twice: vLLM's absorbed copies beside it), the KV cache (GQA: k and v of the KV heads;
+MLA: the kv_lora_rank + qk_rope_head_dim latent, on every GPU) of at least one sequence at full length
 (max_prompt_tokens + max_new_tokens; the rest of the GPU up to vLLM's gpu_memory_utilization, 0.9, holds more:
 `kv_sequences`), and the runtime reserve.
 """
@@ -32,9 +36,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_scalerl.families import layer_plan
+from megatron_scalerl.families.spec import LayerPlan
 from megatron_scalerl.models.mapping import padded_vocab_size
 from megatron_scalerl.platform.precision import resolve_precision
-from megatron_scalerl.recipe import Recipe
+from megatron_scalerl.recipe import ModelConfig, Recipe
 
 GIB = 2**30
 RUNTIME_RESERVE_GIB = 3.0  # CUDA context, NCCL communicators and buffers, allocator fragmentation
@@ -67,34 +72,60 @@ class MemoryPlan:
 class ParamCounts:
     """Parameters of one kind each, whole model (not split)."""
 
-    dense_per_layer: list[int]  # attention, norms, dense MLP or router + shared expert, per layer
+    # split over TP (by heads, by FFN columns): q/k/v/o (multi-latent attention: its up-projections and o), the dense
+    # MLP or the shared experts, per layer
+    dense_per_layer: list[int]
+    # whole on every TP rank: the layer's norms (q/k norms; MLA's latent norms), the router, MLA's down-projections
+    replicated_per_layer: list[int]
     experts_per_layer: list[int]  # routed experts, per layer (0 on dense layers)
+    router_bias_per_layer: list[int]  # the routers' FP32 score-correction bias (`LayerPlan.router_expert_bias`)
     embedding: int
     output: int  # the output layer (0 when tied to the embedding)
     final_norm: int
 
     @property
     def total(self) -> int:
-        return sum(self.dense_per_layer) + sum(self.experts_per_layer) + self.embedding + self.output + self.final_norm
+        return (sum(self.dense_per_layer) + sum(self.replicated_per_layer) + sum(self.experts_per_layer)
+                + sum(self.router_bias_per_layer) + self.embedding + self.output + self.final_norm)
+
+
+def _attention_params(m: ModelConfig, plan: LayerPlan) -> tuple[int, int]:
+    """A layer's attention parameters: (split over TP by heads, whole on every TP rank). Multi-latent attention:
+    q_a_proj [q_lora_rank, h] + q_a_layernorm + q_b_proj [heads x (nope + rope), q_lora_rank] (without q LoRA:
+    q_proj [heads x (nope + rope), h]), kv_a_proj_with_mqa [kv_lora_rank + rope, h] + kv_a_layernorm, kv_b_proj
+    [heads x (nope + v), kv_lora_rank], o_proj [h, heads x v]; the down-projections and latent norms whole on every
+    rank (`platform.layer_backend`)."""
+    h, heads = m.hidden_size, m.num_attention_heads
+    if not plan.latent_attention:
+        qk_norms = 2 * m.head_dim if plan.qk_norm == "rms" else 0
+        return h * m.head_dim * (2 * heads + 2 * m.num_query_groups), qk_norms
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    q_down, q_up = (h * m.q_lora_rank + m.q_lora_rank, m.q_lora_rank * heads * qk) if m.q_lora_rank else (0, h * heads * qk)
+    kv_down = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+    kv_up = m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+    return q_up + kv_up + heads * m.v_head_dim * h, q_down + kv_down
 
 
 def param_counts(recipe: Recipe, tp: int = 1) -> ParamCounts:
     m = recipe.model
-    h, hd = m.hidden_size, m.head_dim
-    attention = h * hd * (2 * m.num_attention_heads + 2 * m.num_query_groups) + 2 * h  # q, k, v, o; two norms
-    dense, experts = [], []
+    h = m.hidden_size
+    dense, replicated, experts, router_bias = [], [], [], []
     for layer in range(m.num_layers):
         plan = layer_plan(m, layer)
-        qk_norms = 2 * hd if plan.qk_norm == "rms" else 0
+        split, whole = _attention_params(m, plan)
+        whole += 2 * h  # input and pre-MLP norms
         if plan.moe:
-            shared = 3 * h * m.moe_ffn_hidden_size if plan.shared_expert else 0
-            dense.append(attention + qk_norms + h * m.num_experts + shared)  # router, shared expert
+            dense.append(split + 3 * h * m.moe_ffn_hidden_size * plan.shared_experts)
+            replicated.append(whole + h * m.num_experts)  # the router
             experts.append(m.num_experts * 3 * h * m.moe_ffn_hidden_size)
+            router_bias.append(m.num_experts if plan.router_expert_bias else 0)
         else:
-            dense.append(attention + qk_norms + 3 * h * m.ffn_hidden_size)
+            dense.append(split + 3 * h * m.ffn_hidden_size)
+            replicated.append(whole)
             experts.append(0)
+            router_bias.append(0)
     vocab = padded_vocab_size(m.vocab_size, tp) * h
-    return ParamCounts(dense, experts, vocab, 0 if m.tie_word_embeddings else vocab, h)
+    return ParamCounts(dense, replicated, experts, router_bias, vocab, 0 if m.tie_word_embeddings else vocab, h)
 
 
 def _norm_bytes(recipe: Recipe, kernels: str, width: int | None = None) -> float:
@@ -114,41 +145,61 @@ def _body_bytes(recipe: Recipe, kernels: str = "transformer_engine") -> int:
 def _layer_activation_bytes(recipe: Recipe, rows: int, seq: int, layer: int, kernels: str, recompute: bool) -> float:
     """Bytes autograd keeps for layer `layer` of one micro-batch of rows x seq tokens, per TP rank.
 
-    kernels "transformer_engine" (GPUs): fused norms, flash attention (no scores kept, K and V at their query
-    groups), SwiGLU keeping its input and output. "torch" (CPUs, megatron's local layers): norms in FP32, unfused
-    attention (K and V expanded to every head, FP32 scores and the probabilities kept: rows x heads x seq x window),
-    eager SwiGLU (its input, both halves and its output). Both: the unfused RoPE keeps its cos and sin cast to the
-    body dtype, for q and for k (seq x head_dim each, whatever the rows). With full recomputation: the layer's input
-    only."""
+    kernels "transformer_engine" (GPUs): fused norms, flash attention (no scores kept), SwiGLU keeping its input and
+    output. "torch" (CPUs, megatron's local layers): norms in FP32, unfused attention (FP32 scores and the
+    probabilities kept: rows x heads x seq x window; multi-latent attention's FP32 sdpa keeps the FP32 probabilities
+    only), eager SwiGLU (its input, both halves and its output). Attention: `_attention_bytes`. Both kernels: the
+    unfused RoPE keeps its cos and sin cast to the body dtype, for q and for k (seq x RoPE features each, whatever
+    the rows). With full recomputation: the layer's input only."""
     m, par = recipe.model, recipe.parallelism
-    b, tp, h, hd = _body_bytes(recipe, kernels), par.tp, m.hidden_size, m.head_dim
-    heads, groups = m.num_attention_heads, m.num_query_groups
+    b, tp, h = _body_bytes(recipe, kernels), par.tp, m.hidden_size
     sequence_split = tp if par.sequence_parallel and tp > 1 else 1
     tokens = rows * seq
     if recompute:
         return tokens * h * b / sequence_split
     torch_kernels = kernels == "torch"
-    replicated = 2 * _norm_bytes(recipe, kernels) + 2 * b * h  # two norms and their outputs (QKV and FC1 inputs)
-    kv_heads = heads if torch_kernels else groups
-    attention = b * (2 * heads + 2 * kv_heads) * hd + (0 if torch_kernels else 4 * heads)  # q k v, output, (lse)
     plan = layer_plan(m, layer)
+    replicated = 2 * _norm_bytes(recipe, kernels) + 2 * b * h  # two norms and their outputs (QKV and FC1 inputs)
+    latents, attention = _attention_bytes(recipe, plan, kernels)
+    swiglu = 5 if torch_kernels else 3  # x f: FC1's output (2f) and FC2's input (f), eager: gate and up copies
+    if plan.moe:
+        shared = swiglu * b * m.moe_ffn_hidden_size * plan.shared_experts / tp
+        mlp = shared + _routed_bytes(recipe, layer, kernels) / sequence_split
+    else:
+        mlp = swiglu * b * m.ffn_hidden_size / tp
+    total = tokens * ((replicated + latents) / sequence_split + attention / tp + mlp)
+    if plan.rope:
+        total += 4 * seq * (m.qk_rope_head_dim if plan.latent_attention else m.head_dim) * b
+    if torch_kernels:  # the unfused attention's FP32 scores and probabilities
+        window = min(seq, plan.attention_chunk) if plan.attention_chunk else seq
+        total += rows * m.num_attention_heads / tp * seq * window * (4 if plan.latent_attention else 4 + b)
+    return total
+
+
+def _attention_bytes(recipe: Recipe, plan: LayerPlan, kernels: str) -> tuple[float, float]:
+    """Bytes a layer's attention keeps per token: (on the rank's sequence slice, of all heads: split over TP).
+
+    GQA: q, k, v and the output in the body dtype, k and v at their query groups (Transformer Engine, which keeps
+    the softmax's FP32 log-sum-exp per head too) or expanded to every head (torch); the q/k norms `plan.qk_norm`
+    says. Multi-latent attention: per token the latents' norms (q's only with q LoRA) and their outputs, the
+    up-projections' inputs, whole on every TP rank; per head q and k of qk_nope + qk_rope features, v and the output
+    of v_head_dim: in the body dtype with the log-sum-exp (Transformer Engine), or FP32 copies of q, k and v and the
+    output in the body dtype (torch: `families/deepseek_v3/model/attention.py` runs sdpa in FP32)."""
+    m = recipe.model
+    b, heads, torch_kernels = _body_bytes(recipe, kernels), m.num_attention_heads, kernels == "torch"
+    lse = 0 if torch_kernels else 4 * heads
+    if plan.latent_attention:
+        latents = sum(_norm_bytes(recipe, kernels, w) + b * w for w in (m.q_lora_rank, m.kv_lora_rank) if w)
+        qk, v = heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), heads * m.v_head_dim
+        return latents, 4 * (2 * qk + v) + b * v if torch_kernels else b * (2 * qk + 2 * v) + lse
+    hd, groups = m.head_dim, m.num_query_groups
+    kv_heads = heads if torch_kernels else groups
+    attention = b * (2 * heads + 2 * kv_heads) * hd + lse  # q k v, output, (lse)
     if plan.qk_norm == "l2":  # megatron's L2Norm, in FP32 on both kernels: the FP32 copy and its norm, per head
         attention += 4 * (heads + groups) * (hd + 1)
     elif plan.qk_norm == "rms":  # an RMSNorm over each q and k head, kept as the hidden-state norms keep theirs
         attention += (heads + groups) * _norm_bytes(recipe, kernels, hd)
-    swiglu = 5 if torch_kernels else 3  # x f: FC1's output (2f) and FC2's input (f), eager: gate and up copies
-    if plan.moe:
-        shared = swiglu * b * m.moe_ffn_hidden_size / tp if plan.shared_expert else 0
-        mlp = shared + _routed_bytes(recipe, layer, kernels) / sequence_split
-    else:
-        mlp = swiglu * b * m.ffn_hidden_size / tp
-    total = tokens * (replicated / sequence_split + attention / tp + mlp)
-    if plan.rope:
-        total += 4 * seq * hd * b
-    if torch_kernels:  # the unfused attention's FP32 scores and probabilities
-        window = min(seq, plan.attention_chunk) if plan.attention_chunk else seq
-        total += rows * heads / tp * seq * window * (4 + b)
-    return total
+    return 0.0, attention
 
 
 def _routed_bytes(recipe: Recipe, layer: int, kernels: str) -> float:
@@ -186,7 +237,8 @@ def _stage_plan(recipe: Recipe, first: bool, last: bool, recompute: bool | None,
     head = counts.output / par.tp if last else 0.0
     if m.tie_word_embeddings:  # the embedding is the head; a pipeline's last stage holds a copy of it
         head, embedding = embedding + (counts.embedding / par.tp if last and not first else 0.0), 0.0
-    dense = sum(counts.dense_per_layer[i] for i in layers) / par.tp + embedding
+    dense = (sum(counts.dense_per_layer[i] for i in layers) / par.tp + sum(counts.replicated_per_layer[i] for i in layers)
+             + embedding)
     experts = sum(counts.experts_per_layer[i] for i in layers) / (par.ep * par.expert_tp_size)
     final_norm = counts.final_norm if last else 0.0
     weight_bytes = _body_bytes(recipe, kernels)
@@ -195,7 +247,8 @@ def _stage_plan(recipe: Recipe, first: bool, last: bool, recompute: bool | None,
     dp = par.dp_size(recipe.cluster.trainer_gpus)
     expert_dp = max(1, recipe.cluster.trainer_gpus // (par.pp * par.ep * par.expert_tp_size))
     plan = MemoryPlan(f"trainer ({'first' if first else 'last'} pipeline stage)" if par.pp > 1 else "trainer")
-    plan.parts["weights"] = (dense + experts + final_norm) * weight_bytes + head * head_bytes
+    router_bias = sum(counts.router_bias_per_layer[i] for i in layers)  # FP32, beside megatron's FP32 token counts
+    plan.parts["weights"] = (dense + experts + final_norm) * weight_bytes + head * head_bytes + router_bias * 8
     plan.parts["gradients (fp32)"] = (dense + experts + final_norm + head) * 4
     optimizer_bytes = 12 if bf16 else 8  # two FP32 moments, and an FP32 master copy of 16-bit weights
     plan.parts["optimizer (distributed)"] = (((dense + final_norm) / dp + experts / expert_dp) * optimizer_bytes
@@ -207,7 +260,8 @@ def _stage_plan(recipe: Recipe, first: bool, last: bool, recompute: bool | None,
     in_flight = min(par.pp, micro_batches) if first else 1  # 1F1B: the first stage holds pp micro-batches
     per_layer = [_layer_activation_bytes(recipe, rows, seq, i, kernels, recompute) for i in layers]
     activations = sum(per_layer) * in_flight
-    if recompute and any(layer_plan(m, i).rope for i in layers):  # the FP32 RoPE table the checkpoints keep, once
+    # the FP32 RoPE table the checkpoints keep, once (multi-latent attention makes its own inside the layer)
+    if recompute and any(layer_plan(m, i).rope and not layer_plan(m, i).latent_attention for i in layers):
         activations += seq * m.head_dim * 4
     if last:  # the final norm's
         activations += tokens * _norm_bytes(recipe, kernels) / (par.tp if par.sequence_parallel and par.tp > 1 else 1)
@@ -235,7 +289,10 @@ def generator_plan(recipe: Recipe) -> MemoryPlan:
     head = counts.output
     if recipe.model.tie_word_embeddings and head_bytes != serve_bytes:  # an FP32 copy beside the embedding
         head = counts.embedding
-    plan.parts["weights"] = ((counts.total - counts.output) * serve_bytes + head * head_bytes) / tp
+    replicated, router_bias = sum(counts.replicated_per_layer), sum(counts.router_bias_per_layer)
+    split = counts.total - counts.output - replicated - router_bias + _absorbed_kv_up(recipe)
+    plan.parts["weights"] = ((split * serve_bytes + head * head_bytes) / tp + replicated * serve_bytes
+                             + router_bias * 4)
     plan.parts["kv cache, one full-length sequence"] = kv_bytes_per_sequence(recipe)
     plan.parts["runtime reserve"] = RUNTIME_RESERVE_GIB * GIB
     plan.notes.append(f"tp {tp}; a sequence is up to {_sequence_tokens(recipe)} tokens; vLLM may use "
@@ -243,17 +300,27 @@ def generator_plan(recipe: Recipe) -> MemoryPlan:
     return plan
 
 
+def _absorbed_kv_up(recipe: Recipe) -> int:
+    """Parameters vLLM's GPU multi-latent attention holds twice: kv_b_proj (prefill) and its absorbed copies W_UK_T,
+    W_UV (decode), split by heads over generator_tp."""
+    m = recipe.model
+    per_layer = m.kv_lora_rank * m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim) if m.kv_lora_rank else 0
+    return sum(per_layer for i in range(m.num_layers) if layer_plan(m, i).latent_attention)
+
+
 def _sequence_tokens(recipe: Recipe) -> int:
     return recipe.rollout.max_prompt_tokens + recipe.rollout.max_new_tokens
 
 
 def kv_bytes_per_sequence(recipe: Recipe) -> float:
-    """KV-cache bytes per GPU of one full-length sequence on a generator (KV heads split by generator_tp, replicated
-    when it exceeds them)."""
+    """KV-cache bytes per GPU of one full-length sequence on a generator. Per token and layer: GQA's k and v of each
+    KV head (heads split by generator_tp, replicated when it exceeds them); multi-latent attention's latent and RoPE
+    key, kv_lora_rank + qk_rope_head_dim values whatever the heads, on every TP rank (vLLM's MLA cache)."""
     m, tp = recipe.model, recipe.parallelism.generator_tp
     kv_heads = max(1, m.num_query_groups // tp)
-    serve_bytes = _body_bytes(recipe)
-    return _sequence_tokens(recipe) * m.num_layers * 2 * kv_heads * m.head_dim * serve_bytes
+    per_token = sum(m.kv_lora_rank + m.qk_rope_head_dim if layer_plan(m, i).latent_attention
+                    else 2 * kv_heads * m.head_dim for i in range(m.num_layers))
+    return _sequence_tokens(recipe) * per_token * _body_bytes(recipe)
 
 
 def kv_sequences(recipe: Recipe, gpu_gib: float) -> int:

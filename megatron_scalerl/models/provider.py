@@ -87,8 +87,9 @@ def build_model(
         rotary_base=model_cfg.rope_theta,
         vp_stage=vp_stage,
     )
-    inv_freq = rope_inv_freq(model_cfg.head_dim, model_cfg.rope_theta, model_cfg.rope_scaling)
-    model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
+    if not config.multi_latent_attention:  # MLA's layers keep their own RoPE (plain or YaRN, megatron-core's)
+        inv_freq = rope_inv_freq(model_cfg.head_dim, model_cfg.rope_theta, model_cfg.rope_scaling)
+        model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
     adopt_output_layer(model, fp32=fp32_lm_head, vocab_size=model_cfg.vocab_size)
     if fp32_lm_head and model_cfg.tie_word_embeddings:  # the embedding is the head: FP32 too
         adopt_tied_embedding(model, body_dtype=params_dtype)

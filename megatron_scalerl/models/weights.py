@@ -126,6 +126,18 @@ def resolve_parameter_name(name: str, parameters: Mapping[str, Tensor]) -> str:
     raise KeyError(f"model has no parameter {name}")
 
 
+EXPERT_BIAS = ".router.expert_bias"  # megatron's name of a router's score-correction bias buffer
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The model's parameters and the checkpoint tensors it keeps as buffers, by name: megatron's routers'
+    `expert_bias` (DeepSeek-V3's score-correction bias, FP32, which is read from and written to checkpoints and
+    weight syncs but never trained)."""
+    tensors = dict(model.named_parameters())
+    tensors.update((name, buffer) for name, buffer in model.named_buffers() if name.endswith(EXPERT_BIAS))
+    return tensors
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The GPTModel inside megatron's DDP / Float16Module wrappers (their `module` attribute)."""
     while hasattr(model, "module"):
@@ -136,7 +148,7 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 def load_hf_state(model: torch.nn.Module, hf_state: Mapping[str, Tensor], model_cfg: ModelConfig) -> None:
     """Copy HF weights into `model` (this rank's shard); every model parameter must be covered, shapes must match."""
     model = unwrap_model(model)
-    params = dict(model.named_parameters())
+    params = model_tensors(model)
     state = hf_to_megatron_state(hf_state, model_cfg, RankLayout.current(model.config))
     filled = set()
     with torch.no_grad():
@@ -218,7 +230,7 @@ def export_hf_state(model: torch.nn.Module, model_cfg: ModelConfig, *, to_first_
     """
     model = unwrap_model(model)
     ranks = RankLayout.current(model.config)
-    params = dict(model.named_parameters())
+    params = model_tensors(model)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     etp_group = parallel_state.get_expert_tensor_parallel_group()
     ep_group = parallel_state.get_expert_model_parallel_group()
@@ -259,7 +271,7 @@ def export_hf_slices(model: torch.nn.Module, model_cfg: ModelConfig) -> Iterator
     (each EP rank its own experts, each expert-TP rank its shard). Views of the live parameters (model dtypes)."""
     model = unwrap_model(model)
     ranks = RankLayout.current(model.config)
-    params = dict(model.named_parameters())
+    params = model_tensors(model)
     dense = parallel_state.get_data_parallel_rank() == 0
     experts = parallel_state.get_expert_data_parallel_rank() == 0
     experts_per_rank = model_cfg.num_experts // ranks.ep_size if model_cfg.is_moe else 0

@@ -312,6 +312,18 @@ def patch_jit_fuser() -> None:
     torch._dynamo.config.disable = True
 
 
+# 9. multi-latent attention without Transformer Engine ---------------------------------------------------------------
+
+
+def patch_mla_without_te() -> None:
+    """megatron's MLA module sets HAVE_TE when TE's wrapper module imports, which it does without TE (its classes
+    are then MagicMocks), and `isinstance(layer, TELinear)` fails: tell it TE is absent."""
+    from megatron.core.transformer import multi_latent_attention
+
+    require_megatron_attr(multi_latent_attention, "HAVE_TE")
+    multi_latent_attention.HAVE_TE = False
+
+
 # ------------------------------------------------------------------------------------------------------------------
 
 
@@ -351,5 +363,6 @@ def install_cpu_compat() -> None:
     patch_alltoall_splits()
     patch_uneven_collectives()
     patch_jit_fuser()
+    patch_mla_without_te()
     _installed = True
 

@@ -47,29 +47,45 @@ class TorchNorm:
         return norm
 
 
-def base_layer_spec(*, num_experts: int | None, qk_norm: str | None) -> ModuleSpec:
+def base_layer_spec(*, num_experts: int | None, qk_norm: str | None, latent_attention: bool = False) -> ModuleSpec:
     """megatron-core's GPT layer spec for the chosen backend (RMSNorm, sequential experts when MoE), with q/k norms
     as `qk_norm` says (`families.spec.LayerPlan`): "l2" (parameter-free), "rms" (RMSNorm over each head's
     head_dim, a weight of its own; the TransformerConfig must say `qk_layernorm=True` too, so that megatron
     all-reduces those weights' gradients over TP) or None.
+
+    `latent_attention`: megatron-core's multi-latent attention (`MLASelfAttention`) with the RMSNorms of its q and
+    kv latents. The down-projections are whole on every TP rank on both backends, as Transformer Engine's spec has
+    them: megatron's local spec makes them column-parallel and gathers their outputs, and that gather's backward
+    keeps only this rank's heads' share of the shared RoPE key's gradient (wrong gradients at TP > 1); whole, with
+    sequence parallelism (which the recipe rules require for it at TP > 1), the key's sequence gather sums that
+    gradient over TP. The local spec keeps the latents' norms as modules of their own (`q_layernorm`,
+    `kv_layernorm`), TE's fuses them into the up-projections (`linear_q_up_proj.layer_norm_weight`). The local core
+    attention takes one head size only: the family replaces it (`families/deepseek_v3/model/attention.py`).
 
     Experts are `SequentialMLP` on both backends (grouped GEMM is unavailable on CPU and would change the expert
     parameter names that the HF mapping relies on).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
-    norms = dict(qk_l2_norm=qk_norm == "l2", qk_layernorm=qk_norm == "rms")
+    norms = dict(qk_l2_norm=qk_norm == "l2", qk_layernorm=qk_norm == "rms" or latent_attention)
     if use_transformer_engine():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, **norms
+            num_experts=num_experts, moe_grouped_gemm=False, multi_latent_attention=latent_attention, **norms
         )
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm", **norms
+        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
+        multi_latent_attention=latent_attention, **norms
     )
     spec.submodules.input_layernorm = TorchNorm
     spec.submodules.pre_mlp_layernorm = TorchNorm
-    if qk_norm == "rms":  # megatron's WrappedTorchNorm refuses sequence parallelism, which MoE at TP > 1 needs
-        attention = spec.submodules.self_attention.submodules
+    # megatron's WrappedTorchNorm refuses sequence parallelism, which MoE at TP > 1 needs
+    attention = spec.submodules.self_attention.submodules
+    if latent_attention:
+        from megatron.core.post_training.modelopt.layers import Linear  # megatron's whole-on-every-rank linear
+
+        attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear
+        attention.q_layernorm = attention.kv_layernorm = TorchNorm
+    elif qk_norm == "rms":
         attention.q_layernorm = attention.k_layernorm = TorchNorm
     return spec
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from megatron_scalerl import families
+
 if TYPE_CHECKING:
     from megatron_scalerl.recipe import ModelConfig, ParallelismConfig, Recipe
 
@@ -33,6 +35,10 @@ def layout_problems(m: ModelConfig, p: ParallelismConfig) -> list[tuple[str, str
                                                  f"model.moe_ffn_hidden_size={m.moe_ffn_hidden_size}"))
         if p.tp > 1 and not p.sequence_parallel:
             out.append(("parallelism.sequence_parallel", f"MoE with tp={p.tp} > 1 needs sequence_parallel: true"))
+    elif p.tp > 1 and not p.sequence_parallel and families.layer_plan(m, 0).latent_attention:
+        # its shared RoPE key's gradient is summed over TP by the sequence gather (platform/layer_backend.py)
+        out.append(("parallelism.sequence_parallel",
+                    f"multi-latent attention with tp={p.tp} > 1 needs sequence_parallel: true"))
     return out
 
 

@@ -15,7 +15,7 @@ import torch
 from megatron_scalerl.checkpoint.sharded import load_model_weights, require_model_config
 from megatron_scalerl.checkpoint.store import MANIFEST, require_complete
 from megatron_scalerl.models import build_model, load_hf_state, read_hf_checkpoint
-from megatron_scalerl.models.weights import unwrap_model
+from megatron_scalerl.models.weights import EXPERT_BIAS, unwrap_model
 from megatron_scalerl.platform import initialize_model_parallel
 from megatron_scalerl.platform.megatron_optimizer import prepare_optimizer
 from megatron_scalerl.platform.precision import trainer_dtype
@@ -76,7 +76,6 @@ def build_model_chunks(recipe: Recipe, *, hidden_states_out: bool = True) -> lis
     keeps megatron's logits [b, s, padded vocab / tp] instead (what `scalerl verify` compares with HF)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.transformer.module import Float16Module
 
     require_init_from_matches(recipe)  # an HF init_from of another model: refused before any weight is built
     dtype = trainer_dtype(recipe)
@@ -91,10 +90,24 @@ def build_model_chunks(recipe: Recipe, *, hidden_states_out: bool = True) -> lis
     config = gpt.config
     config.variable_seq_lengths = True  # micro-batches are padded to their own longest row
     config.finalize_model_grads_func = finalize_model_grads
-    model = Float16Module(config, gpt) if dtype != torch.float32 else gpt
+    model = _float16_module(config, gpt) if dtype != torch.float32 else gpt
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=True)
     return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
+
+
+def _float16_module(config, gpt: torch.nn.Module) -> torch.nn.Module:  # noqa: ANN001
+    """megatron's `Float16Module` around `gpt`, which casts every buffer to the body dtype too; the routers' expert
+    bias (DeepSeek-V3's score-correction bias: a checkpoint tensor, FP32 in vLLM, never trained) is put back in FP32
+    bit for bit (megatron would only cast the rounded value back)."""
+    from megatron.core.transformer.module import Float16Module
+
+    kept = {name: tensor.detach().clone() for name, tensor in gpt.named_buffers() if name.endswith(EXPERT_BIAS)}
+    wrapped = Float16Module(config, gpt)
+    buffers = dict(gpt.named_buffers())
+    for name, value in kept.items():
+        buffers[name].data = value
+    return wrapped
 
 
 def optimizer_config(recipe: Recipe):

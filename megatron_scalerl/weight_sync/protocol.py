@@ -52,10 +52,17 @@ def head_tensor(tied: bool) -> str:
     return EMBEDDING if tied else LM_HEAD
 
 
+# HF tensors vLLM keeps in FP32 whatever its dtype, sent in FP32 so that they arrive bit for bit: DeepSeek-V3's
+# routing bias (its score-correction bias picks the experts; it is never trained)
+FP32_TENSOR_SUFFIXES = (".e_score_correction_bias",)
+
+
 def wire_dtype(name: str, serving_dtype: torch.dtype, fp32_lm_head: bool, *, tied: bool) -> torch.dtype:
-    """The dtype an HF tensor travels in: FP32 for the LM head's tensor (`head_tensor(tied)`) with `fp32_lm_head`,
-    else the serving dtype."""
-    return torch.float32 if fp32_lm_head and name == head_tensor(tied) else serving_dtype
+    """The dtype an HF tensor travels in: FP32 for the LM head's tensor (`head_tensor(tied)`) with `fp32_lm_head`
+    and for the tensors vLLM keeps in FP32 (`FP32_TENSOR_SUFFIXES`), else the serving dtype."""
+    if (fp32_lm_head and name == head_tensor(tied)) or name.endswith(FP32_TENSOR_SUFFIXES):
+        return torch.float32
+    return serving_dtype
 
 
 def checksum(tensor: Tensor) -> str:

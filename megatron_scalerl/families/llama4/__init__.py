@@ -33,7 +33,7 @@ def _layer(model_cfg: ModelConfig, layer: int) -> LayerPlan:
         rope=rope,
         qk_norm="l2" if model_cfg.use_qk_norm and rope else None,
         attention_chunk=model_cfg.attention_chunk_size if rope else None,
-        shared_expert=True,
+        shared_experts=1,
         expert_input_weighted=True,
     )
 

@@ -1,0 +1,151 @@
+"""DeepSeek-V3 (HF DeepseekV3ForCausalLM, model_type deepseek_v3: DeepSeek-V3/R1, Moonlight), the family's pure side.
+
+Attention is multi-latent attention (MLA) on every layer: q through a low-rank projection `q_lora_rank` with its
+RMSNorm (or directly when it is null: Moonlight), k and v from one compressed latent of `kv_lora_rank` features with
+its RMSNorm, plus a RoPE part of `qk_rope_head_dim` features shared by all heads; each head's q/k is
+[`qk_nope_head_dim` without RoPE; `qk_rope_head_dim` with], its v `v_head_dim`. RoPE is plain or YaRN (`rope_scaling`
+rope_type yarn, with the softmax scale's mscale correction), always on de-interleaved pairs (HF `rope_interleave`).
+The KV cache holds the latent and the RoPE key: kv_lora_rank + qk_rope_head_dim features per token and layer.
+
+The MLP of layer i (global, 0-based) is dense (`ffn_hidden_size`, HF `intermediate_size`) for i <
+`first_k_dense_replace`, routed experts after it: sigmoid scores; the experts chosen by score + the checkpoint's
+score-correction bias (HF `e_score_correction_bias`, which RL does not train) among the best `topk_group` of
+`n_group` equal groups (a group scored by the sum of its two best biased scores); the chosen experts weighted by
+their unbiased scores, renormalised to sum to 1 and multiplied by `routed_scaling_factor`; `n_shared_experts`
+shared experts (one SwiGLU of n_shared_experts * moe_ffn_hidden_size) beside them. What megatron-core cannot compute
+the same way is refused, naming the field (`_model_problems`); multi-token-prediction layers and FP8 checkpoints are
+refused when their config.json is read. The torch side is `model/`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from megatron_scalerl.errors import UserError
+from megatron_scalerl.families.spec import FamilySpec, LayerPlan
+
+if TYPE_CHECKING:
+    from megatron_scalerl.recipe import ModelConfig
+
+# the config.json values of the routing we compute (released DeepSeek-V3/R1 and Moonlight files carry them; vLLM
+# reads them to choose its router)
+_TOPK_METHOD = "noaux_tc"
+_SCORING = "sigmoid"
+_GROUP_SCORE_TOP = 2  # HF scores an expert group by the sum of its top-2 biased scores
+
+
+def _layer(model_cfg: ModelConfig, layer: int) -> LayerPlan:
+    moe = model_cfg.is_moe and layer >= model_cfg.first_k_dense_replace
+    return LayerPlan(moe=moe, rope=True, qk_norm=None, attention_chunk=None,
+                     shared_experts=model_cfg.n_shared_experts if moe else 0, router_expert_bias=moe,
+                     latent_attention=True)
+
+
+def _hf_fields(model_cfg: ModelConfig) -> dict[str, Any]:
+    dense_layers = model_cfg.first_k_dense_replace if model_cfg.is_moe else model_cfg.num_layers
+    return dict(
+        intermediate_size=model_cfg.ffn_hidden_size,
+        moe_intermediate_size=model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size,
+        n_routed_experts=model_cfg.num_experts,
+        num_experts_per_tok=model_cfg.moe_router_topk,
+        n_shared_experts=model_cfg.n_shared_experts,
+        n_group=model_cfg.n_group,
+        topk_group=model_cfg.topk_group,
+        routed_scaling_factor=model_cfg.routed_scaling_factor,
+        norm_topk_prob=model_cfg.norm_topk_prob,
+        first_k_dense_replace=dense_layers,
+        moe_layer_freq=1,
+        topk_method=_TOPK_METHOD,
+        scoring_func=_SCORING,
+        q_lora_rank=model_cfg.q_lora_rank,
+        kv_lora_rank=model_cfg.kv_lora_rank,
+        qk_nope_head_dim=model_cfg.qk_nope_head_dim,
+        qk_rope_head_dim=model_cfg.qk_rope_head_dim,
+        v_head_dim=model_cfg.v_head_dim,
+        rope_interleave=True,
+        num_nextn_predict_layers=0,
+    )
+
+
+def _refuse(source: str, field: str, value: Any, why: str) -> None:
+    raise UserError(f"{source}: {field}={value!r}: {why}")
+
+
+def _model_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "?")
+        _refuse(source, "quantization_config", method, "an FP8 (quantized) checkpoint is not trained here: convert it "
+                "to bf16 first (DeepSeek's inference/fp8_cast_bf16.py) and drop quantization_config from config.json")
+    mtp = config.get("num_nextn_predict_layers", 0)
+    if mtp:
+        _refuse(source, "num_nextn_predict_layers", mtp, "multi-token-prediction layers are not trained here: set it "
+                "to 0 in config.json (their weights, the layers past num_hidden_layers, are then not read)")
+    for field, ours in (("topk_method", _TOPK_METHOD), ("scoring_func", _SCORING), ("rope_interleave", True),
+                        ("moe_layer_freq", 1)):
+        if config.get(field, ours) != ours:
+            _refuse(source, field, config[field], f"only {ours!r} is computed (DeepSeek-V3's)")
+    n = config["num_hidden_layers"]
+    experts = config.get("n_routed_experts") or 0
+    dense = config.get("first_k_dense_replace", 0)
+    moe = experts > 0 and dense < n
+    return dict(
+        head_dim=config["qk_rope_head_dim"],  # as transformers' DeepseekV3Config sets it
+        ffn_hidden_size=config["intermediate_size"],
+        num_experts=experts if moe else 0,
+        moe_ffn_hidden_size=config["moe_intermediate_size"] if moe else None,
+        moe_router_topk=config.get("num_experts_per_tok", 1) if moe else 1,
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)) if moe else True,
+        n_group=(config.get("n_group") or 1) if moe else 1,
+        topk_group=(config.get("topk_group") or 1) if moe else 1,
+        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)) if moe else 1.0,
+        n_shared_experts=(config.get("n_shared_experts") or 0) if moe else 0,
+        first_k_dense_replace=dense if moe else 0,
+        q_lora_rank=config.get("q_lora_rank"),
+        kv_lora_rank=config["kv_lora_rank"],
+        qk_nope_head_dim=config["qk_nope_head_dim"],
+        qk_rope_head_dim=config["qk_rope_head_dim"],
+        v_head_dim=config["v_head_dim"],
+    )
+
+
+def _model_problems(model_cfg: ModelConfig) -> list[tuple[str, str]]:
+    """What megatron-core's MLA and router cannot compute as DeepSeek-V3 does."""
+    problems = [(field, "multi-latent attention needs it") for field in
+                ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if getattr(model_cfg, field) is None]
+    if model_cfg.num_query_groups != model_cfg.num_attention_heads:
+        problems.append(("num_query_groups", "multi-latent attention gives every head its own k and v: "
+                                             "num_attention_heads (HF num_key_value_heads)"))
+    if model_cfg.qk_rope_head_dim is not None and model_cfg.head_dim != model_cfg.qk_rope_head_dim:
+        problems.append(("head_dim", "qk_rope_head_dim, as HF's DeepseekV3Config sets it"))
+    if model_cfg.moe_layer_interval != 1:
+        problems.append(("moe_layer_interval", "1: the dense layers are the first first_k_dense_replace"))
+    if not model_cfg.is_moe:
+        return problems
+    groups, chosen, topk = model_cfg.n_group, model_cfg.topk_group, model_cfg.moe_router_topk
+    if model_cfg.num_experts % groups:
+        problems.append(("n_group", f"must divide num_experts ({model_cfg.num_experts})"))
+    if chosen > groups:
+        problems.append(("topk_group", f"at most n_group ({groups})"))
+    elif groups > 1 and topk != _GROUP_SCORE_TOP * chosen:
+        problems.append(("topk_group", f"megatron scores a group by its top moe_router_topk / topk_group = "
+                                       f"{topk / chosen:g} experts, HF by its top {_GROUP_SCORE_TOP}: only "
+                                       f"moe_router_topk = {_GROUP_SCORE_TOP} x topk_group is computed as HF does"))
+    if not model_cfg.norm_topk_prob and topk > 1:
+        problems.append(("norm_topk_prob", "false is not computed: megatron renormalises the chosen experts' "
+                                           "sigmoid weights to sum to 1 when moe_router_topk > 1"))
+    return problems
+
+
+FAMILY = FamilySpec(
+    name="deepseek_v3",
+    hf_architecture="DeepseekV3ForCausalLM",
+    hf_model_type="deepseek_v3",
+    moe=True,
+    layer=_layer,
+    hf_fields=_hf_fields,
+    model_fields=_model_fields,
+    model_problems=_model_problems,
+    own_fields=("norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace"),
+    rope_types=("default", "yarn"),
+)
