@@ -50,6 +50,10 @@ def _qwen3_cfg(name: str) -> ModelConfig:
 
 
 def _model_cfg(name: str) -> ModelConfig:
+    if name.startswith("deepseek_"):  # tests/test_deepseek_v3_parity.py's models, by the GPU parity test's names
+        from tests.test_deepseek_v3_parity import _model_cfg as deepseek_v3_cfg
+
+        return deepseek_v3_cfg(name.removeprefix("deepseek_"))
     if name.startswith("qwen3"):
         return _qwen3_cfg(name)
     preset = "tiny_moe" if name.startswith("llama4") else "tiny_dense"

@@ -1,4 +1,5 @@
-"""HF parity on GPUs: tiny Llama-3 and Llama-4 checkpoints at TP2 and EP2 (and TP2 x EP2), NCCL, Transformer Engine.
+"""HF parity on GPUs: tiny Llama-3, Llama-4 and DeepSeek-V3 (with and without q LoRA: tests/test_deepseek_v3_parity.py's)
+checkpoints at TP2 and EP2 (and TP2 x EP2), NCCL, Transformer Engine (its MLA layers for DeepSeek-V3).
 
 The CPU parity tests' models, tokens and oracle (tests/test_models_parity.py, `verify.parity`) on one process per
 GPU: every layout runs twice, in fp32 through `verify.parity.run_layout` (what `scalerl verify logits`
@@ -30,7 +31,8 @@ FLOORS = {  # precision: (max |logit diff|, loss relative, grad norm relative)
 }
 LAYOUTS = {"tp2": dict(tp=2), "ep2": dict(ep=2), "tp2xep2-etp1": dict(tp=2, ep=2, expert_tp=1),
            "tp2xep2": dict(tp=2, ep=2)}
-TWO_GPUS = {"llama3": ["tp2"], "llama3_vocab263": ["tp2"], "llama4": ["tp2", "ep2", "tp2xep2-etp1"]}
+TWO_GPUS = {"llama3": ["tp2"], "llama3_vocab263": ["tp2"], "llama4": ["tp2", "ep2", "tp2xep2-etp1"],
+            "deepseek_v3": ["tp2", "ep2"], "deepseek_moonlight": ["tp2"]}  # Transformer Engine's MLA layers
 FOUR_GPUS = {"llama4": ["tp2xep2"]}  # expert TP2 x EP2: 4 ranks
 CASES = [pytest.param(arch, name, 2, id=f"{arch}-{name}") for arch, names in TWO_GPUS.items() for name in names] + [
     pytest.param(arch, name, 4, id=f"{arch}-{name}", marks=pytest.mark.gpu(gpus=4, te=True))
