@@ -39,6 +39,8 @@ def test_config_json_refusals(change, message):
 @pytest.mark.parametrize("change, message", [
     ({"moe_router_topk": 4}, "topk_group: megatron scores a group by its top moe_router_topk / topk_group = 4"),
     ({"norm_topk_prob": False}, "norm_topk_prob: false is not computed"),
+    ({"moe_router_topk": 1, "topk_group": 1, "n_group": 1}, "norm_topk_prob: true is not computed at moe_router_topk=1"),
+    ({"n_shared_experts": 0}, "n_shared_experts: at least 1"),
     ({"n_group": 3}, "n_group: must divide num_experts (8)"),
     ({"num_query_groups": 2}, "num_query_groups: multi-latent attention gives every head its own k and v"),
     ({"kv_lora_rank": None}, "kv_lora_rank: multi-latent attention needs it"),
@@ -49,6 +51,26 @@ def test_model_section_refusals(change, message):
     with pytest.raises(ValueError, match="arch deepseek_v3") as refused:
         ModelConfig.model_validate({**_tiny().model_dump(), **change})
     assert message in str(refused.value)
+
+
+def test_missing_keys_take_transformers_defaults_or_are_named():
+    config = {k: v for k, v in hf_config_dict(_tiny()).items() if k not in ("norm_topk_prob", "first_k_dense_replace")}
+    read = model_config_from_hf(config)
+    assert (read.norm_topk_prob, read.first_k_dense_replace) == (True, 3)  # transformers' DeepseekV3Config's
+    with pytest.raises(UserError, match="x/config.json: kv_lora_rank missing"):
+        model_config_from_hf({k: v for k, v in config.items() if k != "kv_lora_rank"}, "x/config.json")
+
+
+def test_the_routing_bias_travels_and_converts_in_fp32():
+    import torch
+
+    from megatron_scalerl.models.mapping import kept_fp32
+    from megatron_scalerl.weight_sync.protocol import wire_dtype
+
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert kept_fp32(bias) and not kept_fp32("model.layers.1.mlp.gate.weight")
+    assert wire_dtype(bias, torch.bfloat16, False, tied=False) == torch.float32
+    assert wire_dtype("model.layers.1.mlp.gate.weight", torch.bfloat16, True, tied=False) == torch.bfloat16
 
 
 def test_yarn_is_refused_for_a_family_that_does_not_compute_it():

@@ -80,6 +80,7 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         rotary_interleaved=parts.rotary_interleaved,
+        rotary_base=model_cfg.rope_theta,  # MLATransformerConfig's field: MLA's own RoPE, GPTModel's attribute
         no_rope_freq=no_rope if any(no_rope) else None,
         tensor_model_parallel_size=parallel_cfg.tp,
         pipeline_model_parallel_size=parallel_cfg.pp,

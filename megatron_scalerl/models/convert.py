@@ -36,11 +36,11 @@ import torch
 from megatron_scalerl.checkpoint.sharded import checkpoint_model_config, load_model_weights, save_sharded
 from megatron_scalerl.checkpoint.store import publish, read_rl_state, require_complete, sha256_file
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.families import hf_config_dict
+from megatron_scalerl.families import FAMILIES, hf_config_dict
 from megatron_scalerl.fileio import DEFAULT_FILE_MODE, fsync_tree, replace_durably
 from megatron_scalerl.models.arch import check_model_layout
 from megatron_scalerl.models.hf_io import INDEX_FILE, LazyHFState, hf_tensor_shapes
-from megatron_scalerl.models.mapping import hf_parameter_names
+from megatron_scalerl.models.mapping import hf_parameter_names, kept_fp32
 from megatron_scalerl.models.tokenizer import TOKENIZER_FILES
 from megatron_scalerl.platform.distributed import initialize_model_parallel
 from megatron_scalerl.platform.local_workers import WorkerError, run_local_workers
@@ -146,7 +146,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, parallelism: Parallelism
     check_model_layout(model_cfg, parallelism)
     body = dtype or dtypes[BODY]
     head = dtype or dtypes[_head_name(model_cfg)]
-    hf_dtypes = {name: dtype or stored for name, stored in dtypes.items()}
+    hf_dtypes = {name: stored if kept_fp32(name) else dtype or stored for name, stored in dtypes.items()}
     _run(_hf_to_megatron_worker, parallelism, model_cfg.model_dump_json(), str(hf_dir),
          parallelism.model_dump_json(), body, head, hf_dtypes, str(out), timeout_s=timeout_s)
     return out
@@ -233,6 +233,7 @@ def _megatron_to_hf_worker(rank: int, model_cfg_json: str, ckpt: str, parallelis
         for name, tensor in export_hf_state(gpt, model_cfg, to_first_rank=True):
             if writer is not None:
                 target = out_dtypes.get(name) if isinstance(out_dtypes, dict) else out_dtypes
+                target = None if kept_fp32(name) and target else target  # kept as the model holds it: FP32
                 writer.add(name, tensor.to(DTYPES[target]) if target else tensor)
         return writer.close() if writer is not None else []
     finally:
@@ -298,7 +299,11 @@ def _finish_hf_dir(tmp: Path, files: list[tuple[str, list[str], str]], model_cfg
     (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
                                               "weight_map": dict(sorted(weight_map.items()))}, indent=2))
     copied = _copy_hf_extras(extras, tmp) if extras is not None else []
-    config = json.loads((tmp / "config.json").read_text()) if "config.json" in copied else hf_config_dict(model_cfg)
+    if "config.json" in copied:  # the source's, plus the family's keys it lacks (DeepSeek-V3's topk_method and
+        # scoring_func, which vLLM reads and transformers' save_pretrained drops)
+        config = {**FAMILIES[model_cfg.arch].hf_fields(model_cfg), **json.loads((tmp / "config.json").read_text())}
+    else:
+        config = hf_config_dict(model_cfg)
     config["torch_dtype"] = body_dtype
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / CHECKSUMS_FILE).write_text("\n".join(checksums) + "\n")

@@ -160,9 +160,21 @@ def router_rule(hf: str) -> TensorRule:
     return TensorRule(_L + "mlp.router.weight", (hf,))
 
 
+# HF tensors kept in FP32 whatever the model's dtype (vLLM builds them FP32; conversion and weight sync keep them so,
+# bit for bit): DeepSeek-V3's routing bias (`router_bias_rule`), a checkpoint tensor that picks experts and is never
+# trained
+KEPT_FP32_SUFFIXES = (".e_score_correction_bias",)
+
+
+def kept_fp32(hf_name: str) -> bool:
+    """Whether HF tensor `hf_name` stays FP32 whatever dtype the rest of the model is written or sent in."""
+    return hf_name.endswith(KEPT_FP32_SUFFIXES)
+
+
 def router_bias_rule(hf: str) -> TensorRule:
     """The router's score-correction bias [num_experts] (FP32; megatron's `router.expert_bias` buffer, which the
-    trainer never updates: DeepSeek-V3's `mlp.gate.e_score_correction_bias`), named `hf` in HF."""
+    trainer never updates: DeepSeek-V3's `mlp.gate.e_score_correction_bias`), named `hf` in HF (`KEPT_FP32_SUFFIXES`
+    names its suffix)."""
     return TensorRule(_L + "mlp.router.expert_bias", (hf,))
 
 

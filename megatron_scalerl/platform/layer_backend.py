@@ -72,6 +72,9 @@ def base_layer_spec(*, num_experts: int | None, qk_norm: str | None, latent_atte
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=False, multi_latent_attention=latent_attention, **norms
         )
+    if latent_attention and torch.cuda.is_available():
+        raise RuntimeError("multi-latent attention on a GPU needs Transformer Engine (megatron's local MLA layers "
+                           "run here on CPUs only): install it (pip install -e '.[gpu]')")
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
         multi_latent_attention=latent_attention, **norms

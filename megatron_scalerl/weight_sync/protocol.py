@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_scalerl.models.mapping import kept_fp32
+
 # The worker extension's refusal to convert the LM head while a weight update holds it empty (callers retry on it).
 WEIGHT_UPDATE_IN_PROGRESS = "the LM head is being reloaded by a weight update"
 # The only tensor that keeps FP32 on the wire and on the server when `fp32_lm_head` is on: the LM head, which with
@@ -52,15 +54,10 @@ def head_tensor(tied: bool) -> str:
     return EMBEDDING if tied else LM_HEAD
 
 
-# HF tensors vLLM keeps in FP32 whatever its dtype, sent in FP32 so that they arrive bit for bit: DeepSeek-V3's
-# routing bias (its score-correction bias picks the experts; it is never trained)
-FP32_TENSOR_SUFFIXES = (".e_score_correction_bias",)
-
-
 def wire_dtype(name: str, serving_dtype: torch.dtype, fp32_lm_head: bool, *, tied: bool) -> torch.dtype:
     """The dtype an HF tensor travels in: FP32 for the LM head's tensor (`head_tensor(tied)`) with `fp32_lm_head`
-    and for the tensors vLLM keeps in FP32 (`FP32_TENSOR_SUFFIXES`), else the serving dtype."""
-    if (fp32_lm_head and name == head_tensor(tied)) or name.endswith(FP32_TENSOR_SUFFIXES):
+    and for the tensors kept FP32 (`models.mapping.kept_fp32`: vLLM holds them FP32), else the serving dtype."""
+    if (fp32_lm_head and name == head_tensor(tied)) or kept_fp32(name):
         return torch.float32
     return serving_dtype
 

@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 _TOPK_METHOD = "noaux_tc"
 _SCORING = "sigmoid"
 _GROUP_SCORE_TOP = 2  # HF scores an expert group by the sum of its top-2 biased scores
+_REQUIRED = ("intermediate_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# transformers' DeepseekV3Config defaults, for the routing keys a config.json leaves out
+_HF_DEFAULTS = dict(n_routed_experts=256, moe_intermediate_size=2048, num_experts_per_tok=8, norm_topk_prob=True,
+                    n_group=8, topk_group=4, routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=3)
 
 
 def _layer(model_cfg: ModelConfig, layer: int) -> LayerPlan:
@@ -84,23 +88,27 @@ def _model_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
                         ("moe_layer_freq", 1)):
         if config.get(field, ours) != ours:
             _refuse(source, field, config[field], f"only {ours!r} is computed (DeepSeek-V3's)")
+    missing = [key for key in _REQUIRED if config.get(key) is None]
+    if missing:
+        raise UserError(f"{source}: {', '.join(missing)} missing (a DeepSeek-V3 config.json states them)")
+    config = {**_HF_DEFAULTS, **{key: value for key, value in config.items() if value is not None}}
     n = config["num_hidden_layers"]
-    experts = config.get("n_routed_experts") or 0
-    dense = config.get("first_k_dense_replace", 0)
+    experts = config["n_routed_experts"]
+    dense = config["first_k_dense_replace"]
     moe = experts > 0 and dense < n
     return dict(
         head_dim=config["qk_rope_head_dim"],  # as transformers' DeepseekV3Config sets it
         ffn_hidden_size=config["intermediate_size"],
         num_experts=experts if moe else 0,
         moe_ffn_hidden_size=config["moe_intermediate_size"] if moe else None,
-        moe_router_topk=config.get("num_experts_per_tok", 1) if moe else 1,
-        norm_topk_prob=bool(config.get("norm_topk_prob", False)) if moe else True,
-        n_group=(config.get("n_group") or 1) if moe else 1,
-        topk_group=(config.get("topk_group") or 1) if moe else 1,
-        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)) if moe else 1.0,
-        n_shared_experts=(config.get("n_shared_experts") or 0) if moe else 0,
+        moe_router_topk=config["num_experts_per_tok"] if moe else 1,
+        norm_topk_prob=bool(config["norm_topk_prob"]) if moe else True,
+        n_group=config["n_group"] if moe else 1,
+        topk_group=config["topk_group"] if moe else 1,
+        routed_scaling_factor=float(config["routed_scaling_factor"]) if moe else 1.0,
+        n_shared_experts=config["n_shared_experts"] if moe else 0,
         first_k_dense_replace=dense if moe else 0,
-        q_lora_rank=config.get("q_lora_rank"),
+        q_lora_rank=config.get("q_lora_rank"),  # null: q projected directly (Moonlight)
         kv_lora_rank=config["kv_lora_rank"],
         qk_nope_head_dim=config["qk_nope_head_dim"],
         qk_rope_head_dim=config["qk_rope_head_dim"],
@@ -130,9 +138,12 @@ def _model_problems(model_cfg: ModelConfig) -> list[tuple[str, str]]:
         problems.append(("topk_group", f"megatron scores a group by its top moe_router_topk / topk_group = "
                                        f"{topk / chosen:g} experts, HF by its top {_GROUP_SCORE_TOP}: only "
                                        f"moe_router_topk = {_GROUP_SCORE_TOP} x topk_group is computed as HF does"))
-    if not model_cfg.norm_topk_prob and topk > 1:
-        problems.append(("norm_topk_prob", "false is not computed: megatron renormalises the chosen experts' "
-                                           "sigmoid weights to sum to 1 when moe_router_topk > 1"))
+    if model_cfg.norm_topk_prob != (topk > 1):
+        problems.append(("norm_topk_prob", f"{str(model_cfg.norm_topk_prob).lower()} is not computed at "
+                                           f"moe_router_topk={topk}: megatron renormalises the chosen experts' sigmoid "
+                                           "weights to sum to 1 when, and only when, moe_router_topk > 1"))
+    if model_cfg.n_shared_experts == 0:
+        problems.append(("n_shared_experts", "at least 1 (the released models' 1 or 2; none is not mapped)"))
     return problems
 
 

@@ -12,7 +12,6 @@ HF names the router `mlp.gate` and keeps one tensor per expert (`mlp.experts.{e}
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING, Any
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -42,11 +41,10 @@ if TYPE_CHECKING:
 def _layer_spec(model_cfg: ModelConfig, layer: int) -> ModuleSpec:
     plan = FAMILY.layer(model_cfg, layer)
     spec = base_layer_spec(num_experts=model_cfg.num_experts if plan.moe else None, qk_norm=None,
-                           latent_attention=True)
+                           latent_attention=plan.latent_attention)
     attention = spec.submodules.self_attention.submodules
     if attention.core_attention is DotProductAttention:  # megatron's local layers (TE's attention takes both sizes)
-        spec = copy.deepcopy(spec)
-        spec.submodules.self_attention.submodules.core_attention = LatentCoreAttention
+        attention.core_attention = LatentCoreAttention  # (base_layer_spec builds a fresh spec each call)
     return spec
 
 
@@ -61,7 +59,6 @@ def _config_fields(model_cfg: ModelConfig) -> dict[str, Any]:
         qk_head_dim=model_cfg.qk_nope_head_dim,
         qk_pos_emb_head_dim=model_cfg.qk_rope_head_dim,
         v_head_dim=model_cfg.v_head_dim,
-        rotary_base=model_cfg.rope_theta,
         rope_type="yarn" if yarn else "rope",
         # without YaRN megatron's softmax scale still reads these: 1 and 0 make its mscale 1
         rotary_scaling_factor=rope.factor if yarn else 1.0,
