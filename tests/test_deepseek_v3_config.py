@@ -73,6 +73,18 @@ def test_the_routing_bias_travels_and_converts_in_fp32():
     assert wire_dtype("model.layers.1.mlp.gate.weight", torch.bfloat16, True, tied=False) == torch.bfloat16
 
 
+@pytest.mark.parametrize("rope, message", [
+    ({"mscale": 2.0, "mscale_all_dim": 0.0}, "mscale=2.0 with mscale_all_dim=0.0: transformers and megatron"),
+    ({"attention_factor": 1.3}, "attention_factor=1.3 is not supported"),
+    ({"truncate": False}, "truncate=False is not supported"),
+])
+def test_yarn_settings_megatron_computes_otherwise_are_refused(rope, message):
+    config = hf_config_dict(_tiny())
+    config["rope_parameters"] = {**config["rope_parameters"], **rope}
+    with pytest.raises(UserError, match=f"x/config.json: rope_parameters {message}"):
+        model_config_from_hf(config, "x/config.json")
+
+
 def test_yarn_is_refused_for_a_family_that_does_not_compute_it():
     qwen3 = load_recipe("scalerl", model_preset="tiny_qwen3").model.model_dump()
     yarn = _tiny().rope_scaling.model_dump()

@@ -84,15 +84,7 @@ def _rope(config: dict[str, Any], source: str) -> tuple[float, dict[str, float |
         raise UserError(f"{source}: {key} rope_type {kind!r} is not supported (default, {LLAMA3_ROPE} or {YARN_ROPE})")
     try:
         if kind == YARN_ROPE:
-            return float(theta), dict(
-                rope_type=YARN_ROPE,
-                factor=float(params["factor"]),
-                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-                beta_fast=float(params.get("beta_fast", 32.0)),
-                beta_slow=float(params.get("beta_slow", 1.0)),
-                mscale=float(params.get("mscale", 1.0)),
-                mscale_all_dim=float(params.get("mscale_all_dim", 0.0)),
-            )
+            return float(theta), _yarn(params, f"{source}: {key}")
         return float(theta), dict(
             rope_type=LLAMA3_ROPE,
             factor=float(params["factor"]),
@@ -102,6 +94,31 @@ def _rope(config: dict[str, Any], source: str) -> tuple[float, dict[str, float |
         )
     except KeyError as exc:
         raise UserError(f"{source}: {kind} rope scaling lacks {exc.args[0]}") from None
+
+
+def _yarn(params: dict[str, Any], where: str) -> dict[str, Any]:
+    """The recipe's YaRN `rope_scaling` from HF's: what transformers computes, or refused. transformers applies the
+    mscale ratio only when both mscale and mscale_all_dim are non-zero (else the plain 0.1 ln(factor) + 1), and
+    megatron always applies it: the settings where the two differ are refused, as are keys megatron has no field
+    for."""
+    for unsupported in ("attention_factor", "truncate"):
+        if unsupported in params and not (unsupported == "truncate" and params[unsupported] is True):
+            raise UserError(f"{where} {unsupported}={params[unsupported]!r} is not supported")
+    if params.get("factor") is None:
+        raise UserError(f"{where}: yarn rope scaling lacks factor")
+    mscale, mscale_all_dim = params.get("mscale") or 0.0, params.get("mscale_all_dim") or 0.0
+    if not (mscale and mscale_all_dim) and mscale not in (0.0, 1.0) or (mscale_all_dim and not mscale):
+        raise UserError(f"{where} mscale={mscale} with mscale_all_dim={mscale_all_dim}: transformers and megatron "
+                        "compute this YaRN scale differently; both set (DeepSeek-V3: 1.0 and 1.0) or neither")
+    return dict(
+        rope_type=YARN_ROPE,
+        factor=float(params["factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(mscale or 1.0),
+        mscale_all_dim=float(mscale_all_dim),
+    )
 
 
 def every_nth(flags: list[bool], source: str, field: str) -> int | None:
