@@ -92,10 +92,9 @@ def _model_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
     if missing:
         raise UserError(f"{source}: {', '.join(missing)} missing (a DeepSeek-V3 config.json states them)")
     config = {**_HF_DEFAULTS, **{key: value for key, value in config.items() if value is not None}}
-    n = config["num_hidden_layers"]
     experts = config["n_routed_experts"]
+    moe = experts > 0  # (routed experts on the layers from first_k_dense_replace on: none when it is past the last)
     dense = config["first_k_dense_replace"]
-    moe = experts > 0 and dense < n
     return dict(
         head_dim=config["qk_rope_head_dim"],  # as transformers' DeepseekV3Config sets it
         ffn_hidden_size=config["intermediate_size"],
