@@ -232,8 +232,10 @@ def _megatron_to_hf_worker(rank: int, model_cfg_json: str, ckpt: str, parallelis
         writer = _ShardWriter(Path(tmp_out), f"stage{stage:03d}", shard_bytes, total) if writes else None
         for name, tensor in export_hf_state(gpt, model_cfg, to_first_rank=True):
             if writer is not None:
-                target = out_dtypes.get(name) if isinstance(out_dtypes, dict) else out_dtypes
-                target = None if kept_fp32(name) and target else target  # kept as the model holds it: FP32
+                # the dtype each tensor came in (a converted checkpoint's record), else --dtype but for the tensors
+                # kept FP32 (written as the model holds them)
+                target = out_dtypes.get(name) if isinstance(out_dtypes, dict) else (
+                    None if kept_fp32(name) else out_dtypes)
                 writer.add(name, tensor.to(DTYPES[target]) if target else tensor)
         return writer.close() if writer is not None else []
     finally:
