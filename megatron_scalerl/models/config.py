@@ -48,6 +48,8 @@ def transformer_config(
     moe: dict = {}
     if model_cfg.is_moe:
         aux = model_cfg.moe_aux_loss_coeff
+        moe_layers = [plan for plan in layers if plan.moe]
+        shared = max((plan.shared_experts for plan in moe_layers), default=0)
         moe = dict(
             num_moe_experts=model_cfg.num_experts,
             moe_ffn_hidden_size=model_cfg.moe_ffn_hidden_size,
@@ -58,7 +60,13 @@ def transformer_config(
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
             moe_layer_freq=[int(plan.moe) for plan in layers],
-            moe_apply_probs_on_input=any(plan.expert_input_weighted for plan in layers if plan.moe),
+            moe_apply_probs_on_input=any(plan.expert_input_weighted for plan in moe_layers),
+            # shared experts: one SwiGLU of their count times the routed size (LayerPlan.shared_experts)
+            moe_shared_expert_intermediate_size=shared * model_cfg.moe_ffn_hidden_size if shared else None,
+            # a checkpoint's score-correction bias (LayerPlan.router_expert_bias): an FP32 buffer, never moved by
+            # training (megatron's update runs at rate 0)
+            moe_router_enable_expert_bias=any(plan.router_expert_bias for plan in moe_layers),
+            moe_router_bias_update_rate=0.0,
             # each router asks its RouterReplay for its top-k; with no replay action set (the default) it computes
             # its own, unchanged. The trainer sets the actions (trainer/routing_replay.py).
             moe_enable_routing_replay=True,

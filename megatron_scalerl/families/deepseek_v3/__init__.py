@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 _TOPK_METHOD = "noaux_tc"
 _SCORING = "sigmoid"
 _GROUP_SCORE_TOP = 2  # HF scores an expert group by the sum of its top-2 biased scores
-_REQUIRED = ("intermediate_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# multi-latent attention's sizes: model-section fields named as their HF keys (q_lora_rank may be null)
+_LATENT = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_REQUIRED = ("intermediate_size", *_LATENT[1:])
 # transformers' DeepseekV3Config defaults, for the routing keys a config.json leaves out
 _HF_DEFAULTS = dict(n_routed_experts=256, moe_intermediate_size=2048, num_experts_per_tok=8, norm_topk_prob=True,
                     n_group=8, topk_group=4, routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=3)
@@ -61,11 +63,7 @@ def _hf_fields(model_cfg: ModelConfig) -> dict[str, Any]:
         moe_layer_freq=1,
         topk_method=_TOPK_METHOD,
         scoring_func=_SCORING,
-        q_lora_rank=model_cfg.q_lora_rank,
-        kv_lora_rank=model_cfg.kv_lora_rank,
-        qk_nope_head_dim=model_cfg.qk_nope_head_dim,
-        qk_rope_head_dim=model_cfg.qk_rope_head_dim,
-        v_head_dim=model_cfg.v_head_dim,
+        **{field: getattr(model_cfg, field) for field in _LATENT},
         rope_interleave=True,
         num_nextn_predict_layers=0,
     )
@@ -92,33 +90,30 @@ def _model_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
     if missing:
         raise UserError(f"{source}: {', '.join(missing)} missing (a DeepSeek-V3 config.json states them)")
     config = {**_HF_DEFAULTS, **{key: value for key, value in config.items() if value is not None}}
-    experts = config["n_routed_experts"]
-    moe = experts > 0  # (routed experts on the layers from first_k_dense_replace on: none when it is past the last)
-    dense = config["first_k_dense_replace"]
+    # routed experts on the layers from first_k_dense_replace on (none when it is past the last); without any, the
+    # routing fields keep the model section's defaults
+    routing = dict(
+        num_experts=config["n_routed_experts"],
+        moe_ffn_hidden_size=config["moe_intermediate_size"],
+        moe_router_topk=config["num_experts_per_tok"],
+        norm_topk_prob=bool(config["norm_topk_prob"]),
+        n_group=config["n_group"],
+        topk_group=config["topk_group"],
+        routed_scaling_factor=float(config["routed_scaling_factor"]),
+        n_shared_experts=config["n_shared_experts"],
+        first_k_dense_replace=config["first_k_dense_replace"],
+    ) if config["n_routed_experts"] else {}
     return dict(
         head_dim=config["qk_rope_head_dim"],  # as transformers' DeepseekV3Config sets it
         ffn_hidden_size=config["intermediate_size"],
-        num_experts=experts if moe else 0,
-        moe_ffn_hidden_size=config["moe_intermediate_size"] if moe else None,
-        moe_router_topk=config["num_experts_per_tok"] if moe else 1,
-        norm_topk_prob=bool(config["norm_topk_prob"]) if moe else True,
-        n_group=config["n_group"] if moe else 1,
-        topk_group=config["topk_group"] if moe else 1,
-        routed_scaling_factor=float(config["routed_scaling_factor"]) if moe else 1.0,
-        n_shared_experts=config["n_shared_experts"] if moe else 0,
-        first_k_dense_replace=dense if moe else 0,
-        q_lora_rank=config.get("q_lora_rank"),  # null: q projected directly (Moonlight)
-        kv_lora_rank=config["kv_lora_rank"],
-        qk_nope_head_dim=config["qk_nope_head_dim"],
-        qk_rope_head_dim=config["qk_rope_head_dim"],
-        v_head_dim=config["v_head_dim"],
+        **routing,
+        **{field: config.get(field) for field in _LATENT},  # q_lora_rank null: q projected directly (Moonlight)
     )
 
 
 def _model_problems(model_cfg: ModelConfig) -> list[tuple[str, str]]:
     """What megatron-core's MLA and router cannot compute as DeepSeek-V3 does."""
-    problems = [(field, "multi-latent attention needs it") for field in
-                ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if getattr(model_cfg, field) is None]
+    problems = [(field, "multi-latent attention needs it") for field in _LATENT[1:] if getattr(model_cfg, field) is None]
     if model_cfg.num_query_groups != model_cfg.num_attention_heads:
         problems.append(("num_query_groups", "multi-latent attention gives every head its own k and v: "
                                              "num_attention_heads (HF num_key_value_heads)"))

@@ -4,8 +4,8 @@ Each layer is the backend's multi-latent-attention spec (`platform.layer_backend
 MoE MLP as its `LayerPlan` says; on megatron's local layers the core attention is `attention.py`'s (it takes the
 q/k and v head sizes the local one does not). megatron-core's `MLATransformerConfig` fields carry the latent sizes
 and the RoPE (plain or YaRN, de-interleaved by MLA itself: `rotary_interleaved` stays off). Routing: sigmoid
-scores, the checkpoint's score-correction bias (`router.expert_bias`, an FP32 buffer; its update rate 0 so that
-training never moves it), group-limited top-k, weights renormalised and scaled by `routed_scaling_factor`, in FP32
+scores, the checkpoint's score-correction bias (`router.expert_bias`, an FP32 buffer that training never moves:
+`models.config` from `LayerPlan.router_expert_bias`), group-limited top-k, weights renormalised and scaled by `routed_scaling_factor`, in FP32
 (`moe_router_dtype`) as HF computes them; shared experts as one SwiGLU of n_shared_experts x moe_ffn_hidden_size.
 HF names the router `mlp.gate` and keeps one tensor per expert (`mlp.experts.{e}.gate_proj` ...).
 """
@@ -70,15 +70,11 @@ def _config_fields(model_cfg: ModelConfig) -> dict[str, Any]:
     if model_cfg.is_moe:
         grouped = model_cfg.n_group > 1
         fields.update(
-            moe_router_score_function="sigmoid",
-            moe_router_enable_expert_bias=True,
-            moe_router_bias_update_rate=0.0,  # the checkpoint's bias, never moved by training
+            moe_router_score_function="sigmoid",  # (the bias and the shared experts: their LayerPlan fields)
             moe_router_num_groups=model_cfg.n_group if grouped else None,
             moe_router_group_topk=model_cfg.topk_group if grouped else None,
             moe_router_topk_scaling_factor=model_cfg.routed_scaling_factor,
             moe_router_dtype="fp32",
-            moe_shared_expert_intermediate_size=(model_cfg.n_shared_experts * model_cfg.moe_ffn_hidden_size
-                                                 if model_cfg.n_shared_experts else None),
         )
     return fields
 

@@ -57,9 +57,9 @@ def _config_fields(model_cfg: ModelConfig) -> dict[str, Any]:
         attn_floor_scale=model_cfg.floor_scale,
         attn_temperature_scale=model_cfg.attn_scale,
     )
-    if model_cfg.is_moe:  # (the score multiplies the expert's input: LayerPlan.expert_input_weighted)
-        fields.update(moe_router_score_function="sigmoid",
-                      moe_shared_expert_intermediate_size=model_cfg.moe_ffn_hidden_size)
+    if model_cfg.is_moe:  # (the score multiplies the expert's input, LayerPlan.expert_input_weighted; the shared
+        # expert: LayerPlan.shared_experts)
+        fields["moe_router_score_function"] = "sigmoid"
     return fields
 
 
