@@ -108,6 +108,20 @@ def test_the_end_of_run_forecast_uses_the_recipes_settings(tmp_path, capsys):
     assert "wrote " in out and (tmp_path / "forecast" / "report.md").is_file()
 
 
+def test_a_run_too_short_to_forecast_says_so(tmp_path, capsys):
+    """`scalerl demo --steps 30`: four validations, one short of a fit; the demo says why there is no forecast and
+    writes none, rather than failing after the run trained."""
+    from megatron_scalerl.demo.run import print_forecast
+
+    rows = [{"step": 10 * i, "role": "orchestrator", "gpu_hours": 0.01 * (i + 1), "val/pass_rate": 0.2 + 0.05 * i}
+            for i in range(4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print_forecast(tmp_path, RECIPE)
+    out = capsys.readouterr().out
+    assert "demo: no forecast: " in out and "the fit needs at least 5" in out
+    assert not (tmp_path / "forecast").exists()
+
+
 def test_init_only_builds_a_tiny_hf_checkpoint_with_its_tokenizer(tmp_path, capsys):
     """`scalerl demo --init-only DIR` (the README's SLURM walk): a model any run can start from (`--model hf:DIR`)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -132,7 +146,7 @@ def test_init_only_builds_a_tiny_hf_checkpoint_with_its_tokenizer(tmp_path, caps
     assert main(["demo", "--init-only", str(tmp_path / "new"), "--steps", "3"]) == 2
 
 
-@pytest.mark.parametrize("model", ["tiny_moe", "tiny_dense", "tiny_qwen3", "tiny_qwen3_moe"])
+@pytest.mark.parametrize("model", ["tiny_moe", "tiny_dense", "tiny_qwen3", "tiny_qwen3_moe", "tiny_deepseek_v3"])
 def test_the_demo_recipe_on_each_tiny_model_changes_the_model_only(model):
     """`scalerl demo --model M`: the demo's own settings on M's model section (a dense model: no expert parallelism,
     the trainer processes data-parallel instead); the default is the demo recipe itself; the model cache keys on it."""

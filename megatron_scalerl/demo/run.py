@@ -3,7 +3,7 @@
     scalerl demo [--run-dir runs/demo] [--steps N]
     scalerl demo --mix [--run-dir runs/demo_mix] [--steps N]                 # math and code in one run
     scalerl demo --routing measure|replay [--set KEY=VALUE ...]              # MoE routing: agreement, replay
-    scalerl demo --model tiny_qwen3_moe                                      # the demo on another tiny model
+    scalerl demo --model tiny_qwen3_moe                                      # the demo on another tiny model (any of TINY_MODELS)
     scalerl demo --init-only DIR [--model tiny_moe|...] [--seed S]           # step 1 alone: a tiny HF checkpoint
 
 1. builds the tiny model (`--model`: the tiny Llama-4 MoE by default, or another tiny model preset, `TINY_MODELS`)
@@ -66,7 +66,7 @@ RISE_SIGMAS = 2.0  # a domain rose when end - start exceeds this many standard e
 
 ROUTING = {"off": [], "measure": ["rollout.capture_routes=true"], "replay": ["algorithm.routing_replay=true"]}
 # the model presets the demo trains (`--model`) and `--init-only` builds; the demo recipe's own is the first
-TINY_MODELS = ("tiny_moe", "tiny_dense", "tiny_qwen3", "tiny_qwen3_moe")
+TINY_MODELS = ("tiny_moe", "tiny_dense", "tiny_qwen3", "tiny_qwen3_moe", "tiny_deepseek_v3")
 BUILD_RECORD = "build.json"
 
 
@@ -202,8 +202,12 @@ def mismatch_summary(run_dir: Path) -> str:
 
 def print_forecast(run_dir: Path, recipe) -> None:
     """The end-of-run report (`scalerl forecast fit`'s), printed and, as the live forecast's last one, in
-    RUN/forecast/: on the recipe's forecast settings and the validation's own noise (held-out prompts x samples)."""
-
-    forecast = make_forecast(load_curve(run_dir), recipe_options(recipe))
+    RUN/forecast/: on the recipe's forecast settings and the validation's own noise (held-out prompts x samples).
+    A run too short to fit (`--steps` below five validations) says so and why, instead of failing after it trained."""
+    try:
+        forecast = make_forecast(load_curve(run_dir), recipe_options(recipe))
+    except UserError as exc:
+        print(f"demo: no forecast: {exc}", flush=True)
+        return
     document = report.forecast_document(forecast, plots.forecast_png(forecast))
     report.emit(document, "forecast.json", forecast.to_dict(), out=run_dir / "forecast")
