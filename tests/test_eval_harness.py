@@ -313,3 +313,13 @@ def test_an_interrupted_sample_joins_its_stages_on_text():
     assert client.prompts == [("Q:", 6, 10), ("Q:xxxxxx stop.</think>", 3, 11)]
     assert (done.text, done.tokens, done.finish_reason) == ("xxxxxx stop.</think>xxx", 9, "stop")
     assert done.interrupted and not done.truncated
+
+
+def test_evaluation_of_a_run_whose_generators_span_nodes_is_refused(tmp_path):
+    """The evaluation job serves on one node: a run whose servers span nodes (DeepSeek-V3 671B's) is told so."""
+    from megatron_scalerl.errors import UserError
+    from megatron_scalerl.evaluation.watch import CheckpointServer
+
+    recipe = load_recipe("scalerl", model_preset="deepseek_v3_671b")
+    with pytest.raises(UserError, match="generators span 4 nodes .parallelism.generator_tp=32"):
+        CheckpointServer(tmp_path, recipe, [])

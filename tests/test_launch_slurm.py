@@ -6,6 +6,7 @@ and its restarts of a failed trainer or orchestrator within the launch's budget.
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -117,6 +118,31 @@ def test_job_roles_place_generators_and_trainer_on_their_groups(tmp_path):
     _, _, trainer, _ = job_roles(tmp_path, DEMO, alloc, resume=True, cuda=False)
     assert not stop_requested(tmp_path)
     assert trainer.terminate() and stop_requested(tmp_path)  # the trainer is asked through the run directory
+
+
+def test_a_generator_larger_than_a_node_spans_nodes_with_one_step(tmp_path):
+    """generator_tp 16 on nodes of 8 GPUs: one server per two nodes, one srun step over both; each node learns its
+    rank and address from its name (the order SLURM gives the step's tasks is its own), node 0's address is the URL
+    and where the nodes meet, on a port apart from the HTTP ones."""
+    recipe = load_recipe("scalerl", ["parallelism.generator_tp=16", "cluster.generator_nodes=4",
+                                     "cluster.trainer_nodes=2"])
+    alloc = _alloc(trainer_nodes=2, generator_nodes=4, gpus=8)
+    generators, urls, _, _ = job_roles(tmp_path, recipe, alloc, resume=False, cuda=True)
+    assert urls == [f"http://10.0.0.2:{alloc.base_port + 2}", f"http://10.0.0.4:{alloc.base_port + 3}"]
+    second = generators[1].command
+    assert "--nodes=2" in second and "--nodelist=gpu4,gpu5" in second and "--gpus-per-task=8" in second
+    serve = second[second.index("serve"):]
+    assert serve[serve.index("--nnodes") + 1] == "2" and serve[serve.index("--tp") + 1] == "16"
+    assert serve[serve.index("--master-addr") + 1] == "10.0.0.4"
+    assert serve[serve.index("--master-port") + 1] == str(alloc.base_port + 98)
+    prefix = second[second.index("bash"):second.index("serve") - 3]  # bash -c SCRIPT generator
+    for name, rank, address in (("gpu4", "0", "10.0.0.4"), ("gpu5", "1", "10.0.0.5")):
+        shown = subprocess.run([*prefix, "sh", "-c", 'echo "$SCALERL_NODE_RANK $VLLM_HOST_IP"'], capture_output=True,
+                               text=True, env={**os.environ, "SLURMD_NODENAME": name}, timeout=10)
+        assert shown.stdout.split() == [rank, address]
+    stray = subprocess.run([*prefix, "true"], capture_output=True, text=True,
+                           env={**os.environ, "SLURMD_NODENAME": "gpu9"}, timeout=10)
+    assert stray.returncode == 1 and "gpu9 is not a node of this server" in stray.stderr
 
 
 def test_the_recipes_partition_account_and_time_limit_are_sbatch_options_unless_the_submission_chooses_them(tmp_path):

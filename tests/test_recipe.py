@@ -127,6 +127,10 @@ def test_resolved_recipe_round_trips_without_base(tmp_path):
         (["algorithm.length_control.think_budget_min=12500"], "algorithm.length_control.think_budget_min", ">"),
         (["parallelism.ep=2"], "parallelism.ep", "needs an MoE model"),
         (["parallelism.dp=3"], "parallelism.dp", "trainer GPUs"),
+        (["parallelism.generator_tp=3", "cluster.generator_nodes=3"], "parallelism.generator_tp",
+         "neither divides cluster.gpus_per_node=8"),
+        (["parallelism.generator_tp=12", "cluster.generator_nodes=3"], "parallelism.generator_tp",
+         "nor is a multiple of it"),
         (["algorithm.loss=ppo_clip", "algorithm.clip_high=0.26"], "algorithm.clip_high", "symmetric clip"),
     ],
 )

@@ -208,6 +208,27 @@ def test_dense_job_runs_to_its_end(cluster, jobs, models, tmp_path):
     assert json.loads((run_dir / "generators.json").read_text())["urls"][0].startswith("http://127.0.0.1:")
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_generator_spanning_two_nodes_serves_the_run(cluster, jobs, models, tmp_path):
+    """generator_tp 2 on nodes of one "GPU": one server over the generator group's two nodes (its first serving HTTP,
+    the other headless), trained to its end; the trainer's log-probs match the samples', so the worker on the second
+    node got the weights too."""
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    settings = _run_settings(run_dir, models["tiny_dense"], 2, "cluster.trainer_nodes=1", "cluster.generator_nodes=2",
+                             "parallelism.generator_tp=2")
+    settings["SCALERL_MODEL"] = "tiny_dense"
+    job = _sbatch(cluster, jobs, "slurm/scalerl_dense.sbatch", out, ["--nodes=1", "--gpus-per-node=1", ":",
+                                                                     "--nodes=2", "--gpus-per-node=1"], settings)
+    _wait("the job's end", lambda: not _squeue(cluster, job), 600, out, cluster)
+    assert "generators ready, orchestrator started" in out.read_text(), out.read_text()[-3000:]
+    assert sorted(set(_trainer_steps(run_dir))) == [1, 2]
+    assert len(json.loads((run_dir / "generators.json").read_text())["urls"]) == 1
+    assert "headless multiproc executor" in (run_dir / "logs" / "vllm_0.node1.log").read_text()
+    mismatch = [r["train/mismatch_k3"] for r in read_metrics(run_dir, role="trainer")]
+    assert len(mismatch) == 2 and max(mismatch) < 1e-4, mismatch  # fp32 on both sides: the same weights
+
+
 def test_preflight_alone_passes_and_measures_the_trainer_all_reduce(cluster, jobs, models, tmp_path):
     out = tmp_path / "preflight.out"
     job = _sbatch(cluster, jobs, "slurm/preflight.sbatch", out, MOE_SIZES,

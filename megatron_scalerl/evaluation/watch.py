@@ -213,6 +213,11 @@ class CheckpointServer:
 
         import torch
 
+        if recipe.generator_server_nodes > 1:
+            raise UserError(f"{run_dir}: the evaluation serves on one node (slurm/eval.sbatch), and this run's "
+                            f"generators span {recipe.generator_server_nodes} nodes (parallelism.generator_tp="
+                            f"{recipe.parallelism.generator_tp} over cluster.gpus_per_node="
+                            f"{recipe.cluster.gpus_per_node}): a multi-node evaluation job is not built")
         self.run_dir, self.recipe, self.benchmarks = run_dir, recipe, benchmarks
         self.on_gpus = torch.cuda.is_available()
         self.api_key = secrets.token_hex(16)

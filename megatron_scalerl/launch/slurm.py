@@ -58,6 +58,7 @@ from megatron_scalerl.launch.allocation import (
     GENERATOR_GROUP,
     TRAINER_GROUP,
     Allocation,
+    Node,
     allocation_lost,
     lost_nodes_settled,
     scontrol,
@@ -155,26 +156,44 @@ def _share(total: int | None, parts: int) -> int | None:
     return None if total is None else max(1, total // parts)
 
 
+def per_node_settings(nodes: list[Node]) -> list[str]:
+    """A command prefix that runs the command, on each of `nodes` (a server spanning them, first to last), with
+    $SCALERL_NODE_RANK set to that node's place in the list (`scalerl serve --node-rank`'s default) and $VLLM_HOST_IP
+    to its address (where vLLM's workers there are reached), found by the node's name ($SLURMD_NODENAME): SLURM's own
+    task order over a step's nodes is its node table's, not necessarily this list's."""
+    cases = " ".join(f"{shlex.quote(n.name)}) export SCALERL_NODE_RANK={r} "
+                     f"VLLM_HOST_IP={shlex.quote(generator_address(n.addr, n.name))};;" for r, n in enumerate(nodes))
+    script = (f'case "$SLURMD_NODENAME" in {cases} *) echo "node $SLURMD_NODENAME is not a node of this server" >&2; '
+              'exit 1;; esac; exec "$@"')
+    return ["bash", "-c", script, "generator"]
+
+
 def job_roles(run_dir: Path, recipe: Recipe, alloc: Allocation, *, resume: bool, cuda: bool
               ) -> tuple[list[Role], list[str], Role, Role]:
-    """The run's roles on the allocation: (generators, their URLs, trainer, orchestrator)."""
+    """The run's roles on the allocation: (generators, their URLs, trainer, orchestrator). Servers share a node
+    (`gpus_per_node / generator_tp` each) or span `Recipe.generator_server_nodes` whole nodes, one srun step over
+    them that runs `scalerl serve` on each (`per_node_settings`)."""
     say_launch_notes(recipe, cuda=cuda, resume=resume)
     logs, tp = run_dir / "logs", recipe.parallelism.generator_tp
-    per_node = recipe.cluster.gpus_per_node // tp
+    span = recipe.generator_server_nodes
+    per_node = max(1, recipe.cluster.gpus_per_node // tp)
     servers = recipe.generator_servers
     dtype = serving_dtype(recipe, cuda)
     env = {} if cuda else {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    master_ports = alloc.generator_master_ports(servers) if span > 1 else [None] * servers
     generators, urls = [], []
-    for i, port in enumerate(alloc.generator_ports(servers)):
-        node = alloc.generator.nodes[i // per_node]
-        host = generator_address(node.addr, node.name)
+    for i, (port, master_port) in enumerate(zip(alloc.generator_ports(servers), master_ports, strict=True)):
+        nodes = alloc.generator.nodes[i * span:(i + 1) * span] if span > 1 else [alloc.generator.nodes[i // per_node]]
+        host = generator_address(nodes[0].addr, nodes[0].name)
         urls.append(f"http://{host}:{port}")
-        step = srun(GENERATOR_GROUP, nodes=1, nodelist=node.name, name=f"generator_{i}",
-                    gpus_per_task=tp if alloc.generator.gpus_per_node else None,
+        step = srun(GENERATOR_GROUP, nodes=span, nodelist=",".join(n.name for n in nodes), name=f"generator_{i}",
+                    gpus_per_task=min(tp, recipe.cluster.gpus_per_node) if alloc.generator.gpus_per_node else None,
                     cpus_per_task=_share(alloc.generator.cpus_per_node, per_node))
-        generators.append(Role(f"generator {i} ({node.name})", step + generator_command(
-            run_dir, recipe, port=port, host=host, dtype=dtype, log=logs / f"vllm_{i}.log"),
-            logs / f"generator_{i}.log", env, terminate=step_terminator(alloc, f"generator_{i}")))
+        command = generator_command(run_dir, recipe, port=port, host=host, dtype=dtype, log=logs / f"vllm_{i}.log",
+                                    master_port=master_port)
+        generators.append(Role(f"generator {i} ({','.join(n.name for n in nodes)})",
+                               step + (["--label", *per_node_settings(nodes)] if span > 1 else []) + command,
+                               logs / f"generator_{i}.log", env, terminate=step_terminator(alloc, f"generator_{i}")))
     write_generators(run_dir, urls, dtype)
     step = srun(TRAINER_GROUP, nodes=recipe.cluster.trainer_nodes, name="trainer",
                 gpus_per_task=recipe.cluster.gpus_per_node if alloc.trainer.gpus_per_node else None,

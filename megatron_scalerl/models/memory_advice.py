@@ -6,7 +6,7 @@ Trainer knobs, each one step from the recipe's value: full recomputation (activa
 kept), tp x 2 with sequence parallelism (dense weights and activations split further), pp x 2 (layers split),
 ep x 2 (routed experts split), half the micro-batch, twice the trainer nodes (the distributed optimizer shards
 over twice the data-parallel ranks); tensor parallelism within a node. Generator: the least generator_tp (x 2,
-x 4, ... within a node) that fits. A change names what `--set` takes, e.g. `parallelism.recompute=full`.
+x 4, ..., within a node first, then whole nodes: a server spanning nodes) that fits. A change names what `--set` takes, e.g. `parallelism.recompute=full`.
 """
 
 from __future__ import annotations
@@ -146,20 +146,22 @@ def trainer_changes(recipe: Recipe, gpu_gib: float) -> list[Change]:
 
 
 def generator_changes(recipe: Recipe, gpu_gib: float) -> list[Change]:
-    """The least generator_tp within a node after which a generator fits GPUs of `gpu_gib` GiB (vLLM's
-    gpu_memory_utilization of them), or the largest when none fits; none when it fits already or generator_tp is
-    a whole node."""
+    """The least generator_tp after which a generator fits GPUs of `gpu_gib` GiB (vLLM's gpu_memory_utilization of
+    them), or the largest when none fits; none when it fits already or generator_tp takes every generator GPU. Past
+    `cluster.gpus_per_node` a server spans nodes (tensor parallelism over the network: slower per token)."""
     usable = gpu_gib * VLLM_GPU_MEMORY_UTILIZATION
     if generator_plan(recipe).fits(usable):
         return []
     tp, change = recipe.parallelism.generator_tp, None
-    while tp * 2 <= recipe.cluster.gpus_per_node and not (change and change.fits):  # a server stays within a node
+    while tp * 2 <= recipe.cluster.generator_gpus and not (change and change.fits):
         tp *= 2
         changed = _changed(recipe, {"parallelism.generator_tp": tp})
         if changed is not None:  # generator_tp divides the generator GPUs
             total = generator_plan(changed).total_gib
-            change = Change((f"parallelism.generator_tp={tp}",), f"splits the served weights and KV cache over {tp} "
-                            "GPUs", total, total <= usable)
+            nodes = changed.generator_server_nodes
+            where = f"{tp} GPUs" + (f", a server spanning {nodes} nodes" if nodes > 1 else "")
+            change = Change((f"parallelism.generator_tp={tp}",), f"splits the served weights and KV cache over "
+                            f"{where}", total, total <= usable)
     return [change] if change else []
 
 
@@ -169,7 +171,7 @@ def kv_change(recipe: Recipe, gpu_gib: float) -> tuple[str, int, int] | None:
     tp = recipe.parallelism.generator_tp
     if kv_sequences(recipe, gpu_gib) >= _share(recipe):
         return None
-    while tp * 2 <= recipe.cluster.gpus_per_node:
+    while tp * 2 <= recipe.cluster.gpus_per_node:  # past a node, fewer servers: each one's share grows as fast
         tp *= 2
         changed = _changed(recipe, {"parallelism.generator_tp": tp})
         if changed is not None and kv_sequences(changed, gpu_gib) >= _share(changed):

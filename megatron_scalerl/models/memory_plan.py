@@ -295,7 +295,8 @@ def generator_plan(recipe: Recipe) -> MemoryPlan:
                              + router_bias * 4)
     plan.parts["kv cache, one full-length sequence"] = kv_bytes_per_sequence(recipe)
     plan.parts["runtime reserve"] = RUNTIME_RESERVE_GIB * GIB
-    plan.notes.append(f"tp {tp}; a sequence is up to {_sequence_tokens(recipe)} tokens; vLLM may use "
+    nodes = recipe.generator_server_nodes
+    plan.notes.append(f"tp {tp}{f' (a server spanning {nodes} nodes)' if nodes > 1 else ''}; a sequence is up to {_sequence_tokens(recipe)} tokens; vLLM may use "
                       f"{VLLM_GPU_MEMORY_UTILIZATION:.0%} of a GPU (gpu_memory_utilization)")
     return plan
 

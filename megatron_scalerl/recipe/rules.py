@@ -56,6 +56,10 @@ def cross_field_problems(r: Recipe) -> list[tuple[str, str]]:
         out.append(("parallelism.generator_tp", f"generator_tp={p.generator_tp} does not divide the "
                                                 f"{c.generator_gpus} generator GPUs (cluster.generator_nodes x "
                                                 f"cluster.gpus_per_node)"))
+    elif p.generator_tp % c.gpus_per_node and c.gpus_per_node % p.generator_tp:
+        out.append(("parallelism.generator_tp", f"generator_tp={p.generator_tp} neither divides "
+                                                f"cluster.gpus_per_node={c.gpus_per_node} (servers within a node) nor "
+                                                "is a multiple of it (a server spanning whole nodes)"))
     dp = p.dp_size(trainer_gpus)
     expert_tp = p.expert_tp_size
     if m.is_moe and (p.tp * dp) % (p.ep * expert_tp):

@@ -218,7 +218,8 @@ class ParallelismConfig(Section):
         "none", description="none, or full: keep only each layer's input and recompute the rest in backward")
     micro_batch_size: Pos = Field(1, description="most samples in one trainer micro-batch (samples)")
     generator_tp: Pos = Field(
-        1, description="tensor parallelism of each vLLM generator (GPUs per server; generator GPUs / this servers)")
+        1, description="tensor parallelism of each vLLM generator (GPUs per server; generator GPUs / this servers); "
+        "a divisor of cluster.gpus_per_node, or a multiple of it for a server that spans nodes")
 
     @property
     def expert_tp_size(self) -> int:
@@ -618,6 +619,11 @@ class Recipe(Section):
     def generator_servers(self) -> int:
         """vLLM servers a run starts: one per `parallelism.generator_tp` of the cluster's generator GPUs."""
         return self.cluster.generator_gpus // self.parallelism.generator_tp
+
+    @property
+    def generator_server_nodes(self) -> int:
+        """Nodes one vLLM server spans: 1 (servers share a node), or generator_tp / gpus_per_node when larger."""
+        return max(1, self.parallelism.generator_tp // self.cluster.gpus_per_node)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
