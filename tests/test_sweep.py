@@ -96,6 +96,32 @@ def test_seeds_steps_and_budget_reach_each_runs_recipe():
         load_recipe("demo").trainer.max_steps
 
 
+def test_every_run_validates_on_the_base_seeds_prompts_and_draws_its_own_order():
+    """data.seed pins the problems and the validation split to the base's seed (the prompts the demo's warm start held
+    out) for every variant and seed; trainer.seed, base + i, still orders each run's training prompts its own way."""
+    from megatron_scalerl.algo.resampling import NoPositiveResampling
+    from megatron_scalerl.tasks.problems import load_sources
+    from megatron_scalerl.tasks.prompts import PromptSampler, split_validation
+
+    base_seed = load_recipe("demo").trainer.seed
+    runs = [variant_recipe(_spec(), v, i, f"r{i}") for v in (Variant("base", "base"), preset_variant("loo_dapo_loss"))
+            for i in range(2)]
+    assert [r.data.seed for r in runs] == [base_seed] * 4 and [r.trainer.seed for r in runs][:2] == [base_seed,
+                                                                                                     base_seed + 1]
+    splits = [split_validation(load_sources(r.data.train, seed=r.data_seed), r.data.validation_holdout,
+                               seed=r.data_seed) for r in runs]
+    held_out = {tuple(p.key for p in validation) for _, validation in splits}
+    assert len(held_out) == 1 and len(next(iter(held_out))) == runs[0].data.validation_holdout
+    demo = load_recipe("demo")  # the warm start's own split: demo's recipe, data.seed unset, trainer.seed the base's
+    assert demo.data.seed is None and demo.data_seed == base_seed
+    samplers = [PromptSampler(train, seed=r.trainer.seed, resampling=NoPositiveResampling.from_config(
+        r.algorithm.no_positive_resampling)) for r, (train, _) in zip(runs[:2], splits[:2], strict=True)]
+    first, second = ([sampler.next().key for _ in range(5)] for sampler in samplers)
+    assert first != second  # seeds 0 and 1 draw the same prompts in other orders
+    own = variant_recipe(_spec(), Variant("d", "grid", ("data.seed=7",)), 1, "d")
+    assert own.data_seed == 7  # a variant that sets the data seed keeps it
+
+
 def test_the_manifest_merges_extensions_and_refuses_what_would_change_the_sweep(tmp_path):
     dapo = preset_variant("loo_dapo_loss")
     first = merge(tmp_path, None, base="demo", model=None, sets=["rollout.k=2"], tokenizer=None, steps=10, budget=None,
@@ -306,6 +332,14 @@ def test_report_of_runs_made_any_other_way_is_one_json_object(tmp_path, capsys):
     assert [(v["name"], v["verdict"]) for v in data["variants"]] == [("b", "ceiling")]
     assert data["base"]["name"] == "a" and [e["variant"] for e in data["left_out"]] == ["c"]
     assert "c: left out" in err and "the fit needs at least 5" in err
+    # beside the verdicts, each run's backtest: what `scalerl forecast backtest RUN --fit-until HALF` says of it
+    assert [b["variant"] for b in data["backtests"]] == ["a", "b"]
+    for backtest, run in zip(data["backtests"], runs, strict=False):
+        assert main(["forecast", "backtest", run, "--fit-until", str(backtest["fit_until"]), "--json"]) == 0
+        alone = json.loads(capsys.readouterr().out)["summary"]
+        assert backtest == {"variant": backtest["variant"], "run": run, **alone}
+        assert backtest["fit_until"] == 8000 and backtest["mean_abs_error"] < 0.02  # known curves, well forecast
+    assert "## Forecast backtests" in (tmp_path / "out" / "report.md").read_text()
     assert main(["sweep", "report", "--runs", runs[0], runs[2]]) == 2  # nothing left to compare: said in one line
     assert "no ablation report: no run of any variant can be fitted" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ablation.json", "ablation.png", "report.html",

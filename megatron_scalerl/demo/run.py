@@ -89,6 +89,7 @@ def build_settings(recipe, **stage) -> dict:
     tokenizer had a chat template) is not reused."""
     return {"model": recipe.model.model_dump(mode="json"),
             "data": [source.model_dump(mode="json") for source in recipe.data.train], "seed": recipe.trainer.seed,
+            **({"data_seed": recipe.data.seed} if recipe.data.seed is not None else {}),  # old builds: none
             "interruption_phrase": recipe.algorithm.length_control.interruption_phrase,
             "chat_template": PLAIN_CHAT_TEMPLATE, **stage}
 

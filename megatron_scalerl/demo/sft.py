@@ -128,8 +128,8 @@ def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, targe
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
-    train, validation = split_validation(load_sources(recipe.data.train, seed=seed), recipe.data.validation_holdout,
-                                         seed=seed)
+    train, validation = split_validation(load_sources(recipe.data.train, seed=recipe.data_seed),
+                                         recipe.data.validation_holdout, seed=recipe.data_seed)
     examples = _examples(tokenizer, [p for source in train for p in source.problems],
                          unclosed_fraction=unclosed_fraction, seed=seed)
     held_out = held_out_by_domain(validation, eval_prompts)

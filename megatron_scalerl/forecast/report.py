@@ -247,11 +247,14 @@ def backtest_document(backtest: Backtest, png: bytes) -> Document:
 
 
 def ablation_data(ablation: Ablation, left_out: list[dict] | None = None, warnings: list[str] | None = None,
-                  curves: dict[str, Ablation] | None = None) -> dict:
+                  curves: dict[str, Ablation] | None = None, backtests: list[dict] | None = None) -> dict:
     """ablation.json's content: `Ablation.to_dict()`, with `left_out` (the runs kept out of the ablation, each
-    {"variant", "run", "reason"}) when given, `warnings` (the report's own, beside each recipe's) when given, and
-    `curves`: {curve: its own ablation's to_dict()} for each further curve (a domain's `val/<domain>`) when given."""
+    {"variant", "run", "reason"}) when given, `warnings` (the report's own, beside each recipe's) when given,
+    `curves`: {curve: its own ablation's to_dict()} for each further curve (a domain's `val/<domain>`) when given, and
+    `backtests`: each run's forecast backtest ({"variant", "run"} and `Backtest.summary()`, or "error") when given."""
     data = ablation.to_dict()
+    if backtests is not None:
+        data["backtests"] = backtests
     if left_out is not None:
         data["left_out"] = left_out
     if warnings is not None:
@@ -273,6 +276,8 @@ def ablation_document(ablation: Ablation, png: bytes, data: dict | None = None,
     doc.paragraph(f"Verdicts against the base {base['name']}: "
                   + "; ".join(f"{v['name']}: {v['verdict']}" for v in variants) + ".")
     doc.items([f"{v['name']}: {v['verdict']}: {v['verdict_reason']}" for v in variants])
+    if data.get("backtests"):
+        _backtests_section(doc, data["backtests"])
     doc.image("ablation.png", png)
     doc.heading("Fits")
     doc.paragraph(f"{data['curve']} against GPU-hours; a recipe with several seeds is the mean of their fitted curves "
@@ -328,6 +333,21 @@ def ablation_document(ablation: Ablation, png: bytes, data: dict | None = None,
     for curve, domain in data.get("curves", {}).items():
         _domain_section(doc, curve, domain, pngs.get(curve, b""))
     return doc
+
+
+def _backtests_section(doc: Document, backtests: list[dict]) -> None:
+    """How well each run's first half forecast its second (`scalerl forecast backtest RUN --fit-until HALF`)."""
+    doc.heading("Forecast backtests")
+    doc.paragraph("Each run's curve fitted up to half its GPU-hours, the fit's prediction of the later validations "
+                  "scored (errors: predicted - observed pass rate; coverage: the share of later validations inside "
+                  "their prediction interval).")
+    doc.table(["recipe", "run", "fit until (GPU-h)", "held out", "mean |error|", "max |error|", "final error",
+               "coverage"],
+              [[b["variant"], b["run"], _gpu_hours_cell(b["fit_until"])] + (
+                  [str(b["held_out_points"]), f"{b['mean_abs_error']:.4f}", f"{b['max_abs_error']:.4f}",
+                   f"{b['final_error']:+.4f}", "-" if b["coverage"] is None else
+                   f"{b['coverage']:.0%} of {b['level']:.0%}"] if "error" not in b else [b["error"], "", "", "", ""])
+               for b in backtests])
 
 
 def _domain_section(doc: Document, curve: str, data: dict, png: bytes) -> None:

@@ -91,8 +91,8 @@ class Orchestrator:
         self.max_batches = max_batches if max_batches is not None else recipe.trainer.max_steps
         self.stream: BatchWriter = RolloutStream(run_dir)
         self.resampling = NoPositiveResampling.from_config(recipe.algorithm.no_positive_resampling)
-        train, held_out = split_validation(load_sources(recipe.data.train, seed=recipe.trainer.seed),
-                                           recipe.data.validation_holdout, seed=recipe.trainer.seed)
+        train, held_out = split_validation(load_sources(recipe.data.train, seed=recipe.data_seed),
+                                           recipe.data.validation_holdout, seed=recipe.data_seed)
         self.sampler = PromptSampler(train, seed=recipe.trainer.seed, resampling=self.resampling)
         self.admission = Admission({p.key: p for source in train for p in source.problems}, self.sampler.next,
                                    prompts_per_step=self.batch_size, max_batches=self.max_batches,

@@ -425,6 +425,9 @@ class DataConfig(Section):
         description="prompts held out of the sources without their own, for the validation curve (prompts)")
     validation_interval: Pos = Field(description="validate every N optimizer steps (steps; paper: 100)")
     validation_generations: Pos = Field(description="samples per validation prompt, mean@N (samples; paper: 16)")
+    seed: int | None = Field(
+        None, description="seed of the data (integer): the problems generated sources draw and the validation "
+        "split; null: trainer.seed. A sweep gives all its runs the base's, so they validate on the same prompts")
     # tasks/sandbox.py: a run or evaluation with code sources refuses to start when bwrap does not work and this says
     # bwrap
     code_sandbox: Literal["bwrap", "rlimits"] = Field(
@@ -619,6 +622,11 @@ class Recipe(Section):
     def generator_servers(self) -> int:
         """vLLM servers a run starts: one per `parallelism.generator_tp` of the cluster's generator GPUs."""
         return self.cluster.generator_gpus // self.parallelism.generator_tp
+
+    @property
+    def data_seed(self) -> int:
+        """The seed of the data (generated problems, validation split): `data.seed`, else `trainer.seed`."""
+        return self.trainer.seed if self.data.seed is None else self.data.seed
 
     @property
     def generator_server_nodes(self) -> int:

@@ -10,8 +10,10 @@ sweep's base recipe:
 - a grid point (`--grid key=v1,v2`): one variant per value; several `--grid` give their product.
 
 The recipe of run (variant, seed i): the base with `--model` and `--set`, the sweep's initial weights
-(`trainer.init_from`), the variant's overrides, then `trainer.seed` = the base's seed + i, `trainer.max_steps` =
-`--steps` and `trainer.max_gpu_hours` = `--budget` (GPU-hours) when given.
+(`trainer.init_from`) and, unless the base sets one, `data.seed` = the base's `trainer.seed` (every run draws the same
+problems and validates on the same held-out prompts: those the demo's warm start held out), the variant's overrides,
+then `trainer.seed` = the base's seed + i (initial sampling, the order of the training prompts), `trainer.max_steps`
+= `--steps` and `trainer.max_gpu_hours` = `--budget` (GPU-hours) when given.
 """
 
 from __future__ import annotations
@@ -156,6 +158,8 @@ def variant_recipe(spec: BaseSpec, variant: Variant, seed_index: int, name: str)
     data = spec.base_dict()
     seed = data.get("trainer", {}).get("seed", 0)
     common = [_override("trainer.init_from", spec.init_from)] if spec.init_from else []
+    if data.get("data", {}).get("seed") is None:  # every run's data (problems, validation prompts): the base's
+        common.append(f"data.seed={seed}")
     tail = [f"trainer.seed={seed + seed_index}", *([f"trainer.max_steps={spec.steps}"] if spec.steps else []),
             *([f"trainer.max_gpu_hours={spec.budget}"] if spec.budget is not None else [])]
     try:
@@ -171,7 +175,7 @@ def variant_recipe(spec: BaseSpec, variant: Variant, seed_index: int, name: str)
 def variant_notes(spec: BaseSpec, variant: Variant, base: Recipe, recipe: Recipe) -> list[str]:
     """What the user should know about a variant beyond its own fields: a different model or cluster shape, a
     `--set` it overrides, an override that changes nothing on this base."""
-    changed = {key for key, _, _ in diff(base, recipe)} - {"trainer.seed"}
+    changed = {key for key, _, _ in diff(base, recipe)} - {"trainer.seed", "data.seed"}
     notes = []
     models = sorted(k for k in changed if k.startswith("model.") or k == "trainer.init_from")
     if models:

@@ -14,6 +14,9 @@ and on stderr: in a sweep the runs that are not done (`runs.not_done`, the sweep
 evaluations in the fit window, `forecast.predict.fit_window`, or a fit that fails: the error). When the base or every
 variant is left without a run there is no report: a UserError says why.
 
+Beside the verdicts, each run's forecast backtest (`backtests`: fitted on the first half of its GPU-hours, scored on
+the second), as `scalerl forecast backtest RUN --fit-until HALF` makes it.
+
 Output: the report in markdown on stdout (with `--json`: exactly one JSON object, ablation.json's content), and its
 files (ablation.json, report.md, report.html, PNG; `forecast.report.emit`) in `SWEEP/report/` or
 `--out DIR`.
@@ -31,6 +34,7 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.forecast import plots
 from megatron_scalerl.forecast import report as documents
 from megatron_scalerl.forecast.ablation import make_ablation
+from megatron_scalerl.forecast.backtest import run_backtest
 from megatron_scalerl.forecast.data import MetricsTable
 from megatron_scalerl.forecast.live import recipe_options
 from megatron_scalerl.forecast.predict import ForecastOptions, make_forecast
@@ -163,6 +167,21 @@ def _fittable(runs: list[ReportRun], options, left_out: list[dict]) -> list[Repo
     return kept
 
 
+def backtests(runs: list[ReportRun], options: ForecastOptions) -> list[dict]:
+    """Each run's forecast backtest (`forecast.backtest.run_backtest`, what `scalerl forecast backtest` does): its
+    curve fitted up to half its last validation's GPU-hours with `options`, the rest predicted and scored. One dict
+    per run: {"variant", "run"} and the backtest's summary, or "error" (too few validations in the first half)."""
+    out = []
+    for run in runs:
+        half = float(run.curve.compute[-1]) / 2
+        entry = {"variant": run.variant, "run": str(run.curve.source)}
+        try:
+            out.append({**entry, **run_backtest(run.curve, replace(options, fit_until=half)).summary()})
+        except FIT_ERRORS as exc:
+            out.append({**entry, "fit_until": half, "error": _failure(exc)})
+    return out
+
+
 def report(base: str, runs: list[ReportRun], left_out: list[dict], out: Path | None, as_json: bool) -> list[Path]:
     """Fit, judge, print (markdown, or one JSON object with `as_json`) and, with `out`, write the report of `runs`
     (those of variant `base` are the base's) with `left_out`; the files written. UserError when the base or every
@@ -185,7 +204,7 @@ def report(base: str, runs: list[ReportRun], left_out: list[dict], out: Path | N
     except (ValueError, RuntimeError, FloatingPointError) as exc:  # a bootstrap refit, past each run's point fit
         raise UserError(f"no ablation report: a bootstrap refit failed ({type(exc).__name__}: {exc})") from None
     domains = domain_ablations(base, runs, options, warnings)
-    data = documents.ablation_data(ablation, left_out, warnings, domains)
+    data = documents.ablation_data(ablation, left_out, warnings, domains, backtests(runs, options))
     png = plots.ablation_png(ablation) if out is not None else b""
     pngs = {curve: plots.ablation_png(a) for curve, a in domains.items()} if out is not None else {}
     return documents.emit(documents.ablation_document(ablation, png, data, pngs), "ablation.json", data, out=out,

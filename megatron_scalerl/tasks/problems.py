@@ -1,7 +1,7 @@
 """Problems: the rows of a recipe's prompt sources (JSONL, parquet, reasoning-gym, our synthetic tasks), read into
 `Problem`s that carry what grading them needs.
 
-    sources = load_sources(recipe.data.train, seed=recipe.trainer.seed)   # [Source]: its config and its problems
+    sources = load_sources(recipe.data.train, seed=recipe.data_seed)   # [Source]: its config and its problems
 
 A problem's `key` names its source and row ("data/train.jsonl#12": line 12; "reasoning_gym/basic_arithmetic#7"), so
 it is the same in every run over the same data: No-Positive-Resampling and the validation split use it. A row is

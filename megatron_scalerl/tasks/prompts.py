@@ -1,9 +1,9 @@
 """Prompts: the template shared by training and evaluation, the held-out validation split, and the epoch sampler with
 No-Positive-Resampling and task mixtures.
 
-    sources = load_sources(recipe.data.train, seed=recipe.trainer.seed)       # problems.Source per data.train entry
-    train, validation = split_validation(sources, recipe.data.validation_holdout, seed=recipe.trainer.seed)
-    sampler = PromptSampler(train, seed=recipe.trainer.seed, resampling=npr)
+    sources = load_sources(recipe.data.train, seed=recipe.data_seed)          # problems.Source per data.train entry
+    train, validation = split_validation(sources, recipe.data.validation_holdout, seed=recipe.data_seed)
+    sampler = PromptSampler(train, seed=recipe.trainer.seed, resampling=npr)  # the order: the run's own seed
     problem = sampler.next()                     # a Problem: key, problem text, gold answer or tests, domain
     text = render_prompt(problem.problem, tokenizer, problem.template)
 
