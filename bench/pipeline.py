@@ -35,12 +35,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from itertools import pairwise
 from pathlib import Path
 
+import torch
+
 from megatron_scalerl.launch.local import start_run
+from megatron_scalerl.platform.precision import cpu_bf16_support, resolve_precision
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run.metrics_log import read_metrics
 
@@ -66,13 +70,35 @@ def figures(run_dir: Path, warmup: int, samples_per_batch: int) -> dict:
                for earlier, later in pairwise(batches)]
     steps = sorted((r for r in read_metrics(run_dir, "trainer") if first <= r["step"] <= last), key=lambda r: r["step"])
     trainer_seconds = steps[-1]["time"] - steps[0]["time"]
+    generator_idle = sum(window * idle for window, idle in windows) / seconds
+    trainer_wait = sum(r["trainer/batch_wait_s"] for r in steps[1:])
+    syncs = [r["sync/seconds"] for r in steps[1:] if "sync/seconds" in r]
     return {"batches": len(batches) - 1, "seconds": trainer_seconds,
             "samples_per_s": (len(steps) - 1) * samples_per_batch / trainer_seconds,
             "generated_samples_per_s": (len(batches) - 1) * samples_per_batch / seconds,
-            "generator_idle_fraction": sum(window * idle for window, idle in windows) / seconds,
-            "trainer_idle_fraction": sum(r["trainer/batch_wait_s"] for r in steps[1:]) / trainer_seconds,
+            "generator_idle_fraction": generator_idle,
+            "trainer_idle_fraction": trainer_wait / trainer_seconds,
+            # where a step's time goes: each side's busy seconds per batch (the trainer's include its weight sync)
+            "step_s": trainer_seconds / (len(steps) - 1),
+            "generator_busy_s_per_batch": seconds * (1 - generator_idle) / (len(batches) - 1),
+            "trainer_busy_s_per_batch": (trainer_seconds - trainer_wait) / (len(steps) - 1),
+            "sync_s_per_batch": sum(syncs) / len(syncs) if syncs else 0.0,
             "trained_samples_per_batch": sum(r["rollout/loss_samples"] for r in batches[1:]) / (len(batches) - 1),
             "staleness_max": max(r["staleness/max"] for r in batches)}
+
+
+def bounds(sync: dict, trainer_processes: int, generator_processes: int, cores: int) -> dict:
+    """What PipelineRL could reach from the synchronous run's own busy seconds per batch (each side measured while
+    the other waits, so with the machine to itself): g (generator) and t (trainer). Overlapped, a batch takes at
+    least max(g, t); on `cores` shared cores also the core-seconds of both, (generator_processes x g +
+    trainer_processes x t) / cores (each process one thread). Ratios are the synchronous batch time over those
+    floors; the generator's idle share at the floor on separate devices is 1 - g / max(g, t)."""
+    g, t = sync["generator_busy_s_per_batch"], sync["trainer_busy_s_per_batch"]
+    shared = max(g, t, (generator_processes * g + trainer_processes * t) / cores)
+    return {"cores": cores, "trainer_processes": trainer_processes, "generator_processes": generator_processes,
+            "ratio_bound_shared_cores": sync["step_s"] / shared,
+            "ratio_bound_separate_devices": sync["step_s"] / max(g, t),
+            "generator_idle_separate_devices": 1 - g / max(g, t)}
 
 
 def workload_model(workload: str, recipe, model_dir: Path, root: Path) -> Path:
@@ -106,13 +132,21 @@ def main() -> None:
         sync = run(root, model, "sync", [*common, "rollout.off_policy=ppo", "rollout.k=1"])
         result = {"pipeline": figures(pipeline, args.warmup, samples), "sync": figures(sync, args.warmup, samples)}
     result["ratio_samples_per_s"] = result["pipeline"]["samples_per_s"] / result["sync"]["samples_per_s"]
-    result.update(k=args.k, workload=args.workload)
+    result["bounds"] = bounds(result["sync"], recipe.cluster.trainer_gpus, recipe.cluster.generator_gpus,
+                              len(os.sched_getaffinity(0)))
+    result.update(k=args.k, workload=args.workload, cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                  bf16_native=cpu_bf16_support()[0], precision=resolve_precision("auto", cuda=False).value)
     for mode in ("pipeline", "sync"):
         f = result[mode]
         print(f"{mode}: {f['samples_per_s']:.2f} samples/s, generator idle {100 * f['generator_idle_fraction']:.1f}%, "
               f"trainer idle {100 * f['trainer_idle_fraction']:.1f}%, {f['trained_samples_per_batch']:.0f} samples "
               f"trained per batch, staleness max {f['staleness_max']:.0f}")
     print(f"ratio (PipelineRL-{args.k} / synchronous, {args.workload} workload): {result['ratio_samples_per_s']:.2f}")
+    b, s = result["bounds"], result["sync"]
+    print(f"synchronous batch {s['step_s']:.3f} s: generator busy {s['generator_busy_s_per_batch']:.3f} s, trainer busy "
+          f"{s['trainer_busy_s_per_batch']:.3f} s (weight sync {s['sync_s_per_batch']:.3f} s); PipelineRL's ceiling on "
+          f"{b['cores']} shared cores {b['ratio_bound_shared_cores']:.2f}x, on separate devices "
+          f"{b['ratio_bound_separate_devices']:.2f}x (generator idle there {100 * b['generator_idle_separate_devices']:.1f}%)")
     print(json.dumps(result))
 
 

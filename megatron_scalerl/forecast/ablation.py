@@ -11,7 +11,8 @@ pass rates in [0, 1], intervals `[X_lo, X_hi]` at `options.level`; inf (never re
               "targets": [{"reward", "gpu_hours", "lo", "hi", "reachable"}, ...], "warnings": [...]},
      "variants": [{the same fields, and "dA", "dA_lo", "dA_hi", "compute_ratio_50pct_base_gain" (variant / base)
                    with _lo and _hi, the same for 90pct, "crossovers": [GPU-h where it crosses the base],
-                   "verdict", "verdict_reason"}, ...]}
+                   "verdict", "verdict_reason", "needs" (too-early: what would call it, as numbers; else null)},
+                  ...]}
 
 Seeds. The noise model (`uncertainty`) is per run: each seed drifts on its own. So each seed is fitted and
 bootstrapped alone, and a recipe's curve is the mean of its seeds' fitted curves, R(C) = mean_s R_s(C): its ceiling is
@@ -32,9 +33,12 @@ Intervals are percentile intervals at `options.level` of those draws (a draw whe
 inf/inf, is left out).
 
 Verdict per variant (the rule, `RULE`, is printed in every report):
-1. `too-early` when the base or the variant is not pinned down: its A interval is wider than WIDE_A_INTERVAL, its
-   curve has not bent (last fitted compute below its C_mid, so A is an extrapolation), it shows no gain, or a seed's
-   fit ended on a search bound of A or C_mid;
+1. `too-early` when the base or the variant is not pinned down: its curve has not bent (last fitted compute below
+   its C_mid, so A is an extrapolation), it shows no gain, or a seed's fit ended on a search bound of A or C_mid. A
+   wide A interval alone is no reason: the dA and compute-ratio intervals carry it (until 2026-11-28 an A interval
+   wider than WIDE_A_INTERVAL, 0.1, made a recipe too-early too; on demo-sized runs, 16 validations of 64 prompts x
+   16 samples, 2 seeds a recipe, that rule called a C_mid x2 shift `efficiency` in 0 of 12 noise seeds and A + 0.08
+   `ceiling` in 7 of 12; without it 12 of 12 and 11 of 12, identical runs called different in 0 of 12);
 2. `ceiling` when the dA interval excludes 0 and |dA| >= A_MARGIN (0.02, the paper's run-to-run margin on A);
 3. `efficiency` otherwise, when the interval of the compute ratio to 50% or to 90% of the base's gain excludes 1
    and that ratio is at least EFFICIENCY_MARGIN (or at most its inverse);
@@ -42,6 +46,9 @@ Verdict per variant (the rule, `RULE`, is printed in every report):
    lies within +-EQUIVALENCE_A and the ratio interval to 50% of the base's gain within
    [1 / EQUIVALENCE_RATIO, EQUIVALENCE_RATIO];
 5. `too-early` otherwise: nothing found, but the intervals are too wide to say there is nothing.
+A `too-early` verdict says what would call it (`forecast.design`): runs long enough for an unbent curve to pass ~2x
+its C_mid, or the first study design (more seeds, more completions per validation) whose studies, simulated from the
+ablation's own fits, reach a verdict.
 Rates on synthetic runs of known parameters (the paper's 8B run, A 0.61, C_mid 2.5k GPU-h, 81 evaluations to 16k
 GPU-h, one seed per recipe, 100 replicates; tests/test_forecast_ablation.py): A + 0.05 at equal B and C_mid is
 `ceiling` in 91% of 160 noise seeds (`efficiency` in 6%: it is faster too); C_mid x2 at equal A is `efficiency`
@@ -60,10 +67,10 @@ import numpy as np
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.forecast.compare import crossovers
 from megatron_scalerl.forecast.data import Curve
+from megatron_scalerl.forecast.design import designs_to_call, longer_runs
 from megatron_scalerl.forecast.predict import (
     A_MARGIN,
     NO_GAIN,
-    WIDE_A_INTERVAL,
     Forecast,
     ForecastOptions,
     format_gpu_hours,
@@ -79,9 +86,8 @@ EFFICIENCY_MARGIN = 1.2  # a compute ratio counts from 20% faster or slower
 EQUIVALENCE_A = 0.05  # `indistinguishable` needs the dA interval within +-this
 EQUIVALENCE_RATIO = 2.0  # ... and the compute ratio to 50% of the base's gain within [1/this, this]
 RULE = (f"Differences are taken replicate by replicate between independent bootstraps of the variant and the base, "
-        f"intervals are their percentile intervals. too-early: the base or the variant is not pinned down (its A "
-        f"interval is wider than {WIDE_A_INTERVAL}, its curve has not bent past C_mid, it shows no gain, or a seed's "
-        f"fit ended on a bound of A or C_mid). ceiling: the interval of dA = A_variant - A_base excludes 0 and |dA| "
+        f"intervals are their percentile intervals. too-early: the base or the variant is not pinned down (its curve "
+        f"has not bent past C_mid, it shows no gain, or a seed's fit ended on a bound of A or C_mid). ceiling: the interval of dA = A_variant - A_base excludes 0 and |dA| "
         f">= {A_MARGIN} (the paper's run-to-run margin on A). efficiency: not a ceiling, and the interval of the "
         f"compute ratio (variant / base) to reach 50% or 90% of the base's gain excludes 1, the ratio being at least "
         f"{EFFICIENCY_MARGIN:g}x either way. indistinguishable: none of these, with the dA interval within "
@@ -196,14 +202,11 @@ class Recipe:
     def unpinned(self) -> str | None:
         """Why the recipe's curve does not pin its ceiling down (verdict rule 1), or None."""
         A, R0, C_mid = self.fitted["A"], self.fitted["R0"], self.fitted["C_mid"]
-        lo, hi = self.param_interval("A")
         if A - R0 <= NO_GAIN:
             return f"{self.name} shows no gain over R0 = {R0:.3f}"
         if self.fitted_until < C_mid:
             return (f"{self.name} has not bent yet: its last fitted evaluation ({format_gpu_hours(self.fitted_until)} "
                     f"GPU-h) is below its C_mid ({format_gpu_hours(C_mid)} GPU-h), so A is an extrapolation")
-        if hi - lo > WIDE_A_INTERVAL:
-            return f"{self.name}'s A interval [{lo:.3f}, {hi:.3f}] is wider than {WIDE_A_INTERVAL}"
         for f in self.forecasts:
             bound = [name for name in f.fit.at_bounds if name in ("A", "C_mid")]
             if bound:
@@ -220,11 +223,23 @@ class Contrast:
     ratio: dict[float, tuple[float, tuple[float, float]]]  # q -> compute ratio variant / base: value, interval
     verdict: str
     reason: str
+    needs: str | None  # too-early: what would let the rule call it, as numbers; else None
 
 
-def _contrast(base: Recipe, base_compute: dict, gain_levels: dict, variant: Recipe) -> Contrast:
+def _needs(base: Recipe, variant: Recipe, options: ForecastOptions) -> str:
+    """What a `too-early` verdict would take (`forecast.design`): longer runs for a curve that has not bent, else
+    the study designs simulated from the fits."""
+    for recipe in (base, variant):
+        if recipe.fitted["A"] - recipe.fitted["R0"] > NO_GAIN and recipe.fitted_until < recipe.fitted["C_mid"]:
+            return longer_runs(recipe)
+    return designs_to_call(base, variant, options)
+
+
+def _contrast(base: Recipe, base_compute: dict, gain_levels: dict, variant: Recipe, options: ForecastOptions | None
+              ) -> Contrast:
     """Differences of `variant` to `base` replicate by replicate; `gain_levels[q]` is the reward at q of the base's
-    gain (value, draws), `base_compute[q]` the base's GPU-hours to it (value, draws)."""
+    gain (value, draws), `base_compute[q]` the base's GPU-hours to it (value, draws). With `options`, a too-early
+    verdict says what would call it (`_needs`)."""
     dA = (variant.fitted["A"] - base.fitted["A"], variant.sampled["A"] - base.sampled["A"])
     compute, ratio = {}, {}
     for q in GAIN_FRACTIONS:
@@ -232,7 +247,8 @@ def _contrast(base: Recipe, base_compute: dict, gain_levels: dict, variant: Reci
         with np.errstate(divide="ignore", invalid="ignore"):  # 0/0 and inf/inf are NaN, left out of the interval
             ratio[q] = (compute[q][0] / base_compute[q][0], _interval(compute[q][1] / base_compute[q][1], base.level))
     verdict, reason = _verdict(base, variant, dA, ratio)
-    return Contrast(dA, compute, ratio, verdict, reason)
+    needs = _needs(base, variant, options) if verdict == "too-early" and options is not None else None
+    return Contrast(dA, compute, ratio, verdict, reason, needs)
 
 
 def _verdict(base: Recipe, variant: Recipe, dA: tuple[float, np.ndarray], ratio: dict) -> tuple[str, str]:
@@ -309,6 +325,7 @@ class Ablation:
                 row[key], row[f"{key}_lo"], row[f"{key}_hi"] = value, lo, hi
             row["crossovers"] = crossovers(recipe, self.base, low, high)
             row["verdict"], row["verdict_reason"] = contrast.verdict, contrast.reason
+            row["needs"] = contrast.needs
             variants.append(row)
         options = self.options
         return {"schema": SCHEMA, "curve": self.metric, "compute_unit": "GPU-hours", "level": options.level,
@@ -320,10 +337,11 @@ class Ablation:
 
 
 def make_ablation(base: list[Curve], variants: list[tuple[str, list[Curve]]], options: ForecastOptions,
-                  target: float | None = None) -> Ablation:
+                  target: float | None = None, judge_only: bool = False) -> Ablation:
     """Fit the base's seeds and each variant's (`variants`: (name, seeds) pairs; a curve's `source` is its run) with
     `options`, and judge each variant against the base (module docstring). The base is named after its first run.
-    `target`, a reward in [0, 1], joins `options.targets`: the GPU-hours each recipe needs to reach it."""
+    `target`, a reward in [0, 1], joins `options.targets`: the GPU-hours each recipe needs to reach it.
+    `judge_only`: verdicts without saying what a too-early one would take (the simulated studies that say it)."""
     if options.resamples < 2:
         raise UserError("ablation: the verdicts need bootstrap intervals; resamples must be at least 2")
     if not base or not variants or not all(curves for _, curves in variants):
@@ -354,5 +372,6 @@ def make_ablation(base: list[Curve], variants: list[tuple[str, list[Curve]]], op
     A_draws, R0_draws = base_recipe.sampled["A"], base_recipe.sampled["R0"]
     gain_levels = {q: (R0 + q * (A - R0), R0_draws + q * (A_draws - R0_draws)) for q in GAIN_FRACTIONS}
     base_compute = {q: base_recipe.compute_to_reach(*gain_levels[q]) for q in GAIN_FRACTIONS}
-    contrasts = tuple(_contrast(base_recipe, base_compute, gain_levels, r) for r in recipes)
+    contrasts = tuple(_contrast(base_recipe, base_compute, gain_levels, r, None if judge_only else options)
+                      for r in recipes)
     return Ablation(base_recipe, recipes, base_compute, contrasts, options)

@@ -275,7 +275,8 @@ def ablation_document(ablation: Ablation, png: bytes, data: dict | None = None,
     doc = Document(f"Ablation: {', '.join(v['name'] for v in variants)} vs {base['name']}")
     doc.paragraph(f"Verdicts against the base {base['name']}: "
                   + "; ".join(f"{v['name']}: {v['verdict']}" for v in variants) + ".")
-    doc.items([f"{v['name']}: {v['verdict']}: {v['verdict_reason']}" for v in variants])
+    doc.items([f"{v['name']}: {v['verdict']}: {v['verdict_reason']}"
+               + (f". To call it: {v['needs']}" if v.get("needs") else "") for v in variants])
     if data.get("backtests"):
         _backtests_section(doc, data["backtests"])
     doc.image("ablation.png", png)

@@ -1,0 +1,86 @@
+"""What a `too-early` ablation verdict would take to be called, from simulated studies of the ablation's own fits.
+
+A curve that has not bent yet needs longer runs: `longer_runs` says how much longer (to about twice its C_mid),
+without simulation. Otherwise `designs_to_call` tries study designs, cheapest first (`DESIGNS`: seeds per recipe and
+scored completions per validation, each a multiple of the study's own), on `TRIALS` simulated studies each: every
+seed of the base and of the variant becomes a synthetic run (`synthetic.simulate_run`) of its recipe's fitted mean
+curve (A, B, C_mid, R0), with the evaluations of the recipe's first run (their count and span in GPU-hours), its
+drift (the median drift sd and neighbour correlation of that run's noise model) and binomial evaluation noise of the
+design's completions; each simulated study is judged by the ablation's own rule. The answer lists every design
+tried with how many of its studies reached a verdict, and stops at the first that does in at least `CALLED` of
+`TRIALS`. More completions per validation narrow only the evaluation-noise part of an interval, more seeds narrow
+every part but slowly: the A draws of a demo-sized run are heavy-tailed upwards, so their mean over seeds narrows
+far less than 1 / sqrt(seeds) (on demo-like synthetic runs, 64 prompts x 4 samples at 16 validations, the median A
+interval was 0.14 wide for 1 seed, 0.16 for 2 and 0.12 for 4; with 16 samples per prompt 0.08, 0.06, 0.06).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from megatron_scalerl.forecast.predict import format_gpu_hours
+from megatron_scalerl.forecast.synthetic import PaperRun, simulate_run
+
+if TYPE_CHECKING:
+    from megatron_scalerl.forecast.ablation import Recipe
+    from megatron_scalerl.forecast.data import Curve
+    from megatron_scalerl.forecast.predict import ForecastOptions
+
+DESIGNS = ((1, 4), (2, 1), (2, 4), (4, 4))  # (x seeds per recipe, x completions per validation), cheapest first
+TRIALS = 4  # simulated studies per design
+CALLED = 3  # ... of which this many must reach a verdict other than too-early
+SIMULATION_RESAMPLES = 40  # bootstrap refits per simulated run (the verdicts' intervals)
+DEFAULT_DRAWS = 256  # completions per validation assumed when the options do not say (64 prompts x 4 samples)
+
+
+def longer_runs(recipe: Recipe) -> str:
+    """For a recipe whose curve has not bent: how much longer its runs would need to be (to ~2x its C_mid)."""
+    c_mid = recipe.fitted["C_mid"]
+    return (f"{recipe.name}'s runs about {2 * c_mid / recipe.fitted_until:.1f}x as long (to ~2x its C_mid, "
+            f"{format_gpu_hours(2 * c_mid)} GPU-h), so that its curve bends inside them")
+
+
+def _simulated_recipe(recipe: Recipe, seeds: int, draws: int, rng: np.random.Generator) -> list[Curve]:
+    """`seeds` synthetic runs of `recipe`'s fitted mean curve with its first run's evaluations and drift."""
+    first = recipe.forecasts[0]
+    fitted, noise = recipe.fitted, first.boot.noise.summary()
+    compute = first.curve.compute[first.in_fit]
+    run = PaperRun(recipe.name, C_mid=fitted["C_mid"], B=fitted["B"], A=fitted["A"], budget=float(compute[-1]))
+    curves = []
+    for s in range(seeds):
+        simulated = simulate_run(run, int(rng.integers(2**31)), r0=fitted["R0"], num_evals=int(compute.size),
+                                 prompts=draws, samples_per_prompt=1, drift_sd=noise["drift_sd"],
+                                 drift_corr=noise["drift_corr"]).curve
+        curves.append(replace(simulated, name=f"{recipe.name}-sim{s}", source=f"{recipe.name}/sim{s}"))
+    return curves
+
+
+def designs_to_call(base: Recipe, variant: Recipe, options: ForecastOptions) -> str:
+    """The designs tried for a too-early `variant` against `base` and what their simulated studies concluded."""
+    from megatron_scalerl.forecast.ablation import make_ablation  # deferred: ablation imports this module
+
+    seeds = max(len(base.forecasts), len(variant.forecasts))
+    draws = options.eval_draws or DEFAULT_DRAWS
+    rng = np.random.default_rng(options.seed)
+    tried = []
+    for seed_factor, draw_factor in DESIGNS:
+        design = replace(options, eval_draws=draws * draw_factor, resamples=SIMULATION_RESAMPLES)
+        found = Counter()
+        for _ in range(TRIALS):
+            simulated = make_ablation(_simulated_recipe(base, seeds * seed_factor, draws * draw_factor, rng),
+                                      [(variant.name, _simulated_recipe(variant, seeds * seed_factor,
+                                                                        draws * draw_factor, rng))],
+                                      design, judge_only=True)
+            found[simulated.contrasts[0].verdict] += 1
+        called = TRIALS - found["too-early"]
+        verdicts = ", ".join(f"{v} {n}" for v, n in sorted(found.items()))
+        tried.append(f"{seeds * seed_factor} seeds per recipe and {draws * draw_factor} completions per validation: "
+                     f"{called} of {TRIALS} called ({verdicts})")
+        if called >= CALLED:
+            return "in studies simulated from these fits, " + "; ".join(tried)
+    return ("no design tried calls it in studies simulated from these fits (" + "; ".join(tried) + "): the "
+            "difference may be smaller than these runs can resolve")
