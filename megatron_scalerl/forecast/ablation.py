@@ -232,7 +232,12 @@ def _needs(base: Recipe, variant: Recipe, options: ForecastOptions) -> str:
     for recipe in (base, variant):
         if recipe.fitted["A"] - recipe.fitted["R0"] > NO_GAIN and recipe.fitted_until < recipe.fitted["C_mid"]:
             return longer_runs(recipe)
-    return designs_to_call(base, variant, options)
+    return designs_to_call(base, variant, options, _judge)
+
+
+def _judge(base: list[Curve], variant: tuple[str, list[Curve]], options: ForecastOptions) -> str:
+    """The verdict on one variant's runs against the base's (`forecast.design`'s simulated studies)."""
+    return make_ablation(base, [variant], options, judge_only=True).contrasts[0].verdict
 
 
 def _contrast(base: Recipe, base_compute: dict, gain_levels: dict, variant: Recipe, options: ForecastOptions | None

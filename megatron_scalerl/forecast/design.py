@@ -17,6 +17,7 @@ interval was 0.14 wide for 1 seed, 0.16 for 2 and 0.12 for 4; with 16 samples pe
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -59,10 +60,12 @@ def _simulated_recipe(recipe: Recipe, seeds: int, draws: int, rng: np.random.Gen
     return curves
 
 
-def designs_to_call(base: Recipe, variant: Recipe, options: ForecastOptions) -> str:
-    """The designs tried for a too-early `variant` against `base` and what their simulated studies concluded."""
-    from megatron_scalerl.forecast.ablation import make_ablation  # deferred: ablation imports this module
+Judge = Callable[[list["Curve"], tuple[str, list["Curve"]], "ForecastOptions"], str]  # (base, variant, options) -> verdict
 
+
+def designs_to_call(base: Recipe, variant: Recipe, options: ForecastOptions, judge: Judge) -> str:
+    """The designs tried for a too-early `variant` against `base` and what their simulated studies concluded;
+    `judge` gives the ablation's verdict on simulated runs (the ablation's own rule, passed in by it)."""
     seeds = max(len(base.forecasts), len(variant.forecasts))
     draws = options.eval_draws or DEFAULT_DRAWS
     rng = np.random.default_rng(options.seed)
@@ -71,11 +74,9 @@ def designs_to_call(base: Recipe, variant: Recipe, options: ForecastOptions) -> 
         design = replace(options, eval_draws=draws * draw_factor, resamples=SIMULATION_RESAMPLES)
         found = Counter()
         for _ in range(TRIALS):
-            simulated = make_ablation(_simulated_recipe(base, seeds * seed_factor, draws * draw_factor, rng),
-                                      [(variant.name, _simulated_recipe(variant, seeds * seed_factor,
-                                                                        draws * draw_factor, rng))],
-                                      design, judge_only=True)
-            found[simulated.contrasts[0].verdict] += 1
+            found[judge(_simulated_recipe(base, seeds * seed_factor, draws * draw_factor, rng),
+                        (variant.name, _simulated_recipe(variant, seeds * seed_factor, draws * draw_factor, rng)),
+                        design)] += 1
         called = TRIALS - found["too-early"]
         verdicts = ", ".join(f"{v} {n}" for v, n in sorted(found.items()))
         tried.append(f"{seeds * seed_factor} seeds per recipe and {draws * draw_factor} completions per validation: "
