@@ -237,3 +237,14 @@ def test_the_sweep_report_judges_each_domain_curve_too(tmp_path, capsys):
     assert {"ablation_val_code.png", "ablation_val_math.png"} <= {p.name for p in written}
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert "## Domain curve val/code" in markdown and "| variant |" in markdown
+
+
+def test_runs_that_never_learn_are_too_early_and_say_why():
+    """Pass rates of 0 throughout (a sweep's 4-step runs of an untrained model): too-early, not a crash on the base's
+    compute to its gain (0 GPU-h), and what it would take says the runs must learn first."""
+    def flat(name):
+        return Curve.from_arrays(np.linspace(0.001, 0.01, 6), np.zeros(6), name=name, source=name)
+
+    contrast = make_ablation([flat("base")], [("v", [flat("v")])], replace(OPTIONS, resamples=20)).contrasts[0]
+    assert contrast.verdict == "too-early" and "shows no gain" in contrast.reason
+    assert contrast.needs == "base to learn at all: no study of these runs could compare its gain"

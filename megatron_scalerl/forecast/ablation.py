@@ -230,7 +230,9 @@ def _needs(base: Recipe, variant: Recipe, options: ForecastOptions) -> str:
     """What a `too-early` verdict would take (`forecast.design`): longer runs for a curve that has not bent, else
     the study designs simulated from the fits."""
     for recipe in (base, variant):
-        if recipe.fitted["A"] - recipe.fitted["R0"] > NO_GAIN and recipe.fitted_until < recipe.fitted["C_mid"]:
+        if recipe.fitted["A"] - recipe.fitted["R0"] <= NO_GAIN:
+            return f"{recipe.name} to learn at all: no study of these runs could compare its gain"
+        if recipe.fitted_until < recipe.fitted["C_mid"]:
             return longer_runs(recipe)
     return designs_to_call(base, variant, options, _judge)
 
@@ -250,7 +252,8 @@ def _contrast(base: Recipe, base_compute: dict, gain_levels: dict, variant: Reci
     for q in GAIN_FRACTIONS:
         compute[q] = variant.compute_to_reach(*gain_levels[q])
         with np.errstate(divide="ignore", invalid="ignore"):  # 0/0 and inf/inf are NaN, left out of the interval
-            ratio[q] = (compute[q][0] / base_compute[q][0], _interval(compute[q][1] / base_compute[q][1], base.level))
+            value = np.float64(compute[q][0]) / base_compute[q][0]  # a base with no gain reaches its levels at 0 GPU-h
+            ratio[q] = (float(value), _interval(compute[q][1] / base_compute[q][1], base.level))
     verdict, reason = _verdict(base, variant, dA, ratio)
     needs = _needs(base, variant, options) if verdict == "too-early" and options is not None else None
     return Contrast(dA, compute, ratio, verdict, reason, needs)

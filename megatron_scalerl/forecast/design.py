@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_scalerl.errors import UserError
 from megatron_scalerl.forecast.predict import format_gpu_hours
 from megatron_scalerl.forecast.synthetic import PaperRun, simulate_run
 
@@ -35,6 +36,7 @@ DESIGNS = ((1, 4), (2, 1), (2, 4), (4, 4))  # (x seeds per recipe, x completions
 TRIALS = 4  # simulated studies per design
 CALLED = 3  # ... of which this many must reach a verdict other than too-early
 SIMULATION_RESAMPLES = 40  # bootstrap refits per simulated run (the verdicts' intervals)
+FIT_ERRORS = (UserError, ValueError, RuntimeError, FloatingPointError)
 DEFAULT_DRAWS = 256  # completions per validation assumed when the options do not say (64 prompts x 4 samples)
 
 
@@ -46,14 +48,15 @@ def longer_runs(recipe: Recipe) -> str:
 
 
 def _simulated_recipe(recipe: Recipe, seeds: int, draws: int, rng: np.random.Generator) -> list[Curve]:
-    """`seeds` synthetic runs of `recipe`'s fitted mean curve with its first run's evaluations and drift."""
+    """`seeds` synthetic runs of `recipe`'s fitted mean curve with its first run's evaluations and drift (one more
+    evaluation, at 0 GPU-h, outside every fit window: the fitted ones keep their count)."""
     first = recipe.forecasts[0]
     fitted, noise = recipe.fitted, first.boot.noise.summary()
     compute = first.curve.compute[first.in_fit]
     run = PaperRun(recipe.name, C_mid=fitted["C_mid"], B=fitted["B"], A=fitted["A"], budget=float(compute[-1]))
     curves = []
     for s in range(seeds):
-        simulated = simulate_run(run, int(rng.integers(2**31)), r0=fitted["R0"], num_evals=int(compute.size),
+        simulated = simulate_run(run, int(rng.integers(2**31)), r0=fitted["R0"], num_evals=int(compute.size) + 1,
                                  prompts=draws, samples_per_prompt=1, drift_sd=noise["drift_sd"],
                                  drift_corr=noise["drift_corr"]).curve
         curves.append(replace(simulated, name=f"{recipe.name}-sim{s}", source=f"{recipe.name}/sim{s}"))
@@ -74,10 +77,13 @@ def designs_to_call(base: Recipe, variant: Recipe, options: ForecastOptions, jud
         design = replace(options, eval_draws=draws * draw_factor, resamples=SIMULATION_RESAMPLES)
         found = Counter()
         for _ in range(TRIALS):
-            found[judge(_simulated_recipe(base, seeds * seed_factor, draws * draw_factor, rng),
-                        (variant.name, _simulated_recipe(variant, seeds * seed_factor, draws * draw_factor, rng)),
-                        design)] += 1
-        called = TRIALS - found["too-early"]
+            try:
+                found[judge(_simulated_recipe(base, seeds * seed_factor, draws * draw_factor, rng),
+                            (variant.name, _simulated_recipe(variant, seeds * seed_factor, draws * draw_factor, rng)),
+                            design)] += 1
+            except FIT_ERRORS:  # a simulated run the fit cannot take: no verdict from that study
+                found["unfitted"] += 1
+        called = TRIALS - found["too-early"] - found["unfitted"]
         verdicts = ", ".join(f"{v} {n}" for v, n in sorted(found.items()))
         tried.append(f"{seeds * seed_factor} seeds per recipe and {draws * draw_factor} completions per validation: "
                      f"{called} of {TRIALS} called ({verdicts})")
