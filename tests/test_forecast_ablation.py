@@ -245,6 +245,7 @@ def test_runs_that_never_learn_are_too_early_and_say_why():
     def flat(name):
         return Curve.from_arrays(np.linspace(0.001, 0.01, 6), np.zeros(6), name=name, source=name)
 
-    contrast = make_ablation([flat("base")], [("v", [flat("v")])], replace(OPTIONS, resamples=20)).contrasts[0]
+    options = ForecastOptions(resamples=20, min_compute=0, eval_draws=16)
+    contrast = make_ablation([flat("base")], [("v", [flat("v")])], options).contrasts[0]
     assert contrast.verdict == "too-early" and "shows no gain" in contrast.reason
     assert contrast.needs == "base to learn at all: no study of these runs could compare its gain"
