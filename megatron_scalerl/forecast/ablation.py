@@ -34,7 +34,10 @@ inf/inf, is left out).
 
 Verdict per variant (the rule, `RULE`, is printed in every report):
 1. `too-early` when the base or the variant is not pinned down: its curve has not bent (last fitted compute below
-   its C_mid, so A is an extrapolation), it shows no gain, or a seed's fit ended on a search bound of A or C_mid. A
+   its C_mid, so A is an extrapolation), fewer than MIN_BENT_SHARE (80%) of a run's bootstrap refits bend inside its
+   data (C_mid at or below its last fitted compute; the intervals are taken over those refits: one that bends only
+   past the data puts A wherever its extrapolation goes), it shows no gain, or a seed's fit ended on a search bound
+   of A or C_mid. A
    wide A interval alone is no reason: the dA and compute-ratio intervals carry it (until 2026-11-28 an A interval
    wider than WIDE_A_INTERVAL, 0.1, made a recipe too-early too; on demo-sized runs, 16 validations of 64 prompts x
    16 samples, 2 seeds a recipe, that rule called a C_mid x2 shift `efficiency` in 0 of 12 noise seeds and A + 0.08
@@ -82,12 +85,15 @@ from megatron_scalerl.forecast.uncertainty import interval
 SCHEMA = "scalerl.sweep-report/1"
 PARAMS = ("A", "B", "C_mid", "R0")
 GAIN_FRACTIONS = (0.5, 0.9)  # fractions of the base's gain whose compute is compared
+MIN_BENT_SHARE = 0.8  # below this share of a seed's refits bent inside its data, a recipe is too-early
 EFFICIENCY_MARGIN = 1.2  # a compute ratio counts from 20% faster or slower
 EQUIVALENCE_A = 0.05  # `indistinguishable` needs the dA interval within +-this
 EQUIVALENCE_RATIO = 2.0  # ... and the compute ratio to 50% of the base's gain within [1/this, this]
 RULE = (f"Differences are taken replicate by replicate between independent bootstraps of the variant and the base, "
-        f"intervals are their percentile intervals. too-early: the base or the variant is not pinned down (its curve "
-        f"has not bent past C_mid, it shows no gain, or a seed's fit ended on a bound of A or C_mid). ceiling: the interval of dA = A_variant - A_base excludes 0 and |dA| "
+        f"intervals are their percentile intervals, over the refits that bend inside their run's data. too-early: the "
+        f"base or the variant is not pinned down (its curve has not bent past C_mid, fewer than "
+        f"{MIN_BENT_SHARE:.0%} of a run's refits bend inside its data, it shows no gain, or a seed's fit ended on a "
+        f"bound of A or C_mid). ceiling: the interval of dA = A_variant - A_base excludes 0 and |dA| "
         f">= {A_MARGIN} (the paper's run-to-run margin on A). efficiency: not a ceiling, and the interval of the "
         f"compute ratio (variant / base) to reach 50% or 90% of the base's gain excludes 1, the ratio being at least "
         f"{EFFICIENCY_MARGIN:g}x either way. indistinguishable: none of these, with the dA interval within "
@@ -167,9 +173,26 @@ class Recipe:
         return tuple(np.array([[getattr(f.fit, p) for f in self.forecasts]]) for p in PARAMS)
 
     @cached_property
+    def bent_share(self) -> float:
+        """The least share, over the seeds, of bootstrap refits that bend inside their run's data (C_mid <= its last
+        fitted GPU-hours): the refits whose A the run identifies."""
+        return float(min(np.mean(f.boot.C_mid <= f.fitted_until) for f in self.forecasts))
+
+    @cached_property
     def draws(self) -> tuple[np.ndarray, ...]:
-        """The seeds' bootstrap draws of (A, B, C_mid, R0), each (k, m): row i holds replicate i of every seed."""
-        return tuple(np.column_stack([getattr(f.boot, p) for f in self.forecasts]) for p in PARAMS)
+        """The seeds' bootstrap draws of (A, B, C_mid, R0), each (k, m): row i holds a draw of every seed. Only a
+        seed's refits that bend inside its data count (`bent_share`), cycled to fill the k rows (the seeds' and the
+        recipes' draws are independent, so any row pairs independent draws). A refit that bends only past the data
+        (noise read as a late rise) puts A wherever its extrapolation goes, up to the bound of 1: on a demo run that
+        plateaued early at 0.07, 17% of refits did, and made its A interval [0.05, 1.0] (bent ones: [0.05, 0.11])."""
+        columns = {p: [] for p in PARAMS}
+        for f in self.forecasts:
+            bent = np.flatnonzero(f.boot.C_mid <= f.fitted_until)
+            rows = bent if bent.size else np.arange(f.boot.C_mid.size)
+            pick = rows[np.arange(f.boot.C_mid.size) % rows.size]
+            for p in PARAMS:
+                columns[p].append(getattr(f.boot, p)[pick])
+        return tuple(np.column_stack(columns[p]) for p in PARAMS)
 
     @cached_property
     def fitted(self) -> dict[str, float]:
@@ -207,6 +230,9 @@ class Recipe:
         if self.fitted_until < C_mid:
             return (f"{self.name} has not bent yet: its last fitted evaluation ({format_gpu_hours(self.fitted_until)} "
                     f"GPU-h) is below its C_mid ({format_gpu_hours(C_mid)} GPU-h), so A is an extrapolation")
+        if self.bent_share < MIN_BENT_SHARE:
+            return (f"{self.name} has barely bent: only {self.bent_share:.0%} of a run's bootstrap refits bend inside "
+                    f"its data (at least {MIN_BENT_SHARE:.0%} needed), so its A is too often an extrapolation")
         for f in self.forecasts:
             bound = [name for name in f.fit.at_bounds if name in ("A", "C_mid")]
             if bound:
