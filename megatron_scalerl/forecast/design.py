@@ -88,6 +88,6 @@ def designs_to_call(base: Recipe, variant: Recipe, options: ForecastOptions, jud
         tried.append(f"{seeds * seed_factor} seeds per recipe and {draws * draw_factor} completions per validation: "
                      f"{called} of {TRIALS} called ({verdicts})")
         if called >= CALLED:
-            return "in studies simulated from these fits, " + "; ".join(tried)
-    return ("no design tried calls it in studies simulated from these fits (" + "; ".join(tried) + "): the "
-            "difference may be smaller than these runs can resolve")
+            return "in studies simulated from these fits (their difference taken as real), " + "; ".join(tried)
+    return ("no design tried calls it in studies simulated from these fits (their difference taken as real: "
+            + "; ".join(tried) + "): the difference may be smaller than these runs can resolve")
