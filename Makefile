@@ -41,8 +41,8 @@ test-fast: bytecode
 demo: bytecode
 	$(VENV)/bin/scalerl demo $(DEMO_ARGS)
 
-# A small ablation study on the demo task (docs/sweeps.md): the demo recipe against a thinking budget shorter than its
-# worked answers (demo_short_thinking) and half its learning rate (lr-5e-5), two seeds each, every validation 64
+# A small ablation study on the demo task (docs/sweeps.md): the demo recipe against a thinking budget too short for
+# it (demo_short_thinking: 6 tokens) and half its learning rate (lr-5e-5), two seeds each, every validation 64
 # held-out prompts x 16 samples (the same prompts in every run: data.seed), all from the demo's warm-started model
 # (runs/demo_model/, built first unless `make demo` built it), one run after another; ends with the ablation report in
 # runs/ablation/report/. About 30 minutes on 2 cores. Interrupted (Ctrl-C: each run checkpoints), `make ablation`
