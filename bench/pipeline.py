@@ -88,16 +88,18 @@ def figures(run_dir: Path, warmup: int, samples_per_batch: int) -> dict:
 
 
 def bounds(sync: dict, trainer_processes: int, generator_processes: int, cores: int) -> dict:
-    """What PipelineRL could reach from the synchronous run's own busy seconds per batch (each side measured while
-    the other waits, so with the machine to itself): g (generator) and t (trainer). Overlapped, a batch takes at
-    least max(g, t); on `cores` shared cores also the core-seconds of both, (generator_processes x g +
-    trainer_processes x t) / cores (each process one thread). Ratios are the synchronous batch time over those
-    floors; the generator's idle share at the floor on separate devices is 1 - g / max(g, t)."""
+    """What PipelineRL could reach, estimated from the synchronous run's own busy seconds per batch (each side
+    measured while the other waits, so with the machine to itself): g (generator) and t (trainer). Overlapped, a batch
+    takes at least max(g, t) on separate devices; on `cores` shared cores, if every process kept one core busy for
+    all its busy seconds, also (generator_processes x g + trainer_processes x t) / cores. Ratios are the synchronous
+    batch time over those times; the generator's idle share at max(g, t) is 1 - g / max(g, t). The shared-cores
+    figure is an estimate, not a bound: a process is not on its core for all its busy seconds (the trainer's ranks
+    wait on each other's collectives), and on the random workload PipelineRL beat it (1.81x against 1.69x)."""
     g, t = sync["generator_busy_s_per_batch"], sync["trainer_busy_s_per_batch"]
     shared = max(g, t, (generator_processes * g + trainer_processes * t) / cores)
     return {"cores": cores, "trainer_processes": trainer_processes, "generator_processes": generator_processes,
-            "ratio_bound_shared_cores": sync["step_s"] / shared,
-            "ratio_bound_separate_devices": sync["step_s"] / max(g, t),
+            "ratio_estimate_shared_cores": sync["step_s"] / shared,
+            "ratio_estimate_separate_devices": sync["step_s"] / max(g, t),
             "generator_idle_separate_devices": 1 - g / max(g, t)}
 
 
@@ -144,9 +146,9 @@ def main() -> None:
     print(f"ratio (PipelineRL-{args.k} / synchronous, {args.workload} workload): {result['ratio_samples_per_s']:.2f}")
     b, s = result["bounds"], result["sync"]
     print(f"synchronous batch {s['step_s']:.3f} s: generator busy {s['generator_busy_s_per_batch']:.3f} s, trainer busy "
-          f"{s['trainer_busy_s_per_batch']:.3f} s (weight sync {s['sync_s_per_batch']:.3f} s); PipelineRL's ceiling on "
-          f"{b['cores']} shared cores {b['ratio_bound_shared_cores']:.2f}x, on separate devices "
-          f"{b['ratio_bound_separate_devices']:.2f}x (generator idle there {100 * b['generator_idle_separate_devices']:.1f}%)")
+          f"{s['trainer_busy_s_per_batch']:.3f} s (weight sync {s['sync_s_per_batch']:.3f} s); PipelineRL's estimate on "
+          f"{b['cores']} shared cores {b['ratio_estimate_shared_cores']:.2f}x, on separate devices "
+          f"{b['ratio_estimate_separate_devices']:.2f}x (generator idle there {100 * b['generator_idle_separate_devices']:.1f}%)")
     print(json.dumps(result))
 
 
