@@ -83,3 +83,14 @@ def test_weight_sync_reaches_the_workers_on_every_node(spanning):
 
 def test_every_node_stops_cleanly_on_sigterm(spanning):
     assert spanning["codes"] == [0, 0], (spanning["root"] / "vllm.out1").read_text()[-2000:]
+
+
+@pytest.mark.parametrize("tp, env_rank, message", [
+    ("3", "0", "a server of 3 workers cannot span 2 nodes evenly (tensor_parallel_size, serve's --tp"),
+    ("2", "2", "node_rank (--node-rank) 2 of a server spanning 2 node(s): must be 0..1")])
+def test_a_span_that_does_not_divide_is_refused_in_one_line(tmp_path, tp, env_rank, message):
+    (tmp_path / "config.json").write_text("{}")
+    done = subprocess.run([sys.executable, "-m", "megatron_scalerl.commands", "serve", "--model", str(tmp_path),
+                           "--no-api-key", "--tp", tp, "--nnodes", "2"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SCALERL_NODE_RANK": env_rank})
+    assert done.returncode == 2 and message in done.stderr, done.stderr

@@ -142,9 +142,6 @@ def _serve(args: argparse.Namespace) -> int:
     api_key = api_key_from(args, os.environ)
     if args.no_api_key and api_key:
         raise UserError(f"--no-api-key, but an API key is given (a flag or ${API_KEY_ENV}): drop one")
-    if args.nnodes > 1 and (args.tp % args.nnodes or not 0 <= args.node_rank < args.nnodes):
-        raise UserError(f"--tp {args.tp} over --nnodes {args.nnodes} with --node-rank {args.node_rank}: --tp must be "
-                        f"a multiple of --nnodes and --node-rank within 0..{args.nnodes - 1}")
     headless = args.node_rank > 0
     if not api_key and not args.no_api_key and not headless:
         raise UserError(f"scalerl serve needs an API key (its routes run code in the server's workers): give "
@@ -154,11 +151,14 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError(f"--model {model}: not a Hugging Face checkpoint directory (no config.json)")
     extra = tuple(args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args)
     tokenizer = has_tokenizer(model)
-    config = VLLMServerConfig(model=str(model), port=args.port, host=args.host, tensor_parallel_size=args.tp,
-                              dtype=args.dtype, max_model_len=args.max_model_len, api_key=api_key,
-                              seed=args.seed, skip_tokenizer_init=not tokenizer, capture_routes=args.capture_routes,
-                              nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                              master_port=args.master_port, extra_args=extra)
+    try:  # the config checks --tp over --nnodes and --node-rank
+        config = VLLMServerConfig(model=str(model), port=args.port, host=args.host, tensor_parallel_size=args.tp,
+                                  dtype=args.dtype, max_model_len=args.max_model_len, api_key=api_key,
+                                  seed=args.seed, skip_tokenizer_init=not tokenizer,
+                                  capture_routes=args.capture_routes, nnodes=args.nnodes, node_rank=args.node_rank,
+                                  master_addr=args.master_addr, master_port=args.master_port, extra_args=extra)
+    except ValueError as exc:
+        raise UserError(f"scalerl serve: {exc}") from None
     log = Path(args.log) if args.log else Path("logs") / f"vllm_{args.port}.log"
     if headless:  # the nodes of one server may share a file system: a log each
         log = log.with_name(f"{log.stem}.node{args.node_rank}{log.suffix}")

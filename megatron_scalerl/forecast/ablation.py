@@ -138,6 +138,11 @@ def _interval(draws, level: float) -> tuple[float, float]:
     return interval(draws[~np.isnan(draws)], level)
 
 
+def _bent(forecast: Forecast) -> np.ndarray:
+    """Which of a run's bootstrap refits bend inside its data (C_mid at or below its last fitted GPU-hours): (k,)."""
+    return forecast.boot.C_mid <= forecast.fitted_until
+
+
 def _summarise(A, B, C_mid, R0) -> dict[str, np.ndarray]:
     """A, B, C_mid, R0 of the mean curve of each row of the seeds' parameters (each (k, m)): arrays of shape (k,)."""
     A_mean, R0_mean = A.mean(axis=1), R0.mean(axis=1)
@@ -176,7 +181,7 @@ class Recipe:
     def bent_share(self) -> float:
         """The least share, over the seeds, of bootstrap refits that bend inside their run's data (C_mid <= its last
         fitted GPU-hours): the refits whose A the run identifies."""
-        return float(min(np.mean(f.boot.C_mid <= f.fitted_until) for f in self.forecasts))
+        return float(min(np.mean(_bent(f)) for f in self.forecasts))
 
     @cached_property
     def draws(self) -> tuple[np.ndarray, ...]:
@@ -187,7 +192,7 @@ class Recipe:
         plateaued early at 0.07, 17% of refits did, and made its A interval [0.05, 1.0] (bent ones: [0.05, 0.11])."""
         columns = {p: [] for p in PARAMS}
         for f in self.forecasts:
-            bent = np.flatnonzero(f.boot.C_mid <= f.fitted_until)
+            bent = np.flatnonzero(_bent(f))
             rows = bent if bent.size else np.arange(f.boot.C_mid.size)
             pick = rows[np.arange(f.boot.C_mid.size) % rows.size]
             for p in PARAMS:

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_scalerl.errors import UserError
-from megatron_scalerl.forecast.predict import format_gpu_hours
+from megatron_scalerl.forecast.predict import FIT_ERRORS, format_gpu_hours
 from megatron_scalerl.forecast.synthetic import PaperRun, simulate_run
 
 if TYPE_CHECKING:
@@ -36,7 +35,6 @@ DESIGNS = ((1, 4), (2, 1), (2, 4), (4, 4))  # (x seeds per recipe, x completions
 TRIALS = 4  # simulated studies per design
 CALLED = 3  # ... of which this many must reach a verdict other than too-early
 SIMULATION_RESAMPLES = 40  # bootstrap refits per simulated run (the verdicts' intervals)
-FIT_ERRORS = (UserError, ValueError, RuntimeError, FloatingPointError)
 DEFAULT_DRAWS = 256  # completions per validation assumed when the options do not say (64 prompts x 4 samples)
 
 

@@ -25,6 +25,7 @@ from megatron_scalerl.forecast.sigmoid import METHODS, SigmoidFit, fit_sigmoid
 from megatron_scalerl.forecast.uncertainty import Bootstrap, bootstrap_sigmoid
 
 MIN_POINTS = 5  # three fitted parameters plus two degrees of freedom for the residual
+FIT_ERRORS = (UserError, ValueError, RuntimeError, FloatingPointError)  # what reading or fitting one run may raise
 A_MARGIN = 0.02  # the paper's run-to-run margin on A
 WIDE_A_INTERVAL = 0.1  # an A interval wider than this means the ceiling is not pinned down
 RELIABLE_EXTRAPOLATION = 4.0  # the paper validated predictions 2-3x beyond the fitted compute

@@ -37,7 +37,7 @@ from megatron_scalerl.forecast.ablation import make_ablation
 from megatron_scalerl.forecast.backtest import run_backtest
 from megatron_scalerl.forecast.data import MetricsTable
 from megatron_scalerl.forecast.live import recipe_options
-from megatron_scalerl.forecast.predict import ForecastOptions, make_forecast
+from megatron_scalerl.forecast.predict import FIT_ERRORS, ForecastOptions, make_forecast
 from megatron_scalerl.recipe import Recipe, load_run_recipe
 from megatron_scalerl.run.directory import RECIPE_FILE, read_finished
 from megatron_scalerl.sweep.manifest import ordered_runs
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
     from megatron_scalerl.forecast.predict import ForecastOptions
 
 REPORT_DIR = "report"
-FIT_ERRORS = (UserError, ValueError, RuntimeError, FloatingPointError)  # what reading or fitting one run may raise
 DOMAIN_CURVE = re.compile(r"^val/[^/]+/pass_rate$")  # a domain's validation (recipes with several domains)
 
 
