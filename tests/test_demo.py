@@ -62,6 +62,31 @@ def test_the_chat_template_renders_every_demo_prompt_as_the_demo_trains_on_it(mo
         tokenizer.apply_chat_template([{"role": "tool", "content": "4"}], tokenize=False)
 
 
+def test_the_length_cap_variant_has_room_for_every_answer_but_the_negative_ones(model_dir):
+    """`demo_length_cap`'s claim (`make ablation`'s ceiling change): a worked answer cut at its 16 tokens is still
+    graded correct when the answer is a non-negative number, never when it is negative (about a fifth of the problems)."""
+    from transformers import AutoTokenizer
+
+    from megatron_scalerl.demo.model import solution_text
+    from megatron_scalerl.tasks.problems import load_sources
+    from megatron_scalerl.tasks.rewards import grade_here
+
+    capped = load_recipe("demo_length_cap")
+    cap = capped.rollout.max_new_tokens
+    assert capped.algorithm.length_control.mode == "none" and capped.eval.max_new_tokens == cap
+    assert capped.model_dump(exclude={"name", "rollout", "algorithm", "eval"}) == RECIPE.model_dump(
+        exclude={"name", "rollout", "algorithm", "eval"})
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    problems = [p for source in load_sources(capped.data.train, seed=capped.data_seed) for p in source.problems]
+    negative = 0
+    for problem in problems[:400]:
+        ids = tokenizer(solution_text(problem), add_special_tokens=False).input_ids
+        cut = tokenizer.decode(ids[:cap])
+        below_zero = float(problem.answer) < 0
+        negative += below_zero
+        assert grade_here(cut, problem).correct is not below_zero, (problem.problem, cut)
+    assert 0.15 <= negative / 400 <= 0.3
+
 def test_warm_start_trains_evaluates_and_writes_a_checkpoint(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 

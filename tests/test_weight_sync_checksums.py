@@ -8,6 +8,11 @@ real sender in this process (one sender: an HF checkpoint's tensors, as `scalerl
   loaded: the server never stopped serving its old weights, and says so on /weight_info.
 - The disk transport (bucket files under a shared folder) updates the server as the gloo one does.
 - Refusals: the disk transport without its folder, a sender used after a failure.
+- The trainer's overlapped loads (`overlap_apply`): a staged sync returns once sent and the server loads it in the
+  background; `settle`, the next send or `close` waits for it, and the server then serves the new weights, bit-exact;
+  a sync with checksums due is concluded inline. A load that fails in the background (a receive the server does not
+  confirm: a fault injected around the real fleet control) is raised by the next send, and the server never stopped
+  serving its old weights.
 """
 
 from dataclasses import replace
@@ -16,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_scalerl.http_json import ServerError
 from megatron_scalerl.weight_sync.protocol import Bucket, WeightSyncError
 from megatron_scalerl.weight_sync.sender import WeightSender, WeightSyncConfig
 from tests.trainer_utils import tiny_hf_checkpoint
@@ -24,6 +30,7 @@ from tests.weight_sync_utils import assert_matches, hf_greedy, server_greedy, st
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 CONFIG = WeightSyncConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=30.0, checksum_every=1,
                           staging="on")
+OVERLAPPED = replace(CONFIG, checksum_every=0, overlap_apply=True)  # as the trainer's GeneratorLink syncs
 
 
 class FlipOneBit:
@@ -113,3 +120,56 @@ def test_the_disk_transport_updates_the_server(server, tmp_path, staging):
 def test_the_disk_transport_needs_its_folder(server):
     with pytest.raises(WeightSyncError, match="trainer rank 0: weight_sync.transport: disk needs a shared folder"):
         WeightSender([server["url"]], WeightSyncConfig(transport="disk")).connect()
+
+
+class UnconfirmedReceive:
+    """Wraps a sender's real FleetControl: the servers never confirm a receive (their checksums call fails)."""
+
+    def __init__(self, control):
+        self.control = control
+
+    def checksums(self):
+        raise ServerError(f"{self.control.urls[0]}/collective_rpc: injected: the receive was not confirmed")
+
+    def __getattr__(self, name):
+        return getattr(self.control, name)
+
+
+def test_an_overlapped_load_serves_the_new_weights_once_settled(server):
+    sender = WeightSender([server["url"]], OVERLAPPED).connect()
+    try:
+        first = sender.send(_weights(server["dirs"]["a"]).items(), 10)
+        assert first.overlapped and first.staged and first.paused_s == 0.0
+        assert sender.settle() is None and sender.applying is None
+        assert weight_version(server["url"]) == "10"
+        assert_matches(server_greedy(server["url"]), hf_greedy(server["dirs"]["a"]), "after an overlapped sync")
+        second = sender.send(_weights(server["dirs"]["b"]).items(), 11)
+        assert second.overlapped and second.paused_s > 0  # the first one's pause, settled since
+    finally:
+        sender.close()  # waits for the second one's load
+    assert weight_version(server["url"]) == "11"
+    assert_matches(server_greedy(server["url"]), hf_greedy(server["dirs"]["b"]), "after an overlapped sync, closed")
+    checked = WeightSender([server["url"]], replace(OVERLAPPED, checksum_every=1)).connect()
+    try:
+        stats = checked.send(_weights(server["dirs"]["c"]).items(), 12)
+    finally:
+        checked.close()
+    assert not stats.overlapped and stats.checksums_verified > 0 and stats.paused_s > 0
+    assert weight_version(server["url"]) == "12"
+
+
+def test_a_failed_overlapped_load_is_raised_by_the_next_send_and_the_old_weights_serve(server):
+    sender = WeightSender([server["url"]], OVERLAPPED).connect()
+    try:
+        sender.send(_weights(server["dirs"]["a"]).items(), 13)
+        assert sender.settle() is None
+        sender.control = UnconfirmedReceive(sender.control)
+        assert sender.send(_weights(server["dirs"]["c"]).items(), 14).overlapped
+        with pytest.raises(WeightSyncError, match=r"version 14 \(its load, in the background\): .*not confirmed"):
+            sender.send(_weights(server["dirs"]["c"]).items(), 15)
+        with pytest.raises(WeightSyncError, match="unusable after an earlier failure"):
+            sender.send(_weights(server["dirs"]["c"]).items(), 15)
+    finally:
+        sender.close()
+    assert weight_version(server["url"]) == "13"  # the staging was dropped: never paused, nothing of C loaded
+    assert_matches(server_greedy(server["url"]), hf_greedy(server["dirs"]["a"]), "after a failed overlapped load")

@@ -10,7 +10,9 @@ pass rates in [0, 1], intervals `[X_lo, X_hi]` at `options.level`; inf (never re
               "predictions": [{"gpu_hours", "reward", "lo", "hi"}, ...] (one per budget: the pass rate there),
               "targets": [{"reward", "gpu_hours", "lo", "hi", "reachable"}, ...], "warnings": [...]},
      "variants": [{the same fields, and "dA", "dA_lo", "dA_hi", "compute_ratio_50pct_base_gain" (variant / base)
-                   with _lo and _hi, the same for 90pct, "crossovers": [GPU-h where it crosses the base],
+                   with _lo and _hi, the same for 90pct, "compute_ratio_50pct_own_gain" (the compute each
+                   needs to 50% of its own gain, variant / base: the ratio of their C_mid) with _lo and _hi, the
+                   same for 90pct, "crossovers": [GPU-h where it crosses the base],
                    "verdict", "verdict_reason", "needs" (too-early: what would call it, as numbers; else null)},
                   ...]}
 
@@ -28,7 +30,10 @@ A_MARGIN floor of the verdict rule stands for them, as in the paper.
 Differences to the base, taken replicate by replicate (draw i of the variant minus draw i of the base):
 - dA = A_variant - A_base;
 - the compute ratio C_variant(r_q) / C_base(r_q) at r_q = R0_base + q (A_base - R0_base) for q = 50% and 90% of the
-  base's gain, each draw with its own r_q (inf where the variant never reaches r_q).
+  base's gain, each draw with its own r_q (inf where the variant never reaches r_q): when the variant reaches the
+  base's levels, which mixes its ceiling in (a lower one reaches them later);
+- the compute ratio to q = 50% and 90% of each recipe's own gain, C_variant(R0_v + q (A_v - R0_v)) /
+  C_base(r_q): the paper's efficiency, C_mid and the steepness B, free of the ceiling.
 Intervals are percentile intervals at `options.level` of those draws (a draw where a ratio is undefined, 0/0 or
 inf/inf, is left out).
 
@@ -43,10 +48,15 @@ Verdict per variant (the rule, `RULE`, is printed in every report):
    16 samples, 2 seeds a recipe, that rule called a C_mid x2 shift `efficiency` in 0 of 12 noise seeds and A + 0.08
    `ceiling` in 7 of 12; without it 12 of 12 and 11 of 12, identical runs called different in 0 of 12);
 2. `ceiling` when the dA interval excludes 0 and |dA| >= A_MARGIN (0.02, the paper's run-to-run margin on A);
-3. `efficiency` otherwise, when the interval of the compute ratio to 50% or to 90% of the base's gain excludes 1
-   and that ratio is at least EFFICIENCY_MARGIN (or at most its inverse);
+3. `efficiency` otherwise, when the interval of the compute ratio to 50% or to 90% of each one's own gain excludes
+   1 and that ratio is at least EFFICIENCY_MARGIN (or at most its inverse). Until 2026-11-28 this was the ratio to
+   the base's gain, which calls a lower ceiling whose dA interval still reaches 0 `efficiency` (it reaches the
+   base's levels later): a real variant that could never score on a fifth of the problems, C_mid unchanged
+   (`demo_length_cap`), was called `efficiency` 1.61x [1.27, 2.13]; its C_mid ratio was 0.94. On demo-sized
+   synthetic runs (2 seeds, 16 validations of 64 x 16) a ceiling down 0.08 at equal C_mid was `efficiency` in 3 of
+   10 studies under that rule, 1 of 10 under this one;
 4. `indistinguishable` when nothing was found and the intervals rule out a relevant difference: the dA interval
-   lies within +-EQUIVALENCE_A and the ratio interval to 50% of the base's gain within
+   lies within +-EQUIVALENCE_A and the ratio interval to 50% of each one's own gain within
    [1 / EQUIVALENCE_RATIO, EQUIVALENCE_RATIO];
 5. `too-early` otherwise: nothing found, but the intervals are too wide to say there is nothing.
 A `too-early` verdict says what would call it (`forecast.design`): runs long enough for an unbent curve to pass ~2x
@@ -84,20 +94,21 @@ from megatron_scalerl.forecast.uncertainty import interval
 
 SCHEMA = "scalerl.sweep-report/1"
 PARAMS = ("A", "B", "C_mid", "R0")
-GAIN_FRACTIONS = (0.5, 0.9)  # fractions of the base's gain whose compute is compared
+GAIN_FRACTIONS = (0.5, 0.9)  # fractions of a gain (the base's, or each recipe's own) whose compute is compared
 MIN_BENT_SHARE = 0.8  # below this share of a seed's refits bent inside its data, a recipe is too-early
 EFFICIENCY_MARGIN = 1.2  # a compute ratio counts from 20% faster or slower
 EQUIVALENCE_A = 0.05  # `indistinguishable` needs the dA interval within +-this
-EQUIVALENCE_RATIO = 2.0  # ... and the compute ratio to 50% of the base's gain within [1/this, this]
+EQUIVALENCE_RATIO = 2.0  # ... and the compute ratio to 50% of each one's own gain within [1/this, this]
 RULE = (f"Differences are taken replicate by replicate between independent bootstraps of the variant and the base, "
         f"intervals are their percentile intervals, over the refits that bend inside their run's data. too-early: the "
         f"base or the variant is not pinned down (its curve has not bent past C_mid, fewer than "
         f"{MIN_BENT_SHARE:.0%} of a run's refits bend inside its data, it shows no gain, or a seed's fit ended on a "
         f"bound of A or C_mid). ceiling: the interval of dA = A_variant - A_base excludes 0 and |dA| "
         f">= {A_MARGIN} (the paper's run-to-run margin on A). efficiency: not a ceiling, and the interval of the "
-        f"compute ratio (variant / base) to reach 50% or 90% of the base's gain excludes 1, the ratio being at least "
-        f"{EFFICIENCY_MARGIN:g}x either way. indistinguishable: none of these, with the dA interval within "
-        f"+-{EQUIVALENCE_A} and the 50% compute ratio's interval within [1/{EQUIVALENCE_RATIO:g}, "
+        f"compute ratio (variant / base) to reach 50% or 90% of each one's own gain (C_mid and the steepness B, free "
+        f"of the ceiling) excludes 1, the ratio being at least {EFFICIENCY_MARGIN:g}x either way. indistinguishable: "
+        f"none of these, with the dA interval within +-{EQUIVALENCE_A} and the 50% own-gain compute ratio's interval "
+        f"within [1/{EQUIVALENCE_RATIO:g}, "
         f"{EQUIVALENCE_RATIO:g}]. too-early otherwise: nothing found, but the intervals are too wide to rule out a "
         f"difference that size.")
 
@@ -252,6 +263,7 @@ class Contrast:
     dA: tuple[float, np.ndarray]  # A_variant - A_base
     compute: dict[float, tuple[float, np.ndarray]]  # q -> the variant's GPU-h to reach q of the base's gain
     ratio: dict[float, tuple[float, tuple[float, float]]]  # q -> compute ratio variant / base: value, interval
+    own_ratio: dict[float, tuple[float, tuple[float, float]]]  # q -> the same to q of each one's own gain
     verdict: str
     reason: str
     needs: str | None  # too-early: what would let the rule call it, as numbers; else None
@@ -279,19 +291,31 @@ def _contrast(base: Recipe, base_compute: dict, gain_levels: dict, variant: Reci
     gain (value, draws), `base_compute[q]` the base's GPU-hours to it (value, draws). With `options`, a too-early
     verdict says what would call it (`_needs`)."""
     dA = (variant.fitted["A"] - base.fitted["A"], variant.sampled["A"] - base.sampled["A"])
-    compute, ratio = {}, {}
+
+    def over_base(q: float, compute: tuple[float, np.ndarray]) -> tuple[float, tuple[float, float]]:
+        with np.errstate(divide="ignore", invalid="ignore"):  # 0/0 and inf/inf are NaN, left out of the interval
+            value = np.float64(compute[0]) / base_compute[q][0]  # a base with no gain reaches its levels at 0 GPU-h
+            return float(value), _interval(compute[1] / base_compute[q][1], base.level)
+
+    compute, ratio, own_ratio = {}, {}, {}
     for q in GAIN_FRACTIONS:
         compute[q] = variant.compute_to_reach(*gain_levels[q])
-        with np.errstate(divide="ignore", invalid="ignore"):  # 0/0 and inf/inf are NaN, left out of the interval
-            value = np.float64(compute[q][0]) / base_compute[q][0]  # a base with no gain reaches its levels at 0 GPU-h
-            ratio[q] = (float(value), _interval(compute[q][1] / base_compute[q][1], base.level))
-    verdict, reason = _verdict(base, variant, dA, ratio)
+        ratio[q] = over_base(q, compute[q])
+        own_ratio[q] = over_base(q, variant.compute_to_reach(*_gain_level(variant, q)))
+    verdict, reason = _verdict(base, variant, dA, own_ratio)
     needs = _needs(base, variant, options) if verdict == "too-early" and options is not None else None
-    return Contrast(dA, compute, ratio, verdict, reason, needs)
+    return Contrast(dA, compute, ratio, own_ratio, verdict, reason, needs)
 
 
-def _verdict(base: Recipe, variant: Recipe, dA: tuple[float, np.ndarray], ratio: dict) -> tuple[str, str]:
-    """The rule of the module docstring; returns (verdict, the reason in one sentence)."""
+def _gain_level(recipe: Recipe, q: float) -> tuple[float, np.ndarray]:
+    """The pass rate at `q` of the recipe's own gain, R0 + q (A - R0): fitted value, and per draw (shape (k,))."""
+    fitted, sampled = recipe.fitted, recipe.sampled
+    return fitted["R0"] + q * (fitted["A"] - fitted["R0"]), sampled["R0"] + q * (sampled["A"] - sampled["R0"])
+
+
+def _verdict(base: Recipe, variant: Recipe, dA: tuple[float, np.ndarray], own_ratio: dict) -> tuple[str, str]:
+    """The rule of the module docstring (`own_ratio`: q -> the compute ratio to q of each one's own gain, value and
+    interval); returns (verdict, the reason in one sentence)."""
     for recipe in (base, variant):
         why = recipe.unpinned()
         if why:
@@ -300,13 +324,13 @@ def _verdict(base: Recipe, variant: Recipe, dA: tuple[float, np.ndarray], ratio:
     span = f"dA = {dA[0]:+.3f} [{lo:+.3f}, {hi:+.3f}]"
     if (lo > 0 or hi < 0) and abs(dA[0]) >= A_MARGIN:
         return "ceiling", f"{span} excludes 0 and exceeds the paper's +-{A_MARGIN} margin: the ceiling moves"
-    found = [f"{'slower' if value > 1 else 'faster'} to {q:.0%} of the base's gain: {value:.2f}x the compute "
-             f"[{r_lo:.2f}, {r_hi:.2f}]" for q, (value, (r_lo, r_hi)) in ratio.items()
+    found = [f"{'slower' if value > 1 else 'faster'} to {q:.0%} of its gain: {value:.2f}x the base's compute "
+             f"[{r_lo:.2f}, {r_hi:.2f}]" for q, (value, (r_lo, r_hi)) in own_ratio.items()
              if (r_lo > 1 or r_hi < 1) and (value >= EFFICIENCY_MARGIN or value <= 1 / EFFICIENCY_MARGIN)]
     if found:
         return "efficiency", f"{span}, no ceiling shift; " + "; ".join(found)
-    r_lo, r_hi = ratio[GAIN_FRACTIONS[0]][1]
-    shown = f"{span} and the compute ratio to 50% of the base's gain [{r_lo:.2f}, {r_hi:.2f}] show no difference"
+    r_lo, r_hi = own_ratio[GAIN_FRACTIONS[0]][1]
+    shown = f"{span} and the compute ratio to 50% of each one's gain [{r_lo:.2f}, {r_hi:.2f}] show no difference"
     if -EQUIVALENCE_A <= lo and hi <= EQUIVALENCE_A and 1 / EQUIVALENCE_RATIO <= r_lo and r_hi <= EQUIVALENCE_RATIO:
         return "indistinguishable", shown
     return "too-early", (f"{shown} yet, but are too wide to rule out a dA of {EQUIVALENCE_A} or "
@@ -359,9 +383,10 @@ class Ablation:
             row = self._recipe_dict(recipe, contrast.compute)
             row["dA"] = contrast.dA[0]
             row["dA_lo"], row["dA_hi"] = _interval(contrast.dA[1], recipe.level)
-            for q, (value, (lo, hi)) in contrast.ratio.items():
-                key = f"compute_ratio_{q:.0%}_base_gain".replace("%", "pct")
-                row[key], row[f"{key}_lo"], row[f"{key}_hi"] = value, lo, hi
+            for gain, ratios in (("base", contrast.ratio), ("own", contrast.own_ratio)):
+                for q, (value, (lo, hi)) in ratios.items():
+                    key = f"compute_ratio_{q:.0%}_{gain}_gain".replace("%", "pct")
+                    row[key], row[f"{key}_lo"], row[f"{key}_hi"] = value, lo, hi
             row["crossovers"] = crossovers(recipe, self.base, low, high)
             row["verdict"], row["verdict_reason"] = contrast.verdict, contrast.reason
             row["needs"] = contrast.needs
@@ -407,9 +432,7 @@ def make_ablation(base: list[Curve], variants: list[tuple[str, list[Curve]]], op
 
     base_recipe = recipe(names[0], base)
     recipes = tuple(recipe(name, curves) for name, curves in variants)
-    A, R0 = base_recipe.fitted["A"], base_recipe.fitted["R0"]
-    A_draws, R0_draws = base_recipe.sampled["A"], base_recipe.sampled["R0"]
-    gain_levels = {q: (R0 + q * (A - R0), R0_draws + q * (A_draws - R0_draws)) for q in GAIN_FRACTIONS}
+    gain_levels = {q: _gain_level(base_recipe, q) for q in GAIN_FRACTIONS}
     base_compute = {q: base_recipe.compute_to_reach(*gain_levels[q]) for q in GAIN_FRACTIONS}
     contrasts = tuple(_contrast(base_recipe, base_compute, gain_levels, r, None if judge_only else options)
                       for r in recipes)

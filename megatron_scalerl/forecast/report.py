@@ -290,9 +290,13 @@ def ablation_document(ablation: Ablation, png: bytes, data: dict | None = None,
                 _interval((r["C_mid_lo"], r["C_mid_hi"]), _gpu_hours_cell), f"{r['R0']:.3f}"]
                for r in (base, *variants)])
     doc.heading("Differences to the base")
+    doc.paragraph("Compute ratios (variant / base): to 50% and 90% of the base's gain (when the variant reaches the "
+                  "base's levels: a lower ceiling reaches them later) and to 50% and 90% of each one's own gain (the "
+                  "paper's efficiency, C_mid and B, free of the ceiling: what the verdict's efficiency reads).")
     rows, header = [], ["variant", "dA", f"dA {level}"]
     for pct in (50, 90):
         header += [f"GPU-h to {pct}% of base gain", f"{level}", "x base", f"{level}"]
+    header += [f"own {pct}% x base [{level}]" for pct in (50, 90)]
     for v in variants:
         row = [v["name"], f"{v['dA']:+.4f}", _interval((v["dA_lo"], v["dA_hi"]), "{:+.4f}".format)]
         for pct in (50, 90):
@@ -300,6 +304,9 @@ def ablation_document(ablation: Ablation, png: bytes, data: dict | None = None,
             ratio = f"compute_ratio_{pct}pct_base_gain"
             row += [_compute_cell(v[key]), _interval((v[f"{key}_lo"], v[f"{key}_hi"]), _gpu_hours_cell),
                     _ratio_cell(v[ratio]), _interval((v[f"{ratio}_lo"], v[f"{ratio}_hi"]), "{:.2f}".format)]
+        for pct in (50, 90):
+            own = f"compute_ratio_{pct}pct_own_gain"
+            row.append(f"{_ratio_cell(v[own])} {_interval((v[f'{own}_lo'], v[f'{own}_hi']), '{:.2f}'.format)}")
         rows.append(row)
     doc.table(header + ["verdict"], [row + [v["verdict"]] for row, v in zip(rows, variants, strict=True)])
     doc.paragraph(f"The base needs {_compute_cell(base['compute_to_50pct_base_gain'])} GPU-h to reach 50% of its gain "

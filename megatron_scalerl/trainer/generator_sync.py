@@ -16,7 +16,9 @@ through the collective export:
 - `first_push`: at the trainer's start (the launcher starts it beside the generators), wait until a generator
   answers, then `push`: no step is trained before the fleet serves the trainer's weights.
 - `push`: the servers that answer (/weight_info) get the weights in flight (`WeightSender`: every sending rank its
-  own slices, received while the servers generate where they have the room, paused only to load them). When the
+  own slices, received while the servers generate where they have the room, paused only to load them; the load of
+  such a staged sync runs in the background while the trainer trains on, `WeightSyncConfig.overlap_apply`, and
+  whatever asks the servers next waits for it first). When the
   set of live servers changed, the senders' groups are formed again. The recipe's `weight_sync` section sets the
   transport, bucket size, staging and checksum interval. A sync that fails (a server
   died during it) is retried once without the servers that stopped answering; a second failure raises.
@@ -76,7 +78,7 @@ class GeneratorLink:
                                   timeout_s=float(recipe.cluster.collective_timeout_s),
                                   transport=section.transport, disk_dir=str(Path(run_dir) / WEIGHT_SYNC_DIR),
                                   staging=section.staging, checksum_every=section.checksum_every,
-                                  api_key=os.environ.get(API_KEY_ENV))
+                                  api_key=os.environ.get(API_KEY_ENV), overlap_apply=True)
         return cls(urls, recipe, config, is_rank0=is_rank0)
 
     # ---- rank 0: what the servers say ----------------------------------------------------------------------------
@@ -91,7 +93,10 @@ class GeneratorLink:
     def _served(self) -> dict[str, int]:
         """The policy version each server that answers serves (its /weight_info, `algo.versions.parse_version`;
         NO_VERSION for its start-up weights), by URL: one call per server tells both whether it is live and what it
-        serves."""
+        serves. A load still running in the background is waited for first (a failed one makes the sender unusable:
+        the next push connects again)."""
+        if self.sender is not None:
+            self.sender.settle()
         served = {}
         for url in self.urls:
             answered, info = self._ask(url, "/weight_info")
@@ -186,8 +191,10 @@ class GeneratorLink:
 
 
 def sync_metrics(stats: SyncStats) -> dict[str, float]:
-    """A sync's metrics: `sync/seconds` (the whole sync), `sync/paused_s` (the generators not generating),
-    `sync/bytes` (over every sender; each reaches every generator worker), `sync/staged` (1: received while
-    generating)."""
+    """A sync's metrics: `sync/seconds` (the trainer's time in it: the whole sync, or until the senders sent when
+    its load is overlapped), `sync/paused_s` (the generators not generating: overlapped, during the loads of the
+    syncs before it that ended since the last one), `sync/bytes` (over every sender; each reaches every generator
+    worker), `sync/staged` (1: received while generating), `sync/overlapped` (1: loaded while the trainer trains
+    on)."""
     return {"sync/seconds": stats.seconds, "sync/paused_s": stats.paused_s, "sync/bytes": float(stats.bytes),
-            "sync/staged": float(stats.staged)}
+            "sync/staged": float(stats.staged), "sync/overlapped": float(stats.overlapped)}

@@ -23,10 +23,13 @@ One sync (`WeightSender.send`, collective over the trainer's ranks):
      logged and the whole sync sent again, once); staged: pause(keep), `/start_weight_update`,
      `/update_weights {"staged": true}` (loads only), then for both `/finish_weight_update` with the policy version,
      `/reset_prefix_cache` (running requests recompute their KV), `/resume`.
-Running requests freeze at the pause and continue on the new weights (PipelineRL's in-flight update). A failed
-sync leaves a staged server generating on its old weights (the staging is dropped), an unstaged one paused (nothing
-is generated from half-updated weights) until a complete sync. `SyncStats.paused_s` is the time the servers were
-paused, `seconds` the whole sync.
+Running requests freeze at the pause and continue on the new weights (PipelineRL's in-flight update). With
+`overlap_apply` (the trainer's own syncs), a staged sync without checksums due returns once the senders sent: rank 0
+waits for the receive and loads, tags and resumes the servers (step 4) in the background while the trainer trains
+on, and the next `send`, `settle` or `close` waits for that first; a failure there is raised by the next `send` on
+every rank. A failed sync leaves a staged server generating on its old weights (the staging is dropped), an
+unstaged one paused (nothing is generated from half-updated weights) until a complete sync. `SyncStats.paused_s` is
+the time the servers were paused, `seconds` the whole sync (overlapped: the trainer's part, until the senders sent).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import secrets
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -69,7 +73,8 @@ class WeightSyncConfig:
     senders write under); `staging`: auto (on when every worker has the room), on or off; `checksum_every`: compare
     every received slice's checksum with its sender's every N-th sync (0: never); `api_key`: the servers' key;
     `pause_generation`: freeze the servers' running requests while weights are loaded (off only for tests that
-    need the servers to have nothing running)."""
+    need the servers to have nothing running); `overlap_apply`: a staged sync without checksums due returns once
+    the senders sent, its load applied in the background (module docstring)."""
 
     bucket_mib: float = 64.0
     serving_dtype: torch.dtype = torch.bfloat16
@@ -81,6 +86,7 @@ class WeightSyncConfig:
     checksum_every: int = 0
     api_key: str | None = None
     pause_generation: bool = True
+    overlap_apply: bool = False
 
     def resolved_transport(self) -> str:
         return resolve_backend("auto") if self.transport == "auto" else self.transport
@@ -91,10 +97,12 @@ class SyncStats:
     weight_version: int  # the policy version the servers now serve
     buckets: int  # over every sender
     bytes: int  # over every sender (each reaches every server worker)
-    seconds: float  # the whole sync, from the plan to the resume
-    paused_s: float  # the servers were paused (not generating)
+    seconds: float  # the whole sync, from the plan to the resume (overlapped: until the senders sent)
+    paused_s: float  # the servers were paused (not generating), in this sync's load and the overlapped loads
+    #                  settled since the last sync's stats (an overlapped sync's own load is counted by the next)
     staged: bool
     checksums_verified: int  # slices x server workers compared (0 when not due)
+    overlapped: bool = False  # its load is being applied in the background (`WeightSyncConfig.overlap_apply`)
 
 
 @dataclass
@@ -126,6 +134,11 @@ class WeightSender:
         self.syncs = syncs  # syncs attempted, the checksum cadence's count (carried over reconnects by the caller)
         self.room: int | None = None  # the fewest bytes a worker can stage in (rank 0)
         self.failed: str | None = None
+        # rank 0, `overlap_apply`: the last sync's load in the background: (its future, version, Update)
+        self.applying: tuple[Future, int, Update] | None = None
+        self.applied_paused_s = 0.0  # rank 0: the servers' pause in the loads settled since the last sync
+        self._background = (ThreadPoolExecutor(1, thread_name_prefix="weight-load")
+                            if self.control is not None and config.overlap_apply else None)
 
     def _transport(self) -> WeightTransport:
         name = self.config.resolved_transport()
@@ -201,6 +214,7 @@ class WeightSender:
         dtype as its bucket is packed: `protocol.wire_dtype`, `tied` for a model whose LM head is its embedding).
         `progress(bucket)` is called on a sender after each of its buckets left. Returns the stats on rank 0 (over
         both attempts when checksums disagreed once), None elsewhere."""
+        self.agree(self.settle(), "weight sync (the last one's load, in the background)")
         if self.failed is not None:
             raise WeightSyncError(f"weight sender unusable after an earlier failure: {self.failed}")
         if not self.senders:
@@ -249,13 +263,35 @@ class WeightSender:
         resend = None
         if self.control is not None:
             sent = {key: value for part in every_sum if part for key, value in part.items()}
-            error, resend = self._conclude(update, version, errors, sent if check else None)
+            if self.config.overlap_apply and update.staged and not check and not errors:
+                # the receive, load, tag and resume go on while the trainer trains (`settle` waits for them)
+                self.applying = (self._background.submit(self._conclude, update, version, [], None), version, update)
+            else:
+                error, resend = self._conclude(update, version, errors, sent if check else None)
         error, resend = from_rank0((error, resend))
         self.agree(error if self.rank == 0 else None, f"weight sync of version {version}")
         if update is None:
             return None, resend
+        overlapped = self.applying is not None
+        paused_s = self.applied_paused_s + (0.0 if overlapped else update.paused_s)
+        self.applied_paused_s = 0.0
         return SyncStats(version, sum(len(s) for s in plan["senders"]), total, time.monotonic() - start,
-                         update.paused_s, update.staged, update.verified), resend
+                         paused_s, update.staged, update.verified, overlapped), resend
+
+    def settle(self) -> str | None:
+        """Rank 0 (elsewhere None at once): wait for the last sync's load in the background, if any; its error, else
+        None. After a failed load the sender is unusable (`failed`): its servers dropped the staging and serve the
+        version before."""
+        if self.applying is None:
+            return None
+        future, version, update = self.applying
+        self.applying = None
+        error, _ = future.result()
+        self.applied_paused_s += update.paused_s
+        if error is not None:
+            self.failed = self.failed or f"weight sync of version {version} (its load, in the background): {error}"
+            return self.failed
+        return None
 
     def _begin(self, plan: dict, update: Update) -> str | None:
         """Rank 0, before the senders send: hand the servers the plan, staged (they receive in the background) or
@@ -354,8 +390,13 @@ class WeightSender:
         return None, verified
 
     def close(self) -> None:
-        """Release the servers' ends, leave the groups, stop the HTTP threads."""
+        """Wait for a load in the background, release the servers' ends, leave the groups, stop the HTTP threads."""
         if self.control is not None:
+            error = self.settle()
+            if error is not None:
+                log.warning("%s", error)
+            if self._background is not None:
+                self._background.shutdown()
             if self.senders:
                 self.control.release()
             self.control.close()
