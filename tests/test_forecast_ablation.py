@@ -97,7 +97,7 @@ def demo_like(run: PaperRun, seed: int, samples: int = 4) -> Curve:
     ({"C_mid": 2 * DEMO_LIKE.C_mid}, "efficiency", 8)],
     ids=["identical", "higher-ceiling", "lower-ceiling", "efficiency"])
 def test_demo_sized_studies_call_real_shifts_and_rarely_invent_one(change, verdict, at_least):
-    """`make ablation`'s design (2 seeds a recipe, 16 validations of 64 prompts x 16 samples) on synthetic runs of
+    """`make ablation`'s design at 2 seeds (16 validations of 64 prompts x 16 samples; it runs 3) on synthetic runs of
     known parameters: a ceiling up 0.08 and a C_mid x2 are called in >= 8 of 10 noise seeds, a ceiling down 0.08
     (a smaller gain) in >= 7, identical runs called different in at most 1, a ceiling shift called `efficiency` in
     at most 1: the verdict reads the compute to each one's own gain; the rule before 2026-11-28 read the compute to
