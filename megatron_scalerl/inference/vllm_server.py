@@ -142,8 +142,8 @@ class VLLMServerConfig:
             raise ValueError(f"a server of {self.tensor_parallel_size} workers cannot span {self.nnodes} nodes "
                              "evenly (tensor_parallel_size, serve's --tp, must be a multiple of nnodes, --nnodes)")
         if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank (--node-rank) {self.node_rank} of a server spanning {self.nnodes} node(s): must be "
-                             f"0..{self.nnodes - 1}")
+            raise ValueError(f"node_rank (--node-rank) {self.node_rank} of a server spanning {self.nnodes} node(s): "
+                             f"must be 0..{self.nnodes - 1}")
 
     @property
     def url(self) -> str:

@@ -214,7 +214,8 @@ class WeightSender:
         dtype as its bucket is packed: `protocol.wire_dtype`, `tied` for a model whose LM head is its embedding).
         `progress(bucket)` is called on a sender after each of its buckets left. Returns the stats on rank 0 (over
         both attempts when checksums disagreed once), None elsewhere."""
-        self.agree(self.settle(), "weight sync (the last one's load, in the background)")
+        if self.config.overlap_apply:  # the same on every rank: the collective runs on all or none
+            self.agree(self.settle(), "weight sync (the last one's load, in the background)")
         if self.failed is not None:
             raise WeightSyncError(f"weight sender unusable after an earlier failure: {self.failed}")
         if not self.senders:
