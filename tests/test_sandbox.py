@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_scalerl.tasks.judge.judge import observed_failure
 from megatron_scalerl.tasks.sandbox import (
     BWRAP,
     RLIMITS,
@@ -148,6 +149,17 @@ def test_process_limit(mode):
                "        time.sleep(0.5)\n"
                "        os._exit(0)\n")
     assert run_python(program, "", SMALL).failure == "processes"
+
+
+def test_a_failure_two_tasks_below_the_limit_is_a_process_failure():
+    """Forks at once each hold a count before the kernel checks the limit, so a refused fork can leave fewer tasks
+    than the limit (a fork bomb: the limit less 1 or 2)."""
+    limits = {"cpu_s": 1, "memory_mb": 256}
+
+    def kind(peak_tasks):
+        return observed_failure(1, 0.0, 10.0, peak_tasks, False, limits, task_limit=17)
+
+    assert [kind(tasks) for tasks in (17, 16, 15, 14, 0)] == ["processes"] * 3 + ["runtime_error"] * 2
 
 
 def test_fork_bomb_is_contained_and_nothing_outlives_it(mode):
