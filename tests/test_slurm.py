@@ -203,7 +203,7 @@ def test_dense_job_runs_to_its_end(cluster, jobs, models, tmp_path):
                                                               "--gpus-per-node=1"], settings)
     _wait("the job's end", lambda: not _squeue(cluster, job), 600, out, cluster)
     assert "generators ready, orchestrator started" in out.read_text(), out.read_text()[-3000:]
-    assert sorted(set(_trainer_steps(run_dir))) == [1, 2]
+    assert sorted(set(_trainer_steps(run_dir))) == [1, 2], _cluster_report(cluster, out)
     assert (run_dir / "checkpoints" / "iter_0000002").is_dir()
     assert json.loads((run_dir / "generators.json").read_text())["urls"][0].startswith("http://127.0.0.1:")
 
@@ -222,7 +222,7 @@ def test_a_generator_spanning_two_nodes_serves_the_run(cluster, jobs, models, tm
                                                                      "--nodes=2", "--gpus-per-node=1"], settings)
     _wait("the job's end", lambda: not _squeue(cluster, job), 600, out, cluster)
     assert "generators ready, orchestrator started" in out.read_text(), out.read_text()[-3000:]
-    assert sorted(set(_trainer_steps(run_dir))) == [1, 2]
+    assert sorted(set(_trainer_steps(run_dir))) == [1, 2], _cluster_report(cluster, out)
     assert len(json.loads((run_dir / "generators.json").read_text())["urls"]) == 1
     assert "headless multiproc executor" in (run_dir / "logs" / "vllm_0.node1.log").read_text()
     mismatch = [r["train/mismatch_k3"] for r in read_metrics(run_dir, role="trainer")]
