@@ -38,7 +38,7 @@ import time
 PR_SET_DUMPABLE, PR_SET_PDEATHSIG = 4, 1
 TICK_S = 0.05  # seconds between looks at the program's task count while it runs
 # the kernel counts a new task before it checks RLIMIT_NPROC, so forks at once each hold a count the judge cannot see:
-# a fork bomb's refused forks left the limit less 1 (15%) or less 2 (1%) of tasks in 270 runs on two cores, never fewer
+# a fork bomb's refused forks left the limit less 1 (about 15% of runs) or less 2 (about 1%) of tasks on two cores
 FORKS_IN_FLIGHT = 2
 MEMORY_SHARE = 0.75  # a failed run whose peak resident memory reached this share of its limit failed on memory
 
