@@ -13,11 +13,11 @@ those records, never a record itself. Two kinds of job:
   calls; the judge executes the setup and the asserts in its own interpreter, on the plain-data values the program
   returns (tasks/judge/asserts.py). An object that is not plain data is never a value: an assert that needs it fails.
 
-How a run ended is what the judge observed (judge.py's `observed_failure`): "timeout" (its wall time passed or it
-used its CPU seconds), "output_limit", "memory" (its peak resident memory reached 3/4 of the limit), "processes"
-(its tasks came within two of the limit), "filesystem" (it filled its scratch space or wrote a file of the largest
-size), "runtime_error" (any other failure); "sandbox_error" when the sandbox did not start or the judge reported nothing.
-Never from text the program printed or an exit status it chose: a program can only make its own failure look like
+How a run ended is what the judge observed (judge.py's `observed_failure`): "timeout" (its wall time passed or it used
+its CPU seconds), "output_limit", "memory" (its peak resident memory reached 3/4 of the limit), "processes" (its tasks
+came within two of the limit), "filesystem" (it filled its scratch space or wrote a file of the largest size),
+"runtime_error" (any other failure); "sandbox_error" when the sandbox did not start or the judge reported nothing. Never
+from text the program printed or an exit status it chose: a program can only make its own failure look like
 "runtime_error". (A syntax error is the caller's to find: tasks/code_verifier.py compiles the program first.)
 
 Two sandboxes, chosen by name (`sandbox_kind(choice)`; recipes: `data.code_sandbox`; SCALERL_SANDBOX sets the choice

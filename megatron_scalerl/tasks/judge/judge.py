@@ -3,12 +3,12 @@
 This file is a standalone script (standard library only) that `tasks/sandbox.py` starts inside the sandbox as
 `python -I -S judge.py --job-fd N`, beside asserts.py (the asserts mode).
 
-The judge reads its job (marshal data from the host: the mode, the limits, the inputs or the asserts with their
-expected values) from fd N and closes it, then makes itself non-dumpable (`PR_SET_DUMPABLE` 0): a process of the same user can then read none of
-its memory, fds, environment or stack through /proc and cannot ptrace it. Under bwrap it is the sandbox's PID 1, which
-no process inside can kill. It starts the program as a child (a fresh interpreter: nothing of the judge's memory
-survives the exec), with only the fds it needs, its own limits and a clean environment, and reports to its stdout, a
-channel the program holds no fd of, one JSON line per result:
+The judge reads its job (marshal data from the host: the mode, the limits, the inputs or the asserts with their expected
+values) from fd N and closes it, then makes itself non-dumpable (`PR_SET_DUMPABLE` 0): a process of the same user can
+then read none of its memory, fds, environment or stack through /proc and cannot ptrace it. Under bwrap it is the
+sandbox's PID 1, which no process inside can kill. It starts the program as a child (a fresh interpreter: nothing of the
+judge's memory survives the exec), with only the fds it needs, its own limits and a clean environment, and reports to
+its stdout, a channel the program holds no fd of, one JSON line per result:
 
 - "cases" mode (stdin/stdout tests): a run of the program per input, the input on its stdin; the record holds what it
   printed (up to the output cap) and the failure kind the judge observed. The host compares the output: the expected
