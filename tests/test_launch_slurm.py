@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from megatron_scalerl.launch.supervise import (
     _supervise,
     _wait_ready,
     kill_carrying,
+    run_roles,
 )
 from megatron_scalerl.platform import free_port
 from megatron_scalerl.recipe import load_recipe
@@ -228,6 +230,27 @@ def test_launch_waits_for_its_generators_while_the_trainer_starts(tmp_path):
     finally:
         generator.stop(timeout_s=5)
         trainer.stop(timeout_s=5)
+
+
+@pytest.mark.parametrize("orchestrator_code, code", [
+    ("import time; time.sleep(60)", 128 + signal.SIGUSR1),  # the run goes on: its job is requeued
+    ("pass", 0),  # it has ended (the orchestrator exited 0) and the trainer was finishing: nothing to requeue
+])
+def test_a_time_limit_warning_after_the_run_ended_is_no_interruption(tmp_path, capsys, orchestrator_code, code):
+    port = free_port()
+    generator = Role("generator 0", [sys.executable, "-c", HEALTH_AFTER_2_S, str(port)], tmp_path / "g.log")
+    trainer = _role(tmp_path, "trainer", "import time; time.sleep(60)")
+    orchestrator = _role(tmp_path, "orchestrator", orchestrator_code)
+    warning = threading.Timer(6.0, os.kill, (os.getpid(), signal.SIGUSR1))  # the generator is ready after ~2 s
+    warning.start()
+    try:
+        assert run_roles("job 1", [generator], [f"http://127.0.0.1:{port}"], trainer, orchestrator, api_key="k",
+                         stop_signals=(signal.SIGUSR1,)) == code
+    finally:
+        warning.cancel()
+    assert all(role.process.poll() is not None for role in (generator, trainer, orchestrator))
+    out = capsys.readouterr().out
+    assert ("SIGUSR1 received after the run ended" in out) == (code == 0), out
 
 
 def test_supervisor_gives_up_a_generator_that_keeps_dying_and_the_run_goes_on(tmp_path, capsys):

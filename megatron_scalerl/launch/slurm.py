@@ -26,8 +26,9 @@ Settings (the sbatch file's defaults, or `sbatch --export=ALL,NAME=VALUE`):
 
 SLURM's time-limit warning (`#SBATCH --signal=B:USR1@SECONDS`) stops the roles in order (the trainer checkpoints)
 and requeues the job (`scontrol requeue`); the requeued job continues the run from its checkpoints, once the stream
-is rewound to the checkpoint the trainer resumes from (`orchestrator.state.rewind_to_checkpoint`). SIGTERM
-(scancel) stops them the same way without a requeue. A role that fails on an allocation that lost a node (one SLURM
+is rewound to the checkpoint the trainer resumes from (`orchestrator.state.rewind_to_checkpoint`); a warning that
+comes after the run has ended (the trainer finishing) stops the roles and requeues nothing. SIGTERM (scancel) stops
+them the same way without a requeue. A role that fails on an allocation that lost a node (one SLURM
 reports not answering) ends the roles; the job waits for SLURM to declare the node DOWN and is requeued then
 (`requeue_after_node_loss`). A generator that keeps failing on a node that answers is given up and the run goes on
 with the others.
