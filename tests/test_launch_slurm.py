@@ -3,6 +3,7 @@ and the job's notes on them, preflight's parsers and node check on recorded outp
 wait for its generators (the trainer starting meanwhile), the supervisor's handling of generators that keep dying,
 and its restarts of a failed trainer or orchestrator within the launch's budget."""
 
+import dataclasses
 import os
 import signal
 import socket
@@ -30,6 +31,7 @@ from megatron_scalerl.launch.supervise import (
     run_roles,
 )
 from megatron_scalerl.platform import free_port
+from megatron_scalerl.platform.local_workers import LISTEN_PORTS
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run.directory import STOP_FILE, read_generators, stop_requested
 from megatron_scalerl.run.gpu_hours import ComputeMeter, parse_sacct, record_job
@@ -120,6 +122,18 @@ def test_job_roles_place_generators_and_trainer_on_their_groups(tmp_path):
     _, _, trainer, _ = job_roles(tmp_path, DEMO, alloc, resume=True, cuda=False)
     assert not stop_requested(tmp_path)
     assert trainer.terminate() and stop_requested(tmp_path)  # the trainer is asked through the run directory
+
+
+def test_every_jobs_ports_lie_below_the_ephemeral_range_and_above_the_local_launches():
+    """A port in the ephemeral range may be held by any outgoing connection of the node (the CI failure: job 359's
+    port 55900 'in use' on both of its nodes); this machine's range is the oracle, Linux's default where unreadable."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    ephemeral_start = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
+    jobs = [dataclasses.replace(_alloc(), job_id=job_id) for job_id in range(1, 2000)]
+    ports = {port for alloc in jobs for port in (alloc.base_port, alloc.base_port + 1, *alloc.generator_ports(98),
+                                                 *alloc.generator_master_ports(49))}
+    assert max(ports) < min(ephemeral_start, 32768) and min(ports) >= LISTEN_PORTS.stop
+    assert len({alloc.base_port for alloc in jobs[:127]}) == 127  # 127 consecutive jobs run on different ports
 
 
 def test_a_generator_larger_than_a_node_spans_nodes_with_one_step(tmp_path):

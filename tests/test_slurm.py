@@ -269,6 +269,21 @@ def test_eval_job_chains_after_another_with_dependency(cluster, jobs, tmp_path):
     assert f"evaluated 0 checkpoint(s) of {run_dir}" in out.read_text(), out.read_text()
 
 
+def test_clusters_up_at_once_run_their_jobs_on_different_ports(cluster, jobs, tmp_path_factory):
+    """Every node of every local cluster is 127.0.0.1 and a job's ports follow its id: a second cluster started
+    while this module's is up numbers its jobs from another block, so a job of each gets other ports."""
+    from megatron_scalerl.launch.allocation import JOB_PORT_SLOTS
+
+    second = local_cluster(tmp_path_factory, nodes=1)
+    other = next(second)
+    try:
+        theirs = _sbatch(other, [], "--wrap=true", Path(os.devnull), [], {})
+        ours = _sbatch(cluster, jobs, "--wrap=true", Path(os.devnull), [], {})
+    finally:
+        next(second, None)  # stops the second cluster
+    assert theirs % JOB_PORT_SLOTS != ours % JOB_PORT_SLOTS, (theirs, ours)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(2400)  # above the sum of its waits, so that a wait that runs out reports the cluster

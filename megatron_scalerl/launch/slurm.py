@@ -12,10 +12,11 @@ started through `srun` on its nodes:
     orchestrator  a plain child of this process (the batch step runs on the first trainer node)
 
 Addresses come from the allocation (`scontrol show node`'s NodeAddr), ports from the job id (BASE = 20000 + 100 x
-(job id mod 400)), so two jobs on shared nodes do not meet. A generator listens on its node's address as this node
-resolves it (`generator_address`; the trainer and the orchestrator, both on this node, reach it there), not on every
-interface, and asks for the run's API key on every route but /health (`run_dir.run_api_key`: `$SCALERL_API_KEY`,
-else `RUN/api_key`), which every role gets in its environment through srun, never on a command line.
+(job id mod 127), below the ephemeral ports), so two jobs on shared nodes do not meet. A generator listens on its
+node's address as this node resolves it (`generator_address`; the trainer and the orchestrator, both on this node,
+reach it there), not on every interface, and asks for the run's API key on every route but /health
+(`run_dir.run_api_key`: `$SCALERL_API_KEY`, else `RUN/api_key`), which every role gets in its environment through
+srun, never on a command line.
 
 Settings (the sbatch file's defaults, or `sbatch --export=ALL,NAME=VALUE`):
 
