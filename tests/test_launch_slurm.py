@@ -19,7 +19,7 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.launch import supervise
 from megatron_scalerl.launch.allocation import Allocation, Group, Node, _per_node_count, lost_nodes, nodes_not_yet_gone
 from megatron_scalerl.launch.preflight import node_problems, parse_nccl_tests
-from megatron_scalerl.launch.slurm import cluster_notes, cluster_options, job_roles, sbatch_lines
+from megatron_scalerl.launch.slurm import cluster_notes, cluster_options, end_of_roles, job_roles, sbatch_lines
 from megatron_scalerl.launch.supervise import (
     ALLOCATION_LOST,
     LAUNCH_ENV,
@@ -33,7 +33,7 @@ from megatron_scalerl.launch.supervise import (
 from megatron_scalerl.platform import free_port
 from megatron_scalerl.platform.local_workers import LISTEN_PORTS
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.run.directory import STOP_FILE, read_generators, stop_requested
+from megatron_scalerl.run.directory import FINISHED_FILE, STOP_FILE, read_generators, stop_requested, write_finished
 from megatron_scalerl.run.gpu_hours import ComputeMeter, parse_sacct, record_job
 
 NCCL_TESTS = Path(__file__).parent / "data" / "nccl_tests"
@@ -265,6 +265,16 @@ def test_a_time_limit_warning_after_the_run_ended_is_no_interruption(tmp_path, c
     assert all(role.process.poll() is not None for role in (generator, trainer, orchestrator))
     out = capsys.readouterr().out
     assert ("SIGUSR1 received after the run ended" in out) == (code == 0), out
+
+
+def test_a_time_limit_warning_as_the_orchestrator_ends_the_run_requeues_nothing(tmp_path, capsys):
+    """The warning came after the orchestrator wrote RUN/finished.json but before it exited (run_roles gives 128 +
+    USR1): the job sees the run has ended and requeues nothing (a requeue here would call scontrol, which has no
+    cluster to reach in this test and fails it)."""
+    write_finished(tmp_path, "max_steps", 10, 0.5)
+    assert end_of_roles(128 + signal.SIGUSR1, tmp_path, _alloc()) == 0
+    assert f"job 4321: the run has ended ({tmp_path / FINISHED_FILE}): nothing to requeue" in capsys.readouterr().out
+    assert end_of_roles(1, tmp_path, _alloc()) == 1  # a failed run's code is the job's
 
 
 def test_supervisor_gives_up_a_generator_that_keeps_dying_and_the_run_goes_on(tmp_path, capsys):

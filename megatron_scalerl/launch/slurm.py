@@ -81,7 +81,15 @@ from megatron_scalerl.launch.supervise import ALLOCATION_LOST, Role, run_roles
 from megatron_scalerl.orchestrator.state import rewind_to_checkpoint
 from megatron_scalerl.platform.precision import serving_dtype
 from megatron_scalerl.recipe import ClusterConfig, Recipe, load_recipe, load_run_recipe, slurm_minutes
-from megatron_scalerl.run.directory import RECIPE_FILE, clear_stop_request, request_stop, run_api_key, write_generators
+from megatron_scalerl.run.directory import (
+    FINISHED_FILE,
+    RECIPE_FILE,
+    clear_stop_request,
+    read_finished,
+    request_stop,
+    run_api_key,
+    write_generators,
+)
 from megatron_scalerl.run.gpu_hours import record_job
 
 # The recipe's fields that are sbatch options: (the option's long and short spelling, its SBATCH_* input variable,
@@ -336,9 +344,20 @@ def run_job(env: dict[str, str]) -> int:
     code = run_roles(f"job {alloc.job_id} ({run_dir})", generators, urls, trainer, orchestrator, api_key=api_key,
                      restarts=restart_budget(run_dir, recipe, partial(allocation_lost, alloc)),
                      stop_signals=(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
+    return end_of_roles(code, run_dir, alloc)
+
+
+def end_of_roles(code: int, run_dir: Path, alloc: Allocation) -> int:
+    """The job's exit code once its roles have stopped with `code` (`run_roles`'), requeueing the job where the run
+    goes on: after a lost node, or on the time-limit warning unless the run has ended (RUN/finished.json, written by
+    the orchestrator as it ends the run: a warning can come between that and the orchestrator's exit, which
+    `run_roles` alone cannot tell from a run in progress)."""
     if code == ALLOCATION_LOST:  # a node is lost: go on in a new allocation
         return requeue_after_node_loss(alloc)
     if code == 128 + signal.SIGUSR1:  # time is up: the same
+        if read_finished(run_dir) is not None:
+            print(f"job {alloc.job_id}: the run has ended ({run_dir / FINISHED_FILE}): nothing to requeue", flush=True)
+            return 0
         requeue(alloc.job_id)
         return 0
     return code
