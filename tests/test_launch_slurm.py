@@ -33,7 +33,7 @@ from megatron_scalerl.launch.supervise import (
 from megatron_scalerl.platform import free_port
 from megatron_scalerl.platform.local_workers import LISTEN_PORTS
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.run.directory import FINISHED_FILE, STOP_FILE, read_generators, stop_requested, write_finished
+from megatron_scalerl.run.directory import FINISHED_FILE, STOP_FILE, read_finished, read_generators, stop_requested
 from megatron_scalerl.run.gpu_hours import ComputeMeter, parse_sacct, record_job
 
 NCCL_TESTS = Path(__file__).parent / "data" / "nccl_tests"
@@ -246,35 +246,42 @@ def test_launch_waits_for_its_generators_while_the_trainer_starts(tmp_path):
         trainer.stop(timeout_s=5)
 
 
-@pytest.mark.parametrize("orchestrator_code, code", [
-    ("import time; time.sleep(60)", 128 + signal.SIGUSR1),  # the run goes on: its job is requeued
-    ("pass", 0),  # it has ended (the orchestrator exited 0) and the trainer was finishing: nothing to requeue
-])
-def test_a_time_limit_warning_after_the_run_ended_is_no_interruption(tmp_path, capsys, orchestrator_code, code):
+# an orchestrator that ends the run in RUN (argv[1]) and exits after argv[2] seconds
+ENDS_THE_RUN = ("import sys, time; from megatron_scalerl.run.directory import write_finished; "
+                "write_finished(sys.argv[1], 'max_steps', 10, 0.5); time.sleep(float(sys.argv[2]))")
+
+
+@pytest.mark.parametrize("exits_after_s", [None, 0, 60], ids=["in-progress", "ended", "ending"])
+def test_a_time_limit_warning_after_the_run_ended_requeues_nothing(tmp_path, capsys, exits_after_s):
+    """Real processes as roles and a real USR1 six seconds in, then the job's decision. The orchestrator has not
+    ended the run (None: the job is requeued, as test_slurm.py's requeue test runs it), or it has: exited 0 with the
+    trainer finishing, or written RUN/finished.json and still exiting. A requeue there would call scontrol, which has
+    no cluster to reach in this test and fails it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
     port = free_port()
     generator = Role("generator 0", [sys.executable, "-c", HEALTH_AFTER_2_S, str(port)], tmp_path / "g.log")
     trainer = _role(tmp_path, "trainer", "import time; time.sleep(60)")
-    orchestrator = _role(tmp_path, "orchestrator", orchestrator_code)
+    orchestrator = _role(tmp_path, "orchestrator", "import time; time.sleep(60)") if exits_after_s is None else \
+        Role("orchestrator", [sys.executable, "-c", ENDS_THE_RUN, str(run_dir), str(exits_after_s)],
+             tmp_path / "orchestrator.log")
     warning = threading.Timer(6.0, os.kill, (os.getpid(), signal.SIGUSR1))  # the generator is ready after ~2 s
     warning.start()
     try:
-        assert run_roles("job 1", [generator], [f"http://127.0.0.1:{port}"], trainer, orchestrator, api_key="k",
-                         stop_signals=(signal.SIGUSR1,)) == code
+        code = run_roles("job 4321", [generator], [f"http://127.0.0.1:{port}"], trainer, orchestrator, api_key="k",
+                         stop_signals=(signal.SIGUSR1,))
     finally:
         warning.cancel()
+    assert code == 128 + signal.SIGUSR1
     assert all(role.process.poll() is not None for role in (generator, trainer, orchestrator))
-    out = capsys.readouterr().out
-    assert ("SIGUSR1 received after the run ended" in out) == (code == 0), out
-
-
-def test_a_time_limit_warning_as_the_orchestrator_ends_the_run_requeues_nothing(tmp_path, capsys):
-    """The warning came after the orchestrator wrote RUN/finished.json but before it exited (run_roles gives 128 +
-    USR1): the job sees the run has ended and requeues nothing (a requeue here would call scontrol, which has no
-    cluster to reach in this test and fails it)."""
-    write_finished(tmp_path, "max_steps", 10, 0.5)
-    assert end_of_roles(128 + signal.SIGUSR1, tmp_path, _alloc()) == 0
-    assert f"job 4321: the run has ended ({tmp_path / FINISHED_FILE}): nothing to requeue" in capsys.readouterr().out
-    assert end_of_roles(1, tmp_path, _alloc()) == 1  # a failed run's code is the job's
+    assert (orchestrator.process.returncode == 0) == (exits_after_s == 0)
+    if exits_after_s is not None:
+        assert end_of_roles(code, run_dir, _alloc()) == 0
+        out = capsys.readouterr().out
+        assert f"job 4321: the run has ended ({run_dir / FINISHED_FILE}): nothing to requeue" in out, out
+    else:
+        assert read_finished(run_dir) is None  # end_of_roles requeues it
+    assert end_of_roles(1, run_dir, _alloc()) == 1  # a failed run's code is the job's
 
 
 def test_supervisor_gives_up_a_generator_that_keeps_dying_and_the_run_goes_on(tmp_path, capsys):

@@ -349,16 +349,16 @@ def run_job(env: dict[str, str]) -> int:
 
 def end_of_roles(code: int, run_dir: Path, alloc: Allocation) -> int:
     """The job's exit code once its roles have stopped with `code` (`run_roles`'), requeueing the job where the run
-    goes on: after a lost node, or on the time-limit warning unless the run has ended (RUN/finished.json, written by
-    the orchestrator as it ends the run: a warning can come between that and the orchestrator's exit, which
-    `run_roles` alone cannot tell from a run in progress)."""
+    goes on: after a lost node, or on the time-limit warning unless the run had ended as it came (RUN/finished.json,
+    the orchestrator's record: the trainer was finishing, or the orchestrator exiting; a requeued job would only
+    start every role to end the run again)."""
     if code == ALLOCATION_LOST:  # a node is lost: go on in a new allocation
         return requeue_after_node_loss(alloc)
     if code == 128 + signal.SIGUSR1:  # time is up: the same
-        if read_finished(run_dir) is not None:
+        if read_finished(run_dir) is None:
+            requeue(alloc.job_id)
+        else:
             print(f"job {alloc.job_id}: the run has ended ({run_dir / FINISHED_FILE}): nothing to requeue", flush=True)
-            return 0
-        requeue(alloc.job_id)
         return 0
     return code
 

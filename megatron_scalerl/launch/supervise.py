@@ -210,8 +210,7 @@ def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role
               api_key: str, restarts: Restarts | None = None, ready_timeout_s: float = 900.0,
               stop_signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> int:
     """Start and watch the roles (generator i serves `urls[i]`) until the run ends or a stop signal comes; the exit
-    code (0, 1, or 128 + the stop signal's number; 0 for a signal that comes once the orchestrator has ended the
-    run). `label` names the run in progress lines; `api_key`: the run's
+    code (0, 1, or 128 + the stop signal's number). `label` names the run in progress lines; `api_key`: the run's
     key (`run_dir.run_api_key`), which every role gets in `$SCALERL_API_KEY` (the generators ask for it, the others
     present it) and the supervisor's own calls present; `restarts`: the budget for restarting a failed trainer or
     orchestrator (default: none)."""
@@ -233,11 +232,6 @@ def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role
         print(f"{label}: generators ready, orchestrator started", flush=True)
         return _supervise(trainer, orchestrator, generators, urls, restarts, ready_timeout_s, api_key)
     except _Stop as stop:
-        if orchestrator.process is not None and orchestrator.process.poll() == 0:
-            # the run ended on its own (RUN/finished.json) and the trainer was finishing: nothing to continue, so a
-            # time-limit warning then must not requeue the job (its next start would only end the run again)
-            print(f"{label}: {stop} received after the run ended: stopping the roles", flush=True)
-            return 0
         print(f"{label}: {stop} received: stopping (the trainer checkpoints first)", flush=True)
         return 128 + stop.signum
     finally:
