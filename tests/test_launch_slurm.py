@@ -4,6 +4,7 @@ wait for its generators (the trainer starting meanwhile), the supervisor's handl
 and its restarts of a failed trainer or orchestrator within the launch's budget."""
 
 import dataclasses
+import itertools
 import os
 import signal
 import socket
@@ -485,6 +486,45 @@ def test_a_failure_on_an_allocation_that_lost_a_node_ends_the_launch_for_a_reque
     assert generator.restarts == 0
 
 
+
+
+def test_a_failure_that_would_end_the_launch_waits_for_slurm_to_report_a_lost_node(tmp_path, capsys):
+    """A step on a node whose slurmd died fails at once, before SLURM reports the node (the lost-node test on a
+    loaded machine: the only generator given up within seconds, the node NOT_RESPONDING a minute later). Before the
+    launch ends for good (no generator left; no restart left), it asks again until `settle_s` have passed."""
+
+    def reported_from_call(n):  # SLURM reports the node from the n-th question on
+        call = itertools.count(1)
+        return lambda: "lost node(s): gpu2 (DOWN*)" if next(call) >= n else None
+
+    # three quick exits, each asked about (calls 1-3), then the last generator's: asked at once (4), then waited on
+    restarts = Restarts(0, 0.0, lambda n, cause: 0, [], reported_from_call(6), settle_s=30.0)
+    trainer = _role(tmp_path, "trainer", "import time; time.sleep(60)").start()
+    orchestrator = _role(tmp_path, "orchestrator", "import time; time.sleep(60)").start()
+    generator = _role(tmp_path, "generator 0", "import sys; sys.exit(233)").start()  # srun: launch failed
+    try:
+        assert _supervise(trainer, orchestrator, [generator], ["http://gpu2:20002"], restarts) == ALLOCATION_LOST
+    finally:
+        trainer.stop(timeout_s=5)
+        orchestrator.stop(timeout_s=5)
+    err = capsys.readouterr().err
+    assert "no generator left: waiting up to 30 s for SLURM to report whether a node of this allocation is lost" in err
+    assert "no generator left and this allocation cannot run it again: lost node(s): gpu2" in err, err
+    restarts.allocation_lost = reported_from_call(3)  # the trainer fails, no restart left (max_restarts 0)
+    trainer = _role(tmp_path, "trainer", "import sys; sys.exit(1)").start()
+    orchestrator = _role(tmp_path, "orchestrator", "import time; time.sleep(60)").start()
+    try:
+        assert _supervise(trainer, orchestrator, [], [], restarts) == ALLOCATION_LOST
+    finally:
+        orchestrator.stop(timeout_s=5)
+    assert "trainer failed (exit 1): waiting up to 30 s" in capsys.readouterr().err
+    restarts.allocation_lost, restarts.settle_s = reported_from_call(10), 1.0  # nothing reported within it: it ends
+    trainer = _role(tmp_path, "trainer", "import sys; sys.exit(1)").start()
+    orchestrator = _role(tmp_path, "orchestrator", "import time; time.sleep(60)").start()
+    try:
+        assert _supervise(trainer, orchestrator, [], [], restarts) == 1
+    finally:
+        orchestrator.stop(timeout_s=5)
 
 def _scontrol_answering(node_states: list[str], calls: list[tuple[str, ...]], *, slurmd_timeout_s: int = 1,
                         signal_at_poll: tuple[int, int] | None = None, requeue_error: str = "", restarts: int = 0):

@@ -135,13 +135,13 @@ def orchestrator_command(run_dir: Path, *, resume: bool) -> list[str]:
             *(["--resume"] if resume else [])]
 
 
-def restart_budget(run_dir: Path, recipe: Recipe, allocation_lost: Callable[[], str | None] = lambda: None
-                   ) -> Restarts:
+def restart_budget(run_dir: Path, recipe: Recipe, allocation_lost: Callable[[], str | None] = lambda: None,
+                   settle_s: float = 0.0) -> Restarts:
     """The launch's budget for restarting a failed trainer or orchestrator (`recipe.launch`). Each restart rewinds
     the run to the trainer's last checkpoint (stream, orchestrator state, metrics: `rewind_to_checkpoint`), clears
     the stop request the trainer's stop left, and is a `launcher` record in metrics.jsonl at that checkpoint's step
-    (`launch/restarts`: the restarts of this launch so far, `launch/restart_cause`). `allocation_lost`: see
-    `Restarts`."""
+    (`launch/restarts`: the restarts of this launch so far, `launch/restart_cause`). `allocation_lost`, `settle_s`
+    (seconds): see `Restarts`."""
 
     def prepare(restart: int, cause: str) -> int:
         step = rewind_to_checkpoint(run_dir, partial(print, flush=True), metrics=True)
@@ -150,4 +150,4 @@ def restart_budget(run_dir: Path, recipe: Recipe, allocation_lost: Callable[[], 
         return step
 
     return Restarts(recipe.launch.max_restarts, recipe.launch.restart_backoff_s, prepare,
-                    orchestrator_command(run_dir, resume=True), allocation_lost)
+                    orchestrator_command(run_dir, resume=True), allocation_lost, settle_s)

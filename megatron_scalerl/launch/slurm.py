@@ -342,7 +342,7 @@ def run_job(env: dict[str, str]) -> int:
     print(f"the generators' API key: {key_source}", flush=True)
     generators, urls, trainer, orchestrator = job_roles(run_dir, recipe, alloc, resume=resume, cuda=cuda)
     code = run_roles(f"job {alloc.job_id} ({run_dir})", generators, urls, trainer, orchestrator, api_key=api_key,
-                     restarts=restart_budget(run_dir, recipe, partial(allocation_lost, alloc)),
+                     restarts=restart_budget(run_dir, recipe, partial(allocation_lost, alloc), slurmd_timeout_s()),
                      stop_signals=(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
     return end_of_roles(code, run_dir, alloc)
 

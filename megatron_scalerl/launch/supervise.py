@@ -23,7 +23,9 @@ then; one that does not get them within STUCK_GENERATOR_S is started again), the
 restart is a `launcher` record in metrics.jsonl (`launch/restarts`, `launch/restart_cause`). Once the budget is
 spent, the next failure ends the launch (exit 1) with its cause: a failure that repeats at the same step never loops.
 Under SLURM any role's exit (a generator's too) on an allocation that lost a node (`Restarts.allocation_lost`)
-ends the launch with ALLOCATION_LOST instead, and the job goes on in a new allocation (`launch/slurm.py`).
+ends the launch with ALLOCATION_LOST instead, and the job goes on in a new allocation (`launch/slurm.py`); a failure
+that would end the launch for good first waits up to `Restarts.settle_s` (SlurmdTimeout) for SLURM to report such a
+node, since a step on a node whose slurmd died fails at once and SLURM reports the node only later.
 A generator that exits is started again (the trainer re-syncs it, the orchestrator's fleet takes
 it back); one that keeps dying within `QUICK_EXIT_S` seconds of its start (on a node that answers) is given up after
 `QUICK_EXITS` tries and the fleet goes on without it; with no generator left the run fails.
@@ -84,6 +86,10 @@ class Restarts:
     # why this allocation cannot run the roles again (SLURM: a lost node), asked before each restart; a reason ends
     # the launch with ALLOCATION_LOST instead (the SLURM job then goes on in a new allocation: launch/slurm.py)
     allocation_lost: Callable[[], str | None] = lambda: None
+    # how long a node that stopped answering may take to show in allocation_lost (SLURM: SlurmdTimeout, after which
+    # it declares the node DOWN), waited before a failure ends the launch for good: a step on a lost node fails at
+    # once, before SLURM reports the node
+    settle_s: float = 0.0
     done: int = 0
 
     @classmethod
@@ -91,9 +97,17 @@ class Restarts:
         """No restart: a failure ends the launch."""
         return cls(0, 0.0, lambda restart, cause: 0, [])
 
-    def lost(self, what: str) -> bool:
-        """Whether the allocation cannot run the roles again (`allocation_lost`); says so, naming `what` happened."""
+    def lost(self, what: str, *, final: bool = False) -> bool:
+        """Whether the allocation cannot run the roles again (`allocation_lost`); says so, naming `what` happened.
+        `final`: the launch ends for good otherwise, so it asks again every POLL_S until `settle_s` have passed."""
         reason = self.allocation_lost()
+        if not reason and final and self.settle_s:
+            print(f"{what}: waiting up to {self.settle_s:g} s for SLURM to report whether a node of this allocation is "
+                  "lost", file=sys.stderr, flush=True)
+            deadline = time.monotonic() + self.settle_s
+            while not reason and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+                reason = self.allocation_lost()
         if reason:
             print(f"{what} and this allocation cannot run it again: {reason}", file=sys.stderr, flush=True)
         return bool(reason)
@@ -294,7 +308,7 @@ def _supervise(trainer: Role, orchestrator: Role, generators: list[Role], urls: 
                 error = role.last_error()
                 cause = f"{role.name} failed (exit {code})" + (f": {error}" if error else "")
                 print(f"{cause}; {role.log}:\n{role.tail()}", file=sys.stderr, flush=True)
-                if restarts.lost(cause):
+                if restarts.lost(cause, final=restarts.done >= restarts.max_restarts):
                     return ALLOCATION_LOST
                 if restarts.done >= restarts.max_restarts:
                     if restarts.max_restarts:
@@ -320,6 +334,8 @@ def _supervise(trainer: Role, orchestrator: Role, generators: list[Role], urls: 
                       f"{role.process.returncode}): given up, the fleet goes on without it; {role.log}:\n"
                       f"{role.tail(5)}", file=sys.stderr, flush=True)
                 if not live:
+                    if restarts.lost("no generator left", final=True):
+                        return ALLOCATION_LOST
                     print("no generator left: the run cannot go on", file=sys.stderr, flush=True)
                     return 1
                 continue
