@@ -117,7 +117,7 @@ def test_a_program_cannot_break_the_judge_between_cases(mode):
                "import os\nfor _ in range(1500):\n    os.mkdir('a')\n    os.chdir('a')\nraise SystemExit(1)",
                "import os\nos.mkdir('closed')\nopen('closed/note', 'w').write('kept?')\nos.chmod('closed', 0)\n"
                "raise SystemExit(1)"]
-    look = "import os\nprint(sorted(set(os.listdir('.')) - {'main.py', 'judge.py', 'asserts.py', '__pycache__'}))"
+    look = "import os\nprint(sorted(set(os.listdir('.')) - {'main.py', 'judge.pyc', 'asserts.pyc'}))"
     for attack in attacks:
         program = f"import sys\nif input() == 'attack':\n    exec({attack!r})\nexec({look!r})"
         first, second = run_cases(program, ["attack", "look"], dataclasses.replace(SMALL, wall_s=6))  # on a disk

@@ -5,9 +5,9 @@ languages, and a block left unclosed, are skipped). It runs with the standard li
 problem row's "tests" (an object: the data loader, tasks/problems.py, has parsed a JSON string already) holds one
 of two formats, as common datasets ship them:
 
-  - stdin/stdout: {"inputs": ["1 2\\n", ...], "outputs": ["3\\n", ...]}: one fresh sandboxed run per case with its
-    input on stdin. A case passes when the run exits 0 and its stdout equals the expected output up to whitespace
-    at the ends of lines and empty lines at the end.
+  - stdin/stdout: {"inputs": ["1 2\\n", ...], "outputs": ["3\\n", ...]}: one run per case with its input on stdin,
+    each in a fresh sandbox. A case passes when the run exits 0 and its stdout equals the expected output up to
+    spaces, tabs and "\\r" at the ends of lines ("\\n" alone ends a line) and empty lines at the end.
   - function asserts: {"asserts": ["assert f(1) == 2", ...], "setup": "code run before the asserts (optional)"}: one
     sandboxed run of the program as module "solution" (so its `if __name__ == "__main__":` block does not run), which
     only answers calls: the setup and the asserts run in the sandbox's trusted judge, on the plain-data values the
@@ -116,8 +116,9 @@ def verify_code(answer: str, problem: dict) -> Verdict:
 
 
 def _run_cases(program: str, inputs: list[str], outputs: list[str], deadline: float) -> list[str | None]:
-    """Each stdin/stdout case's outcome: None (passed) or its failure kind. One sandbox runs them all, each case a
-    fresh run of the program; cases not run by `deadline` (monotonic seconds) are timeouts."""
+    """Each stdin/stdout case's outcome: None (passed) or its failure kind. Each case is a fresh sandbox (no state of
+    one run reaches the next); each run's output is compared as it ends and let go, so grading holds one run's output
+    at a time (`sandbox.case_record_bytes`); cases not run by `deadline` (monotonic seconds) are timeouts."""
     left = deadline - time.monotonic()
     if left <= 0:
         return ["timeout"] * len(inputs)
@@ -146,9 +147,14 @@ def _limits_until(deadline: float) -> sandbox.Limits | None:
     return dataclasses.replace(LIMITS, wall_s=min(LIMITS.wall_s, left)) if left > 0 else None
 
 
-def _normalized(text: str) -> str:
-    """`text` without whitespace at the ends of its lines and without empty lines at its end."""
-    return "\n".join(line.rstrip() for line in text.splitlines()).rstrip("\n")
+def _normalized(text: str) -> list[str]:
+    """`text`'s lines without spaces, tabs and "\\r" at their ends, and without empty lines at its end. Lines end at
+    "\\n" only ("\\r\\n" too, its "\\r" stripped): not at str.splitlines()' other breaks (\\x0b, \\x0c, \\x1c-\\x1e,
+    \\x85, \\u2028, \\u2029), and no other whitespace is stripped, so "3\\u20284" is not "3\\n4"."""
+    lines = [line.rstrip(" \t\r") for line in text.split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
 
 
 def _compiles(program: str) -> bool:

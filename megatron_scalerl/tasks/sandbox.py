@@ -43,11 +43,13 @@ fallback) plus the wall time and the output cap, which the judge enforces.
 from __future__ import annotations
 
 import ast
+import binascii
 import dataclasses
 import functools
 import json
 import marshal
 import os
+import py_compile
 import selectors
 import shutil
 import signal
@@ -56,6 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,10 +71,10 @@ SANDBOXES = ("bwrap", "rlimits")
 BWRAP = "bwrap"
 RLIMITS = "rlimits (weaker: no network or filesystem isolation)"
 NOBODY = 65534  # uid and gid the program runs as when we are root
-STDERR_KEEP = 8000  # characters of stderr kept in a RunResult: its end, where the traceback is
+STDERR_KEEP = 8000  # bytes of stderr kept in a RunResult: its end, where the traceback is
 STARTUP_GRACE_S = 2.0  # wall seconds the sandbox and the judge get to start, beyond the program's own wall time
 JUDGE_DIR = Path(__file__).resolve().parent / "judge"  # its files: copied to /sandbox under bwrap (read-only)
-_JUDGE_FILES = ("judge.py", "asserts.py")
+_JUDGE_FILES = ("judge.pyc", "asserts.pyc")  # compiled here once: each sandbox would compile the sources (~9 ms)
 _BWRAP_ENV = {**ENV, "HOME": "/tmp", "TMPDIR": "/tmp"}  # the environment of the judge and the program under bwrap
 
 
@@ -104,7 +107,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class RunResult:
-    """How one run ended. `stdout`: all of it, up to the output cap; `stderr`: its last STDERR_KEEP characters;
+    """How one run ended. `stdout`: all of it, up to the output cap; `stderr`: its last STDERR_KEEP bytes, decoded;
     `returncode`: the exit status, -N when killed by signal N (-1 when the run never happened); `seconds`: wall
     seconds; `failure`: None when it exited 0, else one of FAILURE_KINDS (see the module docstring)."""
 
@@ -150,28 +153,43 @@ def require_sandbox(choice: str, who: str) -> str | None:
 
 
 def run_cases(source: str, inputs: list[str], limits: Limits = Limits(), deadline_s: float | None = None
-              ) -> list[RunResult]:
-    """Run the program `source` once per input (on its stdin), each within `limits`, all within `deadline_s` wall
-    seconds (default: as many wall limits as inputs); a run not started by then is a "timeout"."""
-    deadline_s = len(inputs) * limits.wall_s if deadline_s is None else deadline_s
-    # a case's record: its stdout and stderr as JSON text (a non-ASCII character takes 6 characters there)
-    cap = len(inputs) * (6 * (limits.output_bytes + STDERR_KEEP) + 4096)
-    records, stderr, timed_out = _judge(source, {"mode": "cases", "inputs": inputs}, limits, deadline_s, cap)
-    by_case = {record.get("case"): record for record in records}
-    results = []
-    for index in range(len(inputs)):
-        record = by_case.get(index)
-        if record is None:
-            results.append(RunResult("", stderr, -1, 0.0, "timeout" if timed_out else "sandbox_error"))
+              ) -> Iterator[RunResult]:
+    """Run the program `source` once per input (on its stdin), each in a sandbox of its own (see "Fresh state"
+    below) within `limits`, all within `deadline_s` wall seconds (default: as many wall limits as inputs); a run not
+    started by then is a "timeout". The results come one at a time, as each run ends: a caller that compares each
+    and lets it go holds one run's output at most (`CASE_RECORD_BYTES`)."""
+    deadline = time.monotonic() + (len(inputs) * limits.wall_s if deadline_s is None else deadline_s)
+    for stdin in inputs:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            yield RunResult("", "", -1, 0.0, "timeout")
             continue
-        results.append(RunResult(str(record["stdout"]), str(record["stderr"]), int(record["status"]),
-                                 float(record["seconds"]), record["failure"]))
-    return results
+        run_limits = dataclasses.replace(limits, wall_s=min(limits.wall_s, left))
+        records, stderr, timed_out = _judge(source, {"mode": "case", "stdin": stdin}, run_limits, run_limits.wall_s,
+                                            cap=case_record_bytes(limits))
+        record = next((r for r in records if "case" in r), None)
+        if record is None:
+            yield RunResult("", stderr, -1, 0.0, "timeout" if timed_out else "sandbox_error")
+            continue
+        yield RunResult(_raw(record["stdout"]).decode(errors="replace"), _raw(record["stderr"]).decode(errors="replace"),
+                        int(record["status"]), float(record["seconds"]), record["failure"])
+
+
+def case_record_bytes(limits: Limits) -> int:
+    """The most bytes the judge's record of one run can take: what the run may print (stdout and stderr together,
+    `output_bytes`, the raw bytes the judge captured before anything is decoded) in base64 (4/3), plus the record's
+    other fields. The bound on what grading an answer's stdin/stdout tests holds at once."""
+    return (limits.output_bytes + 2) // 3 * 4 + 4096
+
+
+def _raw(text: str) -> bytes:
+    """The bytes a judge's record carries as base64 text."""
+    return binascii.a2b_base64(text)
 
 
 def run_python(source: str, stdin: str = "", limits: Limits = Limits()) -> RunResult:
     """Run the program `source` once with `stdin` as its input, within `limits`."""
-    return run_cases(source, [stdin], limits)[0]
+    return next(run_cases(source, [stdin], limits))
 
 
 def run_asserts(source: str, setup: str, asserts: list[str], limits: Limits = Limits(),
@@ -180,7 +198,8 @@ def run_asserts(source: str, setup: str, asserts: list[str], limits: Limits = Li
     "solution" within `limits` and `deadline_s` wall seconds; each assert's outcome: None when it held, else its
     failure kind (tasks/judge/asserts.py)."""
     deadline_s = limits.wall_s if deadline_s is None else deadline_s
-    job = {"mode": "asserts", "setup": setup, "asserts": asserts, "modules": _modules_read((setup, *asserts))}
+    modules, test_names = _test_names((setup, *asserts))
+    job = {"mode": "asserts", "setup": setup, "asserts": asserts, "modules": modules, "test_names": test_names}
     records, _, timed_out = _judge(source, job, limits, deadline_s, cap=256 * len(asserts))
     by_assert = {record.get("assert"): record.get("failure") for record in records if "assert" in record}
     missing = "timeout" if timed_out else "sandbox_error"
@@ -188,19 +207,32 @@ def run_asserts(source: str, setup: str, asserts: list[str], limits: Limits = Li
 
 
 @functools.lru_cache(maxsize=4096)
-def _modules_read(tests: tuple[str, ...]) -> tuple[str, ...]:
-    """The standard library's top-level modules the sources `tests` use as modules (`math` in `math.isclose(...)`:
-    a name whose attribute they read; `random(3)` calls the program's function): the judge gives them its own, which
-    no name of the program's hides. Once per problem: every answer to it has the same tests."""
-    names = {node.value.id for source in tests for node in ast.walk(ast.parse(source))
-             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)}
-    return tuple(sorted(names & sys.stdlib_module_names))
+def _test_names(tests: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What the test's sources `tests` (its setup and asserts) hold as their own, once per problem (every answer to
+    it has the same tests): (the standard library's top-level modules they use as modules, `math` in
+    `math.isclose(...)`: a name whose attribute they read, which the judge gives them as its own, whatever the program
+    defines; the names they bind themselves: imports, assignments, definitions, loop and `as` targets, but not the
+    names they import from `solution`, which they ask of the program). No name of either is the program's in the
+    judge's namespace, nor exported to a `from solution import *` (asserts.py's `_namespace`)."""
+    read, bound = set(), set()
+    for node in (node for source in tests for node in ast.walk(ast.parse(source))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            read.add(node.value.id)
+        elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+        elif isinstance(node, ast.Import) or isinstance(node, ast.ImportFrom) and node.module != "solution":
+            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names if alias.name != "*")
+    return tuple(sorted(read & sys.stdlib_module_names)), tuple(sorted(bound))
 
 
 def _judge(source: str, job: dict, limits: Limits, deadline_s: float, cap: int) -> tuple[list[dict], str, bool]:
     """Run the judge on `job` in the sandbox; its records, the end of its stderr (for a sandbox error's message) and
     whether our wall timer (`deadline_s` + STARTUP_GRACE_S) ended it. `cap`: the most bytes its records can take
-    (the judge is ours: a bound on a bug, not on the program)."""
+    (beyond its "ready" and "done" ones): what is read past it is dropped unread."""
     kind, python = sandbox_kind(), interpreter()
     limits_record = dataclasses.asdict(limits)
     job = {**job, "limits": limits_record, "python": python, "deadline_s": deadline_s, "stderr_keep": STDERR_KEEP}
@@ -214,17 +246,17 @@ def _judge(source: str, job: dict, limits: Limits, deadline_s: float, cap: int) 
             job.update(workdir="/tmp", program="/tmp/main.py", pid_namespace=True, env=_BWRAP_ENV)
             job_fd = _memory_file("job", marshal.dumps(job))
             command = [*_bwrap_options(shutil.which("bwrap"), python, limits, files), "--chdir", "/tmp",
-                       python, "-I", "-S", "/sandbox/judge.py", "--job-fd", str(job_fd)]
+                       python, "-I", "-S", "/sandbox/judge.pyc", "--job-fd", str(job_fd)]
             popen = {"pass_fds": (*(fd for fd, _ in files), job_fd), "cwd": "/"}
         else:
             workdir = _private_dir(source)
             job.update(workdir=workdir, program=os.path.join(workdir, "main.py"), pid_namespace=False,
                        env={**ENV, "HOME": workdir, "TMPDIR": workdir}, keep=list(_JUDGE_FILES))
             job_fd = _memory_file("job", marshal.dumps(job))
-            command = [python, "-I", "-S", os.path.join(workdir, "judge.py"), "--job-fd", str(job_fd)]
+            command = [python, "-I", "-S", os.path.join(workdir, "judge.pyc"), "--job-fd", str(job_fd)]
             popen = {"pass_fds": (job_fd,), "cwd": workdir}
         try:
-            return _read_judge(command, deadline_s + STARTUP_GRACE_S, cap + (1 << 20), env=job["env"], **popen)
+            return _read_judge(command, deadline_s + STARTUP_GRACE_S, cap + 4096, env=job["env"], **popen)
         finally:
             os.close(job_fd)
     finally:
@@ -311,8 +343,15 @@ def _bwrap_options(bwrap: str, python: str, limits: Limits, files: list[tuple[in
 
 @functools.cache
 def _judge_sources() -> dict[str, bytes]:
-    """{file name: content} of the judge's files, read once per process."""
-    return {name: (JUDGE_DIR / name).read_bytes() for name in _JUDGE_FILES}
+    """{file name: content} of the judge's files, compiled once per process by this interpreter (the sandbox's is
+    of the same minor version: `interpreter`, so of the same bytecode), unchecked: no source beside them to check."""
+    files = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in _JUDGE_FILES:
+            compiled = py_compile.compile(str(JUDGE_DIR / name.removesuffix("c")), os.path.join(scratch, name),
+                                          doraise=True, invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+            files[name] = Path(compiled).read_bytes()
+    return files
 
 
 def _interpreter_binds(python: str) -> tuple[str, ...]:

@@ -56,10 +56,8 @@ def encode(value, depth: int = 0):
     kind = type(value)
     if value is None or kind is bool or kind is str:
         return value
-    if kind is int:
-        if value.bit_length() > 4096:
-            raise NotPlainData("an int of more than 4096 bits")
-        return value
+    if kind is int:  # past 63 bits in hex: the int/str digit limit (4300 digits) applies to decimal only
+        return value if value.bit_length() <= 63 else {"i": hex(value)}
     if kind is float:
         return value if value - value == 0.0 else {"f": repr(value)}  # inf - inf and nan - nan are nan
     if kind in _SEQUENCE_TAGS:
@@ -87,6 +85,10 @@ def decode(data, depth: int = 0):
             return _FLOAT_TAGS[body]
         if tag == "b":
             return bytes.fromhex(body)
+        if tag == "i":
+            if type(body) is not str:
+                raise TypeError("an int's digits")
+            return int(body, 16)
         if tag == "c":
             real, imag = body
             if type(real) is not float and type(real) is not int or type(imag) is not float and type(imag) is not int:
@@ -361,20 +363,28 @@ def _value_of(runner: Runner, reply: dict):
     return decode(reply["value"])
 
 
-def _namespace(runner: Runner, defined: dict, modules: list[str]) -> dict:
+def _namespace(runner: Runner, defined: dict, modules: list[str], test_names: list[str]) -> dict:
     """The judge's globals for setup and asserts: builtins, the program's names as proxies and values, and the
     standard-library `modules` the tests use as modules (`math` in `assert math.isclose(f(1), 0.5)`, which the program
-    may have imported; found by the host, tasks/sandbox.py). A program's name that is a builtin's (`sorted`, `len`) or such a module's does
-    not hide it: the tests' own computations stay the judge's (`solution.NAME` still reaches the program's)."""
+    may have imported; found by the host, tasks/sandbox.py).
+
+    The test's names are never the program's: of the names the program defines, those of a builtin (`sorted`, `len`),
+    of a standard-library module (`math`) or that the test's own code binds (`test_names`: its imports, assignments,
+    definitions; `from solution import f` excepted) are `exported` neither into these globals nor by the module's
+    `__all__`, so `from solution import *` cannot rebind them either. `solution.NAME` (or `from solution import NAME`)
+    still reaches any name of the program's: the test asks for it by name."""
     module = ModuleType("solution")
     for name, entry in defined.items():
         if not isinstance(name, str) or not name.isidentifier() or type(entry) is not dict:
             raise NotPlainData("a malformed list of names")
         setattr(module, name, Remote(runner, {"name": name}) if entry.get("callable") is True
                 else _value_of(runner, entry))
+    reserved = set(test_names) | sys.stdlib_module_names
+    exported = sorted(name for name in defined if not hasattr(builtins, name) and name not in reserved)
+    module.__all__ = exported
     sys.modules["solution"] = module
-    own = {name: value for name, value in vars(module).items() if not hasattr(builtins, name)}
-    return {"__name__": "__test__", "__builtins__": builtins, **own, **_imported(modules)}
+    return {"__name__": "__test__", "__builtins__": builtins, **{name: getattr(module, name) for name in exported},
+            **_imported(modules)}
 
 
 def _imported(names: list[str]) -> dict:
@@ -413,7 +423,7 @@ def judge_asserts(judge) -> None:
         hello = runner.receive()
         if "defined" not in hello:
             runner.stop(None)  # the program raised on import (or wrote something else on its channel)
-        namespace = _namespace(runner, hello["defined"], job["modules"])
+        namespace = _namespace(runner, hello["defined"], job["modules"], job["test_names"])
         exec(compile(job["setup"], "<setup>", "exec"), namespace)
     except BaseException as error:  # noqa: BLE001 -- the setup is the test's code, run on the program's values
         failed = _outcome(error, runner)

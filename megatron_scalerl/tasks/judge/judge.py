@@ -10,9 +10,10 @@ sandbox's PID 1, which no process inside can kill. It starts the program as a ch
 judge's memory survives the exec), with only the fds it needs, its own limits and a clean environment, and reports to
 its stdout, a channel the program holds no fd of, one JSON line per result:
 
-- "cases" mode (stdin/stdout tests): a run of the program per input, the input on its stdin; the record holds what it
-  printed (up to the output cap) and the failure kind the judge observed. The host compares the output: the expected
-  outputs never enter the sandbox.
+- "case" mode (one stdin/stdout test; every case gets a sandbox and a judge of its own): a run of the program on the
+  input, on its stdin; the record holds the bytes it printed (up to the output cap, as base64: the judge decodes
+  nothing) and the failure kind the judge observed. The host compares the output: the expected outputs never enter
+  the sandbox.
 - "asserts" mode (asserts.py): the program runs once, as module "solution", in a runner child that only answers
   calls: the judge executes the test's setup and asserts itself, in its own interpreter, with every name the program
   defines standing for a proxy that forwards the call (arguments as plain data) to the runner and takes back plain data
@@ -27,6 +28,7 @@ exit status they chose (`observed_failure`).
 
 from __future__ import annotations
 
+import binascii
 import marshal
 import os
 import resource
@@ -263,9 +265,10 @@ class Judge:
             except OSError:
                 pass
 
-    def run_case(self, index: int, stdin: str, deadline: float) -> dict:
+    def run_case(self, stdin: str, deadline: float) -> dict:
         """Run the program on one input until it exits, its wall time (`deadline`, monotonic) passes or its output
-        passes the cap; the record of what it printed and how it ended."""
+        passes the cap; the record of what it printed (the raw bytes, as base64: nothing is decoded here) and how it
+        ended."""
         start = time.monotonic()
         memfd = os.memfd_create("stdin")
         os.write(memfd, stdin.encode())
@@ -273,12 +276,13 @@ class Judge:
         child = self.start([self.program], stdin=memfd)
         out, err, stopped, peak_tasks = self.collect(child, deadline)
         status, cpu_s, rss_mb = self.end(child)
-        entries = self._entries()  # once: to judge a full disk and to clear the directory for the next run
+        # listed once, to judge a full disk and to empty the directory here, iteratively: the fallback's host removes
+        # the directory after us, and a tree thousands deep would overflow its rmtree
+        entries = self._entries()
         failure = stopped or self.observed(status, cpu_s, rss_mb, peak_tasks, entries)
         self.clear(entries)
-        return {"case": index, "stdout": out.decode(errors="replace"),
-                "stderr": err.decode(errors="replace")[-self.job["stderr_keep"]:], "status": status, "failure": failure,
-                "seconds": time.monotonic() - start}
+        return {"case": 0, "stdout": _base64(out), "stderr": _base64(err[-self.job["stderr_keep"]:]),
+                "status": status, "failure": failure, "seconds": time.monotonic() - start}
 
     def collect(self, child: Child, deadline: float) -> tuple[bytes, bytes, str | None, int]:
         """Read the child's stdout and stderr until it has exited and they hold no more (what it left running may keep
@@ -322,13 +326,12 @@ class Judge:
             child.kill()
         return bytes(out), bytes(err), stopped, peak_tasks
 
-    def run_cases(self) -> None:
-        start = time.monotonic()
-        for index, stdin in enumerate(self.job["inputs"]):
-            left = self.job["deadline_s"] - (time.monotonic() - start)
-            if left <= 0:
-                break  # the host counts the cases not reported as timeouts
-            self.report(self.run_case(index, stdin, time.monotonic() + min(self.limits["wall_s"], left)))
+    def run_one_case(self) -> None:
+        self.report(self.run_case(self.job["stdin"], time.monotonic() + self.limits["wall_s"]))
+
+
+def _base64(data: bytes) -> str:
+    return binascii.b2a_base64(data, newline=False).decode()
 
 
 def main() -> None:
@@ -343,8 +346,8 @@ def main() -> None:
 
     judge = Judge(job, asserts.json_text)
     judge.report({"ready": True})
-    if job["mode"] == "cases":
-        judge.run_cases()
+    if job["mode"] == "case":
+        judge.run_one_case()
     else:
         asserts.judge_asserts(judge)
     judge.report({"done": True})
