@@ -2,7 +2,7 @@
 
 Three ways to run the same tests of one right answer, in this process, one after the other:
   bare      `python -I -S` on the program, one process per stdin/stdout case, no sandbox and no judge: the floor;
-  cases     `verify_code` on the stdin/stdout tests (the judge in bwrap, one fresh program run per case);
+  cases     `verify_code` on the stdin/stdout tests (a bwrap sandbox and its judge per case, each running the program);
   asserts   `verify_code` on function asserts (the judge evaluates each assert on the program's values).
 Reported: wall milliseconds per case (median over --repeats answers) and each one's ratio to `bare`.
 
@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from megatron_scalerl.platform.precision import cpu_bf16_support
 from megatron_scalerl.tasks import code_verifier, sandbox
 
 PROGRAM = "def square(n):\n    return n * n\n\nif __name__ == '__main__':\n    print(square(int(input())))"
@@ -65,8 +66,10 @@ def main() -> None:
     print(f"{'way':<8} {'ms/case':>8} {'vs bare':>8}")
     for name, ms in (("bare", bare), ("cases", cases), ("asserts", asserts)):
         print(f"{name:<8} {ms:8.1f} {ms / bare:8.2f}")
-    print(f"sandbox {sandbox.sandbox_kind(args.sandbox)}; cpu capability {torch.backends.cpu.get_cpu_capability()}")
-    print(json.dumps({"sandbox": args.sandbox, "cases": args.cases, "bare_ms_per_case": round(bare, 2),
+    capability, bf16_native = torch.backends.cpu.get_cpu_capability(), cpu_bf16_support()[0]
+    print(f"sandbox {sandbox.sandbox_kind(args.sandbox)}; cpu capability {capability}, bf16 native {bf16_native}")
+    print(json.dumps({"sandbox": args.sandbox, "cases": args.cases, "cpu_capability": capability,
+                      "bf16_native": bf16_native, "bare_ms_per_case": round(bare, 2),
                       "cases_ms_per_case": round(cases, 2), "asserts_ms_per_case": round(asserts, 2),
                       "cases_vs_bare": round(cases / bare, 3), "asserts_vs_bare": round(asserts / bare, 3)}))
 
