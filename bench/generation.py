@@ -62,7 +62,7 @@ def offline(model: str, requests: list[GenerationRequest], max_num_seqs: int, re
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model, dtype="float32", max_model_len=MAX_MODEL_LEN, enforce_eager=True,
+    llm = LLM(model=model, dtype="float32", max_model_len=MAX_MODEL_LEN, enforce_eager=True, load_format="safetensors",
               skip_tokenizer_init=True, block_size=32, max_num_seqs=max_num_seqs,
               logprobs_mode="processed_logprobs", seed=0)
     prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]

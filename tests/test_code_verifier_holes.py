@@ -148,7 +148,7 @@ def test_a_grader_holds_one_case_of_output_at_a_time(bwrap):
     """40 cases, each flooding stdout and stderr with 1 MiB of invalid UTF-8 (every byte once a 6-character JSON
     escape) or of 4-byte characters: the grading process's peak resident memory grows by under 24 MiB (it grew by
     566 MiB before: every case's output was kept, escaped), and each case fails as `output_limit`."""
-    probe = textwrap.dedent(f"""
+    probe = textwrap.dedent("""
         import json
         from megatron_scalerl.tasks.code_verifier import verify_code
 
@@ -156,16 +156,16 @@ def test_a_grader_holds_one_case_of_output_at_a_time(bwrap):
             with open("/proc/self/status") as f:
                 return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
 
-        tests = {{"inputs": ["go\\n"] * 40, "outputs": ["done\\n"] * 40}}
-        assert verify_code("```python\\nprint('done')\\n```", {{"tests": tests}}).correct  # warm: imports, checks
+        tests = {"inputs": ["go\\n"] * 40, "outputs": ["done\\n"] * 40}
+        assert verify_code("```python\\nprint('done')\\n```", {"tests": tests}).correct  # warm: imports, checks
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the peak resident size starts again from the resident size now
         before, verdicts = status_mib("VmRSS"), []
         for flood in ("b'\\\\xff' * (1 << 20)", "'\\\\U0001f600'.encode() * (1 << 18)"):
-            program = f"import sys\\nsys.stderr.buffer.write(b'\\\\xfe' * 4096)\\nsys.stdout.buffer.write({{flood}})"
-            verdicts.append(verify_code(f"```python\\n{{program}}\\n```", {{"tests": tests}}))
-        print(json.dumps({{"growth_mib": status_mib("VmHWM") - before, "failures": [v.failure for v in verdicts],
-                          "fractions": [v.fraction for v in verdicts]}}))
+            program = f"import sys\\nsys.stderr.buffer.write(b'\\\\xfe' * 4096)\\nsys.stdout.buffer.write({flood})"
+            verdicts.append(verify_code(f"```python\\n{program}\\n```", {"tests": tests}))
+        print(json.dumps({"growth_mib": status_mib("VmHWM") - before, "failures": [v.failure for v in verdicts],
+                          "fractions": [v.fraction for v in verdicts]}))
     """)
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600,
                          env={"PATH": "/usr/bin:/bin", "SCALERL_SANDBOX": "bwrap"})

@@ -159,13 +159,19 @@ def test_moe_job_requeues_on_time_limit_and_finishes_the_run(cluster, jobs, mode
     _wait("two trainer steps", lambda: len(_trainer_steps(run_dir)) >= 2, 600, out, cluster,
           job_alive=lambda: bool(_squeue(cluster, job)), poll_s=0.5)
     # the generator drives only for the run's own key (RUN/api_key, private): its worker-RPC route and its weight
-    # transfer's set-up refuse a stranger
+    # transfer's set-up refuse a stranger; it speaks HTTPS with the run's certificate (cluster.generator_tls auto),
+    # which a client must trust to reach it at all
     [url] = json.loads((run_dir / "generators.json").read_text())["urls"]
+    cert = run_dir / "tls" / "cert.pem"
+    assert url.startswith("https://")
     with pytest.raises(ServerError, match="HTTP 401"):
-        request_json(url, "/collective_rpc", {"method": "scalerl_weight_checksums"}, timeout_s=10)
+        request_json(url, "/collective_rpc", {"method": "scalerl_weight_checksums"}, timeout_s=10, ca_file=cert)
     with pytest.raises(ServerError, match="HTTP 401"):
-        request_json(url, "/init_weight_transfer_engine", {"init_info": {}}, timeout_s=10)
+        request_json(url, "/init_weight_transfer_engine", {"init_info": {}}, timeout_s=10, ca_file=cert)
+    with pytest.raises(ServerError, match="TLS certificate is not trusted"):
+        request_json(url, "/health", method="GET", timeout_s=10)  # the system's CAs alone
     assert stat.S_IMODE((run_dir / "api_key").stat().st_mode) == 0o600
+    assert stat.S_IMODE((run_dir / "tls" / "key.pem").stat().st_mode) == 0o600
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True, env=cluster)  # time is up
     _wait("requeued", lambda: "requeueing" in out.read_text() and _squeue(cluster, job)[:1] == ["PENDING"], 300, out, cluster)
     # this cluster's scheduler may leave a requeued het-job pending ~2 min after it is eligible: start it now (asked
@@ -205,7 +211,9 @@ def test_dense_job_runs_to_its_end(cluster, jobs, models, tmp_path):
     assert "generators ready, orchestrator started" in out.read_text(), out.read_text()[-3000:]
     assert sorted(set(_trainer_steps(run_dir))) == [1, 2], _cluster_report(cluster, out)
     assert (run_dir / "checkpoints" / "iter_0000002").is_dir()
-    assert json.loads((run_dir / "generators.json").read_text())["urls"][0].startswith("http://127.0.0.1:")
+    # HTTPS under SLURM (cluster.generator_tls auto): the run's certificate names the node's address
+    assert json.loads((run_dir / "generators.json").read_text())["urls"][0].startswith("https://127.0.0.1:")
+    assert "the generators' TLS: HTTPS, certificate" in out.read_text()
 
 
 @pytest.mark.slow

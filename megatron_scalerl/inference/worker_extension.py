@@ -1,7 +1,9 @@
 """The vLLM worker extension of our generators: `--worker-extension-cls` `vllm_server.WORKER_EXTENSION`.
 
 vLLM imports this module in every worker before it builds the model and the weight-transfer engine, which registers
-our receiver (`weight_receiver`) as weight-transfer backend "scalerl" (and "gloo", its old name). vLLM mixes the
+our receiver (`weight_receiver`) as weight-transfer backend "scalerl" (and "gloo", its old name), and before it
+joins its torch.distributed group, whose tcp:// rendezvous (a server spanning nodes) then listens on the master
+address alone (`rendezvous.bind_to_master_address`). vLLM mixes the
 class below into its worker; its methods are reached through `POST /collective_rpc` (dev mode) and are prefixed
 `scalerl_`, since a name the worker already has is refused at start-up:
 
@@ -31,6 +33,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from megatron_scalerl.inference.expert_permutation import permute_experts
 from megatron_scalerl.inference.fp32_head import make_lm_head_fp32
+from megatron_scalerl.inference.rendezvous import bind_to_master_address
 from megatron_scalerl.inference.weight_receiver import (
     ScaleRLWeightTransferEngine,
     cpu_moe_layers,
@@ -46,6 +49,7 @@ for _name in ("scalerl", "gloo"):
             _name, "megatron_scalerl.inference.weight_receiver", "ScaleRLWeightTransferEngine")
     except ValueError:  # registered already in this process
         pass
+bind_to_master_address()
 
 
 class ScaleRLWorkerExtension:

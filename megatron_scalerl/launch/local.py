@@ -12,7 +12,8 @@ checkpoints its current step, then the generators (launch/supervise.py); exit 13
 the checkpoints, the rollout stream and the orchestrator's state.
 
 The generators listen on 127.0.0.1 only, behind the run's API key (`$SCALERL_API_KEY`, else `RUN/api_key`:
-`run_dir.run_api_key`), which every role gets in its environment, never on its command line.
+`run_dir.run_api_key`), which every role gets in its environment, never on its command line; plain HTTP unless
+`cluster.generator_tls` is `on` (HTTPS with the run's certificate, `run.tls.run_tls`, as under SLURM).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.launch.roles import (
     generator_command,
+    generator_tls,
+    generator_url,
     orchestrator_command,
     prepare_run_dir,
     restart_budget,
@@ -37,6 +40,7 @@ from megatron_scalerl.platform.local_workers import free_port
 from megatron_scalerl.platform.precision import serving_dtype
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.run.directory import clear_stop_request, request_stop, run_api_key, write_generators
+from megatron_scalerl.run.tls import RunTLS, run_tls
 
 # On CPU every role shares the machine's cores. The trainer's ranks run in lock-step (one that loses its core stalls
 # the others at the next collective) and the trainer is the slower side there, so the generators yield to it
@@ -85,8 +89,10 @@ def cuda_devices(indices: range) -> str:
     return ",".join(ids[i] if ids is not None else str(i) for i in indices)
 
 
-def local_roles(run_dir: Path, recipe: Recipe, *, resume: bool, cuda: bool) -> tuple[list[Role], list[str], Role, Role]:
-    """The run's roles on this machine: (generators, their URLs, trainer, orchestrator); writes generators.json."""
+def local_roles(run_dir: Path, recipe: Recipe, *, resume: bool, cuda: bool, tls: RunTLS | None = None
+                ) -> tuple[list[Role], list[str], Role, Role]:
+    """The run's roles on this machine: (generators, their URLs, trainer, orchestrator), the generators serving
+    HTTPS with `tls`; writes generators.json."""
     say_launch_notes(recipe, cuda=cuda, resume=resume)
     logs = run_dir / "logs"
     servers = recipe.generator_servers
@@ -96,12 +102,12 @@ def local_roles(run_dir: Path, recipe: Recipe, *, resume: bool, cuda: bool) -> t
     dtype = serving_dtype(recipe, cuda)
     for i in range(servers):
         port = free_port()
-        urls.append(f"http://127.0.0.1:{port}")
+        urls.append(generator_url("127.0.0.1", port, tls))
         first = recipe.cluster.trainer_gpus + i * recipe.parallelism.generator_tp
         env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **threads} if not cuda else {
             "CUDA_VISIBLE_DEVICES": cuda_devices(range(first, first + recipe.parallelism.generator_tp))}
         command = generator_command(run_dir, recipe, port=port, host="127.0.0.1", dtype=dtype,
-                                    log=logs / f"vllm_{i}.log")
+                                    log=logs / f"vllm_{i}.log", tls=tls)
         generators.append(Role(f"generator {i}", command if cuda else [*CPU_GENERATOR_PRIORITY, *command],
                                logs / f"generator_{i}.log", env))
     write_generators(run_dir, urls, dtype)
@@ -123,7 +129,10 @@ def run_local(run_dir: Path, recipe: Recipe, *, resume: bool, ready_timeout_s: f
         rewind_to_checkpoint(run_dir, partial(print, flush=True), metrics=True)
     api_key, key_source = run_api_key(run_dir)
     print(f"the generators' API key: {key_source}", flush=True)
+    tls = run_tls(run_dir, ["127.0.0.1"]) if generator_tls(recipe, slurm=False) else None
+    print(f"the generators' TLS: {f'HTTPS, certificate {tls.cert}' if tls else 'off (HTTP on 127.0.0.1)'}", flush=True)
     generators, urls, trainer, orchestrator = local_roles(run_dir, recipe, resume=resume,
-                                                          cuda=torch.cuda.is_available())
+                                                          cuda=torch.cuda.is_available(), tls=tls)
     return run_roles(f"run {run_dir}", generators, urls, trainer, orchestrator, api_key=api_key,
-                     restarts=restart_budget(run_dir, recipe), ready_timeout_s=ready_timeout_s)
+                     tls_ca=tls.cert if tls else None, restarts=restart_budget(run_dir, recipe),
+                     ready_timeout_s=ready_timeout_s)

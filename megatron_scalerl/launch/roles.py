@@ -31,6 +31,7 @@ from megatron_scalerl.recipe import Recipe, require_init_from_matches
 from megatron_scalerl.rope_note import note_once
 from megatron_scalerl.run.directory import RECIPE_FILE, STOP_TIMEOUT_S, clear_stop_request
 from megatron_scalerl.run.metrics_log import MetricsLog
+from megatron_scalerl.run.tls import RunTLS
 
 MODEL_DIR = "model"
 
@@ -113,11 +114,22 @@ def trainer_command(run_dir: Path, recipe: Recipe, *, rendezvous: str | None = N
             "--run-dir", str(run_dir)]
 
 
+def generator_tls(recipe: Recipe, *, slurm: bool) -> bool:
+    """Whether the run's generators serve HTTPS (`cluster.generator_tls`): `auto` is on under SLURM (`slurm`), where
+    their ports face the cluster network, and off for a local launch, whose generators listen on 127.0.0.1 only."""
+    return recipe.cluster.generator_tls == "on" or (recipe.cluster.generator_tls == "auto" and slurm)
+
+
+def generator_url(host: str, port: int, tls: RunTLS | None) -> str:
+    return f"{'https' if tls else 'http'}://{host}:{port}"
+
+
 def generator_command(run_dir: Path, recipe: Recipe, *, port: int, host: str, dtype: str, log: Path,
-                      master_port: int | None = None) -> list[str]:
+                      master_port: int | None = None, tls: RunTLS | None = None) -> list[str]:
     """`scalerl serve` of the run's model directory with dummy weights (the trainer sends the real ones), capturing
-    routes when the recipe asks for the MoE model's routing (`Recipe.captures_routes`). Given `master_port`, a server
-    spanning `Recipe.generator_server_nodes` nodes (the SLURM launcher's), run on each of them and meeting at
+    routes when the recipe asks for the MoE model's routing (`Recipe.captures_routes`), serving HTTPS with the run's
+    certificate given `tls` (`run.tls.run_tls`). Given `master_port`, a server spanning
+    `Recipe.generator_server_nodes` nodes (the SLURM launcher's), run on each of them and meeting at
     `host:master_port` (its first node), each node's rank in $SCALERL_NODE_RANK; without, all of its workers here."""
     max_len = recipe.rollout.max_prompt_tokens + recipe.rollout.max_new_tokens
     span = ["--nnodes", str(recipe.generator_server_nodes), "--master-addr", host, "--master-port",
@@ -125,6 +137,7 @@ def generator_command(run_dir: Path, recipe: Recipe, *, port: int, host: str, dt
     return [sys.executable, "-m", "megatron_scalerl.commands", "serve", "--model", str(run_dir / MODEL_DIR),
             "--host", host, "--port", str(port), "--tp", str(recipe.parallelism.generator_tp), *span, "--dtype", dtype,
             "--max-model-len", str(max_len), "--seed", str(recipe.trainer.seed), "--log", str(log),
+            *(["--ssl-keyfile", str(tls.key), "--ssl-certfile", str(tls.cert)] if tls else []),
             *([] if recipe.trainer.fp32_lm_head else ["--no-fp32-lm-head"]),
             *(["--capture-routes"] if recipe.captures_routes else []),
             "--", "--load-format", "dummy"]

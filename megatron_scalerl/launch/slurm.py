@@ -16,7 +16,9 @@ Addresses come from the allocation (`scontrol show node`'s NodeAddr), ports from
 node's address as this node resolves it (`generator_address`; the trainer and the orchestrator, both on this node,
 reach it there), not on every interface, and asks for the run's API key on every route but /health
 (`run_dir.run_api_key`: `$SCALERL_API_KEY`, else `RUN/api_key`), which every role gets in its environment through
-srun, never on a command line.
+srun, never on a command line. With `cluster.generator_tls` on (`auto`'s choice here) it serves HTTPS with the run's
+certificate (`run.tls.run_tls`: `RUN/tls/`, naming every generator node's address and name, `generator_hosts`),
+which every client verifies (`$SCALERL_TLS_CA`, in every role's environment).
 
 Settings (the sbatch file's defaults, or `sbatch --export=ALL,NAME=VALUE`):
 
@@ -70,6 +72,8 @@ from megatron_scalerl.launch.allocation import (
 from megatron_scalerl.launch.preflight import run_preflight
 from megatron_scalerl.launch.roles import (
     generator_command,
+    generator_tls,
+    generator_url,
     orchestrator_command,
     prepare_run_dir,
     restart_budget,
@@ -91,6 +95,7 @@ from megatron_scalerl.run.directory import (
     write_generators,
 )
 from megatron_scalerl.run.gpu_hours import record_job
+from megatron_scalerl.run.tls import RunTLS, run_tls
 
 # The recipe's fields that are sbatch options: (the option's long and short spelling, its SBATCH_* input variable,
 # the field of `scontrol show job`)
@@ -162,6 +167,15 @@ def generator_address(node_addr: str, node_name: str) -> str:
                         f"resolve here: {exc}") from None
 
 
+def generator_hosts(alloc: Allocation) -> list[str]:
+    """Every name a client may reach a generator node by, for the run's certificate: each generator node's address
+    as this node resolves it (what the URLs hold: `generator_address`), its NodeAddr and its name."""
+    hosts = []
+    for node in alloc.generator.nodes:
+        hosts += [generator_address(node.addr, node.name), node.addr, node.name]
+    return list(dict.fromkeys(hosts))
+
+
 def _share(total: int | None, parts: int) -> int | None:
     return None if total is None else max(1, total // parts)
 
@@ -178,11 +192,11 @@ def per_node_settings(nodes: list[Node]) -> list[str]:
     return ["bash", "-c", script, "generator"]
 
 
-def job_roles(run_dir: Path, recipe: Recipe, alloc: Allocation, *, resume: bool, cuda: bool
-              ) -> tuple[list[Role], list[str], Role, Role]:
+def job_roles(run_dir: Path, recipe: Recipe, alloc: Allocation, *, resume: bool, cuda: bool,
+              tls: RunTLS | None = None) -> tuple[list[Role], list[str], Role, Role]:
     """The run's roles on the allocation: (generators, their URLs, trainer, orchestrator). Servers share a node
     (`gpus_per_node / generator_tp` each) or span `Recipe.generator_server_nodes` whole nodes, one srun step over
-    them that runs `scalerl serve` on each (`per_node_settings`)."""
+    them that runs `scalerl serve` on each (`per_node_settings`); they serve HTTPS with `tls`."""
     say_launch_notes(recipe, cuda=cuda, resume=resume)
     logs, tp = run_dir / "logs", recipe.parallelism.generator_tp
     span = recipe.generator_server_nodes
@@ -195,12 +209,12 @@ def job_roles(run_dir: Path, recipe: Recipe, alloc: Allocation, *, resume: bool,
     for i, (port, master_port) in enumerate(zip(alloc.generator_ports(servers), master_ports, strict=True)):
         nodes = alloc.generator.nodes[i * span:(i + 1) * span] if span > 1 else [alloc.generator.nodes[i // per_node]]
         host = generator_address(nodes[0].addr, nodes[0].name)
-        urls.append(f"http://{host}:{port}")
+        urls.append(generator_url(host, port, tls))
         step = srun(GENERATOR_GROUP, nodes=span, nodelist=",".join(n.name for n in nodes), name=f"generator_{i}",
                     gpus_per_task=min(tp, recipe.cluster.gpus_per_node) if alloc.generator.gpus_per_node else None,
                     cpus_per_task=_share(alloc.generator.cpus_per_node, per_node))
         command = generator_command(run_dir, recipe, port=port, host=host, dtype=dtype, log=logs / f"vllm_{i}.log",
-                                    master_port=master_port)
+                                    master_port=master_port, tls=tls)
         generators.append(Role(f"generator {i} ({','.join(n.name for n in nodes)})",
                                step + (["--label", *per_node_settings(nodes)] if span > 1 else []) + command,
                                logs / f"generator_{i}.log", env, terminate=step_terminator(alloc, f"generator_{i}")))
@@ -340,9 +354,11 @@ def run_job(env: dict[str, str]) -> int:
         run_preflight(run_dir, recipe, alloc, env, cuda=cuda)
     api_key, key_source = run_api_key(run_dir, env)
     print(f"the generators' API key: {key_source}", flush=True)
-    generators, urls, trainer, orchestrator = job_roles(run_dir, recipe, alloc, resume=resume, cuda=cuda)
+    tls = run_tls(run_dir, generator_hosts(alloc)) if generator_tls(recipe, slurm=True) else None
+    print(f"the generators' TLS: {f'HTTPS, certificate {tls.cert}' if tls else 'off: plain HTTP'}", flush=True)
+    generators, urls, trainer, orchestrator = job_roles(run_dir, recipe, alloc, resume=resume, cuda=cuda, tls=tls)
     code = run_roles(f"job {alloc.job_id} ({run_dir})", generators, urls, trainer, orchestrator, api_key=api_key,
-                     restarts=restart_budget(run_dir, recipe, partial(allocation_lost, alloc), slurmd_timeout_s()),
+                     tls_ca=tls.cert if tls else None, restarts=restart_budget(run_dir, recipe, partial(allocation_lost, alloc), slurmd_timeout_s()),
                      stop_signals=(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
     return end_of_roles(code, run_dir, alloc)
 

@@ -57,7 +57,7 @@ from pathlib import Path
 
 from megatron_scalerl.algo.versions import LOST_TAG, parse_version
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.http_json import ServerError, request_json
+from megatron_scalerl.http_json import TLS_CA_ENV, ServerError, request_json
 from megatron_scalerl.run.directory import API_KEY_ENV, STOP_TIMEOUT_S
 
 POLL_S = 1.0
@@ -221,13 +221,15 @@ def _wait_ready(generators: list[Role], urls: list[str], trainer: Role, timeout_
 
 
 def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role, orchestrator: Role, *,
-              api_key: str, restarts: Restarts | None = None, ready_timeout_s: float = 900.0,
-              stop_signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> int:
+              api_key: str, tls_ca: Path | None = None, restarts: Restarts | None = None,
+              ready_timeout_s: float = 900.0, stop_signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> int:
     """Start and watch the roles (generator i serves `urls[i]`) until the run ends or a stop signal comes; the exit
     code (0, 1, or 128 + the stop signal's number). `label` names the run in progress lines; `api_key`: the run's
     key (`run_dir.run_api_key`), which every role gets in `$SCALERL_API_KEY` (the generators ask for it, the others
-    present it) and the supervisor's own calls present; `restarts`: the budget for restarting a failed trainer or
-    orchestrator (default: none)."""
+    present it) and the supervisor's own calls present; `tls_ca`: the run's certificate (`run.tls.run_tls`) when
+    the generators serve HTTPS, in `$SCALERL_TLS_CA` for every role and for this process while the roles run (every
+    client of ours verifies their https URLs against it: `http_json`); `restarts`: the budget for restarting a
+    failed trainer or orchestrator (default: none)."""
     if not api_key:
         raise UserError(f"{label}: no API key: a launch never starts its generators open")
     previous = {sig: signal.signal(sig, _raise_stop) for sig in stop_signals}
@@ -235,6 +237,11 @@ def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role
     for role in (*generators, trainer, orchestrator):
         role.env[LAUNCH_ENV] = launch_id
         role.env[API_KEY_ENV] = api_key
+        if tls_ca is not None:
+            role.env[TLS_CA_ENV] = str(tls_ca)
+    trusted = os.environ.get(TLS_CA_ENV)
+    if tls_ca is not None:
+        os.environ[TLS_CA_ENV] = str(tls_ca)  # the supervisor's own calls (/health, the restarts' control)
     try:
         for role in generators:
             role.start()
@@ -257,6 +264,10 @@ def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role
             print(f"{label}: killed {straggler}, left behind by a stopped role", flush=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if tls_ca is not None and trusted is None:
+            os.environ.pop(TLS_CA_ENV, None)
+        elif tls_ca is not None:
+            os.environ[TLS_CA_ENV] = trusted
 
 
 def processes_with_environment(*entries: str) -> list[tuple[int, str]]:

@@ -35,6 +35,7 @@ import torch
 
 from megatron_scalerl.checkpoint.sharded import checkpoint_model_config, load_model_weights, save_sharded
 from megatron_scalerl.checkpoint.store import publish, read_rl_state, require_complete, sha256_file
+from megatron_scalerl.checkpoint.unpickling import read_metadata
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.families import FAMILIES, hf_config_dict
 from megatron_scalerl.fileio import DEFAULT_FILE_MODE, fsync_tree, replace_durably
@@ -156,10 +157,9 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, parallelism: Parallelism
 
 def megatron_dtypes(ckpt: Path, model_cfg: ModelConfig) -> tuple[str, str]:
     """(body, head) dtype names of a Megatron checkpoint, from its metadata (no tensor is read): the body's is the
-    dtype of most of the decoder's elements (CPU layers keep their norms in FP32 under a bf16 body)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    dtype of most of the decoder's elements (CPU layers keep their norms in FP32 under a bf16 body). The metadata is
+    unpickled through the allow-list of `checkpoint.unpickling`."""
+    metadata = read_metadata(ckpt).state_dict_metadata
 
     def dtype_of(meta) -> str:  # noqa: ANN001
         return str(meta.properties.dtype).removeprefix("torch.")

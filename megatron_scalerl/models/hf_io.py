@@ -1,7 +1,10 @@
 """Read a Hugging Face checkpoint directory: config.json (through its model family: `recipe.read_hf_config`) plus
 safetensors (one file or sharded with an index); build transformers' config and models of a recipe model section.
 
-Tensors are read on demand (`LazyHFState`), so a rank loads only what its shard needs.
+Tensors are read on demand (`LazyHFState`), so a rank loads only what its shard needs. Weights come from safetensors
+only: a directory holding them pickled (`pytorch_model.bin`, which loading would unpickle, running whatever a file
+from elsewhere says) is refused by `require_safetensors`, naming it and how to convert it; `load_hf_causal_lm` is
+transformers' `from_pretrained` behind that check, told `use_safetensors=True`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,39 @@ from megatron_scalerl.recipe import ModelConfig, read_hf_config
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")  # transformers' pytorch_model*.bin, and torch.save files
+
+
+def has_safetensors(directory: str | Path) -> bool:
+    """Whether HF directory `directory` holds its weights as safetensors (one file, or an index of shards)."""
+    return (Path(directory) / SINGLE_FILE).is_file() or (Path(directory) / INDEX_FILE).is_file()
+
+
+def require_safetensors(directory: str | Path, what: str = "") -> None:
+    """UserError naming `directory` (`what`: how the user gave it, e.g. "--model ") unless it holds safetensors
+    weights; one whose weights are pickled is told how to convert them where they are trusted."""
+    directory = Path(directory)
+    if has_safetensors(directory):
+        return
+    pickled = sorted(p.name for pattern in PICKLED_WEIGHTS for p in directory.glob(pattern))
+    if not pickled:
+        raise UserError(f"{what}{directory}: no {SINGLE_FILE} or {INDEX_FILE} (HF weights in safetensors format)")
+    raise UserError(
+        f"{what}{directory}: weights only in pickled files ({', '.join(pickled[:3])}), which loading would unpickle "
+        "(a file from elsewhere runs code that way): refused. Convert them once, where the files are trusted: "
+        "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(OUT) writes safetensors (transformers before 5: "
+        "add safe_serialization=True), then use OUT")
+
+
+def load_hf_causal_lm(directory: str | Path, **kwargs: Any):
+    """transformers' AutoModelForCausalLM of `directory` (`kwargs`: `from_pretrained`'s, e.g. `dtype`), read from
+    safetensors only: a local directory without them is refused (`require_safetensors`), and transformers is told
+    `use_safetensors=True`, so a hub name does not fall back to a pickled file either."""
+    from transformers import AutoModelForCausalLM
+
+    if Path(directory).is_dir():
+        require_safetensors(directory)
+    return AutoModelForCausalLM.from_pretrained(str(directory), use_safetensors=True, **kwargs)
 
 
 def _safe_open(path: Path):
@@ -69,7 +105,7 @@ class LazyHFState(Mapping[str, Tensor]):
             with _safe_open(directory / SINGLE_FILE) as handle:
                 self._file_of = {name: directory / SINGLE_FILE for name in handle.keys()}  # noqa: SIM118
         else:
-            raise UserError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} (HF weights in safetensors format)")
+            require_safetensors(directory)  # raises: neither file is there
 
     def _open(self, name: str):
         path = self._file_of[name]

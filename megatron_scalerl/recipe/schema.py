@@ -560,6 +560,9 @@ class ClusterConfig(Section):
     time_limit: SlurmTime = Field(
         description="SLURM time limit per job, e.g. 2-00:00:00 (D-H:M:S); a job requeues itself before it")
     collective_timeout_s: Pos = Field(description="bound on every collective operation (seconds)")
+    # the default lets a recipe.yaml written before the field load unchanged
+    generator_tls: OnOffAuto = Field(
+        "auto", description="HTTPS with the run's own certificate to the generators: on, off; auto: on under SLURM")
 
     @property
     def trainer_gpus(self) -> int:

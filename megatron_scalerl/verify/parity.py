@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_scalerl.checkpoint.sharded import load_model_weights
+from megatron_scalerl.models.hf_io import load_hf_causal_lm
 from megatron_scalerl.platform.distributed import current_device, initialize_model_parallel
 from megatron_scalerl.platform.local_workers import run_local_workers
 from megatron_scalerl.recipe import ModelConfig, ParallelismConfig, Recipe, load_recipe
@@ -50,9 +51,7 @@ class LayoutResult:
 
 def hf_reference(hf_dir: str, input_ids: Tensor, labels: Tensor, *, with_grad: bool) -> LayoutResult:
     """HF transformers' logits, mean cross-entropy and gradient norm (fp32) on [batch, seq] tokens."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = load_hf_causal_lm(hf_dir, dtype=torch.float32)
     model.train(with_grad)
     with torch.set_grad_enabled(with_grad):
         logits = model(input_ids).logits
