@@ -13,8 +13,9 @@ FP32 = ("trainer.precision=fp32",)
 BF16 = ("trainer.precision=bf16",)
 
 
-def tiny_hf_checkpoint(directory, model="tiny_dense", seed=0):
-    """An HF checkpoint of the tiny model with random weights: the same starting weights for every layout.
+def tiny_hf_checkpoint(directory, model="tiny_dense", seed=0, overrides=()):
+    """An HF checkpoint of the tiny model (its model section changed by `overrides`, e.g. "model.hidden_size=96")
+    with random weights: the same starting weights for every layout.
 
     The fp32 weights are bf16-representable, so a bf16 trainer starts from exactly these weights and its first
     checkpoint still matches the HF model's logits (`scalerl verify logits`)."""
@@ -22,7 +23,7 @@ def tiny_hf_checkpoint(directory, model="tiny_dense", seed=0):
 
     from megatron_scalerl.models.hf_io import save_random_hf_model
 
-    path = save_random_hf_model(load_recipe("scalerl", model_preset=model).model, directory, seed=seed)
+    path = save_random_hf_model(load_recipe("scalerl", list(overrides), model_preset=model).model, directory, seed=seed)
     for file in path.glob("*.safetensors"):
         save_file({k: v.bfloat16().float() for k, v in load_file(file).items()}, file, metadata={"format": "pt"})
     return str(path)

