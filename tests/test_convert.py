@@ -136,7 +136,27 @@ def qwen3_moe(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def deepseek_v3(tmp_path_factory) -> Path:
-    return _hf_model(tmp_path_factory.mktemp("deepseek_v3") / "hf", "tiny_deepseek_v3")
+    """A tiny DeepSeek-V3 as DeepSeek releases one (once cast to bf16): `num_nextn_predict_layers: 1` and its
+    multi-token-prediction layer's weights after the last decoder layer, in a shard of their own (the layer as
+    `model.layers.{L}`: a decoder layer's tensors, copied from the last one, plus enorm, hnorm, eh_proj and the
+    shared head)."""
+    directory = _hf_model(tmp_path_factory.mktemp("deepseek_v3") / "hf", "tiny_deepseek_v3")
+    config = json.loads((directory / "config.json").read_text())
+    last, hidden = config["num_hidden_layers"] - 1, config["hidden_size"]
+    config["num_nextn_predict_layers"] = 1
+    (directory / "config.json").write_text(json.dumps(config))
+    (shard,) = directory.glob("*.safetensors")
+    weights = load_file(shard)
+    g = torch.Generator().manual_seed(7)
+    mtp = {name.replace(f"model.layers.{last}.", f"model.layers.{last + 1}."): torch.randn(
+        t.shape, generator=g).to(t.dtype) for name, t in weights.items() if name.startswith(f"model.layers.{last}.")}
+    mtp.update({f"model.layers.{last + 1}.{name}": torch.randn(shape, generator=g).bfloat16() for name, shape in (
+        ("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)), ("eh_proj.weight", (hidden, 2 * hidden)),
+        ("shared_head.norm.weight", (hidden,)), ("shared_head.head.weight", (VOCAB, hidden)))})
+    save_file(mtp, directory / "mtp.safetensors", metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {**dict.fromkeys(weights, shard.name), **dict.fromkeys(mtp, "mtp.safetensors")}}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    return directory
 
 
 @pytest.mark.slow
@@ -149,7 +169,8 @@ def test_qwen3_round_trips_through_the_cli(family, to_megatron, to_hf, request, 
     """Qwen3 (tied embeddings: one tensor, no lm_head.weight, also when the last pipeline stage holds the head) and
     Qwen3-MoE (one HF tensor per expert, split over 2 expert-parallel ranks, then over TP2) and DeepSeek-V3 (latent
     attention, the routing bias, shared experts; at TP2xEP2, then over 2 pipeline stages) go HF -> Megatron -> HF
-    bit for bit; transformers loads the output and computes exactly the source's logits."""
+    bit for bit (DeepSeek-V3 with its multi-token-prediction layer, which nothing trains, carried through unchanged);
+    transformers loads the output and computes exactly the source's logits."""
     from transformers import AutoModelForCausalLM
 
     source = request.getfixturevalue(family)
@@ -164,9 +185,12 @@ def test_qwen3_round_trips_through_the_cli(family, to_megatron, to_hf, request, 
         assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
     else:
         assert {f"model.layers.3.mlp.experts.7.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")} <= names
-    if family == "deepseek_v3":
+    if family == "deepseek_v3":  # the multi-token-prediction layer (4) carried through, unchanged
         assert {"model.layers.3.mlp.gate.e_score_correction_bias", "model.layers.0.mlp.gate_proj.weight",
-                "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"} <= names
+                "model.layers.3.self_attn.kv_a_proj_with_mqa.weight", "model.layers.4.eh_proj.weight",
+                "model.layers.4.mlp.experts.7.up_proj.weight"} <= names
+        assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+        assert verify_hf_checksums(out) == []
     models = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32) for d in (source, out)]
     assert type(models[1]).__name__ == {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                                         "deepseek_v3": "DeepseekV3ForCausalLM"}[family]

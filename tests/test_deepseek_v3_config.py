@@ -22,9 +22,18 @@ def test_config_json_goes_both_ways_with_what_vllm_reads():
     assert model_config_from_hf(config) == _tiny()
 
 
+@pytest.mark.parametrize("declared", [1, 2, None])
+def test_a_declared_multi_token_prediction_layer_is_read_and_written_back(declared):
+    """As released (1) and as transformers' DeepseekV3Config writes it by default (1, with no MTP weights): read, not
+    refused, and written back; a config without the key (None) has none."""
+    config = {**hf_config_dict(_tiny()), "num_nextn_predict_layers": declared}
+    model = model_config_from_hf(config, "x/config.json")
+    assert model.num_nextn_predict_layers == (declared or 0)
+    assert hf_config_dict(model)["num_nextn_predict_layers"] == (declared or 0)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config='fp8': an FP8 (quantized) checkpoint"),
-    ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers=1: multi-token-prediction layers are not trained"),
     ({"topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy': only 'noaux_tc'"),
     ({"scoring_func": "softmax"}, "scoring_func='softmax': only 'sigmoid'"),
     ({"rope_interleave": False}, "rope_interleave=False: only True"),

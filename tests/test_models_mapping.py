@@ -105,9 +105,8 @@ DEEPSEEK_V3 = {
     "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
     "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280,
 }
-# converted to bf16 (quantization_config dropped) and without the multi-token-prediction layer, as the family reads it
-DEEPSEEK_V3_BF16 = {**{k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"},
-                    "num_nextn_predict_layers": 0}
+# converted to bf16 (quantization_config dropped), its multi-token-prediction layer declared as released
+DEEPSEEK_V3_BF16 = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}
 MOONLIGHT_16B_A3B = {
     "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "bos_token_id": 163584,
     "eos_token_id": 163586, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048,
@@ -149,13 +148,12 @@ def test_presets_have_the_released_dimensions():
 
 
 def test_released_deepseek_v3_is_refused_until_converted():
-    """The released FP8 checkpoint is refused naming quantization_config; converted to bf16, its multi-token-
-    prediction layer naming num_nextn_predict_layers."""
+    """The released FP8 checkpoint is refused naming quantization_config; converted to bf16 it is read as released,
+    its multi-token-prediction layer declared (num_nextn_predict_layers 1, written back as it was)."""
     with pytest.raises(UserError, match=r"^x/config.json: quantization_config='fp8'"):
         model_config_from_hf(DEEPSEEK_V3, "x/config.json")
-    bf16 = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}
-    with pytest.raises(UserError, match=r"^x/config.json: num_nextn_predict_layers=1"):
-        model_config_from_hf(bf16, "x/config.json")
+    bf16 = model_config_from_hf(DEEPSEEK_V3_BF16, "x/config.json")
+    assert bf16.num_nextn_predict_layers == 1 and hf_config_dict(bf16)["num_nextn_predict_layers"] == 1
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,8 @@ EXPERT_TENSORS = {"tiny_moe": 2 * 4, "tiny_qwen3_moe": 3 * 8 * 4, "tiny_deepseek
 # model sections as users' checkpoints have them: FFN sizes that are no multiple of 64 (the CPU kernel pads them)
 SHAPES = {"tiny_moe": ("model.moe_ffn_hidden_size=48", "model.ffn_hidden_size=200", "model.hidden_size=96"),
           "tiny_qwen3_moe": ("model.moe_ffn_hidden_size=48", "model.hidden_size=96"),
-          "tiny_deepseek_v3": ("model.moe_ffn_hidden_size=40", "model.ffn_hidden_size=200")}
+          "tiny_deepseek_v3": ("model.moe_ffn_hidden_size=40", "model.ffn_hidden_size=200",
+                               "model.num_nextn_predict_layers=1")}  # declared, as transformers writes it: no weights
 
 
 def _experts_from(base: str, donor: str, out, expected: int) -> str:

@@ -17,7 +17,10 @@ when the trainer ran the FP32 head (`models.output_layer.adopt_tied_embedding`).
 
 Outputs are written under a temporary name and renamed at the end: an interrupted conversion leaves no half-written
 OUT. A Megatron output is published with a checksummed manifest (`checkpoint.store.publish`)
-and carries the source's config.json and tokenizer files under `hf/`, which megatron-to-hf copies back out.
+and carries the source's config.json and tokenizer files under `hf/`, which megatron-to-hf copies back out, and the
+HF tensors nothing here trains (DeepSeek-V3's multi-token-prediction layers: `carried_hf_names`) as they were stored,
+in `hf/carried.safetensors`: megatron-to-hf writes them back unchanged (from the run's starting HF directory, for a
+trainer's checkpoint), so HF -> Megatron -> HF gives back every tensor of the original.
 
 megatron-core is imported only where a model is built (`models.provider`, `models.weights`, in the conversion's
 workers): the eval watcher and the checks before a conversion read checkpoints through this module without it.
@@ -29,9 +32,11 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from megatron_scalerl.checkpoint.sharded import checkpoint_model_config, load_model_weights, save_sharded
 from megatron_scalerl.checkpoint.store import publish, read_rl_state, require_complete, sha256_file
@@ -40,7 +45,7 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.families import FAMILIES, hf_config_dict
 from megatron_scalerl.fileio import DEFAULT_FILE_MODE, fsync_tree, replace_durably
 from megatron_scalerl.models.arch import check_model_layout
-from megatron_scalerl.models.hf_io import INDEX_FILE, LazyHFState, hf_tensor_shapes
+from megatron_scalerl.models.hf_io import INDEX_FILE, LazyHFState, has_safetensors, hf_tensor_shapes
 from megatron_scalerl.models.mapping import hf_parameter_names, kept_fp32
 from megatron_scalerl.models.tokenizer import TOKENIZER_FILES
 from megatron_scalerl.platform.distributed import initialize_model_parallel
@@ -50,6 +55,7 @@ from megatron_scalerl.run.directory import RECIPE_FILE
 
 HF_EXTRAS_DIR = "hf"  # inside a converted Megatron checkpoint: the source's config.json and tokenizer files
 HF_EXTRA_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
+CARRIED_FILE = "carried.safetensors"  # in a converted checkpoint's hf/: the HF tensors not trained (carried_hf_names)
 CHECKSUMS_FILE = "checksums.sha256"  # in an HF output: `sha256sum -c checksums.sha256` format
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F32": "float32", "F16": "float16"}
@@ -99,6 +105,28 @@ def _head_name(model_cfg: ModelConfig) -> str:
     return EMBEDDING if model_cfg.tie_word_embeddings else HEAD
 
 
+def carried_hf_names(names: Iterable[str], model_cfg: ModelConfig) -> list[str]:
+    """Of the HF tensor names `names`, those of the checkpoint's multi-token-prediction layers (DeepSeek-V3's
+    `num_nextn_predict_layers` layers past the last decoder layer, `model.layers.{i}.*`, as DeepSeek releases them):
+    not trained here, carried through every conversion unchanged (`_carried_tensors`)."""
+    first = model_cfg.num_layers
+    prefixes = tuple(f"model.layers.{i}." for i in range(first, first + model_cfg.num_nextn_predict_layers))
+    return [name for name in names if name.startswith(prefixes)] if prefixes else []
+
+
+def _carried_tensors(source: Path | None, model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The carried tensors (`carried_hf_names`), as stored, where `source` keeps them: a converted checkpoint's `hf/`
+    (its CARRIED_FILE) or an HF checkpoint directory (the one a trainer's run started from); none elsewhere."""
+    if source is None or not model_cfg.num_nextn_predict_layers:
+        return {}
+    if (source / CARRIED_FILE).is_file():
+        return load_file(source / CARRIED_FILE)
+    if not has_safetensors(source):
+        return {}
+    state = LazyHFState(source)
+    return {name: state[name] for name in carried_hf_names(state, model_cfg)}
+
+
 def _copy_hf_extras(source: Path, target: Path) -> list[str]:
     """Copy config.json and tokenizer files from `source` (if there) into `target`; the names copied."""
     target.mkdir(parents=True, exist_ok=True)
@@ -129,6 +157,9 @@ def _hf_to_megatron_worker(rank: int, model_cfg_json: str, hf_dir: str, parallel
             save_sharded({"model": gpt.sharded_state_dict()}, tmp).execute_sync()
             if rank == 0:
                 _copy_hf_extras(Path(hf_dir), tmp / HF_EXTRAS_DIR)
+                carried = _carried_tensors(Path(hf_dir), model_cfg)
+                if carried:
+                    save_file(carried, tmp / HF_EXTRAS_DIR / CARRIED_FILE, metadata={"format": "pt"})
 
         rl_state = {"model": model_cfg.model_dump(mode="json"), "converted_from": str(Path(hf_dir).resolve()),
                     "layout": p.label, "hf_dtypes": hf_dtypes}
@@ -197,8 +228,6 @@ class _ShardWriter:
         self.progress.update()
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self.pending:
             return
         name = f"{self.prefix}-{len(self.files):05d}.safetensors"
@@ -276,8 +305,13 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, parallelism: ParallelismCo
     try:
         per_rank = _run(_megatron_to_hf_worker, parallelism, model_cfg.model_dump_json(), str(ckpt),
                         parallelism.model_dump_json(), dtypes, out_dtypes, str(tmp), shard_bytes, timeout_s=timeout_s)
-        _finish_hf_dir(tmp, [f for files in per_rank for f in files], model_cfg, dtype or dtypes[0],
-                       hf_extras_source(ckpt))
+        extras = hf_extras_source(ckpt)
+        carried = _carried_tensors(extras, model_cfg)
+        writer = _ShardWriter(tmp, "carried", shard_bytes, len(carried))
+        for name, tensor in carried.items():
+            writer.add(name, tensor)
+        _finish_hf_dir(tmp, [f for files in per_rank for f in files] + writer.close(), model_cfg, dtype or dtypes[0],
+                       extras)
         fsync_tree(tmp)
         replace_durably(tmp, out)
     except BaseException:

@@ -171,6 +171,10 @@ class ModelConfig(Section):
         0, description="DeepSeek-V3: shared experts beside the routed ones, moe_ffn_hidden_size each (count)")
     first_k_dense_replace: NonNeg = Field(
         0, description="DeepSeek-V3: the first this-many layers have the dense MLP, the rest routed experts (layers)")
+    num_nextn_predict_layers: NonNeg = Field(
+        0, description="DeepSeek-V3: multi-token-prediction layers the checkpoint declares after its last decoder "
+                       "layer (layers); not trained: their weights, where the checkpoint has them, are carried "
+                       "through conversions unchanged")
 
     @property
     def is_moe(self) -> bool:
@@ -523,6 +527,13 @@ class LaunchConfig(Section):
         3, description="restarts of a failed trainer or orchestrator from the last checkpoint, per launch (count)")
     restart_backoff_s: Annotated[float, Field(ge=0)] = Field(
         10.0, description="wait before the first restart, doubling per restart, at most 300 (seconds)")
+    # run/deadlines.py: every wait of the trainer and the orchestrator, and the launch's watchdog
+    wait_floor_min: PosFloat = Field(
+        5.0, description="shortest deadline of a wait once steps are timed: a wait that passes max(this, 3x the "
+                         "slowest of the last 5 steps) ends or heals the run (minutes)")
+    first_wait_min: PosFloat = Field(
+        30.0, description="deadline of a wait before the run has timed a step: the first push, the first batch, "
+                          "a resumed run's last validation (minutes)")
 
 
 class LoggingConfig(Section):

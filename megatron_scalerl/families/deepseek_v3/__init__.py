@@ -13,8 +13,10 @@ score-correction bias (HF `e_score_correction_bias`, which RL does not train) am
 `n_group` equal groups (a group scored by the sum of its two best biased scores); the chosen experts weighted by
 their unbiased scores, renormalised to sum to 1 and multiplied by `routed_scaling_factor`; `n_shared_experts`
 shared experts (one SwiGLU of n_shared_experts * moe_ffn_hidden_size) beside them. What megatron-core cannot compute
-the same way is refused, naming the field (`_model_problems`); multi-token-prediction layers and FP8 checkpoints are
-refused when their config.json is read. The torch side is `model/`.
+the same way is refused, naming the field (`_model_problems`); FP8 checkpoints are refused when their config.json is
+read. Multi-token-prediction layers (`num_nextn_predict_layers`, the layers past `num_hidden_layers`, as DeepSeek
+releases them) are not trained: where a checkpoint has their weights, conversions carry them through unchanged
+(`carried_hf_tensors`). The torch side is `model/`.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def _hf_fields(model_cfg: ModelConfig) -> dict[str, Any]:
         scoring_func=_SCORING,
         **{field: getattr(model_cfg, field) for field in _LATENT},
         rope_interleave=True,
-        num_nextn_predict_layers=0,
+        num_nextn_predict_layers=model_cfg.num_nextn_predict_layers,
     )
 
 
@@ -78,10 +80,6 @@ def _model_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
         method = config["quantization_config"].get("quant_method", "?")
         _refuse(source, "quantization_config", method, "an FP8 (quantized) checkpoint is not trained here: convert it "
                 "to bf16 first (DeepSeek's inference/fp8_cast_bf16.py) and drop quantization_config from config.json")
-    mtp = config.get("num_nextn_predict_layers", 0)
-    if mtp:
-        _refuse(source, "num_nextn_predict_layers", mtp, "multi-token-prediction layers are not trained here: set it "
-                "to 0 in config.json (their weights, the layers past num_hidden_layers, are then not read)")
     for field, ours in (("topk_method", _TOPK_METHOD), ("scoring_func", _SCORING), ("rope_interleave", True),
                         ("moe_layer_freq", 1)):
         if config.get(field, ours) != ours:
@@ -104,6 +102,7 @@ def _model_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
         first_k_dense_replace=config["first_k_dense_replace"],
     ) if config["n_routed_experts"] else {}
     return dict(
+        num_nextn_predict_layers=config.get("num_nextn_predict_layers") or 0,
         head_dim=config["qk_rope_head_dim"],  # as transformers' DeepseekV3Config sets it
         ffn_hidden_size=config["intermediate_size"],
         **routing,
@@ -151,6 +150,7 @@ FAMILY = FamilySpec(
     model_fields=_model_fields,
     model_problems=_model_problems,
     own_fields=("norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace"),
+                "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace",
+                "num_nextn_predict_layers"),
     rope_types=("default", "yarn"),
 )
