@@ -1,5 +1,5 @@
-"""Test-wide environment: offline wandb and HF hub, one thread per process (2-core CI machines), and one forkserver
-per test process preloaded for both of its users."""
+"""Test-wide environment: offline wandb and HF hub, one thread per process (2-core CI machines), one forkserver per
+test process preloaded for both of its users, and the `bwrap` fixture of the code verifier's attack tests."""
 
 import multiprocessing
 import multiprocessing.forkserver
@@ -29,3 +29,14 @@ def shared_forkserver():
 
     multiprocessing.set_forkserver_preload([WORKER_IMPORTS, *WORKER_PRELOAD])
     multiprocessing.forkserver.ensure_running()
+
+
+@pytest.fixture(scope="module")
+def bwrap():
+    """Skips, saying why, where the bubblewrap sandbox does not work (the attack tests grade under it)."""
+    from megatron_scalerl.tasks.sandbox import SandboxError, sandbox_kind
+
+    try:
+        sandbox_kind("bwrap")
+    except SandboxError as e:
+        pytest.skip(str(e))

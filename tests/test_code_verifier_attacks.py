@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron_scalerl.tasks.sandbox import SandboxError, sandbox_kind
-
 ASSERTS = {"id": "asserts", "problem": "Write add(a, b).",
            "tests": {"setup": "import math",
                      "asserts": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]}}
@@ -101,14 +99,6 @@ ATTACKS = {
     "spoofed timeout": ("stdin", "import os\nos._exit(137)"),
 }
 SPOOFED = {"spoofed sandbox error", "spoofed timeout"}
-
-
-@pytest.fixture(scope="module")
-def bwrap():
-    try:
-        sandbox_kind("bwrap")
-    except SandboxError as e:
-        pytest.skip(str(e))
 
 
 def _fence(code: str) -> str:

@@ -12,10 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from megatron_scalerl.tasks import code_verifier, sandbox
-from megatron_scalerl.tasks.sandbox import SandboxError, sandbox_kind
 
 ROWS = {
     # 1. star imports: the test's names (builtins, standard modules, its own imports) are never the program's
@@ -109,14 +106,6 @@ ATTACKS = {
         "import math\n\ndef fact(n):\n    return float(math.factorial(min(n, 170)))\n\ndef neg_pow(n):\n    return -3.0",
     ],
 }
-
-
-@pytest.fixture(scope="module")
-def bwrap():
-    try:
-        sandbox_kind("bwrap")
-    except SandboxError as e:
-        pytest.skip(str(e))
 
 
 def _grade(tmp_path, completions: list[tuple[str, str]]) -> list[dict]:
