@@ -9,12 +9,17 @@ with the orchestrator, and the resume of a launch that spent its restarts; here:
   to read corrupted on disk (set aside by the restart's rewind and written again). It finishes by itself (exit 0).
 - one launch whose checkpoints live on a disk too small for one: the save fails whole on both ranks, the restart
   fails at the same step again, and once the budget is spent the run stops with the cause.
+- one launch whose trainer never sends its final weights (trainer rank 0 frozen once its second-to-last step's
+  weights are served, thawed once the orchestrator's deadline passed): the orchestrator ends the run within its
+  deadline (`run.deadlines`, docs/design.md "Every wait has a deadline") naming what it waited on, where it waited
+  18 minutes in issue 49 until killed.
 
 After each: every trainer step once in metrics.jsonl, no checkpoint lost or half-written, no process left behind.
 """
 
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -25,7 +30,7 @@ import pytest
 from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.batches.train_batch import BatchError, decode
 from megatron_scalerl.checkpoint.store import CheckpointStore
-from megatron_scalerl.http_json import request_json
+from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run.directory import read_finished
 from megatron_scalerl.run.metrics_log import read_metrics
@@ -190,3 +195,59 @@ def test_a_checkpoint_that_does_not_fit_stops_the_run_with_its_cause_after_the_b
     assert full_disk["checkpoints"] == [] and full_disk["latest"] is None  # nothing half-written stayed
     assert sorted(_trainer_steps(run_dir)) == [1, 2]  # the first try's steps were set aside at the restart
     assert full_disk["left"] == []
+
+
+WITHHELD_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def final_weights_withheld(model, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("withheld") / "run"
+    orchestrator_log = run_dir / "logs" / "orchestrator.log"
+    found: dict = {}
+
+    def served(version: int) -> bool:
+        try:
+            info = request_json(generator_url(run_dir), "/weight_info", method="GET", timeout_s=10,
+                                api_key=run_key(run_dir))
+            return info["weight_version"] == str(version)
+        except (OSError, KeyError, ValueError, ServerError):
+            return False
+
+    def freeze():
+        found["rank0"] = trainer_worker(run_dir, 0)
+        os.kill(found["rank0"], signal.SIGSTOP)
+        found["frozen_at"] = time.monotonic()
+
+    def thaw():
+        found["failed_after_s"] = time.monotonic() - found["frozen_at"]
+        os.kill(found["rank0"], signal.SIGCONT)  # it finds the stop the launcher asked for, and checkpoints
+
+    # rank 1 waits for the frozen rank 0 in a collective: longer than the orchestrator's deadline may take
+    code, out = launch(_fresh(run_dir, model, f"trainer.max_steps={WITHHELD_STEPS}", "launch.max_restarts=0",
+                              "launch.wait_floor_min=0.25", "cluster.collective_timeout_s=900"), [
+        (f"policy {WITHHELD_STEPS - 1} served", lambda: WITHHELD_STEPS - 1 in _trainer_steps(run_dir)
+         and served(WITHHELD_STEPS - 1), freeze),
+        ("the orchestrator's deadline", lambda: orchestrator_log.is_file()
+         and "nothing moved for" in orchestrator_log.read_text(), thaw)])
+    return {"dir": run_dir, "code": code, "out": out, "left": leftovers(THIS), **found}
+
+
+def test_a_run_whose_trainer_never_sends_its_final_weights_ends_within_its_deadline_nothing_lost(
+        final_weights_withheld):
+    run_dir, out = final_weights_withheld["dir"], final_weights_withheld["out"]
+    assert final_weights_withheld["code"] == 1, out[-4000:]
+    [cause] = [line for line in out.splitlines() if line.startswith("orchestrator failed (exit 1): ")]
+    assert cause.startswith(f"orchestrator failed (exit 1): waiting on the trainer's final weights (policy "
+                            f"{WITHHELD_STEPS}): the generators serve policy {WITHHELD_STEPS - 1}; nothing moved for "), cause
+    amount, unit = re.search(r"nothing moved for (\d+) (s|min) ", cause).groups()
+    deadline_s = int(amount) * (60 if unit == "min" else 1)
+    assert final_weights_withheld["failed_after_s"] < deadline_s + 30, (final_weights_withheld, cause)
+    assert read_finished(run_dir) is None  # it did not end on its own
+    written = [r["step"] for r in read_metrics(run_dir, role="orchestrator") if "rollout/reward_mean" in r]
+    assert sorted(written) == list(range(1, WITHHELD_STEPS + 1))  # every batch's row, once
+    steps = _trainer_steps(run_dir)
+    assert sorted(steps) == list(range(1, max(steps) + 1)) and max(steps) >= WITHHELD_STEPS - 1
+    store = CheckpointStore(run_dir, keep=1)
+    assert store.latest_valid() == (max(steps), store.path(max(steps)))  # the stop checkpointed the step it was at
+    assert final_weights_withheld["left"] == []

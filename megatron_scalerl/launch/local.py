@@ -30,6 +30,7 @@ from megatron_scalerl.launch.roles import (
     orchestrator_command,
     prepare_run_dir,
     restart_budget,
+    run_watch,
     say_launch_notes,
     trainer_command,
 )
@@ -135,4 +136,4 @@ def run_local(run_dir: Path, recipe: Recipe, *, resume: bool, ready_timeout_s: f
                                                           cuda=torch.cuda.is_available(), tls=tls)
     return run_roles(f"run {run_dir}", generators, urls, trainer, orchestrator, api_key=api_key,
                      tls_ca=tls.cert if tls else None, restarts=restart_budget(run_dir, recipe),
-                     ready_timeout_s=ready_timeout_s)
+                     ready_timeout_s=ready_timeout_s, watch=run_watch(run_dir, recipe))

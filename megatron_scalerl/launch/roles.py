@@ -23,12 +23,13 @@ from pathlib import Path
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.families import hf_config_dict
 from megatron_scalerl.fileio import atomic_write_text
-from megatron_scalerl.launch.supervise import Restarts
+from megatron_scalerl.launch.supervise import Restarts, RunWatch
 from megatron_scalerl.models.tokenizer import TOKENIZER_FILES, has_tokenizer, special_token_ids
 from megatron_scalerl.orchestrator.state import rewind_to_checkpoint
 from megatron_scalerl.platform.precision import Precision, resolve_precision, with_resolved_precision
 from megatron_scalerl.recipe import Recipe, require_init_from_matches
 from megatron_scalerl.rope_note import note_once
+from megatron_scalerl.run.deadlines import Deadline
 from megatron_scalerl.run.directory import RECIPE_FILE, STOP_TIMEOUT_S, clear_stop_request
 from megatron_scalerl.run.metrics_log import MetricsLog
 from megatron_scalerl.run.tls import RunTLS
@@ -164,3 +165,12 @@ def restart_budget(run_dir: Path, recipe: Recipe, allocation_lost: Callable[[], 
 
     return Restarts(recipe.launch.max_restarts, recipe.launch.restart_backoff_s, prepare,
                     orchestrator_command(run_dir, resume=True), allocation_lost, settle_s)
+
+
+def run_watch(run_dir: Path, recipe: Recipe) -> RunWatch:
+    """What the supervisor watches in the run directory (`supervise.RunWatch`): the trainer's requests to start a
+    generator again, and the watchdog over metrics.jsonl with the run's deadlines (`launch.wait_floor_min`,
+    `launch.first_wait_min`), over the trainer's logged steps (every `logging.log_interval`)."""
+    every = recipe.logging.log_interval
+    return RunWatch(run_dir, Deadline.of(recipe.launch, unit="steps" if every == 1 else "logged steps"),
+                    logged_every=every)

@@ -77,6 +77,7 @@ from megatron_scalerl.launch.roles import (
     orchestrator_command,
     prepare_run_dir,
     restart_budget,
+    run_watch,
     say_launch_notes,
     tokenizer_source,
     trainer_command,
@@ -359,7 +360,7 @@ def run_job(env: dict[str, str]) -> int:
     generators, urls, trainer, orchestrator = job_roles(run_dir, recipe, alloc, resume=resume, cuda=cuda, tls=tls)
     code = run_roles(f"job {alloc.job_id} ({run_dir})", generators, urls, trainer, orchestrator, api_key=api_key,
                      tls_ca=tls.cert if tls else None, restarts=restart_budget(run_dir, recipe, partial(allocation_lost, alloc), slurmd_timeout_s()),
-                     stop_signals=(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
+                     stop_signals=(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1), watch=run_watch(run_dir, recipe))
     return end_of_roles(code, run_dir, alloc)
 
 

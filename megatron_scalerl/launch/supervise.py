@@ -30,6 +30,14 @@ A generator that exits is started again (the trainer re-syncs it, the orchestrat
 it back); one that keeps dying within `QUICK_EXIT_S` seconds of its start (on a node that answers) is given up after
 `QUICK_EXITS` tries and the fleet goes on without it; with no generator left the run fails.
 
+What the supervisor watches in the run directory (`RunWatch`, given the run's): a generator that cannot take the
+trainer's weights, which the trainer asks to be started again (`run_dir.request_generator_restart`), is started
+again (the trainer re-syncs it); asked for `again` (it failed once more after such a restart), the run stops (exit 1)
+with one line naming it and the cause. And the watchdog: metrics.jsonl not moved for longer than the run's deadline
+(`run.deadlines`, over the intervals between the trainer's logged steps of this launch) is said on the console and
+in `RUN/logs/launcher.log`, naming the role waited on and its log's last line, once per deadline that passes (the
+roles' own deadlines end or heal the run: the watchdog only says).
+
 A stop signal (`stop_signals`: Ctrl-C, SIGTERM, SLURM's time-limit warning) stops the roles in order: the
 orchestrator (its state on disk is that of its last batch), the trainer (it checkpoints its current step; the
 launchers ask it through `RUN/stop_requested`, see `run_dir`), the generators; the exit code is then 128 + the
@@ -44,6 +52,7 @@ session of its own and, when a worker was SIGKILLed, signals only the live ones,
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -58,7 +67,14 @@ from pathlib import Path
 from megatron_scalerl.algo.versions import LOST_TAG, parse_version
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.http_json import TLS_CA_ENV, ServerError, request_json
-from megatron_scalerl.run.directory import API_KEY_ENV, STOP_TIMEOUT_S
+from megatron_scalerl.run.deadlines import Deadline, minutes
+from megatron_scalerl.run.directory import (
+    API_KEY_ENV,
+    STOP_TIMEOUT_S,
+    generator_restart_requests,
+    take_generator_restart,
+)
+from megatron_scalerl.run.metrics_log import METRICS_FILE
 
 POLL_S = 1.0
 QUICK_EXIT_S = 60.0  # a generator that exits this soon after its start counts as a quick exit
@@ -69,6 +85,8 @@ MAX_BACKOFF_S = 300.0  # the longest wait before a restart of the trainer and th
 ALLOCATION_LOST = 75  # run_roles' exit code when a role failed and its allocation cannot run it again (EX_TEMPFAIL)
 STUCK_GENERATOR_S = 300.0  # a live generator without the restarted trainer's weights after this long is restarted
 CONTROL_TIMEOUT_S = 10.0  # a generator's answer to the supervisor's calls (/weight_info, /update_weight_version)
+WATCH_S = 10.0  # how often the watchdog reads metrics.jsonl
+LAUNCHER_LOG = "launcher.log"  # RUN/logs/: what the watchdog said
 
 
 @dataclass
@@ -187,6 +205,101 @@ class Role:
         self.process.wait()
 
 
+class RunWatch:
+    """What the supervisor watches in run directory `run_dir` (the module docstring): the trainer's requests to
+    start a generator again, and the watchdog over `metrics.jsonl` with the run's `deadline` (`logged_every`: the
+    trainer's `logging.log_interval`: a batch that many steps ahead of its last row is not yet the trainer's to
+    log)."""
+
+    def __init__(self, run_dir: Path, deadline: Deadline, *, logged_every: int = 1):
+        self.run_dir, self.deadline, self.logged_every = Path(run_dir), deadline, logged_every
+        self.log = self.run_dir / "logs" / LAUNCHER_LOG
+        self.offset, self.inode = 0, None
+        self.steps: dict[str, int] = {}  # role -> the last step it logged (the orchestrator's: batches written)
+        self.trainer_time: float | None = None  # `time` of the trainer's last row with a step
+        self.moved = time.monotonic()
+        self.said = 0  # deadlines said since the metrics last moved
+        self.read_at = 0.0
+
+    def start(self) -> None:
+        """At the launch's start: stale restart requests (of an earlier launch) go; the metrics so far are read."""
+        for index in generator_restart_requests(self.run_dir):
+            take_generator_restart(self.run_dir, index)
+        self._read(timed=False)
+        self.trainer_time, self.moved, self.said = None, time.monotonic(), 0
+
+    def requests(self) -> dict[int, dict]:
+        return generator_restart_requests(self.run_dir)
+
+    def take(self, index: int) -> None:
+        take_generator_restart(self.run_dir, index)
+
+    def _read(self, *, timed: bool = True) -> None:
+        """The rows appended since the last read (all of them after a rewind replaced the file)."""
+        path = self.run_dir / METRICS_FILE
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            return
+        if self.inode is not None and (stat.st_ino != self.inode or stat.st_size < self.offset):
+            self.offset, timed = 0, False  # a rewind moved rows aside: read it again
+            self.steps, self.trainer_time = {}, None
+            self.moved = time.monotonic()
+        self.inode = stat.st_ino
+        if stat.st_size == self.offset:
+            return
+        with open(path, "rb") as handle:
+            handle.seek(self.offset)
+            data = handle.read()
+        end = data.rfind(b"\n") + 1  # a row being written is read next time
+        self.offset += end
+        for line in data[:end].splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            role = row.get("role")
+            if role not in ("trainer", "orchestrator"):
+                continue  # the launcher's restarts, an evaluation: not the run's steps
+            self.moved, self.said = time.monotonic(), 0
+            self.steps[role] = max(self.steps.get(role, 0), int(row.get("step", 0)))
+            if role == "trainer" and "train/loss" in row:
+                if timed and self.trainer_time is not None:
+                    self.deadline.record(float(row["time"]) - self.trainer_time)
+                self.trainer_time = float(row["time"])
+
+    def check(self, trainer: Role, orchestrator: Role) -> str | None:
+        """Every WATCH_S: what the watchdog says now (printed and logged), or None."""
+        now = time.monotonic()
+        if now - self.read_at < WATCH_S:
+            return None
+        self.read_at = now
+        self._read()
+        quiet = now - self.moved
+        if quiet <= self.deadline.seconds() * (self.said + 1):
+            return None
+        self.said += 1
+        waited = self.waited_on(trainer, orchestrator)
+        last = (waited.tail(1).strip() or "nothing yet")[-300:]
+        words = (f"no step for {minutes(quiet)} ({self.deadline.why()}): waiting on the {waited.name} (its last "
+                 f"line: {last})")
+        print(f"watchdog: {words}", flush=True)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "a") as handle:
+            handle.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} watchdog: {words}\n")
+        return words
+
+    def waited_on(self, trainer: Role, orchestrator: Role) -> Role:
+        """The role the run waits on: the trainer when a batch it has not logged is written (or the orchestrator has
+        ended), else the orchestrator (the trainer waits for a batch, or has ended)."""
+        if orchestrator.process is not None and orchestrator.process.poll() is not None:
+            return trainer
+        if trainer.process is not None and trainer.process.poll() is not None:
+            return orchestrator
+        ahead = self.steps.get("orchestrator", 0) >= self.steps.get("trainer", 0) + self.logged_every
+        return trainer if ahead else orchestrator
+
+
 class _Stop(Exception):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -222,14 +335,16 @@ def _wait_ready(generators: list[Role], urls: list[str], trainer: Role, timeout_
 
 def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role, orchestrator: Role, *,
               api_key: str, tls_ca: Path | None = None, restarts: Restarts | None = None,
-              ready_timeout_s: float = 900.0, stop_signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> int:
+              ready_timeout_s: float = 900.0, stop_signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
+              watch: RunWatch | None = None) -> int:
     """Start and watch the roles (generator i serves `urls[i]`) until the run ends or a stop signal comes; the exit
     code (0, 1, or 128 + the stop signal's number). `label` names the run in progress lines; `api_key`: the run's
     key (`run_dir.run_api_key`), which every role gets in `$SCALERL_API_KEY` (the generators ask for it, the others
     present it) and the supervisor's own calls present; `tls_ca`: the run's certificate (`run.tls.run_tls`) when
     the generators serve HTTPS, in `$SCALERL_TLS_CA` for every role and for this process while the roles run (every
     client of ours verifies their https URLs against it: `http_json`); `restarts`: the budget for restarting a
-    failed trainer or orchestrator (default: none)."""
+    failed trainer or orchestrator (default: none); `watch`: the run directory's requests and the watchdog
+    (`RunWatch`; default: none)."""
     if not api_key:
         raise UserError(f"{label}: no API key: a launch never starts its generators open")
     previous = {sig: signal.signal(sig, _raise_stop) for sig in stop_signals}
@@ -243,6 +358,8 @@ def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role
     if tls_ca is not None:
         os.environ[TLS_CA_ENV] = str(tls_ca)  # the supervisor's own calls (/health, the restarts' control)
     try:
+        if watch is not None:
+            watch.start()
         for role in generators:
             role.start()
         trainer.start()
@@ -251,7 +368,7 @@ def run_roles(label: str, generators: list[Role], urls: list[str], trainer: Role
         _wait_ready(generators, urls, trainer, ready_timeout_s)
         orchestrator.start()
         print(f"{label}: generators ready, orchestrator started", flush=True)
-        return _supervise(trainer, orchestrator, generators, urls, restarts, ready_timeout_s, api_key)
+        return _supervise(trainer, orchestrator, generators, urls, restarts, ready_timeout_s, api_key, watch)
     except _Stop as stop:
         print(f"{label}: {stop} received: stopping (the trainer checkpoints first)", flush=True)
         return 128 + stop.signum
@@ -306,7 +423,8 @@ def kill_carrying(entry: str) -> list[str]:
 
 
 def _supervise(trainer: Role, orchestrator: Role, generators: list[Role], urls: list[str] = (),
-               restarts: Restarts | None = None, ready_timeout_s: float = 900.0, api_key: str | None = None) -> int:
+               restarts: Restarts | None = None, ready_timeout_s: float = 900.0, api_key: str | None = None,
+               watch: RunWatch | None = None) -> int:
     restarts = restarts or Restarts.none()
     finished: set[str] = set()
     live = list(generators)
@@ -354,7 +472,32 @@ def _supervise(trainer: Role, orchestrator: Role, generators: list[Role], urls: 
             print(f"{role.name} exited (code {role.process.returncode}); starting it again (restart "
                   f"{role.restarts}); the trainer re-syncs its weights", flush=True)
             role.start()
+        if watch is not None:
+            if _restart_refusing(watch, generators, urls, live):
+                return 1
+            watch.check(trainer, orchestrator)
         time.sleep(POLL_S)
+
+
+def _restart_refusing(watch: RunWatch, generators: list[Role], urls: list[str], live: list[Role]) -> bool:
+    """Act on the trainer's requests to start a generator that cannot take its weights again (the module
+    docstring); True: one asked for `again`, the run stops (said in one line)."""
+    for index, request in watch.requests().items():
+        role = generators[index] if index < len(generators) else None
+        url = urls[index] if index < len(urls) else request.get("url")
+        cause = " ".join(str(request.get("cause", "")).split())
+        if role is not None and request.get("again"):
+            print(f"the run stops: {role.name} ({url}) cannot take the trainer's weights, even after a restart: "
+                  f"{cause}", file=sys.stderr, flush=True)
+            return True
+        if role is not None and role in live:
+            role.restarts += 1
+            print(f"{role.name} ({url}) cannot take the trainer's weights ({cause}): starting it again (restart "
+                  f"{role.restarts}); the trainer re-syncs it", flush=True)
+            role.stop(timeout_s=10.0)  # gone before the request is: the trainer then sends only to the new one
+            role.start()
+        watch.take(index)
+    return False
 
 
 def _restart(trainer: Role, orchestrator: Role, generators: list[Role], urls: list[str], restarts: Restarts,

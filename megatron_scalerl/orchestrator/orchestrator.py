@@ -26,6 +26,16 @@ reaches `trainer.max_gpu_hours` (checked after each batch) or the live forecast 
 (`forecast.stop_at_fraction`): then no further batch is written, the reason goes to the log and to metrics.jsonl
 (`run/stopped_early`, `run/stop_reason`), and the trainer is asked to stop (`RUN/stop_requested`: it checkpoints its
 current step and exits 0). Either way `RUN/finished.json` records the reason, the batches written and the compute.
+
+Deadline (`_watch_progress`): the run's generation must move: a group finished (training or validation), a new
+policy version served, or a batch written. Nothing moving for the deadline (`run.deadlines.Deadline` over the
+intervals between the policy versions it saw: max(`launch.wait_floor_min`, 3x the slowest of the last 5), or
+`launch.first_wait_min` before one is timed) while a generator is up fails the orchestrator (exit 1) naming what it
+waits on (the trainer's next or final weights, a validation, the generators), and the launch heals or ends the run.
+The same task moves `RUN/orchestrator.heartbeat` every PROGRESS_POLL_S: the trainer waits for a batch as long as it
+moves. With every generator down the wait is the fleet's (`Fleet.max_wait_s`). A sample may take (k + 1) deadlines
+(`Fleet.request_timeout_s`: older, it is stale anyway); a generator that comes back must serve the current policy
+within one.
 """
 
 from __future__ import annotations
@@ -59,9 +69,11 @@ from megatron_scalerl.orchestrator.state import (
 )
 from megatron_scalerl.orchestrator.validation import Validation, ValidationSchedule
 from megatron_scalerl.recipe import Recipe, load_run_recipe
+from megatron_scalerl.run.deadlines import Deadline, beat
 from megatron_scalerl.run.directory import (
     API_KEY_ENV,
     CURRICULUM_FILE,
+    HEARTBEAT_FILE,
     RECIPE_FILE,
     clear_finished,
     read_generators,
@@ -81,6 +93,7 @@ VERSION_POLL_S = 0.5
 HOLD_POLL_S = 0.1  # while a batch is held back for a validation (validation.py): the trainer waits for the poll
 FORECAST_DRAIN_S = 120.0  # at the end: how long the last live forecast may take to land
 IDLE_SAMPLE_S = 0.2
+PROGRESS_POLL_S = 2.0  # the progress watch looks (and moves the heartbeat) this often
 
 
 class Orchestrator:
@@ -98,6 +111,9 @@ class Orchestrator:
                                    prompts_per_step=self.batch_size, max_batches=self.max_batches,
                                    bound=staleness_bound(recipe.rollout.off_policy, recipe.rollout.k))
         self.fleet = Fleet(urls, api_key=api_key, on_server_back=self._wait_for_current_weights)
+        self.deadline = Deadline.of(recipe.launch)  # marked at each new policy version seen: the run's steps
+        self.progressed = time.monotonic()  # the last time generation moved (`_watch_progress`)
+        self._set_request_timeout()
         # a run with code sources refuses to start on a sandbox that does not work; the weaker one warns every step
         uses_code = any(source.verifier == "code" for source in recipe.data.train)
         self.sandbox_warning = require_sandbox(recipe.data.code_sandbox, "this run") if uses_code else None
@@ -165,9 +181,15 @@ class Orchestrator:
 
     # ---- generation -----------------------------------------------------------------------------------------
 
+    async def _generate(self, problem: Problem, key: str, samples: int, *args) -> RolloutGroup:
+        """One group (`GroupGenerator.generate`), training or validation; its end is progress."""
+        group = await self.groups.generate(problem, key, samples, *args)
+        self.progressed = time.monotonic()
+        return group
+
     async def _run_group(self, index: int, problem: Problem, admitted_version: int) -> None:
-        group = await self.groups.generate(problem, f"g{index}", self.recipe.rollout.generations_per_prompt,
-                                           admitted_version)
+        group = await self._generate(problem, f"g{index}", self.recipe.rollout.generations_per_prompt,
+                                     admitted_version)
         group.index = index
         self.generated["tokens"] += group.completion_tokens()
         self.generated["samples"] += len(group.samples)
@@ -208,6 +230,7 @@ class Orchestrator:
                                             and self.validation.may_write(admission.written))
                 chosen = [self.finished.pop(i) for i in sorted(self.finished)[:self.batch_size]]
             fresh, stale = admission.settle(chosen)
+            self.progressed = time.monotonic()
             for group in fresh:
                 self.resampling.record(group.problem.key, sum(group.correct), len(group.correct))
             batch, figures = build_train_batch(fresh, batch_index=admission.written, recipe=self.recipe) if fresh \
@@ -277,7 +300,7 @@ class Orchestrator:
         for scheduled in missed:
             self.validation.record_missed(scheduled, version)
         if start:
-            self.validation.started[version] = self._spawn(self.validation.run(version, self.groups.generate))
+            self.validation.started[version] = self._spawn(self.validation.run(version, self._generate))
 
     async def _count_idle(self) -> None:
         while True:
@@ -287,12 +310,14 @@ class Orchestrator:
                     self.window["idle"] += stats["outstanding_tokens"] == 0
             await asyncio.sleep(IDLE_SAMPLE_S)
 
-    async def _wait_for_current_weights(self, url: str, timeout_s: float = 600.0) -> None:
-        """A generator that comes back must serve the current policy (the trainer re-syncs it) before it gets work.
+    async def _wait_for_current_weights(self, url: str, timeout_s: float | None = None) -> None:
+        """A generator that comes back must serve the current policy (the trainer re-syncs it) before it gets work,
+        within `timeout_s` (default: the deadline; past it the fleet tries again later).
 
         The trainer sends it its own current step, which may be newer than the last version this process saw (the
         trainer kept stepping while every generator was down, and `_watch_versions` polls only servers that are up):
         any trained version at least as new as the one last seen will do, and a newer one becomes the current."""
+        timeout_s = self.deadline.seconds() if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
             version = await self.fleet.weight_version(url)
@@ -310,15 +335,53 @@ class Orchestrator:
         control, a held-back batch and the final validation."""
         async with self.changed:
             self.version = version
+            self.deadline.mark()
+            self.progressed = time.monotonic()
+            self._set_request_timeout()
             self._validate(version)
             self.changed.notify_all()
+
+    def _set_request_timeout(self) -> None:
+        """A sample may take (staleness bound + 1) deadlines: one that old is stale anyway."""
+        self.fleet.request_timeout_s = (self.admission.bound + 1) * self.deadline.seconds()
+
+    def _waiting_on(self) -> str:
+        """What the run waits on now, for the progress watch's error."""
+        admission, validation = self.admission, self.validation
+        served = (f"the generators serve policy {self.version}" if self.version is not None
+                  else "no generator serves the trainer's weights yet")
+        if admission.written >= self.max_batches:
+            running = sorted(v for v, task in validation.started.items() if not task.done())
+            if running:
+                return f"waiting on the validation of policy {running[-1]}: its samples on the generators"
+            return f"waiting on the trainer's final weights (policy {self.max_batches}): {served}"
+        if not validation.may_write(admission.written):
+            return f"batch {admission.written} is held back until a validation starts: {served}"
+        generating = len(admission.pending) - len(self.finished)
+        if generating <= 0 and not admission.may_admit(self.version):
+            needed = admission.next_batch_index() - admission.bound
+            return f"waiting on the trainer's weights (policy {needed} or later, to admit more prompts): {served}"
+        return (f"waiting on the generators: {max(generating, 0)} groups generating, {len(self.finished)} of "
+                f"{self.batch_size} finished for batch {admission.written}; {served}")
+
+    async def _watch_progress(self) -> None:
+        """Move the heartbeat every PROGRESS_POLL_S; TimeoutError (the run fails) once generation has not moved for
+        the deadline while a generator is up (the module docstring)."""
+        heartbeat = self.run_dir / HEARTBEAT_FILE
+        while True:
+            beat(heartbeat)
+            await asyncio.sleep(PROGRESS_POLL_S)
+            if not any(server.up for server in self.fleet.servers.values()):
+                self.progressed = time.monotonic()  # the fleet's wait for a server (`max_wait_s`) bounds this one
+            elif time.monotonic() - self.progressed > self.deadline.seconds():
+                raise TimeoutError(f"{self._waiting_on()}; nothing moved for {self.deadline.words()}")
 
     # ---- run ------------------------------------------------------------------------------------------------
 
     async def run(self) -> None:
         async with self.fleet:
             loops = [self._spawn(coro) for coro in (self._watch_versions(), self._admit(), self._count_idle(),
-                                                    self._log_forecasts())]
+                                                    self._log_forecasts(), self._watch_progress())]
             try:
                 writer = self._spawn(self._write_batches())
                 failed, end_now = asyncio.create_task(self.failed.wait()), asyncio.create_task(self.end_now.wait())
@@ -328,13 +391,26 @@ class Orchestrator:
                 if self.failure is not None:
                     raise self.failure
                 if self.ended_early is None:
-                    await self._final_validation()
+                    await self._unless_failed(self._final_validation())
                     await self.live.drain(FORECAST_DRAIN_S)
                 self._finish()
             finally:
                 for task in [*loops, *self.tasks]:
                     task.cancel()
                 await asyncio.gather(*loops, *self.tasks, return_exceptions=True)
+
+    async def _unless_failed(self, coro) -> None:
+        """Await `coro`, unless a task of the run fails first (the progress watch's deadline): that is raised."""
+        task, failed = asyncio.ensure_future(coro), asyncio.create_task(self.failed.wait())
+        try:
+            await asyncio.wait([task, failed], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+            if not task.done():
+                task.cancel()
+        if self.failure is not None:
+            raise self.failure
+        task.result()
 
     async def _final_validation(self) -> None:
         """After the last batch: the validation of the trained policy, once the trainer has sent it."""
@@ -430,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _stop_now(args.run_dir / CURRICULUM_FILE))
         asyncio.run(orchestrator.run())
-    except (UserError, FleetError) as exc:
+    except (UserError, FleetError, TimeoutError) as exc:
         log.error("%s", exc)
         return 2 if isinstance(exc, UserError) else 1
     finally:

@@ -9,6 +9,14 @@
     RUN/finished.json     {"reason", "step", "gpu_hours"}: written by the orchestrator when the run has ended on its
                           own (`max_steps`, `max_gpu_hours` or `stop_at_fraction`), never on a stop from outside;
                           what tells a sweep (or a script) that the run is done. Removed when the run is resumed.
+    RUN/orchestrator.heartbeat  moved (its modification time) by the orchestrator every few seconds while it runs,
+                          whose own deadline ends it when its generation stops moving; the trainer waits for a
+                          batch as long as it moves (`run.deadlines.Heartbeat`).
+    RUN/restart_generator/<i>.json  {"url", "cause", "again"}: the trainer's request that the launcher start
+                          generator i again, which cannot take the trainer's weights (`again`: it was started again
+                          for that already and failed once more: the launcher ends the run, naming it and the
+                          cause); the launcher removes it once acted on (`request_generator_restart`,
+                          `generator_restart_requests`, `take_generator_restart`).
     RUN/api_key           the run's own API key (`secrets.token_urlsafe(32)`, 256 random bits), mode 0600, made by
                           the run's first launch that finds no `$SCALERL_API_KEY` and read again by every later one
                           (`--resume`, a requeued job): `run_api_key`.
@@ -39,6 +47,8 @@ FINISHED_FILE = "finished.json"
 # before each batch, the previous one kept beside it; each trainer checkpoint holds a copy, the state a resume from
 # that checkpoint continues from (orchestrator/state.py).
 CURRICULUM_FILE, PREVIOUS_CURRICULUM_FILE = "curriculum.json", "curriculum.prev.json"
+HEARTBEAT_FILE = "orchestrator.heartbeat"
+RESTART_GENERATOR_DIR = "restart_generator"
 STOP_TIMEOUT_S = 120.0  # seconds a role gets to stop cleanly (the trainer's last checkpoint) before SIGKILL
 FINISH_REASONS = ("max_steps", "max_gpu_hours", "stop_at_fraction")
 API_KEY_ENV = "SCALERL_API_KEY"
@@ -82,6 +92,31 @@ def clear_stop_request(run_dir: str | Path) -> None:
 
 def stop_requested(run_dir: str | Path) -> bool:
     return (Path(run_dir) / STOP_FILE).exists()
+
+
+def request_generator_restart(run_dir: str | Path, index: int, url: str, cause: str, *, again: bool) -> Path:
+    """The trainer asks the launcher to start generator `index` (`url`) again: it cannot take the weights
+    (`cause`); `again`: it was started again for that before and has taken none since (the launcher ends the run)."""
+    path = Path(run_dir) / RESTART_GENERATOR_DIR / f"{int(index)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps({"url": url, "cause": cause, "again": bool(again)}) + "\n")
+    return path
+
+
+def generator_restart_requests(run_dir: str | Path) -> dict[int, dict]:
+    """The open requests of `request_generator_restart`, by generator index (one being written is left for later)."""
+    found = {}
+    for path in sorted((Path(run_dir) / RESTART_GENERATOR_DIR).glob("*.json")):
+        try:
+            found[int(path.stem)] = json.loads(path.read_text())
+        except (ValueError, OSError):  # not ours, or gone meanwhile
+            continue
+    return found
+
+
+def take_generator_restart(run_dir: str | Path, index: int) -> None:
+    """The launcher acted on generator `index`'s request (or clears a stale one)."""
+    (Path(run_dir) / RESTART_GENERATOR_DIR / f"{int(index)}.json").unlink(missing_ok=True)
 
 
 def write_finished(run_dir: str | Path, reason: str, step: int, gpu_hours: float) -> Path:

@@ -24,6 +24,12 @@ runs a `Trainer`, read top to bottom:
   the background on GPUs, published once written on every rank; in place on CPUs, where megatron-core's queue
   for it cannot run: it is CUDA-bound). While it waits for a batch it sends the current weights to any generator
   that does not serve them (one that came up later, or restarted). `trainer/idle_fraction` is the share of its wall time spent waiting for batches.
+  After the last step it waits until the generators serve its weights (`GeneratorLink.deliver`).
+
+Every wait has a deadline (`run.deadlines.Deadline`, over this process's recent steps; `--batch-timeout-s` fixes
+it): the first push; a batch, waited for as long as the orchestrator's heartbeat (`RUN/orchestrator.heartbeat`)
+moves, and the deadline after it stops; the delivery of the last step's weights. Past one, the trainer fails
+(exit 1) with the wait's cause, and the launch heals or ends the run (launch/supervise.py).
 
 SIGTERM, or the launcher's `RUN/stop_requested` (see `run_dir`): the current step finishes, the trainer checkpoints
 it and exits 0; a rank still running `STOP_STACKS_AFTER_S` seconds after the stop writes every thread's stack to its
@@ -54,7 +60,14 @@ from megatron_scalerl.platform import destroy_distributed, init_distributed
 from megatron_scalerl.platform.distributed import from_rank0
 from megatron_scalerl.platform.precision import resolve_precision, with_precision
 from megatron_scalerl.recipe import Recipe, load_recipe, load_run_recipe
-from megatron_scalerl.run.directory import CURRICULUM_FILE, RECIPE_FILE, STOP_TIMEOUT_S, stop_requested
+from megatron_scalerl.run.deadlines import Deadline, Heartbeat, minutes
+from megatron_scalerl.run.directory import (
+    CURRICULUM_FILE,
+    HEARTBEAT_FILE,
+    RECIPE_FILE,
+    STOP_TIMEOUT_S,
+    stop_requested,
+)
 from megatron_scalerl.run.gpu_hours import ComputeMeter
 from megatron_scalerl.run.metrics_log import MetricsLog, logged_wall_hours
 from megatron_scalerl.trainer.checkpointing import CheckpointWriter, load_trainer
@@ -86,13 +99,16 @@ class Trainer:
     `checkpoint` and `run` are collective: every rank calls them, and rank 0 decides what depends on files or
     servers (`from_rank0`); `log` and `stopping` are rank 0's."""
 
-    def __init__(self, run_dir: Path, recipe: Recipe, *, batch_timeout_s: float = 3600.0,
+    def __init__(self, run_dir: Path, recipe: Recipe, *, batch_timeout_s: float | None = None,
                  stop: threading.Event | None = None):
         """Collective, after `platform.init_distributed` with the recipe's trainer processes. `batch_timeout_s`:
-        seconds to wait for a batch (and for a first generator); `stop`: set (SIGTERM) to stop at the next batch."""
+        seconds to wait for a batch (and for a first generator) instead of the deadline of the run's recent steps
+        (`run.deadlines`); `stop`: set (SIGTERM) to stop at the next batch."""
         require_trainer_world(recipe, dist.get_world_size())
         self.run_dir, self.recipe = Path(run_dir), recipe
         self.batch_timeout_s = batch_timeout_s
+        self.deadline = Deadline.of(recipe.launch)  # marked at each step's end (rank 0's decides for all)
+        self.heartbeat = Heartbeat(self.run_dir / HEARTBEAT_FILE)  # the orchestrator's
         self.stop = stop or threading.Event()
         self.is_rank0 = dist.get_rank() == 0
         self.model, self.optimizer = build_model_and_optimizer(recipe)
@@ -105,7 +121,8 @@ class Trainer:
         self.last_checkpoint_s = time.monotonic()  # of the last checkpoint of this process (or its start)
         rl_state = self._resume()
         self.stream: BatchReader = RolloutStream(run_dir)
-        self.link = GeneratorLink.from_run_dir(run_dir, recipe, is_rank0=self.is_rank0)  # None: no generators
+        self.link = GeneratorLink.from_run_dir(run_dir, recipe, is_rank0=self.is_rank0,  # None: no generators
+                                               deadline=self.deadline)
         self.metrics_log = MetricsLog(run_dir, "trainer",
                                       wandb_mode=recipe.logging.wandb_mode if self.is_rank0 else "disabled",
                                       wandb_project=recipe.logging.wandb_project, run_name=recipe.name,
@@ -209,13 +226,31 @@ class Trainer:
         """Asked on rank 0: SIGTERM (`stop`) or the launcher's RUN/stop_requested."""
         return self.stop.is_set() or stop_requested(self.run_dir)
 
+    def _wait_s(self) -> tuple[float, str]:
+        """The deadline of a wait (seconds) and its words: `batch_timeout_s` if given, else the run's."""
+        if self.batch_timeout_s is not None:
+            return self.batch_timeout_s, f"{minutes(self.batch_timeout_s)} (--batch-timeout-s)"
+        return self.deadline.seconds(), self.deadline.words()
+
+    def _silent(self, index: int, waiting: float) -> str | None:
+        """Rank 0, waiting for batch `index` since `waiting`: the error once the orchestrator's heartbeat has not
+        moved for the deadline, else None."""
+        bound, words = self._wait_s()
+        if self.heartbeat.silent_s() <= bound:
+            return None
+        return (f"{self.stream.missing(index, time.monotonic() - waiting)} (no heartbeat from it, "
+                f"RUN/{HEARTBEAT_FILE}, for {words})")
+
     def _next_batch(self) -> TrainBatch | None:
-        """Batch `state.step` once the orchestrator wrote it, or None once `stopping()`; TimeoutError after
-        `batch_timeout_s`. Meanwhile a generator that restarted gets the current weights. Rank 0 decides for all."""
+        """Batch `state.step` once the orchestrator wrote it, or None once `stopping()`; TimeoutError once the
+        orchestrator's heartbeat stood still for the deadline (`_wait_s`). Meanwhile a generator that restarted
+        gets the current weights. Rank 0 decides for all."""
         index = self.state.step
-        deadline = time.monotonic() + self.batch_timeout_s
+        waiting = time.monotonic()
+        self.heartbeat.reset()
         while True:
-            ready, stop = from_rank0((self.stream.ready(index), self.stopping()) if self.is_rank0 else None)
+            ready, stop, silent = from_rank0((self.stream.ready(index), self.stopping(),
+                                              self._silent(index, waiting)) if self.is_rank0 else None)
             if stop:
                 return None
             if ready:
@@ -224,8 +259,8 @@ class Trainer:
                 except CorruptBatchError as exc:  # the restart's rewind sets it aside: it is made again
                     raise CorruptBatchError(f"{exc} (a restart of the launch, or `scalerl train --resume`, sets it and "
                                             "the batches after it aside; the orchestrator writes them again)") from None
-            if time.monotonic() > deadline:
-                raise self.stream.missing(index, self.batch_timeout_s)
+            if silent is not None:
+                raise TimeoutError(silent)
             if self.link is None or not self.link.catch_up(self.model, index):
                 time.sleep(BATCH_POLL_S)
 
@@ -235,7 +270,9 @@ class Trainer:
         end = max_steps if max_steps is not None else self.recipe.trainer.max_steps
         rollout = self.recipe.rollout
         if self.link is not None:  # even with nothing left to train: the orchestrator validates the last weights
-            self.link.first_push(self.model, self.state.step, timeout_s=self.batch_timeout_s, stopping=self.stopping)
+            self.link.first_push(self.model, self.state.step, timeout_s=self._wait_s()[0], stopping=self.stopping)
+        self.deadline.mark()  # the clock of the steps starts
+        stopped = False
         while self.state.step < end:
             waiting = time.monotonic()
             batch = self._next_batch()
@@ -244,6 +281,7 @@ class Trainer:
             if batch is None:
                 log.info("stop requested: checkpointing step %d", self.state.step)
                 faulthandler.dump_traceback_later(STOP_STACKS_AFTER_S)  # a checkpoint that hangs shows where
+                stopped = True
                 break
             metrics = self.train_step(batch)
             step = self.state.step
@@ -258,9 +296,12 @@ class Trainer:
                 self.checkpoint()
             else:
                 self._published(self.writer.poll())  # a checkpoint written in the background
+            self.deadline.mark()
         if self.saved_step != self.state.step:
             self.checkpoint()
         self._published(self.writer.poll(blocking=True))
+        if self.link is not None and not stopped:  # checkpointed first: nothing is lost
+            self.link.deliver(self.model, self.state.step, stopping=self.stopping)
 
     def close(self) -> None:
         """The metrics log (wandb's run), the weight broadcast group and the checkpoint writer."""
@@ -286,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", help="recipe to use instead of RUN/recipe.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--max-steps", type=int)
-    parser.add_argument("--batch-timeout-s", type=float, default=3600.0,
-                        help="seconds to wait for the next TrainBatch before failing")
+    parser.add_argument("--batch-timeout-s", type=float, default=None,
+                        help="seconds to wait for the next TrainBatch (and a first generator) before failing, instead "
+                             "of the deadline of the run's recent steps (launch.wait_floor_min, launch.first_wait_min)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
 

@@ -7,7 +7,10 @@
     control.pause(); control.start_update(); control.submit_update({"staged": True}); control.finish_update(v)
 
 Every call goes to all servers concurrently and waits at most `timeout_s` seconds; a failure raises WeightSyncError
-naming every server that failed or stayed silent, and whether it still answers /health.
+naming every server that failed or stayed silent, and whether it still answers /health. `faults` keeps, of the
+failures so far, each server whose part failed (or stayed silent) while it still answers /health, with its own error:
+a server that cannot take the weights, as opposed to one that died (the trainer's `GeneratorLink` has those started
+again).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.weight_sync.protocol import WeightSyncError, rank_offsets
 
 log = logging.getLogger("megatron_scalerl.weight_sync")
+ANSWERS = "answers /health"
 
 
 class FleetControl:
@@ -35,6 +39,7 @@ class FleetControl:
         self.timeout_s = timeout_s
         self.api_key = api_key
         self.pool = ThreadPoolExecutor(max_workers=2 * len(urls) + 1, thread_name_prefix="weight-sync")
+        self.faults: dict[str, str] = {}  # url -> its error, for each server that failed a call but answers /health
 
     def call(self, url: str, path: str, body: Any = None, **kwargs: Any) -> Any:
         return request_json(url, path, body, timeout_s=self.timeout_s, api_key=self.api_key, **kwargs)
@@ -42,7 +47,7 @@ class FleetControl:
     def _health(self, url: str) -> str:
         try:
             request_json(url, "/health", method="GET", timeout_s=min(5.0, self.timeout_s))
-            return "answers /health"
+            return ANSWERS
         except ServerError as exc:
             return f"does not answer /health: {exc}"
 
@@ -61,11 +66,15 @@ class FleetControl:
         if failures:  # let the other parties' errors arrive: a broadcast often fails because a server died
             more, pending = wait(pending, timeout=min(5.0, self.timeout_s))
             failures += [f for f in more if f.exception() is not None]
-        parts = [f"{labelled[f]}: {f.exception()}" for f in failures]
-        parts += [f"{labelled[f]}: no answer within {self.timeout_s:g} s" for f in pending]
-        health = [f"{url} {self._health(url)}" for url in labelled.values() if url in self.urls]
+        errors = {f: str(f.exception()) for f in failures} | {f: f"no answer within {self.timeout_s:g} s"
+                                                               for f in pending}
+        parts = [f"{labelled[f]}: {error}" for f, error in errors.items()]
+        health = {url: self._health(url) for url in labelled.values() if url in self.urls}
+        for f, error in errors.items():
+            if health.get(labelled[f]) == ANSWERS:
+                self.faults[labelled[f]] = f"{what}: {error}"
         raise WeightSyncError(f"weight sync ({what}) failed: " + "; ".join(parts)
-                              + (" [" + "; ".join(health) + "]" if health else ""))
+                              + (" [" + "; ".join(f"{url} {h}" for url, h in health.items()) + "]" if health else ""))
 
     def submit_each(self, fn: Callable[[str], Any]) -> dict[Future, str]:
         return {self.pool.submit(fn, url): url for url in self.urls}
