@@ -125,13 +125,14 @@ def replace_durably(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         fsync_dir(Path(src).parent)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` via a temp file in the same folder + fsync + rename + fsync of the folder."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = DEFAULT_FILE_MODE) -> None:
+    """Write `data` to `path` via a temp file in the same folder + fsync + rename + fsync of the folder; the file has
+    `mode` from its creation on (0o600: never readable by others, not even while it is written)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, DEFAULT_FILE_MODE)  # mkstemp makes 0600
+        os.fchmod(fd, mode)  # mkstemp makes 0600
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.fileio import atomic_write_bytes
 
 TLS_DIR = "tls"
 CERT_FILE, KEY_FILE = "cert.pem", "key.pem"
@@ -106,23 +105,9 @@ def _issue(tls: RunTLS, hosts: list[str]) -> None:
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(public), critical=False)
             .sign(key, hashes.SHA256()))
-    _write(tls.key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                      serialization.NoEncryption()))
-    _write(tls.cert, cert.public_bytes(serialization.Encoding.PEM))
-
-
-def _write(path: Path, data: bytes) -> None:
-    """`data` into `path` through a 0600 temp file renamed into place: never torn, never readable by others."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # mode 0600
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(tls.key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                  serialization.NoEncryption()), mode=0o600)
+    atomic_write_bytes(tls.cert, cert.public_bytes(serialization.Encoding.PEM), mode=0o600)
 
 
 def _check_private(path: Path) -> None:
