@@ -21,7 +21,6 @@ Real classes against real, small peers, with the deadlines' knobs (`launch.wait_
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import re
@@ -50,7 +49,7 @@ from megatron_scalerl.trainer.step import StepState
 from megatron_scalerl.trainer.trainer import Trainer
 from megatron_scalerl.weight_sync.protocol import WeightSyncError
 from megatron_scalerl.weight_sync.sender import WeightSyncConfig
-from tests.test_orchestrator_validation import Generator, _tokenizer
+from tests.test_orchestrator_validation import Generator, _recipe, _tokenizer
 from tests.test_orchestrator_validation import Trainer as StandInTrainer
 from tests.trainer_utils import rl_batch
 
@@ -295,17 +294,9 @@ ORCHESTRATOR_STEPS = 3
 
 
 def _orchestrator_recipe(tmp_path: Path, first_wait_min: float):
-    """tests/test_orchestrator_validation.py's recipe (validation at every step, PipelineRL-2), the deadline's
-    floor at 3 s."""
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"problem": f"{i} + {i} = ?", "answer": str(2 * i)}) + "\n"
-                               for i in range(60)))
-    return load_recipe("demo", [
-        f"data.train=[{{kind: jsonl, path: '{prompts}'}}]", "data.validation_holdout=2", "data.validation_interval=1",
-        "data.validation_generations=2", "rollout.prompts_per_step=2", "rollout.generations_per_prompt=2",
-        "rollout.k=2", f"trainer.max_steps={ORCHESTRATOR_STEPS}", "algorithm.zero_variance_filter=false",
-        "forecast.live=false", "logging.wandb_mode=disabled", "launch.wait_floor_min=0.05",
-        f"launch.first_wait_min={first_wait_min}"])
+    """tests/test_orchestrator_validation.py's recipe, the deadline's floor at 3 s."""
+    return _recipe(tmp_path, "launch.wait_floor_min=0.05", f"launch.first_wait_min={first_wait_min}",
+                   steps=ORCHESTRATOR_STEPS)
 
 
 def test_an_orchestrator_whose_trainer_never_sends_its_final_weights_ends_within_the_deadline(tmp_path):

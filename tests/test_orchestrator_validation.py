@@ -214,15 +214,17 @@ async def _second_launch(orchestrator: Orchestrator, trainer: Trainer) -> None:
     await asyncio.wait_for(asyncio.gather(orchestrator.run(), trainer.run(STEPS)), 120)
 
 
-def _recipe(tmp_path: Path):
+def _recipe(tmp_path: Path, *extra: str, steps: int = STEPS):
+    """The demo recipe on 60 jsonl prompts, validation at every step, PipelineRL-2, `steps` steps; `extra` overrides
+    last."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"problem": f"{i} + {i} = ?", "answer": str(2 * i)}) + "\n"
                                for i in range(60)))
     return load_recipe("demo", [
         f"data.train=[{{kind: jsonl, path: '{prompts}'}}]", "data.validation_holdout=2", "data.validation_interval=1",
         "data.validation_generations=2", "rollout.prompts_per_step=2", "rollout.generations_per_prompt=2",
-        "rollout.k=2", f"trainer.max_steps={STEPS}", "algorithm.zero_variance_filter=false", "forecast.live=false",
-        "logging.wandb_mode=disabled"])
+        "rollout.k=2", f"trainer.max_steps={steps}", "algorithm.zero_variance_filter=false", "forecast.live=false",
+        "logging.wandb_mode=disabled", *extra])
 
 
 def _tokenizer(recipe):

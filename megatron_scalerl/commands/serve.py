@@ -45,7 +45,7 @@ from pathlib import Path
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.http_json import ServerError, request_json
-from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig
+from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig, gives_flag
 from megatron_scalerl.models.hf_io import require_safetensors
 from megatron_scalerl.models.tokenizer import has_tokenizer
 from megatron_scalerl.run.directory import API_KEY_ENV, read_api_key_file
@@ -163,7 +163,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not (model / "config.json").is_file():
         raise UserError(f"--model {model}: not a Hugging Face checkpoint directory (no config.json)")
     extra = tuple(args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args)
-    if any(arg.split("=")[0] in ("--ssl-keyfile", "--ssl-certfile") for arg in extra):
+    if gives_flag(extra, "--ssl-keyfile", "--ssl-certfile"):
         raise UserError("give --ssl-keyfile and --ssl-certfile to scalerl serve itself (before --), so that its own "
                         "calls to the server speak HTTPS")
     tokenizer = has_tokenizer(model)
@@ -176,7 +176,7 @@ def _serve(args: argparse.Namespace) -> int:
                                   ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     except ValueError as exc:
         raise UserError(f"scalerl serve: {exc}") from None
-    if not any(arg.split("=")[0] == "--load-format" for arg in extra):  # else the caller's (`dummy`: weights by sync)
+    if not gives_flag(extra, "--load-format"):  # else the caller's (`dummy`: weights by sync)
         require_safetensors(model, "--model ")  # the server loads safetensors only (`VLLMServerConfig.command`)
     log = Path(args.log) if args.log else Path("logs") / f"vllm_{args.port}.log"
     if headless:  # the nodes of one server may share a file system: a log each

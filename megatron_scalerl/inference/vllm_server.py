@@ -67,6 +67,11 @@ def _checkpoint_config(model: str) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def gives_flag(args: list[str] | tuple[str, ...], *flags: str) -> bool:
+    """Whether the vLLM arguments `args` give any of `flags` (`--flag VALUE` or `--flag=VALUE`)."""
+    return any(arg.split("=")[0] in flags for arg in args)
+
+
 def find_tcmalloc() -> str | None:
     """The path of tcmalloc (Debian: libtcmalloc-minimal4), or None when the machine has none."""
     for directory in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib"):
@@ -87,7 +92,7 @@ def _family_flags(checkpoint: dict, extra_args: list[str]) -> list[str]:
     overrides = family.generation_overrides(checkpoint) if family.generation_overrides else {}
     if overrides:
         flags += ["--override-generation-config", json.dumps(overrides)]
-    if family.kv_block_size is not None and "--block-size" not in extra_args:
+    if family.kv_block_size is not None and not gives_flag(extra_args, "--block-size"):
         block = family.kv_block_size(checkpoint, 16 if torch.cuda.is_available() else 128)
         if block is not None:
             flags += ["--block-size", str(block)]
@@ -102,7 +107,7 @@ def _mla_backend_flags(checkpoint: dict, dtype: str, extra_args: list[str]) -> l
     generator runs the same kernel on every CPU; a bf16 one keeps vLLM's choice (AMX_MLA on AMX CPUs)."""
     fp32 = dtype == "float32" or dtype == "auto" and checkpoint.get("torch_dtype", checkpoint.get("dtype")) == "float32"
     if torch.cuda.is_available() or not fp32 or checkpoint.get("kv_lora_rank") is None \
-            or any(arg.split("=")[0] == "--attention-backend" for arg in extra_args):
+            or gives_flag(extra_args, "--attention-backend"):
         return []
     return ["--attention-backend", "CPU_MLA"]
 
@@ -200,7 +205,7 @@ class VLLMServerConfig:
         checkpoint = _checkpoint_config(self.model)
         cmd += _family_flags(checkpoint, list(self.extra_args)) + _mla_backend_flags(checkpoint, self.dtype,
                                                                                      list(self.extra_args))
-        if not any(arg.split("=")[0] == "--load-format" for arg in self.extra_args):  # the caller's wins (`dummy`)
+        if not gives_flag(self.extra_args, "--load-format"):  # the caller's wins (`dummy`)
             cmd += ["--load-format", "safetensors"]  # vLLM's default `auto` falls back to unpickling *.bin files
         if self.weight_transfer:  # a generator of ours: weight updates, and the fleet's token-in/token-out route
             cmd += ["--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND}),
