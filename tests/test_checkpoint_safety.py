@@ -137,6 +137,7 @@ def _common_running(marker: Path):
     return craft
 
 
+@pytest.mark.multiprocess
 def test_every_global_a_real_metadata_names_is_allowed_and_the_list_holds_no_more(trained):
     """The allow-list is what a real trainer checkpoint's `.metadata` names (listed while unpickling it), besides
     OrderedDict and torch's dtypes."""
@@ -155,6 +156,7 @@ def test_every_global_a_real_metadata_names_is_allowed_and_the_list_holds_no_mor
     assert not allowed_global("torch", "load") and not allowed_global("posix", "system")
 
 
+@pytest.mark.multiprocess
 def test_a_real_checkpoint_resumes_and_converts_through_the_restricted_readers(trained, tmp_path):
     from megatron_scalerl.models.convert import megatron_to_hf
     from megatron_scalerl.models.hf_io import LazyHFState
@@ -185,6 +187,7 @@ def test_a_crafted_metadata_is_refused_naming_it_and_nothing_runs(trained, tmp_p
     assert marker.exists()
 
 
+@pytest.mark.multiprocess
 def test_resuming_from_a_crafted_checkpoint_is_refused_naming_the_file_and_nothing_runs(trained, tmp_path):
     """Crafted `.metadata`, object item and `common.pt`, each in a copy of the run: the resume refuses each (one
     worker resumes all three)."""

@@ -73,6 +73,7 @@ def _two_rank_save(rank, run_dir):
     CheckpointStore(run_dir, keep=2).save(5, _writer(bytes([rank]) * 64), {"step": 5})
 
 
+@pytest.mark.multiprocess
 def test_collective_save_hashes_every_rank_file(tmp_path):
     run_local_workers(_two_rank_save, 2, tmp_path, timeout_s=120)
     store = CheckpointStore(tmp_path, keep=2)
@@ -86,6 +87,7 @@ def _two_rank_latest(rank, run_dir):
     return CheckpointStore(run_dir, keep=3).latest_valid()
 
 
+@pytest.mark.multiprocess
 def test_ranks_split_the_validation_and_agree(tmp_path):
     store = CheckpointStore(tmp_path, keep=3)
     store.save(10, _writer(b"a" * 100), {})

@@ -10,7 +10,7 @@ import torch
 from megatron_scalerl.platform import run_local_workers
 from tests.trainer_utils import FP32, tiny_recipe
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
 def _save_both_ways_and_load(rank, run_dir):

@@ -86,6 +86,7 @@ def _scalerl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.multiprocess
 def test_dense_round_trip_is_bit_exact_and_loadable(dense, tmp_path):
     """bf16 body + FP32 head, odd vocabulary, tied to nothing: HF -> Megatron -> HF gives every tensor back in its
     own dtype; config and tokenizer travel with the checkpoint; transformers loads the result as-is."""
@@ -108,6 +109,7 @@ def test_dense_round_trip_is_bit_exact_and_loadable(dense, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_moe_converts_at_ep2_and_back_at_tp2_pp2_with_verify(moe, tmp_path):
     """Llama-4 MoE: written by 2 expert-parallel workers, read back by TP2 x PP2 workers (each pipeline stage writes
     its own files) into small safetensors files; `--verify` re-hashes the files and matches HF logits; every tensor is the source's."""
@@ -165,6 +167,7 @@ def deepseek_v3(tmp_path_factory) -> Path:
     [("qwen3", ["--tp", "2"], ["--pp", "2"]), ("qwen3_moe", ["--ep", "2"], ["--tp", "2"]),
      ("deepseek_v3", ["--tp", "2", "--ep", "2"], ["--pp", "2"])],
 )
+@pytest.mark.multiprocess
 def test_qwen3_round_trips_through_the_cli(family, to_megatron, to_hf, request, tmp_path):
     """Qwen3 (tied embeddings: one tensor, no lm_head.weight, also when the last pipeline stage holds the head) and
     Qwen3-MoE (one HF tensor per expert, split over 2 expert-parallel ranks, then over TP2) and DeepSeek-V3 (latent
@@ -200,6 +203,7 @@ def test_qwen3_round_trips_through_the_cli(family, to_megatron, to_hf, request, 
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_tied_round_trip_at_tp2_and_pp2_keeps_one_fp32_tensor(tied, tmp_path):
     """Tied embeddings (Qwen3), bf16 body, the shared weight FP32 (it is the FP32 head): written by 2 TP workers,
     read back by 2 pipeline stages (the last holds the head as a copy of the embedding and exports nothing of it):
@@ -252,6 +256,7 @@ def test_a_trainer_checkpoints_config_and_tokenizer_come_from_where_its_run_star
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_trainer_starts_from_a_converted_checkpoint_and_its_checkpoints_export(dense, tmp_path):
     """`trainer.init_from` takes the converted checkpoint (written at TP2, read at TP1); the run's own checkpoint
     exports to HF with the trainer's dtypes (bf16 body, FP32 head, asked for on any CPU), the tokenizer of the run's source, and exactly
@@ -324,6 +329,7 @@ def test_shape_disagrees_with_config(dense, tmp_path):
     _refused(["hf-to-megatron", "--hf", str(bad)], "mlp.gate_proj.weight has shape", tmp_path / "out")
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_that_fails_its_manifest(dense, tmp_path):
     meg = hf_to_megatron(dense, tmp_path / "meg", ParallelismConfig())
     data = next(meg.glob("*.distcp"))
@@ -353,6 +359,7 @@ def test_existing_output_is_never_overwritten(dense, tmp_path):
 
 
 @pytest.mark.slow  # an end-to-end run of its own (make test-fast stays under 10 minutes)
+@pytest.mark.multiprocess
 def test_interrupted_conversion_leaves_no_output(dense, tmp_path):
     """Killed mid-conversion: OUT does not exist (the work sits under a hidden temporary name), and a rerun works."""
     import os

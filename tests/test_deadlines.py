@@ -103,6 +103,7 @@ def _waiting_trainer(run_dir: Path, floor_min: float) -> Trainer:
     return trainer
 
 
+@pytest.mark.multiprocess
 def test_the_trainer_waits_for_a_batch_while_the_orchestrator_beats_and_no_longer_than_the_deadline_after(tmp_path):
     trainer = _waiting_trainer(tmp_path, floor_min=0.03)  # 1.8 s
     beating, stream = threading.Event(), RolloutStream(tmp_path)

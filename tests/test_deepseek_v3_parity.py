@@ -22,6 +22,8 @@ from megatron_scalerl.recipe import ModelConfig, load_recipe
 from megatron_scalerl.verify.parity import hf_reference, trainer_layout
 from tests.test_models_parity import _export_check, _merge_ranks
 
+pytestmark = pytest.mark.multiprocess
+
 TOLERANCE = 1e-4
 SEQ_LEN, BATCH, VOCAB = 48, 4, 263
 MODELS = ("v3", "moonlight")

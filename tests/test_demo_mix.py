@@ -142,6 +142,7 @@ SHORT_RUN = {  # the demo_mix recipe, cut to a few steps on a random model
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.multiprocess
 def test_a_short_mixed_run_validates_each_domain_and_mixes_its_batches(model_dir, tmp_path):
     """`scalerl train` on the demo_mix recipe for a few steps. Asserted: `val/math/pass_rate` and
     `val/code/pass_rate` in every validation row beside `val/pass_rate`, from the first validation (step 0) to the

@@ -44,7 +44,7 @@ from tests.launch_utils import (
     trainer_worker,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multiprocess]
 
 THIS = "tests/test_fault_matrix.py"
 STEPS = 10

@@ -19,7 +19,7 @@ from megatron_scalerl.weight_sync.sender import WeightSyncConfig
 from tests.trainer_utils import FP32, tiny_hf_checkpoint, tiny_recipe
 from tests.weight_sync_utils import assert_matches, hf_greedy, push_and_read, server_greedy
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multiprocess]
 
 
 def _serve(model, log, port: int, master_port: int, node_rank: int) -> subprocess.Popen:

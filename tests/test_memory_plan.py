@@ -133,11 +133,13 @@ def _assert_static_parts(plan, allocated, what):
 
 
 @pytest.mark.parametrize("model", MODELS)
+@pytest.mark.multiprocess
 def test_static_parts_are_the_bytes_one_rank_allocates(one_rank, model):
     _assert_static_parts(trainer_plan(_recipe(model, {})), one_rank[f"{model}/allocated"], model)
 
 
 @pytest.mark.parametrize("name", SPLIT)
+@pytest.mark.multiprocess
 def test_static_parts_are_the_bytes_each_rank_allocates_when_split(two_ranks, name):
     plan = trainer_plan(_recipe(*SPLIT[name]))
     for rank, results in enumerate(two_ranks):
@@ -145,6 +147,7 @@ def test_static_parts_are_the_bytes_each_rank_allocates_when_split(two_ranks, na
 
 
 @pytest.mark.parametrize("model", MODELS)
+@pytest.mark.multiprocess
 def test_activations_are_what_autograd_keeps(one_rank, model):
     """The forward's part of the estimate (with full recomputation: the layer inputs; the recomputed layer's working
     set is backward's) against what autograd keeps, within 1% (the plan bounds Qwen3-MoE's router scores by every
@@ -158,6 +161,7 @@ def test_activations_are_what_autograd_keeps(one_rank, model):
 
 
 @pytest.mark.parametrize("name", SPLIT_ACTIVATIONS)
+@pytest.mark.multiprocess
 def test_activations_per_rank_when_split(two_ranks, name):
     """Per rank at TP2 (sequence parallelism): the ranks' mean within 1% (the plan assumes balanced routing; with
     EP each rank's experts get the tokens routed to them, so one rank keeps more than the other)."""
@@ -167,6 +171,7 @@ def test_activations_per_rank_when_split(two_ranks, name):
 
 
 @pytest.mark.parametrize("model", STEP_MODELS)
+@pytest.mark.multiprocess
 def test_full_recompute_changes_no_loss_or_gradient(one_rank, model):
     assert one_rank[f"{model}/step/full"] == one_rank[f"{model}/step/none"]
 

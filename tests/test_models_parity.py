@@ -25,6 +25,8 @@ from megatron_scalerl.platform import run_local_workers
 from megatron_scalerl.recipe import ModelConfig, ParallelismConfig, load_recipe
 from megatron_scalerl.verify.parity import LayoutResult, hf_reference, run_layout, trainer_layout
 
+pytestmark = pytest.mark.multiprocess
+
 TOLERANCE = 1e-4
 SEQ_LEN = 80  # > 2 chunks of 32 tokens
 BATCH = 4  # splits over up to 4 data-parallel ranks

@@ -121,6 +121,7 @@ def _at_tp1(rank, run_dir, single_run_dir, hf):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_trainer_on_a_padded_vocabulary_reshards_tp2_to_tp1(tmp_path):
     """Train the tiny model with 263 tokens at TP2 (384 rows, 192 per rank), checkpoint, resume at TP1: the same
     losses and grad norms as one process throughout, and the padding rows never move from zero."""

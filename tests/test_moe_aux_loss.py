@@ -10,6 +10,8 @@ import torch
 from megatron_scalerl.platform import run_local_workers
 from megatron_scalerl.recipe import ModelConfig, ParallelismConfig, load_recipe
 
+pytestmark = pytest.mark.multiprocess
+
 
 def _router_grad_norms(rank: int, model_cfg_json: str, coefficients: list[float]) -> list[float]:
     from megatron.core import parallel_state

@@ -32,7 +32,7 @@ from megatron_scalerl.run.directory import read_finished
 from megatron_scalerl.run.metrics_log import read_metrics
 from tests.launch_utils import generator_url, launch, leftovers, pids, run_key, stepped_after_restarts
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multiprocess]
 
 THIS = "tests/test_pipeline_run.py"
 STEPS = 8

@@ -66,11 +66,13 @@ def _sleep(rank: int) -> None:
     time.sleep(120)
 
 
+@pytest.mark.multiprocess
 def test_run_local_workers_reports_the_failing_rank():
     with pytest.raises(WorkerError, match="(?s)worker rank 1 of 2 failed.*ValueError: rank one refuses"):
         run_local_workers(_fail_on_rank_one, 2, timeout_s=120)
 
 
+@pytest.mark.multiprocess
 def test_run_local_workers_times_out():
     start = time.monotonic()
     with pytest.raises(WorkerError, match="did not finish within 3 s"):
@@ -85,6 +87,7 @@ def _environment(rank: int) -> tuple[str | None, str, bool]:
     return os.environ.get("SCALERL_TEST_PROBE"), os.getcwd(), "megatron.core" in sys.modules
 
 
+@pytest.mark.multiprocess
 def test_workers_take_the_callers_environment_and_directory(tmp_path, monkeypatch):
     """Workers fork from a forkserver started once per process: each must still see the environment and working
     directory of the call that started it, not of the forkserver's start, and start with megatron-core loaded."""

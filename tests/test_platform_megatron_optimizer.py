@@ -13,6 +13,8 @@ import torch
 from megatron_scalerl.platform import run_local_workers
 from tests.trainer_utils import BF16, rl_batch, tiny_recipe
 
+pytestmark = pytest.mark.multiprocess
+
 
 def _lookup_mismatches(optimizer) -> list[str]:
     """Model parameters whose `model_param_group_index_map` entry does not lead to their own optimizer shard

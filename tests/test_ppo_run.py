@@ -14,7 +14,7 @@ from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run.directory import read_finished
 from megatron_scalerl.run.metrics_log import read_metrics
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multiprocess]
 
 SCALERL = Path(sys.executable).with_name("scalerl")
 K, STEPS = 4, 6  # 6 is not a multiple of 4: the trainer pushes after steps 4 and 6

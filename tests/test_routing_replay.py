@@ -236,6 +236,7 @@ def test_replay_without_routes_is_an_error_naming_the_field(one_process):
 
 @pytest.mark.parametrize("model", ["llama4", "qwen3_moe"], indirect=True)
 @pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.multiprocess
 def test_layouts_replay_like_one_process(one_process, two_ranks, name):
     ref_logprobs, ref = one_process["step"]
     assert torch.equal(ref_logprobs, one_process["replay_random"])  # the step's log-probs are the replayed ones

@@ -20,7 +20,7 @@ from megatron_scalerl.run.directory import read_finished
 from megatron_scalerl.run.metrics_log import read_metrics
 from tests.launch_utils import leftovers
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multiprocess]
 
 THIS = "tests/test_routing_replay_run.py"
 SCALERL = os.path.join(os.path.dirname(sys.executable), "scalerl")

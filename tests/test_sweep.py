@@ -682,8 +682,9 @@ def _trainer_steps(run_dir: Path) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.multiprocess
 @pytest.mark.timeout(1200)
-def test_a_local_sweep_is_interrupted_resumed_and_extended(tmp_path, dense_model):
+def test_a_local_sweep_is_interrupted_then_resumed_and_extended_at_once(tmp_path, dense_model):
     sweep_dir = tmp_path / "sweep"
     base, dapo = sweep_dir / "base" / "seed0", sweep_dir / "loo_dapo_loss" / "seed0"
     fresh = ["--sweep-dir", str(sweep_dir), "--base", "demo", "--model", f"hf:{dense_model}",
@@ -699,38 +700,39 @@ def test_a_local_sweep_is_interrupted_resumed_and_extended(tmp_path, dense_model
     assert read_finished(base)["step"] == 4 and read_finished(dapo) is None
     assert load_recipe(dapo / "recipe.yaml").algorithm.loss == "dapo" and load_recipe(base / "recipe.yaml").model.arch \
         == "llama3"
-    untouched = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (base / "finished.json", base / "metrics.jsonl")}
-    # 2: the same command without its arguments resumes: the finished base is not run again, the variant continues
-    second = _Sweep(["--sweep-dir", str(sweep_dir)], tmp_path / "second.log")
+    # 2: extended to 8 steps: the stopped variant continues from its checkpoint, the finished base from its end, and
+    # the report is made. (A resumed trainer may run through batches already on disk faster than the orchestrator
+    # polls the versions it pushes, so the variant may have few validations of its first part; the new steps bring
+    # it past the fit's 5.)
+    second = _Sweep(["--sweep-dir", str(sweep_dir), "--steps", "8"], tmp_path / "second.log")
     assert second.end() == 0, second.text()[-3000:]
-    assert "2 runs, 1 done, 1 to continue, 0 to start" in second.text()
-    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in untouched} == untouched
+    assert "2 runs, 0 done, 2 to continue, 0 to start" in second.text()
     assert "resumed from iter_" in (dapo / "logs" / "trainer.log").read_text()
-    resumed = _trainer_steps(dapo)
-    assert read_finished(dapo)["step"] == 4 and sorted(set(resumed)) == [1, 2, 3, 4] and resumed.count(1) == 1
-    # 3: extended to 8 steps: both runs continue from their last checkpoint, and the report is made. (A resumed
-    # trainer may run through batches already on disk faster than the orchestrator polls the versions it pushes, so
-    # the variant may have as few as 2 validations so far (0 and 4); the 4 new steps bring it past the fit's 5.)
-    third = _Sweep(["--sweep-dir", str(sweep_dir), "--steps", "8"], tmp_path / "third.log")
-    assert third.end() == 0, third.text()[-3000:]
-    assert "2 runs, 0 done, 2 to continue, 0 to start" in third.text()
+    assert "resumed from iter_0000004" in (base / "logs" / "trainer.log").read_text()
     for run in (base, dapo):
         assert read_finished(run)["step"] == 8 and load_recipe(run / "recipe.yaml").trainer.max_steps == 8
-        assert "resumed from iter_0000004" in (run / "logs" / "trainer.log").read_text()
+        steps = _trainer_steps(run)
+        assert sorted(set(steps)) == list(range(1, 9)) and steps.count(1) == 1, (run, steps)
     assert _trainer_steps(base) == list(range(1, 9))  # never a step twice
-    assert "# Ablation: loo_dapo_loss vs base" in third.text()
+    assert "# Ablation: loo_dapo_loss vs base" in second.text()
     report = json.loads((sweep_dir / "report" / "ablation.json").read_text())
     assert [v["name"] for v in report["variants"]] == ["loo_dapo_loss"] and report["left_out"] == []
     assert len(report["base"]["runs"]) == 1
-
-
-needs_slurm = test_slurm.pytestmark
+    # 3: the same command without its arguments: every run is done, none is run again
+    untouched = {p: (p.stat().st_mtime_ns, p.read_bytes()) for run in (base, dapo)
+                 for p in (run / "finished.json", run / "metrics.jsonl")}
+    third = _Sweep(["--sweep-dir", str(sweep_dir)], tmp_path / "third.log")
+    assert third.end() == 0, third.text()[-3000:]
+    assert "2 runs, 2 done, 0 to continue, 0 to start" in third.text()
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in untouched} == untouched
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.slurm
+@pytest.mark.multiprocess
 @pytest.mark.timeout(1200)
-@needs_slurm
+@test_slurm.needs_slurm
 def test_a_two_variant_sweep_runs_as_slurm_jobs_and_finds_them_again(cluster, dense_model, tmp_path):
     sweep_dir = tmp_path / "sweep"
     args = ["--sweep-dir", str(sweep_dir), "--base", "demo", "--model", f"hf:{dense_model}", "--variants",

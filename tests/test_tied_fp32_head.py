@@ -18,6 +18,8 @@ from megatron_scalerl.platform import run_local_workers
 from megatron_scalerl.recipe import ParallelismConfig, load_recipe
 from tests.trainer_utils import BF16, tiny_recipe
 
+pytestmark = pytest.mark.multiprocess
+
 EMBEDDING = "model.embed_tokens.weight"
 MODEL = "tiny_qwen3"
 

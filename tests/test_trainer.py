@@ -17,6 +17,8 @@ from megatron_scalerl.run.directory import request_stop
 from megatron_scalerl.run.metrics_log import read_metrics
 from tests.trainer_utils import rl_batch, tiny_recipe
 
+pytestmark = pytest.mark.multiprocess
+
 
 def _trainer_command(run_dir: Path, nproc: int, *extra: str, wait_s: int = 20) -> tuple[list[str], dict]:
     """The launcher's own trainer command line (`launch.roles.trainer_command`) for the recipe in `run_dir`."""

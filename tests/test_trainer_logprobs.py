@@ -66,6 +66,7 @@ def _tp_worker(rank, world, sequence_parallel):
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.multiprocess
 def test_tensor_parallel_two_ranks_equal_naive(sequence_parallel):
     results = dict(enumerate(run_local_workers(_tp_worker, 2, 2, sequence_parallel, timeout_s=120)))
     h, w, t, up = _inputs(tokens=16, vocab=64)
@@ -138,6 +139,7 @@ def _padded_tp_worker(rank, world):
     return out
 
 
+@pytest.mark.multiprocess
 def test_vocab_padding_two_ranks_equal_naive_unpadded():
     results = run_local_workers(_padded_tp_worker, 2, 2, timeout_s=120)
     for case, (vocab, padded_vocab, sequence_parallel) in enumerate(PADDED_TP_CASES):

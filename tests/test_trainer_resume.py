@@ -13,6 +13,8 @@ import torch
 from megatron_scalerl.platform import run_local_workers
 from tests.trainer_utils import BF16, rl_batch, run_scenarios, tiny_hf_checkpoint, tiny_recipe
 
+pytestmark = pytest.mark.multiprocess
+
 STEPS = 4  # batches 0..3; checkpoints after 0, 1 and 2 optimizer steps
 
 

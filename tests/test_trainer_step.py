@@ -14,6 +14,8 @@ import torch
 from megatron_scalerl.platform import run_local_workers
 from tests.trainer_utils import BF16, FP32, rl_batch, run_scenarios, tiny_hf_checkpoint, tiny_recipe
 
+pytestmark = pytest.mark.multiprocess
+
 
 def _steps(rank, run_dir, recipe_kwargs, seeds):
     """Train on the batches `seeds`; returns this rank's (loss, grad norm) per step and, per HF weight this rank's

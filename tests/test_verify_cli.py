@@ -11,6 +11,8 @@ import pytest
 from megatron_scalerl.models.hf_io import save_random_hf_model
 from megatron_scalerl.recipe import load_recipe
 
+pytestmark = pytest.mark.multiprocess
+
 
 def _scalerl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "megatron_scalerl.commands", *args], capture_output=True, text=True,

@@ -29,7 +29,7 @@ from tests.weight_sync_utils import (
     weight_version,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multiprocess]
 TIMEOUT_S = 20.0
 
 

@@ -33,7 +33,7 @@ from tests.weight_sync_utils import (
     wait_all_ready,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multiprocess]
 
 
 # preset -> its routed experts' HF tensors: Llama-4 gate_up_proj and down_proj of 4 MoE layers; Qwen3-MoE

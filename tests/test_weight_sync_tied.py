@@ -15,7 +15,7 @@ from megatron_scalerl.weight_sync.sender import WeightSyncConfig
 from tests.trainer_utils import FP32, tiny_hf_checkpoint, tiny_recipe
 from tests.weight_sync_utils import assert_matches, continuations_batch, hf_greedy, server_greedy, start_server
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multiprocess]
 MODEL = "tiny_qwen3"
 
 
