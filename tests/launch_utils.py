@@ -1,5 +1,6 @@
 """Shared pieces of the tests that run `scalerl train` on real processes and fault them (tests/test_pipeline_run.py,
-tests/test_fault_matrix.py): start a launch, wait for a moment in it, find its processes, and what it left behind."""
+tests/test_fault_matrix.py): start a launch, wait for a moment in it, find its processes, and what it left behind;
+and `scalerl sweep` as a process (tests/test_sweep.py, tests/test_slurm.py)."""
 
 import json
 import os
@@ -94,3 +95,32 @@ def stepped_after_restarts(run_dir: Path, restarts: int):
         since = times[restarts - 1] if restarts else 0.0
         return any(r["role"] == "trainer" and "train/loss" in r and r["time"] > since for r in rows)
     return ready
+
+
+class SweepProcess:
+    """`scalerl sweep ARGS` as a process of its own, its output in a file."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
+        self.log = log
+        with open(log, "w") as out:
+            self.process = subprocess.Popen([str(SCALERL), "sweep", *args], stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                                         "WANDB_MODE": "disabled", **(env or {})})
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_for(self, ready, what: str, timeout_s: float = 400) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            assert self.process.poll() is None, f"the sweep exited {self.process.returncode}:\n{self.text()[-4000:]}"
+            assert time.monotonic() < deadline, f"not {what} after {timeout_s} s:\n{self.text()[-4000:]}"
+            time.sleep(0.5)
+
+    def end(self, timeout_s: float = 600) -> int:
+        try:
+            return self.process.wait(timeout=timeout_s)
+        finally:
+            if self.process.poll() is None:
+                self.process.terminate()  # the sweep stops its runs in order
+                self.process.wait(timeout=500)

@@ -174,7 +174,9 @@ def full_disk(model, tmp_path_factory):
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
     try:
-        code, out = launch(_fresh(run_dir, model, "launch.max_restarts=1", "trainer.keep_checkpoints=1"), [])
+        # its first checkpoint at step 1: the one it cannot write
+        code, out = launch(_fresh(run_dir, model, "launch.max_restarts=1", "trainer.keep_checkpoints=1",
+                                  "trainer.checkpoint_interval=1"), [])
         store = CheckpointStore(run_dir, keep=1)
         yield {"dir": run_dir, "code": code, "out": out, "left": leftovers(THIS),
                "checkpoints": sorted(p.name for p in disk.iterdir()), "latest": store.latest_valid()}
@@ -191,9 +193,9 @@ def test_a_checkpoint_that_does_not_fit_stops_the_run_with_its_cause_after_the_b
     [cause] = [line for line in out.splitlines() if line.startswith("no restart left")]
     # each writer's own error follows: "[Errno 28] No space left on device", or what torch.save's zip writer says
     # of a full disk ("unexpected pos ..."), as it happens
-    assert "iter_0000002: could not be written (rank 0: writer of rank " in cause, cause
+    assert "iter_0000001: could not be written (rank 0: writer of rank " in cause, cause
     assert full_disk["checkpoints"] == [] and full_disk["latest"] is None  # nothing half-written stayed
-    assert sorted(_trainer_steps(run_dir)) == [1, 2]  # the first try's steps were set aside at the restart
+    assert sorted(_trainer_steps(run_dir)) == [1]  # the first try's step was set aside at the restart
     assert full_disk["left"] == []
 
 

