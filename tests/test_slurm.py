@@ -108,9 +108,15 @@ def _squeue(env, job: int) -> list[str]:
     raise AssertionError(f"squeue failed 10 times: {out.stderr.strip()}")
 
 
-def _start_now(env, job: int) -> bool:
-    """Ask the scheduler to start pending job `job` now; whether it left the pending state (a job squeue briefly
-    does not list is not taken for started)."""
+CRED_EXPIRE_S = 5  # slurm/local-cluster/start's AuthInfo cred_expire: a requeued job's credential is revoked that long
+
+
+def _start_now(env, job: int, requeued_at: float) -> bool:
+    """Ask the scheduler to start pending job `job` now, once its credential's revocation is over (a job started
+    inside it is killed at once, "Job credential revoked", and ends; `requeued_at`: the monotonic time its requeue
+    was seen); whether it left the pending state (a job squeue briefly does not list is not taken for started)."""
+    if time.monotonic() < requeued_at + CRED_EXPIRE_S + 3:
+        return False
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, capture_output=True)
     return _squeue(env, job)[:1] not in ([], ["PENDING"])
 
@@ -189,9 +195,10 @@ def test_moe_job_requeues_on_time_limit_then_loses_a_node_and_finishes_the_run_o
     # 1: time is up
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True, env=cluster)
     _wait("requeued", lambda: "requeueing" in out.read_text() and _squeue(cluster, job)[:1] == ["PENDING"], 300, out, cluster)
-    # this cluster's scheduler may leave a requeued het-job pending ~2 min after it is eligible: start it now (asked
-    # again until it runs: the requeue holds it for cred_expire, 5 s, first)
-    _wait("started again", lambda: _start_now(cluster, job), 300, out, cluster)
+    # this cluster's scheduler may leave a requeued het-job pending ~2 min after it is eligible: start it now (once
+    # its credential's revocation is over; asked again until it runs)
+    requeued_at = time.monotonic()
+    _wait("started again", lambda: _start_now(cluster, job, requeued_at), 300, out, cluster)
     _wait("continuing the run", lambda: "continuing the run" in out.read_text(), 300, out, cluster)
     trainer_log = (run_dir / "logs" / "trainer.log")
     _wait("two steps after the requeue", lambda: "resumed from iter_" in trainer_log.read_text() and len(
@@ -216,7 +223,8 @@ def test_moe_job_requeues_on_time_limit_then_loses_a_node_and_finishes_the_run_o
               400, out, cluster, poll_s=1.0)  # both het groups: one started alone would meet the other's leftovers
         lost_at = len(_trainer_steps(run_dir))
         assert _node_state(cluster, node).startswith("down"), _cluster_report(cluster, out)
-        _wait("started again", lambda: _start_now(cluster, job), 300, out, cluster)
+        requeued_at = time.monotonic()
+        _wait("started again", lambda: _start_now(cluster, job, requeued_at), 300, out, cluster)
         _wait("the job's end", lambda: out.read_text().count("continuing the run") == 2 and not _squeue(cluster, job),
               600, out, cluster)
         text = out.read_text()
