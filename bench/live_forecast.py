@@ -20,7 +20,13 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from pipeline import WORKLOAD_OVERRIDES, figures, run, workload_model  # this folder's pipeline bench: same runs
+from pipeline import (  # this folder's pipeline bench: same runs
+    WORKLOAD_OVERRIDES,
+    add_set_argument,
+    figures,
+    run,
+    workload_model,
+)
 
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run.metrics_log import read_metrics
@@ -46,8 +52,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=16, help="first batches left out of the throughput figures")
     parser.add_argument("--validation-interval", type=int, default=4, help="steps between validations")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a recipe override for both runs (repeatable), e.g. rollout.prompts_per_step=4")
+    add_set_argument(parser)
     args = parser.parse_args()
     recipe = load_recipe("demo", args.set)
     samples = recipe.rollout.prompts_per_step * recipe.rollout.generations_per_prompt

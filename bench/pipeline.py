@@ -116,6 +116,12 @@ def workload_model(workload: str, recipe, model_dir: Path, root: Path) -> Path:
     return build_model(recipe, root / "model", seed=recipe.trainer.seed)
 
 
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    """`--set KEY=VALUE` (repeatable): recipe overrides for both runs of a bench made of two demo runs."""
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override for both runs (repeatable), e.g. rollout.prompts_per_step=4")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOAD_OVERRIDES), default="demo")
@@ -125,8 +131,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=16, help="first batches left out of the figures (the start-up "
                         "and, in PipelineRL-k, the first k batches in which the generator runs ahead of the trainer)")
     parser.add_argument("--k", type=int, default=8)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a recipe override for both runs (repeatable), e.g. rollout.prompts_per_step=4")
+    add_set_argument(parser)
     args = parser.parse_args()
     recipe = load_recipe("demo", args.set)
     samples = recipe.rollout.prompts_per_step * recipe.rollout.generations_per_prompt

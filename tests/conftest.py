@@ -28,12 +28,16 @@ def _file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def _known_seconds() -> dict[str, float]:
+    return json.loads(DURATIONS.read_text())["files"] if DURATIONS.exists() else {}
+
+
 def pytest_collection_modifyitems(config, items):
     """The files longest first, by the seconds tests/durations.json gives them (a stable sort, so a file's tests keep
     their order): with `-n 2 --dist loadfile --no-loadscope-reorder` (make test) each worker takes the next longest
     file when it is nearly done with its own, so the long files start first and the short ones fill in at the end
     and both workers finish together. A file the durations do not know goes last and is named at the end."""
-    seconds = json.loads(DURATIONS.read_text())["files"] if DURATIONS.exists() else {}
+    seconds = _known_seconds()
     config._unknown_files = sorted({_file_of(item.nodeid) for item in items} - set(seconds))
     items.sort(key=lambda item: -seconds.get(_file_of(item.nodeid), 0.0))
 
@@ -60,8 +64,7 @@ def pytest_terminal_summary(terminalreporter, config):
 
         from megatron_scalerl.platform.precision import cpu_bf16_support
 
-        known = json.loads(DURATIONS.read_text())["files"] if DURATIONS.exists() else {}
-        files = {**known, **{f: round(s, 1) for f, s in recorder.seconds.items()}}
+        files = {**_known_seconds(), **{f: round(s, 1) for f, s in recorder.seconds.items()}}
         measured = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "bf16": cpu_bf16_support()[1],
                     "workers": config.getoption("numprocesses", None)}
         DURATIONS.write_text(json.dumps({"measured_on": measured, "files": dict(sorted(
@@ -72,7 +75,6 @@ def pytest_terminal_summary(terminalreporter, config):
         named = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
         terminalreporter.write_line(f"{len(unknown)} file(s) not in tests/{DURATIONS.name}, so scheduled last: "
                                     f"{named} (refresh it: make test-durations)")
-
 
 
 @pytest.fixture(scope="session", autouse=True)
