@@ -50,9 +50,9 @@ def test_the_chat_template_renders_every_demo_prompt_as_the_demo_trains_on_it(mo
                 for source in load_sources(recipe.data.train, seed=recipe.trainer.seed) for p in source.problems]
     assert {p.template for p in problems} == {"math", "code"}
     for problem in problems:
-        text = render_prompt(problem.problem, tokenizer, problem.template)
-        assert text == render_prompt(problem.problem, None, problem.template)
-        assert tokenizer(text).input_ids == tokenizer(render_prompt(problem.problem, template=problem.template)).input_ids
+        text = render_prompt(problem, tokenizer)
+        assert text == render_prompt(problem, None)
+        assert tokenizer(text).input_ids == tokenizer(render_prompt(problem)).input_ids
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"},
             {"role": "assistant", "content": "one and one\n</think>\n\\boxed{2}"}, {"role": "user", "content": "2+2?"}]
     assert tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (

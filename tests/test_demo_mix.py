@@ -72,7 +72,7 @@ def test_worked_completions_fit_the_recipes_token_budgets(model_dir, problems):
         return len(tokenizer(text, add_special_tokens=False).input_ids)
 
     for problem in problems["math"] + problems["code"]:
-        assert length(render_prompt(problem.problem, tokenizer, problem.template)) <= RECIPE.rollout.max_prompt_tokens
+        assert length(render_prompt(problem, tokenizer)) <= RECIPE.rollout.max_prompt_tokens
         thinking = length(solution_text(problem, close_thinking=False))
         assert thinking < budget.think_budget_min
         assert length(solution_text(problem)) - thinking <= budget.answer_budget

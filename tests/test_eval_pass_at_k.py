@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_scalerl.evaluation.pass_at_k import (
-    extract_boxed,
     ks_up_to,
     majority_answer,
     normalize_answer,
     pass_at_k,
     summarize,
 )
+from megatron_scalerl.tasks.answers import extract_boxed
 from megatron_scalerl.tasks.rewards import RewardGrader
 
 # ---- pass@k ----

@@ -228,7 +228,7 @@ def _recipe(tmp_path: Path, *extra: str, steps: int = STEPS):
 
 
 def _tokenizer(recipe):
-    texts = [render_prompt(f"{i} + {i} = ?") + f"{i} {THINK_CLOSE} \\boxed{{{2 * i}}}" for i in range(60)]
+    texts = [render_prompt(Problem(f"t#{i}", f"{i} + {i} = ?", "")) + f"{i} {THINK_CLOSE} \\boxed{{{2 * i}}}" for i in range(60)]
     phrase = [recipe.algorithm.length_control.interruption_phrase] * 200  # a few tokens, as the demo's tokenizer
     return train_tokenizer(texts + phrase, vocab_size=recipe.model.vocab_size, markers=(THINK_OPEN, THINK_CLOSE))
 

@@ -170,7 +170,7 @@ def test_show_explain_annotates_every_key_line(capsys):
             assert after.split("  # ", 1)[1] in descriptions[match.group(1)], after
         else:  # list items that are plain values (eval.benchmarks)
             assert after == before and before.lstrip().startswith("- ")
-    assert "  - kind: jsonl" in annotated and "# jsonl or parquet file" in annotated
+    assert "    kind: jsonl" in annotated and "# jsonl or parquet file" in annotated
     assert main(["recipe", "show", "demo", "--explain", "--json"]) == 2
 
 

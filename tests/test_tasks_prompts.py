@@ -165,7 +165,7 @@ def test_sampler_refuses_when_every_prompt_is_retired():
 
 
 def test_prompt_template_plain_and_chat(tmp_path):
-    plain = render_prompt("  What is 2+3?  ")
+    plain = render_prompt(Problem("q", "  What is 2+3?  ", ""))
     assert plain == f"Problem: What is 2+3?\n\n{INSTRUCTION}\nSolution: {THINK_OPEN}\n"
 
     from tokenizers import Tokenizer, models
@@ -175,10 +175,10 @@ def test_prompt_template_plain_and_chat(tmp_path):
                                         unk_token="<unk>")
     tokenizer.chat_template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
                                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    assert render_prompt("What is 2+3?", tokenizer) == (
+    assert render_prompt(Problem("q", "What is 2+3?", ""), tokenizer) == (
         f"<|user|>What is 2+3?\n\n{INSTRUCTION}<|end|><|assistant|>{THINK_OPEN}\n")
     tokenizer.chat_template = tokenizer.chat_template.replace("<|assistant|>", f"<|assistant|>{THINK_OPEN}\n")
-    assert render_prompt("What is 2+3?", tokenizer) == (  # a generation prompt that opens the thinking (DeepSeek-R1's)
+    assert render_prompt(Problem("q", "What is 2+3?", ""), tokenizer) == (  # a generation prompt that opens the thinking (DeepSeek-R1's)
         f"<|user|>What is 2+3?\n\n{INSTRUCTION}<|end|><|assistant|>{THINK_OPEN}\n")  # is not opened twice
 
 
@@ -265,6 +265,6 @@ def test_code_rows_tests_as_json_strings_and_bad_rows_by_line(tmp_path):
 
 
 def test_code_template_asks_for_one_fenced_block():
-    text = render_prompt("Write f.", template="code")
+    text = render_prompt(Problem("q", "Write f.", "", template="code"))
     assert text == f"Problem: Write f.\n\n{INSTRUCTIONS['code']}\nSolution: {THINK_OPEN}\n"
     assert "```python" in INSTRUCTIONS["code"]

@@ -3,9 +3,11 @@
     scalerl grade --verifier code --problems problems.jsonl --completions completions.jsonl [--json]
 
 Problems: JSONL rows with an `id` and the fields the verifier reads (`problem`; `answer` for math; `tests` for code,
-see docs/code_verifier.md), read and checked as a run reads its data (a bad row is named by file and line).
-Completions: JSONL rows `{"id", "completion"}`, any number per problem, matched by `id`. A completion is graded as a
-run grades it: the text after its last `</think>` is the answer (`--no-thinking`: the whole text is). Prints a table
+see docs/code_verifier.md; a dotted field name reaches into nested objects: `--answer-field reward_model.ground_truth`),
+read and checked as a run reads its data (a bad row is named by file and line). Completions: JSONL rows `{"id",
+"completion"}`, any number per problem, matched by `id`. A completion is graded as a run grades it: the text after
+its last `</think>` is the answer (`--no-thinking`: the whole text is, as for a source with `thinking: false`), read
+in `--answer-format` for a verifier that compares with the gold answer. Prints a table
 and a summary (pass rate, mean fraction of tests passed, failures by kind); `--json`: one JSON object per completion
 and line, with `id`, `correct`, `fraction`, `timed_out`, `failure`, `error` and `seconds`.
 """
@@ -18,10 +20,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.recipe import DataSource
 from megatron_scalerl.tasks.problems import Problem, RowReader, jsonl_records
-from megatron_scalerl.tasks.prompts import THINK_CLOSE
 from megatron_scalerl.tasks.rewards import Grade, RewardGrader
 from megatron_scalerl.tasks.sandbox import SANDBOXES, chosen_sandbox, require_sandbox, sandbox_kind
 from megatron_scalerl.tasks.verifiers import known_verifiers
@@ -35,10 +38,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--completions", required=True, type=Path, help='JSONL: {"id", "completion"} per line')
     parser.add_argument("--json", action="store_true", help="one JSON object per completion instead of a table")
     parser.add_argument("--no-thinking", action="store_true", help="the completions have no thinking: grade all")
+    parser.add_argument("--answer-format", default="math_verify",
+                        help="how the answer is read: math_verify (default), boxed, hash, last_number, regex:PATTERN")
     parser.add_argument("--id-field", default="id", help="the problems' id field (default: id)")
-    parser.add_argument("--problem-field", default="problem")
-    parser.add_argument("--answer-field", default="answer")
-    parser.add_argument("--tests-field", default="tests")
+    parser.add_argument("--problem-field", default="problem", help="(a dotted name reaches into nested objects)")
+    parser.add_argument("--answer-field", default="answer", help="(a dotted name reaches into nested objects)")
+    parser.add_argument("--tests-field", default="tests", help="(a dotted name reaches into nested objects)")
     parser.add_argument("--workers", type=int, default=None, help="grader processes (default: cores, at most 8)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per completion (default: 10)")
     parser.add_argument("--sandbox", choices=SANDBOXES, default=None,
@@ -56,9 +61,13 @@ def read_problems(args: argparse.Namespace) -> dict[str, Problem]:
     """The problems file's rows by id, read and checked like a run's data source."""
     if not args.problems.is_file():
         raise UserError(f"--problems: {args.problems} does not exist")
-    source = DataSource(kind="jsonl", path=str(args.problems), verifier=args.verifier, domain="grade",
-                        problem_field=args.problem_field, answer_field=args.answer_field,
-                        tests_field=args.tests_field)
+    try:
+        source = DataSource(kind="jsonl", path=str(args.problems), verifier=args.verifier, domain="grade",
+                            problem_field=args.problem_field, answer_field=args.answer_field,
+                            tests_field=args.tests_field, thinking=not args.no_thinking,
+                            answer_format=args.answer_format)
+    except ValidationError as exc:
+        raise UserError(f"--answer-format: {exc.errors()[0]['msg']}") from None
     reader, problems = RowReader(source, owner="--problems"), {}
     for where, _, record in jsonl_records(args.problems):
         key = str(_field(record, args.id_field, where))
@@ -86,14 +95,13 @@ def read_completions(path: Path, problems: dict[str, Problem]) -> list[tuple[str
 def _grade(args: argparse.Namespace) -> int:
     problems = read_problems(args)
     completions = read_completions(args.completions, problems)
-    prefix = THINK_CLOSE if args.no_thinking else ""
     args.sandbox = args.sandbox or chosen_sandbox()
     if args.verifier == "code":
         warning = require_sandbox(args.sandbox, "scalerl grade")
         if warning:
             print(warning, file=sys.stderr, flush=True)
     with RewardGrader(num_workers=args.workers, timeout_s=args.timeout, code_sandbox=args.sandbox) as grader:
-        grades = grader.grade_many([(prefix + text, problems[key]) for key, text in completions])
+        grades = grader.grade_many([(text, problems[key]) for key, text in completions])
     if args.json:
         for (key, _), grade in zip(completions, grades, strict=True):
             print(json.dumps({"id": key, "correct": grade.correct, "fraction": grade.fraction,

@@ -38,7 +38,7 @@ def solution_text(problem: Problem, *, close_thinking: bool = True) -> str:
 def tokenizer_corpus(recipe: Recipe) -> list[str]:
     """Every training problem's prompt (its own template) with its worked completion, and the interruption phrase."""
     problems = [p for source in load_sources(recipe.data.train, seed=recipe.data_seed) for p in source.problems]
-    texts = [render_prompt(p.problem, template=p.template) + solution_text(p) for p in problems]
+    texts = [render_prompt(p) + solution_text(p) for p in problems]
     return texts + [recipe.algorithm.length_control.interruption_phrase] * PHRASE_REPEATS
 
 

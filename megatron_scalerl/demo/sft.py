@@ -50,7 +50,7 @@ def _examples(tokenizer, problems: list[Problem], *, unclosed_fraction: float, s
     coin = random.Random(seed)
     out = []
     for problem in problems:
-        prompt = tokenizer(render_prompt(problem.problem, tokenizer, problem.template)).input_ids
+        prompt = tokenizer(render_prompt(problem, tokenizer)).input_ids
         closed = coin.random() >= unclosed_fraction
         completion = tokenizer(solution_text(problem, close_thinking=closed), add_special_tokens=False).input_ids
         out.append(([*prompt, *completion, tokenizer.eos_token_id], len(prompt)))
@@ -84,7 +84,7 @@ def sampled_pass_rate(model, tokenizer, problems: list[Problem], *, samples: int
     """Mean correctness of `samples` sampled completions per problem (left-padded batch generation)."""
     tokenizer.padding_side = "left"
     asked = [p for p in problems for _ in range(samples)]  # one entry per completion
-    prompts = [render_prompt(p.problem, tokenizer, p.template) for p in asked]
+    prompts = [render_prompt(p, tokenizer) for p in asked]
     encoded = tokenizer(prompts, return_tensors="pt", padding=True)
     torch.manual_seed(seed)
     out = model.generate(**encoded, do_sample=True, temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens,

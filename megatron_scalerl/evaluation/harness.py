@@ -8,11 +8,11 @@ of the recipe's `eval.benchmarks` (`recipe.LocalBenchmark`: a JSONL file with it
 or its name, or any JSONL file by path (named by its stem). Rows are read and checked as a `data.train` jsonl source
 is (`tasks.problems.load_source`): a bad row is an error naming its file and line.
 
-Prompts are the training template of the problem's own `template` (`tasks.prompts.render_prompt`: the problem, the
-template's instruction (a boxed answer, or a Python program in a fenced block), an opened thinking block, through the
-tokenizer's chat template when it has one); sampling and length control are the recipe's (`rollout.temperature`,
+Prompts are rendered as training renders them, in the benchmark's own format (`tasks.prompts.render_prompt`: the
+problem, its template's instruction (a boxed answer, or a Python program in a fenced block) or its own, an opened
+thinking block unless it sets `thinking: false`, through the tokenizer's chat template when it has one); sampling and length control are the recipe's (`rollout.temperature`,
 `top_p`, `max_new_tokens`, the forced interruption: `evaluation/sampling.py`). Grading: the answer part (after the
-last `</think>`) by the problem's own verifier in worker processes (`tasks.rewards.RewardGrader`: "math" with
+last `</think>`; the whole reply without thinking) by the problem's own verifier in worker processes (`tasks.rewards.RewardGrader`: "math" with
 math-verify against the gold answer, "code" running the row's tests in a sandbox), `grader_timeout_s` seconds per
 answer; an answer that runs out of time counts as wrong and is listed in the summary. A code sample is correct when
 all its tests pass, so pass@k of a code benchmark is pass@k over tests.
@@ -39,14 +39,15 @@ from typing import Any
 
 from megatron_scalerl.algo.length_control import InterruptionPolicy
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.evaluation.pass_at_k import extract_boxed, summarize
+from megatron_scalerl.evaluation.pass_at_k import summarize
 from megatron_scalerl.evaluation.sampling import CompletionClient, SamplingSettings, sample_completion
 from megatron_scalerl.fileio import atomic_write_text
 from megatron_scalerl.recipe import SHIPPED_BENCHMARKS, DataSource, LocalBenchmark, Recipe
+from megatron_scalerl.tasks.answers import extract_answer, extract_boxed
 from megatron_scalerl.tasks.code_verifier import final_code_block
 from megatron_scalerl.tasks.problems import Problem, load_source
 from megatron_scalerl.tasks.prompts import render_prompt
-from megatron_scalerl.tasks.rewards import RewardGrader, strip_thinking
+from megatron_scalerl.tasks.rewards import RewardGrader, answer_part
 from megatron_scalerl.tasks.sandbox import require_sandbox
 
 EVAL_DATA = Path(__file__).resolve().parents[2] / "eval" / "data"
@@ -110,11 +111,15 @@ def sampling_settings(recipe: Recipe, tokenizer: Any) -> SamplingSettings:
                             interruption_phrase=control.interruption_phrase)
 
 
-def shown_answer(completion: str, template: str) -> str | None:
-    """What a sample answered, for its record and the majority vote: the final code block of its answer part for
-    the code template, else its last `\\boxed{}`; None when it has none. Grading never reads this."""
-    answer = strip_thinking(completion)
-    return final_code_block(answer) if template == "code" else extract_boxed(answer)
+def shown_answer(completion: str, problem: Problem) -> str | None:
+    """What a sample answered, for its record and the majority vote: of its answer part, the final code block for
+    the code template, else the answer its source's `answer_format` reads (the last `\\boxed{}` for math_verify);
+    None when it has none. Grading never reads this."""
+    answer = answer_part(completion, problem.thinking)
+    if problem.template == "code":
+        return final_code_block(answer)
+    return extract_boxed(answer) if problem.answer_format == "math_verify" else extract_answer(answer,
+                                                                                            problem.answer_format)
 
 
 class _Progress:
@@ -142,14 +147,14 @@ async def _evaluate(request: EvalRequest, benchmark: Benchmark, settings: Sampli
         done = await sample_completion(client, prompt, f"{problem.key}#{i}", settings)
         grade = await grader.grade(done.text, problem)  # the problem's own verifier
         progress.step()
-        return {"text": done.text, "answer": shown_answer(done.text, problem.template), "correct": grade.correct,
+        return {"text": done.text, "answer": shown_answer(done.text, problem), "correct": grade.correct,
                 "tests_passed": grade.fraction, "failure": grade.failure, "tokens": done.tokens,
                 "truncated": done.truncated, "interrupted": done.interrupted, "timed_out": grade.timed_out,
                 "grader_error": grade.error}
 
     async with CompletionClient(request.endpoint, request.model, api_key=request.api_key,
                                 concurrency=request.concurrency) as client:
-        prompts = [render_prompt(p.problem, tokenizer, p.template) for p in problems]
+        prompts = [render_prompt(p, tokenizer) for p in problems]
         samples = await asyncio.gather(*(one(client, p, prompt, i) for p, prompt in zip(problems, prompts, strict=True)
                                          for i in range(request.samples)))
     k = request.samples

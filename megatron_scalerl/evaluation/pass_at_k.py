@@ -1,8 +1,8 @@
 """Evaluation metrics over K graded samples per problem: mean@K, pass@k, cons@K (majority vote), lengths.
 
 Pure math, no I/O. The per-sample verdicts come from the grader (`tasks.rewards.RewardGrader`, math-verify); this
-module only counts them. The answer helpers here (`extract_boxed`, `normalize_answer`) serve the majority vote and
-the record of what a sample answered; they never decide correctness.
+module only counts them. The answer helper here (`normalize_answer`) serves the majority vote over what samples
+answered (`tasks.answers.extract_boxed`); it never decides correctness.
 
     mean@K      average over problems of (correct samples / K): the expected pass@1, estimated from K samples.
     pass@k      average over problems of the unbiased estimator of Chen et al. 2021 from (K samples, c correct).
@@ -15,6 +15,8 @@ import operator
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from megatron_scalerl.tasks.answers import closing_brace
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -63,41 +65,6 @@ def ks_up_to(K: int) -> list[int]:
 
 # ---- answers ----
 
-_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
-
-
-def _braced(text: str, start: int) -> int | None:
-    """The index of the `}` that closes the group whose `{` is text[start - 1]; None when it never closes.
-    A backslash escapes the next character, so `\\{` and `\\}` (literal braces) do not count."""
-    depth, i = 1, start
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    return None
-
-
-def extract_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, with balanced braces, stripped of
-    surrounding whitespace: `... \\boxed{\\frac{1}{2}}.` -> `\\frac{1}{2}`. None when there is no box, or when the
-    last box's braces never close (a completion cut off mid-answer). Escaped braces (`\\{`, `\\}`) are content.
-    """
-    matches = list(_BOX.finditer(text))
-    if not matches:
-        return None
-    start = matches[-1].end()
-    end = _braced(text, start)
-    return None if end is None else text[start:end].strip()
-
-
 _UNWRAP = ("text", "textbf", "textrm", "mathrm", "mbox")
 _UNWRAP_RE = re.compile(r"\\(?:" + "|".join(_UNWRAP) + r")\s*\{")
 _SIZING = re.compile(r"\\(?:left|right)(?![A-Za-z])")
@@ -111,7 +78,7 @@ def _unwrap(text: str) -> str:
     """`\\text{cm}` -> `cm` (also \\textbf, \\textrm, \\mathrm, \\mbox), nested ones too; an unclosed one is kept."""
     while True:
         for m in _UNWRAP_RE.finditer(text):
-            end = _braced(text, m.end())
+            end = closing_brace(text, m.end())
             if end is not None:
                 text = text[:m.start()] + text[m.end():end] + text[end + 1:]
                 break

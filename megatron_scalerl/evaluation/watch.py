@@ -191,7 +191,7 @@ def metric_figures(name: str, summary: dict) -> dict[str, float]:
 def _model_len(recipe: Recipe, tokenizer: Any, benchmarks: list[Benchmark]) -> int:
     """Tokens per sequence the server needs: the datasets' longest prompt + rollout.max_new_tokens (evaluation
     prompts are often longer than the training ones), at most the model's max_position_embeddings."""
-    longest = max(len(tokenizer(render_prompt(p.problem, tokenizer, p.template)).input_ids) if tokenizer is not None
+    longest = max(len(tokenizer(render_prompt(p, tokenizer)).input_ids) if tokenizer is not None
                   else len(p.problem) for b in benchmarks for p in b.problems)
     return min(recipe.model.max_position_embeddings, longest + recipe.rollout.max_new_tokens)
 

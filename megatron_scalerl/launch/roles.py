@@ -24,7 +24,13 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.families import hf_config_dict
 from megatron_scalerl.fileio import atomic_write_text
 from megatron_scalerl.launch.supervise import Restarts, RunWatch
-from megatron_scalerl.models.tokenizer import TOKENIZER_FILES, has_tokenizer, special_token_ids
+from megatron_scalerl.models.tokenizer import (
+    GENERATION_CONFIG,
+    TOKENIZER_FILES,
+    generation_config_of,
+    has_tokenizer,
+    special_token_ids,
+)
 from megatron_scalerl.orchestrator.state import rewind_to_checkpoint
 from megatron_scalerl.platform.precision import Precision, resolve_precision, with_resolved_precision
 from megatron_scalerl.recipe import Recipe, require_init_from_matches
@@ -48,7 +54,7 @@ def tokenizer_source(recipe: Recipe, given: Path | None) -> Path:
 
 
 def prepare_run_dir(run_dir: Path, recipe: Recipe, tokenizer_dir: Path, *, cuda: bool) -> Recipe:
-    """Write `recipe.yaml` and `model/` (config.json + tokenizer files) into `run_dir`; the recipe as written, its
+    """Write `recipe.yaml` and `model/` (config.json, generation_config.json + tokenizer files) into `run_dir`; the recipe as written, its
     `trainer.precision` resolved for the trainer's device (`cuda`: GPUs, else this CPU; `platform.precision`), so
     that the run's record says what it trained in. An HF `trainer.init_from` of another model than the recipe's is
     refused first, before anything is written or any role starts (`recipe.require_init_from_matches`)."""
@@ -71,6 +77,10 @@ def prepare_run_dir(run_dir: Path, recipe: Recipe, tokenizer_dir: Path, *, cuda:
             shutil.copy2(tokenizer_dir / name, model_dir / name)
     config = {**hf_config_dict(recipe.model), **special_token_ids(tokenizer)}
     atomic_write_text(model_dir / "config.json", json.dumps(config, indent=1) + "\n")
+    if (tokenizer_dir / GENERATION_CONFIG).is_file():  # the model's end tokens: the generators stop at them
+        shutil.copy2(tokenizer_dir / GENERATION_CONFIG, model_dir / GENERATION_CONFIG)
+    else:
+        atomic_write_text(model_dir / GENERATION_CONFIG, json.dumps(generation_config_of(config), indent=1) + "\n")
     return recipe
 
 

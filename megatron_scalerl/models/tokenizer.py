@@ -10,8 +10,10 @@ thinking markers) as single tokens, so the interruption policy and the grader fi
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from megatron_scalerl.errors import UserError
 
@@ -34,6 +36,29 @@ def special_token_ids(tokenizer) -> dict[str, int | None]:
     """The token ids an HF config.json records for `tokenizer` (the generators stop on `eos_token_id`)."""
     return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id}
+
+
+GENERATION_CONFIG = "generation_config.json"  # a checkpoint's end tokens (vLLM stops at its eos_token_id too)
+
+
+def generation_config_of(config: dict[str, Any]) -> dict[str, Any]:
+    """The generation_config.json of a checkpoint written without one: its config.json's special token ids."""
+    return {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+
+
+def end_token_ids(tokenizer, directory: str | Path | None = None) -> frozenset[int]:
+    """Every token a generator stops at, as vLLM reads them: the tokenizer's EOS and the `eos_token_id` (one id or
+    a list) of the generation_config.json in `directory` (default: the tokenizer's own directory). SmolLM2 and
+    Llama-3-Instruct end a turn with a token that is not their tokenizer's EOS."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    path = Path(directory if directory is not None else tokenizer.name_or_path) / GENERATION_CONFIG
+    if path.is_file():
+        try:
+            eos = json.loads(path.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise UserError(f"{path}: not a generation config ({exc})") from None
+        ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+    return frozenset(ids)
 
 
 def train_tokenizer(texts: Iterable[str], *, vocab_size: int, markers: Sequence[str] = ()):

@@ -42,6 +42,7 @@ class RolloutGroup:
     rewards: list[float] = field(default_factory=list)
     correct: list[bool] = field(default_factory=list)
     failures: dict[str, int] = field(default_factory=dict)  # samples not correct, by kind (rewards.Grade.failure)
+    reward_metrics: list[dict[str, float]] = field(default_factory=list)  # per sample: a verl-form reward's figures
 
     def token_versions(self, sample: Sample) -> list[int]:
         """Per completion token, the version that produced it (a token without one inherits its predecessor's)."""
@@ -92,13 +93,19 @@ def _pack(groups: list[RolloutGroup], keep: list[list[bool]], advantages: list[l
 
 
 def outcome_figures(groups: list[RolloutGroup], prefix: str, domains: list[str]) -> dict[str, float]:
-    """Samples not correct by kind of failure, `{prefix}/failures/<kind>` (counts), and for a recipe with several
-    domains (`domains`: data.domains()) each domain's `{prefix}/<domain>/pass_rate` and `{prefix}/<domain>/samples`
-    (a domain without samples here has neither)."""
+    """Samples not correct by kind of failure, `{prefix}/failures/<kind>` (counts), the mean of each figure a
+    verl-form reward returned beside its score, `{prefix}/reward/<key>` (over the samples that have it), and for a
+    recipe with several domains (`domains`: data.domains()) each domain's `{prefix}/<domain>/pass_rate` and
+    `{prefix}/<domain>/samples` (a domain without samples here has neither)."""
     failures: Counter[str] = Counter()
+    reported: dict[str, list[float]] = {}
     for group in groups:
         failures.update(group.failures)
+        for sample_metrics in group.reward_metrics:
+            for key, value in sample_metrics.items():
+                reported.setdefault(key, []).append(value)
     figures = {f"{prefix}/failures/{kind}": float(n) for kind, n in sorted(failures.items())}
+    figures.update({f"{prefix}/reward/{key}": sum(v) / len(v) for key, v in sorted(reported.items())})
     if len(domains) > 1:
         for domain in domains:
             correct = [c for g in groups if g.problem.domain == domain for c in g.correct]

@@ -3,9 +3,10 @@ training and for validation alike).
 
 Samples are generated token-in/token-out (`generation.generate_sample`) under the recipe's sampling
 (`rollout.temperature`, `top_p`, `max_new_tokens`) and length control (the forced interruption's policy); each
-completion's text (special tokens kept, EOS dropped) is graded by the problem's verifier (`RewardGrader`), and its
-reward is `algorithm.reward_correct` / `reward_incorrect`, plus the length penalty under
-`algorithm.length_control.mode: length_penalty`. Lengths in tokens.
+completion's text (special tokens kept, the model's end tokens dropped) is graded by the problem's verifier
+(`RewardGrader`), and its reward is `algorithm.reward_correct` / `reward_incorrect` (a verl-form score: the share of
+the way between them), plus the length penalty under `algorithm.length_control.mode: length_penalty`. Lengths in
+tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from megatron_scalerl.algo.length_control import InterruptionPolicy, length_penalty
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.inference.fleet import Fleet, GenerationRequest
+from megatron_scalerl.models.tokenizer import end_token_ids
 from megatron_scalerl.orchestrator.batch_building import RolloutGroup
 from megatron_scalerl.orchestrator.generation import generate_sample, route_layers
 from megatron_scalerl.recipe import Recipe
@@ -34,11 +36,12 @@ class GroupGenerator:
         self.recipe, self.tokenizer, self.fleet, self.grader = recipe, tokenizer, fleet, grader
         self.policy = InterruptionPolicy.from_recipe(recipe, tokenizer)
         self.think_close_ids = tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
+        self.end_ids = end_token_ids(tokenizer)  # the tokenizer's EOS and its checkpoint's generation_config.json's
         self.route_layers = route_layers(recipe)  # the MoE layers whose routes each request asks for (or none)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """The rendered prompt's token ids; UserError past `rollout.max_prompt_tokens`."""
-        ids = self.tokenizer(render_prompt(problem.problem, self.tokenizer, problem.template)).input_ids
+        ids = self.tokenizer(render_prompt(problem, self.tokenizer)).input_ids
         if len(ids) > self.recipe.rollout.max_prompt_tokens:
             raise UserError(f"prompt {problem.key} is {len(ids)} tokens, over rollout.max_prompt_tokens "
                             f"({self.recipe.rollout.max_prompt_tokens})")
@@ -64,9 +67,10 @@ class GroupGenerator:
             rewards = [r + float(p) for r, p in zip(rewards, penalty, strict=True)]
         return RolloutGroup(problem=problem, index=-1, admitted_version=admitted_version, samples=list(results),
                             rewards=rewards, correct=correct,
-                            failures=dict(Counter(g.failure for g in grades if g.failure is not None)))
+                            failures=dict(Counter(g.failure for g in grades if g.failure is not None)),
+                            reward_metrics=[g.metrics for g in grades])
 
     def text(self, ids: list[int]) -> str:
-        """The completion's text for grading, special tokens kept (`</think>` may be one) but EOS dropped."""
-        eos = self.tokenizer.eos_token_id
-        return self.tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=False)
+        """The completion's text for grading, special tokens kept (`</think>` may be one) but the model's end tokens
+        (`end_token_ids`: every one the generators stop at) dropped."""
+        return self.tokenizer.decode([t for t in ids if t not in self.end_ids], skip_special_tokens=False)

@@ -83,6 +83,13 @@ def cross_field_problems(r: Recipe) -> list[tuple[str, str]]:
                                                f"exceeds eval.max_new_tokens={r.eval.max_new_tokens}"))
         if not lc.interruption_phrase.strip():
             out.append(("algorithm.length_control.interruption_phrase", "must not be empty"))
+        unthinking = [f"data.train[{i}]" for i, source in enumerate(r.data.train) if not source.thinking]
+        unthinking += [f"eval.benchmarks ({b.name})" for b in r.eval.benchmarks if not isinstance(b, str)
+                       and not b.thinking]
+        if unthinking:
+            out.append(("algorithm.length_control.mode",
+                        f"interruption forces the end of a thinking block, and {', '.join(unthinking)} "
+                        "set thinking: false (their replies have none): use length_penalty or none"))
     if lc.mode == "length_penalty":
         if lc.penalty_cache_len >= lc.penalty_max_len:
             out.append(("algorithm.length_control.penalty_cache_len",

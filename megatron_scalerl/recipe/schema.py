@@ -353,28 +353,84 @@ class TrainerConfig(Section):
 DOMAIN_NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # a domain names metrics (`val/<domain>/pass_rate`)
 
 
-class DataSource(Section):
+ANSWER_FORMATS = ("math_verify", "boxed", "hash", "last_number")  # and "regex:PATTERN" (tasks/answers.py)
+
+
+def _answer_format(text: str) -> str:
+    if text in ANSWER_FORMATS:
+        return text
+    if not text.startswith("regex:"):
+        raise ValueError(f"{text!r} is not an answer format: {', '.join(ANSWER_FORMATS)} or regex:PATTERN")
+    try:
+        groups = re.compile(text.removeprefix("regex:")).groups
+    except re.error as exc:
+        raise ValueError(f"{text!r}: not a regular expression ({exc})") from None
+    if groups < 1:
+        raise ValueError(f"{text!r}: the pattern needs a group, (...): group 1 of its last match is the answer")
+    return text
+
+
+AnswerFormat = Annotated[str, AfterValidator(_answer_format)]
+
+
+class RowFormat(Section):
+    """How a prompt source's rows are read, asked and graded (shared by `data.train` entries and local evaluation
+    benchmarks; tasks/problems.py reads rows, tasks/prompts.py renders them, tasks/rewards.py grades them).
+
+    Fields name columns; a dotted name reaches into nested ones (`reward_model.ground_truth`) where no column has
+    that exact name. A problem column holding chat messages (`[{role, content}, ...]`, as verl's parquet does) is
+    the conversation as given. `thinking: false`: the prompt opens no thinking block, its instruction mentions none
+    and the whole reply is graded (not under the forced interruption, which ends a thinking block). `instruction`:
+    the text after the problem, instead of the one `template` picks ("" for none); `answer_format`: how a
+    verifier that compares with the gold answer reads the reply's answer."""
+
+    problem_field: str = Field(
+        "problem", description="the column holding the problem text or chat messages (a dotted name: nested)")
+    answer_field: str = Field("answer", description="the column holding the gold answer (a dotted name: nested)")
+    tests_field: str = Field(
+        "tests", description="the column holding the code verifier's tests (a dotted name: nested)")
+    verifier: str = Field(
+        "math", description="what grades its answers: math, code or package.module:function (tasks/verifiers.py)")
+    template: Literal["math", "code"] | None = Field(
+        None, description="the prompt's instruction: math or code; null: code for the code verifier, else math")
+    thinking: bool = Field(
+        True, description="the prompt opens a thinking block and the answer follows its end (false: whole reply)")
+    system_prompt: str | None = Field(None, description="a system message before the problem (text); null: none")
+    instruction: str | None = Field(
+        None, description="the text after the problem instead of template's ('' for none); null: template's")
+    answer_format: AnswerFormat = Field(
+        "math_verify", description="how the answer is read: math_verify, boxed, hash (#### N), last_number, "
+        "regex:PATTERN (group 1 of the last match)")
+
+    @model_validator(mode="after")
+    def _format(self) -> RowFormat:
+        if self.template is not None and self.instruction is not None:
+            raise ValueError("set `template` or `instruction`, not both (instruction replaces the text template "
+                             "picks)")
+        return self
+
+    @property
+    def template_name(self) -> str:
+        return self.template or ("code" if self.verifier == "code" else "math")
+
+
+class DataSource(RowFormat):
     """One prompt set. jsonl / parquet: a file (relative paths are read from the working directory) with one problem
     per row in `problem_field`, its gold answer in `answer_field` and, for the code verifier, its tests in
     `tests_field`; reasoning_gym: `size` problems of `task` generated offline with the recipe's seed and the task's
     config `options` (e.g. basic_arithmetic's max_terms); synthetic: `size` problems of one of our generated tasks
     (tasks/synthetic.py, e.g. code_functions), with tests.
 
-    `verifier`: what grades its answers (tasks/verifiers.py: "math", "code", or "package.module:function");
-    `domain`: the name its validation curve and metrics go under (default: the verifier's name); `template`: the
-    prompt's instruction (default: "code" for the code verifier, else "math"). `weight`: expected appearances of
-    each of its prompts per epoch (2.0: twice; 0.5: a seeded half of them, a different half each epoch). `share`:
-    its part of each batch's prompts, relative to the other sources' shares (set on every source or on none; without
-    shares the sources' prompts are shuffled together by weight). `validation_holdout`: prompts held out of this
-    source alone for validation (default: it takes part in the seeded draw of `data.validation_holdout` over the
-    sources without their own)."""
+    How its rows are read, asked and graded: `RowFormat`. `domain`: the name its validation curve and metrics go
+    under (default: the verifier's name). `weight`: expected appearances of each of its prompts per epoch (2.0:
+    twice; 0.5: a seeded half of them, a different half each epoch). `share`: its part of each batch's prompts,
+    relative to the other sources' shares (set on every source or on none; without shares the sources' prompts are
+    shuffled together by weight). `validation_holdout`: prompts held out of this source alone for validation
+    (default: it takes part in the seeded draw of `data.validation_holdout` over the sources without their own)."""
 
     kind: Literal["jsonl", "parquet", "reasoning_gym", "synthetic"] = Field(
         description="jsonl or parquet file, reasoning_gym task, or one of our synthetic tasks (tasks/synthetic.py)")
     path: str | None = Field(None, description="jsonl / parquet: the file, relative to the working directory")
-    problem_field: str = Field("problem", description="jsonl / parquet: the column holding the problem text")
-    answer_field: str = Field("answer", description="jsonl / parquet: the column holding the gold answer")
-    tests_field: str = Field("tests", description="jsonl / parquet: the column holding the code verifier's tests")
     task: str | None = Field(
         None, description="reasoning_gym / synthetic: the task's name (e.g. basic_arithmetic, code_functions)")
     size: Pos | None = Field(
@@ -383,11 +439,7 @@ class DataSource(Section):
         default_factory=dict, description="reasoning_gym: the task's config (e.g. max_terms)")
     weight: PosFloat = Field(
         1.0, description="expected appearances of each of its prompts per epoch (times; 0.5: a seeded half each epoch)")
-    verifier: str = Field(
-        "math", description="what grades its answers: math, code or package.module:function (tasks/verifiers.py)")
     domain: str | None = Field(None, description="names its validation curve and metrics; null: the verifier's name")
-    template: Literal["math", "code"] | None = Field(
-        None, description="the prompt's instruction: math or code; null: code for the code verifier, else math")
     share: PosFloat | None = Field(
         None, description="its part of each batch's prompts relative to other sources' (ratio; set on all or none)")
     validation_holdout: NonNeg | None = Field(
@@ -411,10 +463,6 @@ class DataSource(Section):
     @property
     def domain_name(self) -> str:
         return self.domain or self.verifier
-
-    @property
-    def template_name(self) -> str:
-        return self.template or ("code" if self.verifier == "code" else "math")
 
     @property
     def label(self) -> str:
@@ -453,22 +501,16 @@ class DataConfig(Section):
 SHIPPED_BENCHMARKS = ("aime24", "aime25")  # evaluation datasets that come with the code (eval/data/<name>.jsonl)
 
 
-class LocalBenchmark(Section):
+class LocalBenchmark(RowFormat):
     """An evaluation benchmark read from a local JSONL file `path` (relative paths are read from the working
-    directory), its rows read and checked as a `data.train` jsonl source with the same fields, `verifier` and
-    `template` (DataSource; the defaults are DataSource's): `{name: mycode, path: data/code_eval.jsonl, verifier:
-    code}` is a code benchmark graded by running each row's tests. `name` labels its results and metrics
-    (`eval/<name>/mean_at_k`) and names it on the command line (`--dataset mycode`)."""
+    directory), its rows read, asked and graded as a `data.train` jsonl source with the same `RowFormat` fields
+    (DataSource's defaults): `{name: mycode, path: data/code_eval.jsonl, verifier: code}` is a code benchmark graded
+    by running each row's tests. `name` labels its results and metrics (`eval/<name>/mean_at_k`) and names it on the
+    command line (`--dataset mycode`)."""
 
     name: str = Field(
         description="labels its results, metrics (eval/<name>/mean_at_k) and names it on the command line")
     path: str = Field(description="the JSONL file, relative to the working directory")
-    verifier: str = Field("math", description="what grades its answers: math, code or package.module:function")
-    problem_field: str = Field("problem", description="the column holding the problem text")
-    answer_field: str = Field("answer", description="the column holding the gold answer")
-    tests_field: str = Field("tests", description="the column holding the code verifier's tests")
-    template: Literal["math", "code"] | None = Field(
-        None, description="the prompt's instruction: math or code; null: code for the code verifier, else math")
 
     @model_validator(mode="after")
     def _check_name(self) -> LocalBenchmark:
@@ -479,11 +521,10 @@ class LocalBenchmark(Section):
         return self
 
     def source(self) -> DataSource:
-        """Its rows' source: a jsonl DataSource with its fields, verifier and template (domain "eval": evaluation
-        problems feed no validation curve)."""
-        return DataSource(kind="jsonl", path=self.path, problem_field=self.problem_field,
-                          answer_field=self.answer_field, tests_field=self.tests_field, verifier=self.verifier,
-                          template=self.template, domain="eval")
+        """Its rows' source: a jsonl DataSource with its `RowFormat` fields (domain "eval": evaluation problems feed
+        no validation curve)."""
+        return DataSource(kind="jsonl", path=self.path, domain="eval",
+                          **{name: getattr(self, name) for name in RowFormat.model_fields})
 
 
 # an `eval.benchmarks` entry: a name is a shipped benchmark, a mapping a local one (so errors name only that form)

@@ -7,6 +7,11 @@ A problem's `key` names its source and row ("data/train.jsonl#12": line 12; "rea
 it is the same in every run over the same data: No-Positive-Resampling and the validation split use it. A row is
 checked as it is read, against what its source's verifier needs (a gold answer, or tests the verifier can run); a
 bad row is an error naming its file and line.
+
+Fields are found as users' data has them: a column by its name, else a dotted name through nested objects
+(`reward_model.ground_truth`); a problem column holding chat messages (`[{"role": "user", "content": ...}]`) is the
+conversation as given (`Problem.messages`). A row's `data_source` and `extra_info` are kept for rewards written in
+verl's form (tasks/verifiers.py).
 """
 
 from __future__ import annotations
@@ -20,7 +25,13 @@ from typing import Any
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.recipe import DataSource
 from megatron_scalerl.tasks import synthetic
-from megatron_scalerl.tasks.verifiers import VerifierError, import_verifier, resolve_verifier, takes_problem_row
+from megatron_scalerl.tasks.verifiers import (
+    VerifierError,
+    import_verifier,
+    reads_gold_answer,
+    resolve_verifier,
+    takes_problem_row,
+)
 
 
 @dataclass(frozen=True)
@@ -32,10 +43,19 @@ class Problem:
     domain: str = "math"  # the source's domain: names its validation curve
     verifier: str = "math"  # the source's verifier (a registered name or "package.module:function")
     template: str = "math"  # the source's prompt template (prompts.render_prompt)
+    thinking: bool = True  # the prompt opens a thinking block; the answer is what follows its end
+    system_prompt: str | None = None  # the source's system message
+    instruction: str | None = None  # the text after the problem, instead of the template's ("": none)
+    answer_format: str = "math_verify"  # how a gold-comparing verifier reads the answer (tasks/answers.py)
+    messages: tuple[Mapping[str, str], ...] | None = field(default=None, hash=False)  # a conversation, as given
+    data_source: str = "math"  # the row's `data_source`, else the source's domain (verl-form rewards get it)
+    extra_info: Mapping[str, Any] = field(default_factory=dict, hash=False)  # the row's `extra_info` (verl form)
 
     def row(self) -> dict[str, Any]:
-        """What a verifier that takes the problem receives (tasks/verifiers.py)."""
-        return {"key": self.key, "problem": self.problem, "answer": self.answer, "tests": self.tests}
+        """What a verifier receives besides the answer (tasks/verifiers.py)."""
+        return {"key": self.key, "problem": self.problem, "answer": self.answer, "tests": self.tests,
+                "answer_format": self.answer_format, "data_source": self.data_source,
+                "extra_info": dict(self.extra_info)}
 
 
 @dataclass(frozen=True)
@@ -44,6 +64,37 @@ class Source:
 
     config: DataSource
     problems: list[Problem]
+
+
+MISSING = object()
+ROLES = ("system", "user", "assistant")
+
+
+def field_value(record: Mapping[str, Any], name: str) -> Any:
+    """The value of field `name` in `record`: the key itself, else a dotted path through nested objects
+    ("reward_model.ground_truth"); MISSING when neither is there."""
+    if name in record:
+        return record[name]
+    value: Any = record
+    for part in name.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return MISSING
+        value = value[part]
+    return value
+
+
+def _messages(value: list, where: str, field_name: str) -> tuple[dict[str, str], ...]:
+    """A chat conversation given as the problem: messages with a role and a text content, the last the user's."""
+    messages = []
+    for i, message in enumerate(value):
+        if not (isinstance(message, Mapping) and message.get("role") in ROLES
+                and isinstance(message.get("content"), str)):
+            raise UserError(f"{where}: field '{field_name}'[{i}] must be a chat message {{role: "
+                            f"{'|'.join(ROLES)}, content: text}}, got {str(message)[:80]}")
+        messages.append({"role": message["role"], "content": message["content"]})
+    if not messages or messages[-1]["role"] != "user":
+        raise UserError(f"{where}: field '{field_name}' is a chat conversation that does not end with a user message")
+    return tuple(messages)
 
 
 def _as_text(value: Any, where: str, field_name: str) -> str:
@@ -68,6 +119,10 @@ class RowReader:
             raise UserError(f"{owner} ({source.label}): {exc}") from None
         self.gold_needed = not takes_problem_row(verifier)
         self.check = getattr(verifier, "check_problem", None)
+        if source.answer_format != "math_verify" and not reads_gold_answer(verifier):
+            raise UserError(f"{owner} ({source.label}): answer_format {source.answer_format!r} is how a verifier "
+                            f"comparing with the gold answer reads the reply; verifier {source.verifier!r} reads "
+                            "the reply itself")
 
     def required(self) -> list[str]:
         """The fields every row must have."""
@@ -76,7 +131,7 @@ class RowReader:
     def fields(self) -> list[str]:
         """The fields a row may use."""
         return list(dict.fromkeys([self.source.problem_field, self.source.answer_field, self.source.tests_field,
-                                   "setup"]))
+                                   "setup", "data_source", "extra_info"]))
 
     def read(self, record: Any, where: str, key: str) -> Problem:
         """The Problem in `record`; `where` names the row ("file:line") in errors."""
@@ -86,14 +141,26 @@ class RowReader:
             raise UserError(f"{where}: expected an object with {' and '.join(map(repr, required))}, got "
                             f"{type(record).__name__}")
         for name in required:
-            if name not in record:
+            if field_value(record, name) is MISSING:
                 raise UserError(f"{where}: no field '{name}' (fields: {', '.join(sorted(record)) or 'none'})")
-        answer = record.get(source.answer_field)
-        problem = Problem(key=key, problem=_as_text(record[source.problem_field], where, source.problem_field),
+        asked = field_value(record, source.problem_field)
+        messages = _messages(asked, where, source.problem_field) if isinstance(asked, list) else None
+        if messages is not None and source.system_prompt is not None and messages[0]["role"] == "system":
+            raise UserError(f"{where}: the conversation has its own system message and the source sets "
+                            "system_prompt: drop one")
+        answer = field_value(record, source.answer_field)
+        answer = None if answer is MISSING else answer
+        extra = record.get("extra_info")
+        problem = Problem(key=key, problem=messages[-1]["content"] if messages else
+                          _as_text(asked, where, source.problem_field),
                           answer="" if answer is None and not self.gold_needed else
                           _as_text(answer, where, source.answer_field),
                           tests=self._tests(record, where), domain=source.domain_name, verifier=source.verifier,
-                          template=source.template_name)
+                          template=source.template_name, thinking=source.thinking,
+                          system_prompt=source.system_prompt, instruction=source.instruction,
+                          answer_format=source.answer_format, messages=messages,
+                          data_source=str(record.get("data_source") or source.domain_name),
+                          extra_info=extra if isinstance(extra, dict) else {})
         if self.check is not None:
             try:
                 self.check(problem.row())
@@ -104,7 +171,8 @@ class RowReader:
     def _tests(self, record: dict, where: str) -> dict | None:
         """The row's tests: an object, or a JSON string of one (as some datasets ship them); a top-level `setup`
         is folded into them."""
-        tests = record.get(self.source.tests_field)
+        tests = field_value(record, self.source.tests_field)
+        tests = None if tests is MISSING else tests
         if isinstance(tests, str):
             try:
                 tests = json.loads(tests)
@@ -145,10 +213,14 @@ def _read_parquet(reader: RowReader, path: Path) -> list[Problem]:
     except Exception as exc:  # pyarrow raises several types for unreadable files
         raise UserError(f"{path}: not a readable parquet file ({exc})") from None
     present = set(table.column_names)
+
+    def column(name: str) -> str:  # the column holding field `name`: its own, else its dotted path's first part
+        return name if name in present else name.split(".")[0]
+
     for name in reader.required():
-        if name not in present:
+        if column(name) not in present:
             raise UserError(f"{path}: no column '{name}' (columns: {', '.join(sorted(present))})")
-    columns = [name for name in reader.fields() if name in present]
+    columns = list(dict.fromkeys(column(name) for name in reader.fields() if column(name) in present))
     rows = table.select(columns).to_pylist()
     return [reader.read(record, f"{path}: row {index}", f"{reader.source.path}#{index}")
             for index, record in enumerate(rows)]

@@ -5,7 +5,7 @@ No-Positive-Resampling and task mixtures.
     train, validation = split_validation(sources, recipe.data.validation_holdout, seed=recipe.data_seed)
     sampler = PromptSampler(train, seed=recipe.trainer.seed, resampling=npr)  # the order: the run's own seed
     problem = sampler.next()                     # a Problem: key, problem text, gold answer or tests, domain
-    text = render_prompt(problem.problem, tokenizer, problem.template)
+    text = render_prompt(problem, tokenizer)        # in the source's format: thinking or not, its instruction
 
 Epochs: epoch e visits, in an order shuffled by (seed, e), every prompt of a source with weight w floor(w) times plus
 a seeded fraction w - floor(w) of them; prompts retired by No-Positive-Resampling are skipped when drawn. The order
@@ -31,47 +31,88 @@ if TYPE_CHECKING:  # the sampler reads only its `retired` set; importing `algo` 
     from megatron_scalerl.algo.resampling import NoPositiveResampling
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-INSTRUCTIONS = {  # by template (a source's `template`)
+INSTRUCTIONS = {  # by template (a source's `template`), for a prompt that opens a thinking block
     "math": f"Think step by step between {THINK_OPEN} and {THINK_CLOSE}, then give the final answer as \\boxed{{...}}.",
     "code": f"Think step by step between {THINK_OPEN} and {THINK_CLOSE}, then give your solution as one Python "
             "program in a ```python fenced code block.",
+}
+REPLY_INSTRUCTIONS = {  # by template, for a source with `thinking: false`: the reply is the answer
+    "math": "Give the final answer as \\boxed{...}.",
+    "code": "Give your solution as one Python program in a ```python fenced code block.",
 }
 # The plain format (`Problem: ...\nSolution: <think>\n`, what `render_prompt` writes without a chat template) as a
 # chat template, for the tokenizers we train (the demo's): a user message renders exactly as `render_prompt` renders
 # a prompt, so a chat client and the training see the same text. A system message comes first, its text and a blank
 # line; an assistant message continues the thinking block (THINK_OPEN) its generation prompt opened and ends with
-# EOS, as the completions trained on do; other roles are refused. No BOS: the tokenizer adds it when it encodes a
-# prompt (vLLM's chat route adds it when asked: `add_special_tokens`).
+# EOS, as the completions trained on do; other roles are refused. `enable_thinking=false` (Qwen3's switch, which
+# `render_prompt` sets for a source without thinking) opens no thinking block. No BOS: the tokenizer adds it when it
+# encodes a prompt (vLLM's chat route adds it when asked: `add_special_tokens`).
 PLAIN_CHAT_TEMPLATE = r"""
+{%- set thinking = enable_thinking is not defined or enable_thinking -%}
 {%- for message in messages -%}
   {%- if message['role'] == 'system' -%}
     {{- message['content'] + '\n\n' -}}
   {%- elif message['role'] == 'user' -%}
     {{- 'Problem: ' + message['content'] + '\nSolution: ' -}}
   {%- elif message['role'] == 'assistant' -%}
-    {%- if not message['content'].startswith('<think>') -%}{{- '<think>\n' -}}{%- endif -%}
+    {%- if thinking and not message['content'].startswith('<think>') -%}{{- '<think>\n' -}}{%- endif -%}
     {{- message['content'] + eos_token -}}
   {%- else -%}
     {{- raise_exception('the plain Problem/Solution chat template renders system, user and assistant messages, not '
                         + message['role']) -}}
   {%- endif -%}
 {%- endfor -%}
-{%- if add_generation_prompt -%}{{- '<think>\n' -}}{%- endif -%}
+{%- if add_generation_prompt and thinking -%}{{- '<think>\n' -}}{%- endif -%}
 """
 
 
-def render_prompt(problem: str, tokenizer: Any = None, template: str = "math") -> str:
-    """The text the generator continues: the problem and the template's instruction as the user's message (through
-    the tokenizer's chat template when it has one, else "Problem: ...\\nSolution: "), then the opened thinking block
-    (unless the chat template's generation prompt opens it, as `PLAIN_CHAT_TEMPLATE` and DeepSeek-R1's do).
-    Everything the model writes up to `THINK_CLOSE` is thinking (`rewards.strip_thinking` drops it)."""
-    message = f"{problem.strip()}\n\n{INSTRUCTIONS[template]}"
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        head = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
-                                             add_generation_prompt=True)
+def conversation(problem: Problem) -> list[dict[str, str]]:
+    """The chat messages that ask `problem`: the source's system prompt, then its conversation as given (a problem
+    field of chat messages: the source's own `instruction`, if any, joins its last message) or the problem and its
+    instruction (the source's `instruction`, else its template's, for thinking or for a plain reply)."""
+    instruction = problem.instruction
+    if problem.messages is not None:
+        messages = [dict(m) for m in problem.messages]
     else:
-        head = f"Problem: {message}\nSolution: "
-    return head if head.endswith(f"{THINK_OPEN}\n") else f"{head}{THINK_OPEN}\n"
+        if instruction is None:
+            instruction = (INSTRUCTIONS if problem.thinking else REPLY_INSTRUCTIONS)[problem.template]
+        messages = [{"role": "user", "content": problem.problem.strip()}]
+    if instruction:
+        messages[-1]["content"] = f"{messages[-1]['content'].strip()}\n\n{instruction}"
+    if problem.system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": problem.system_prompt})
+    return messages
+
+
+def _plain_prompt(messages: list[dict[str, str]], key: str) -> str:
+    """The plain format of a system message and a user message (a tokenizer without a chat template)."""
+    *system, user = messages
+    if [m["role"] for m in system] not in ([], ["system"]):
+        raise UserError(f"prompt {key}: a conversation of {len(messages)} messages needs the tokenizer's chat "
+                        "template, and this tokenizer has none")
+    return "".join(f"{m['content']}\n\n" for m in system) + f"Problem: {user['content']}\nSolution: "
+
+
+def render_prompt(problem: Problem, tokenizer: Any = None) -> str:
+    """The text the generator continues: `conversation(problem)` through the tokenizer's chat template when it has
+    one (else the plain "Problem: ...\\nSolution: " format), with its generation prompt. A thinking problem's prompt
+    then opens the thinking block (unless the chat template's generation prompt opens it, as `PLAIN_CHAT_TEMPLATE`
+    and DeepSeek-R1's do): everything the model writes up to `THINK_CLOSE` is thinking (`rewards.strip_thinking`
+    drops it). A problem without thinking opens none (the template's own switch, `enable_thinking`, set false); a
+    chat template that opens one anyway is an error, since the whole reply would be graded as the answer."""
+    messages = conversation(problem)
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        switch = {} if problem.thinking else {"enable_thinking": False}
+        head = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **switch)
+    else:
+        head = _plain_prompt(messages, problem.key)
+    opened = head.rstrip().endswith(THINK_OPEN)
+    if problem.thinking:
+        return head if head.endswith(f"{THINK_OPEN}\n") else f"{head}{THINK_OPEN}\n"
+    if opened:
+        raise UserError(f"prompt {problem.key}: the tokenizer's chat template opens a thinking block even with "
+                        "enable_thinking false, so a source with thinking: false cannot be asked through it")
+    return head
 
 
 def split_validation(sources: list[Source], holdout: int, *, seed: int) -> tuple[list[Source], list[Problem]]:

@@ -1,12 +1,14 @@
 """Rewards: grade a completion's answer in worker processes, with a per-answer timeout.
 
 A completion is graded in three steps:
-  1. `strip_thinking` keeps the answer part. Our prompt template opens with the model thinking, so everything up to
-     the last `</think>` is thinking; a completion with no `</think>` never finished thinking and has no answer ("").
+  1. `answer_part` keeps the answer. A thinking prompt opens with the model thinking, so everything up to the last
+     `</think>` is thinking (`strip_thinking`); a completion with no `</think>` never finished thinking and has no
+     answer (""). A problem without thinking (its source's `thinking: false`) is answered by its whole reply.
   2. The problem's verifier (tasks/verifiers.py: "math" with math-verify against the gold answer, "code" running the
-     problem's tests in a sandbox, or any "package.module:function") decides correctness. Verifiers run in worker
-     processes, which import the function by its path.
-  3. `reward_of` maps the Grade to the scalar reward (recipe: algorithm.reward_correct / reward_incorrect, +1/-1).
+     problem's tests in a sandbox, a verl-form `compute_score`, or any "package.module:function") decides
+     correctness. Verifiers run in worker processes, which import the function by its path.
+  3. `reward_of` maps the Grade to the scalar reward (recipe: algorithm.reward_correct / reward_incorrect, +1/-1;
+     a verl-form score s: reward_incorrect + s x (reward_correct - reward_incorrect)).
 
 `RewardGrader` owns N worker processes (math-verify uses signal.alarm, which works only in a process's main thread),
 forked from a multiprocessing forkserver that imported this module and math-verify once (`WORKER_PRELOAD`): starting
@@ -34,7 +36,7 @@ import traceback
 import weakref
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_scalerl.tasks.problems import Problem
 from megatron_scalerl.tasks.prompts import THINK_CLOSE, THINK_OPEN
@@ -61,13 +63,19 @@ def strip_thinking(completion: str) -> str:
     return answer.split(THINK_OPEN, 1)[0].strip()
 
 
+def answer_part(completion: str, thinking: bool = True) -> str:
+    """What the verifier grades: the text after the thinking (`strip_thinking`), or for a reply without thinking
+    the whole of it, stripped."""
+    return strip_thinking(completion) if thinking else completion.strip()
+
+
 # ---- worker process ----
 
 GRADER_TIMEOUT = "grader_timeout"  # Grade.failure of an answer whose verifier ran past the grader's timeout
 def grade_here(completion: str, problem: Problem) -> Verdict:
     """`completion` graded in this process as the workers grade it (thinking stripped; no answer: "no_answer"), but
     without their per-answer timeout: for a caller grading a few completions of its own (the demo's warm start)."""
-    answer = strip_thinking(completion)
+    answer = answer_part(completion, problem.thinking)
     if not answer:
         return Verdict(False, 0.0, NO_ANSWER)
     return call_verifier(import_verifier(resolve_verifier(problem.verifier)), answer, problem.row())
@@ -186,7 +194,7 @@ class Grade:
     the verifier raised (or of a worker that died). Timed out or errored answers are not correct. `fraction`: the
     share of the problem's tests passed (0 or 1 for a verifier without tests); `failure`: the verifier's kind of
     failure ("wrong_answer", "no_answer", "grader_timeout", "error", the code verifier's "timeout", "memory", ...),
-    None when correct."""
+    None when correct; `score`, `metrics`: a verl-form reward's score and other figures (None, {} otherwise)."""
 
     correct: bool
     timed_out: bool = False
@@ -194,10 +202,16 @@ class Grade:
     seconds: float = 0.0
     fraction: float = 0.0
     failure: str | None = None
+    score: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def reward_of(grade: Grade, reward_correct: float = 1.0, reward_incorrect: float = -1.0) -> float:
-    """The scalar reward of a grade (recipe: algorithm.reward_correct / algorithm.reward_incorrect)."""
+    """The scalar reward of a grade (recipe: algorithm.reward_correct / algorithm.reward_incorrect): all or
+    nothing, or for a verl-form score s the way from incorrect to correct, reward_incorrect + s x (reward_correct -
+    reward_incorrect) (a format score of 0.1 is a tenth of the way)."""
+    if grade.score is not None:
+        return reward_incorrect + grade.score * (reward_correct - reward_incorrect)
     return reward_correct if grade.correct else reward_incorrect
 
 
@@ -242,10 +256,8 @@ class RewardGrader:
         """(answer, problem row, verifier path) for a worker."""
         self._check_open()
         if isinstance(problem, str):
-            row, name = {"key": "", "problem": "", "answer": problem, "tests": None}, verifier or "math"
-        else:
-            row, name = problem.row(), verifier or problem.verifier
-        return strip_thinking(completion), row, resolve_verifier(name)
+            return strip_thinking(completion), Problem("", "", problem).row(), resolve_verifier(verifier or "math")
+        return answer_part(completion, problem.thinking), problem.row(), resolve_verifier(verifier or problem.verifier)
 
     def counters(self) -> dict[str, int]:
         """Answers graded, timed out and errored since the grader started (for metrics)."""
@@ -278,7 +290,7 @@ class RewardGrader:
                 return self._count(Grade(correct=False, error=value, seconds=seconds, failure="error"))
             verdict: Verdict = value
             return self._count(Grade(correct=verdict.correct, seconds=seconds, fraction=verdict.fraction,
-                                     failure=verdict.failure))
+                                     failure=verdict.failure, score=verdict.score, metrics=dict(verdict.metrics)))
         except (EOFError, OSError) as e:  # the worker died under the verifier (or the grader was closed)
             if self._closed:
                 raise RuntimeError("RewardGrader is closed") from e

@@ -1,15 +1,22 @@
 """Verifiers: the functions that decide whether an answer is right, by name.
 
 A verifier is a top-level function called in a grader worker process (`rewards.RewardGrader`) with the answer part of a
-completion (the thinking already stripped) and either
+completion (the thinking already stripped; a source without thinking: the whole reply) in one of three forms:
 
-  - the gold answer string: `fn(answer: str, gold: str) -> bool`  (the default; the built-in "math"), or
-  - the whole problem row, when the function is marked with `@takes_problem(...)`:
-    `fn(answer: str, problem: dict) -> bool | Verdict`, the dict holding "key", "problem", "answer" and "tests"
-    (the built-in "code" runs the row's tests).
+  - with the gold answer string: `fn(answer: str, gold: str) -> bool`  (the default; the built-in "math"). The
+    answer is first read in the source's `answer_format` (tasks/answers.py: the whole answer part by default, or
+    the last `\boxed{}`, `#### N`, the last number, a pattern's group); a reply without one is "no_answer".
+  - with the whole problem row, when the function is marked with `@takes_problem(...)`:
+    `fn(answer: str, problem: dict) -> bool | Verdict`, the dict holding "key", "problem", "answer", "tests",
+    "answer_format", "data_source" and "extra_info" (the built-in "code" runs the row's tests).
+  - verl's reward form, recognised by its parameter names: `compute_score(data_source, solution_str, ground_truth,
+    extra_info=None) -> float | dict`, called by keyword with the row's `data_source` (default: the source's
+    domain), the answer part, the gold answer and the row's `extra_info` (default {}). It returns a score, or a dict
+    with "score" whose other numeric keys are logged as metrics (`rollout/reward/<key>`). Pass: score >= 1.0; the
+    reward is reward_incorrect + score x (reward_correct - reward_incorrect) (`rewards.reward_of`).
 
-It returns a bool or a `Verdict` (which also carries the fraction of tests passed and the kind of failure). A
-verifier is named in a recipe (`data.train[].verifier`) or on a command line either by a registered name
+The first two return a bool or a `Verdict` (which also carries the fraction of tests passed and the kind of
+failure). A verifier is named in a recipe (`data.train[].verifier`) or on a command line either by a registered name
 (`known_verifiers()`: the built-ins, and any registered with `@register_verifier("name")` in a module imported first)
 or by its import path "package.module:function". Workers import it by that path, so it must be a top-level function
 of an importable module.
@@ -18,11 +25,14 @@ of an importable module.
 from __future__ import annotations
 
 import importlib
+import inspect
+import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.tasks.answers import extract_answer, gold_answer
 
 Verifier = Callable[[str, Any], "bool | Verdict"]
 
@@ -35,11 +45,13 @@ WRONG_ANSWER = "wrong_answer"
 class Verdict:
     """A verifier's judgement. `fraction`: the share of the problem's tests passed, in [0, 1] (a verifier without
     tests: 1.0 when correct, else 0.0); `failure`: why it is not correct, as a short kind ("wrong_answer", "timeout",
-    "memory", ...), None when correct."""
+    "memory", ...), None when correct; `score`, `metrics`: a verl-form reward's score and its other figures."""
 
     correct: bool
     fraction: float
     failure: str | None = None
+    score: float | None = None
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
     @staticmethod
     def of(result: bool | Verdict) -> Verdict:
@@ -121,14 +133,60 @@ def takes_problem_row(fn: Verifier) -> bool:
     return bool(getattr(fn, "takes_problem", False))
 
 
+VERL_PARAMETERS = ("data_source", "solution_str", "ground_truth")  # and, optionally, extra_info
+
+
+def takes_verl_arguments(fn: Verifier) -> bool:
+    """Whether `fn` is a reward in verl's form: it has parameters named `data_source`, `solution_str` and
+    `ground_truth` (and maybe `extra_info`)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return all(name in parameters for name in VERL_PARAMETERS)
+
+
+def reads_gold_answer(fn: Verifier) -> bool:
+    """Whether `fn` compares an extracted answer with the gold string (so a source's `answer_format` applies)."""
+    return not takes_problem_row(fn) and not takes_verl_arguments(fn)
+
+
+def _verl_verdict(result: Any) -> Verdict:
+    """A verl-form reward's return value (a score, or a dict with "score" and other figures) as a Verdict."""
+    metrics: dict[str, float] = {}
+    if isinstance(result, Mapping):
+        if "score" not in result:
+            raise TypeError(f"the reward returned a dict without 'score' (keys: {', '.join(map(str, result))})")
+        metrics = {str(k): float(v) for k, v in result.items() if k != "score" and isinstance(v, int | float)}
+        result = result["score"]
+    if not isinstance(result, int | float) or not math.isfinite(result):
+        raise TypeError(f"the reward returned {result!r}: a finite number (or a dict with 'score') is needed")
+    score = float(result)
+    correct = score >= 1.0
+    return Verdict(correct, 1.0 if correct else 0.0, None if correct else WRONG_ANSWER, score=score, metrics=metrics)
+
+
 def row_check(name: str) -> Callable[[Mapping[str, Any]], None] | None:
     """The row check of verifier `name` (see `takes_problem`), or None."""
     return getattr(import_verifier(resolve_verifier(name)), "check_problem", None)
 
 
 def call_verifier(fn: Verifier, answer: str, problem: Mapping[str, Any]) -> Verdict:
-    """Run `fn` on `answer` in the form it takes (the gold string or the problem row); its result as a Verdict."""
-    return Verdict.of(fn(answer, problem) if takes_problem_row(fn) else fn(answer, problem["answer"]))
+    """Run `fn` on `answer` in the form it takes (module docstring: the gold string, the problem row or verl's
+    keywords); its result as a Verdict."""
+    if takes_verl_arguments(fn):
+        keywords = {"data_source": problem.get("data_source", "math"), "solution_str": answer,
+                    "ground_truth": problem["answer"]}
+        if "extra_info" in inspect.signature(fn).parameters:
+            keywords["extra_info"] = problem.get("extra_info") or {}
+        return _verl_verdict(fn(**keywords))
+    if takes_problem_row(fn):
+        return Verdict.of(fn(answer, problem))
+    answer_format = problem.get("answer_format", "math_verify")
+    extracted = extract_answer(answer, answer_format)
+    if extracted is None:
+        return Verdict(False, 0.0, NO_ANSWER)
+    return Verdict.of(fn(extracted, gold_answer(problem["answer"], answer_format)))
 
 
 # ---- the built-in "math" verifier ----
