@@ -94,8 +94,8 @@ def wait_all_ready(servers: list[VLLMServer], timeout_s: float = 300.0) -> None:
         server.wait_ready(timeout_s)
 
 
-def weight_version(url: str) -> str:
-    return request_json(url, "/weight_info", method="GET", timeout_s=10)["weight_version"]
+def weight_version(url: str, api_key: str | None = None) -> str:
+    return request_json(url, "/weight_info", method="GET", timeout_s=10, api_key=api_key)["weight_version"]
 
 
 def sync_scenario(rank: int, recipe, urls: list[str], config, version: int, kill_pid: int | None = None,
@@ -141,7 +141,7 @@ def push_and_read(rank: int, pushes: list, urls: list[str], config, kill_pid: in
         result = sync_scenario(rank, recipe, urls, config, version, kill_pid=kill_pid if kill == "server" else None,
                                die=kill == "sender")
         if rank == 0 and result["error"] is None:
-            result["versions"] = [weight_version(url) for url in urls]
-            result["outputs"] = [server_greedy(url) for url in urls]
+            result["versions"] = [weight_version(url, config.api_key) for url in urls]
+            result["outputs"] = [server_greedy(url, api_key=config.api_key) for url in urls]
         results.append(result)
     return results
