@@ -8,7 +8,6 @@ completion's."""
 from __future__ import annotations
 
 import signal
-import subprocess
 
 import openai
 import pytest
@@ -17,10 +16,11 @@ from megatron_scalerl.platform import free_port
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.tasks.problems import Problem
 from megatron_scalerl.tasks.prompts import INSTRUCTIONS, render_prompt
-from tests.test_inference_serve import KEY, _read_ready_line, start_serve
+from tests.test_inference_serve import KEY, _read_ready_line, start_serve, stop_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 PROBLEM = "Calculate 7 + 8."
+ASKED = Problem("q", PROBLEM, "")
 MESSAGE = f"{PROBLEM}\n\n{INSTRUCTIONS['math']}"  # the user message of its prompt (`render_prompt`)
 
 
@@ -31,7 +31,7 @@ def test_the_openai_client_lists_completes_and_chats_with_the_demo_model_and_nee
 
     model = str(build_model(load_recipe("demo"), tmp_path / "demo", seed=0))
     tokenizer = AutoTokenizer.from_pretrained(model)
-    prompt_ids = tokenizer(render_prompt(Problem("q", PROBLEM, ""), tokenizer)).input_ids  # BOS, then the text the run trains on
+    prompt_ids = tokenizer(render_prompt(ASKED, tokenizer)).input_ids  # BOS, then the text the run trains on
     port = free_port()
     proc = start_serve(model, port, tmp_path / "vllm.log", "--dtype", "float32", "--max-model-len", "512")
     try:
@@ -39,7 +39,7 @@ def test_the_openai_client_lists_completes_and_chats_with_the_demo_model_and_nee
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
         assert [served.id for served in client.models.list().data] == [model]
 
-        completion = client.completions.create(model=model, prompt=render_prompt(Problem("q", PROBLEM, ""), tokenizer), max_tokens=8,
+        completion = client.completions.create(model=model, prompt=render_prompt(ASKED, tokenizer), max_tokens=8,
                                                temperature=0.0, logprobs=2)
         (choice,) = completion.choices
         assert completion.usage.prompt_tokens == len(prompt_ids)
@@ -55,7 +55,7 @@ def test_the_openai_client_lists_completes_and_chats_with_the_demo_model_and_nee
         plain = client.chat.completions.create(  # as any OpenAI client sends it: no BOS, a system message first
             model=model, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": MESSAGE}],
             max_tokens=4, temperature=0.0)
-        assert plain.usage.prompt_tokens == len(tokenizer(f"Be brief.\n\n{render_prompt(Problem("q", PROBLEM, ""))}",
+        assert plain.usage.prompt_tokens == len(tokenizer("Be brief.\n\n" + render_prompt(ASKED),
                                                           add_special_tokens=False).input_ids)
         assert isinstance(plain.choices[0].message.content, str) and plain.usage.completion_tokens > 0
 
@@ -68,10 +68,4 @@ def test_the_openai_client_lists_completes_and_chats_with_the_demo_model_and_nee
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:  # a failed check: SIGTERM too, so that `scalerl serve` stops its vLLM server (a SIGKILL orphans it)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_serve(proc)

@@ -63,6 +63,18 @@ def start_serve(model: str, port: int, log: Path, *flags: str) -> subprocess.Pop
         env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "SCALERL_API_KEY": KEY})
 
 
+def stop_serve(proc: subprocess.Popen) -> None:
+    """SIGTERM a `scalerl serve` still running (so that it stops its vLLM server: a SIGKILL would orphan it), then
+    SIGKILL it if it has not exited within 60 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def _read_ready_line(proc: subprocess.Popen, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

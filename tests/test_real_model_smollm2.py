@@ -23,7 +23,7 @@ from megatron_scalerl.models.memory_plan import param_counts
 from megatron_scalerl.platform import free_port, run_local_workers
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.weight_sync.sender import WeightSyncConfig
-from tests.test_inference_serve import KEY, _read_ready_line, start_serve
+from tests.test_inference_serve import KEY, _read_ready_line, start_serve, stop_serve
 from tests.weight_sync_utils import assert_matches, hf_greedy, push_and_read, server_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multiprocess]
@@ -88,10 +88,4 @@ def test_serve_takes_the_trainers_weights_and_chats_in_the_models_template(smoll
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_serve(proc)
