@@ -27,7 +27,7 @@ from megatron_scalerl.launch.supervise import Restarts, RunWatch
 from megatron_scalerl.models.tokenizer import (
     GENERATION_CONFIG,
     TOKENIZER_FILES,
-    generation_config_of,
+    ensure_generation_config,
     has_tokenizer,
     special_token_ids,
 )
@@ -79,8 +79,7 @@ def prepare_run_dir(run_dir: Path, recipe: Recipe, tokenizer_dir: Path, *, cuda:
     atomic_write_text(model_dir / "config.json", json.dumps(config, indent=1) + "\n")
     if (tokenizer_dir / GENERATION_CONFIG).is_file():  # the model's end tokens: the generators stop at them
         shutil.copy2(tokenizer_dir / GENERATION_CONFIG, model_dir / GENERATION_CONFIG)
-    else:
-        atomic_write_text(model_dir / GENERATION_CONFIG, json.dumps(generation_config_of(config), indent=1) + "\n")
+    ensure_generation_config(model_dir, config)
     return recipe
 
 

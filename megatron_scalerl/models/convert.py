@@ -47,7 +47,7 @@ from megatron_scalerl.fileio import DEFAULT_FILE_MODE, fsync_tree, replace_durab
 from megatron_scalerl.models.arch import check_model_layout
 from megatron_scalerl.models.hf_io import INDEX_FILE, LazyHFState, has_safetensors, hf_tensor_shapes
 from megatron_scalerl.models.mapping import hf_parameter_names, kept_fp32
-from megatron_scalerl.models.tokenizer import GENERATION_CONFIG, TOKENIZER_FILES, generation_config_of
+from megatron_scalerl.models.tokenizer import GENERATION_CONFIG, TOKENIZER_FILES, ensure_generation_config
 from megatron_scalerl.platform.distributed import initialize_model_parallel
 from megatron_scalerl.platform.local_workers import WorkerError, run_local_workers
 from megatron_scalerl.recipe import ModelConfig, ParallelismConfig, load_run_recipe, read_hf_config
@@ -342,8 +342,7 @@ def _finish_hf_dir(tmp: Path, files: list[tuple[str, list[str], str]], model_cfg
         config = hf_config_dict(model_cfg)
     config["torch_dtype"] = body_dtype
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    if GENERATION_CONFIG not in copied:  # every checkpoint carries its end tokens (vLLM stops at them)
-        (tmp / GENERATION_CONFIG).write_text(json.dumps(generation_config_of(config), indent=2))
+    ensure_generation_config(tmp, config)  # the source's when copied; every checkpoint carries its end tokens
     (tmp / CHECKSUMS_FILE).write_text("\n".join(checksums) + "\n")
 
 

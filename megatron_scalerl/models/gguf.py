@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import replace_durably
-from megatron_scalerl.models.tokenizer import GENERATION_CONFIG, generation_config_of
+from megatron_scalerl.models.tokenizer import ensure_generation_config
 
 
 def gguf_to_hf(gguf_file: Path, out_dir: Path) -> Path:
@@ -43,9 +43,7 @@ def gguf_to_hf(gguf_file: Path, out_dir: Path) -> Path:
         del model.config.quantization_config
     model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
-    if not (tmp / GENERATION_CONFIG).is_file():
-        config = json.loads((tmp / "config.json").read_text())
-        (tmp / GENERATION_CONFIG).write_text(json.dumps(generation_config_of(config), indent=2) + "\n")
+    ensure_generation_config(tmp, json.loads((tmp / "config.json").read_text()))
     if out_dir.exists():
         shutil.rmtree(out_dir)
     replace_durably(tmp, out_dir)

@@ -41,9 +41,13 @@ def special_token_ids(tokenizer) -> dict[str, int | None]:
 GENERATION_CONFIG = "generation_config.json"  # a checkpoint's end tokens (vLLM stops at its eos_token_id too)
 
 
-def generation_config_of(config: dict[str, Any]) -> dict[str, Any]:
-    """The generation_config.json of a checkpoint written without one: its config.json's special token ids."""
-    return {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+def ensure_generation_config(directory: Path, config: dict[str, Any]) -> None:
+    """Give the checkpoint in `directory` a generation_config.json if it has none: its config.json's (`config`)
+    special token ids, so that every checkpoint we write carries its end tokens."""
+    path = directory / GENERATION_CONFIG
+    if not path.is_file():
+        ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+        path.write_text(json.dumps(ids, indent=2) + "\n")
 
 
 def end_token_ids(tokenizer, directory: str | Path | None = None) -> frozenset[int]:

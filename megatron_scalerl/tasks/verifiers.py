@@ -24,6 +24,7 @@ of an importable module.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
@@ -136,14 +137,19 @@ def takes_problem_row(fn: Verifier) -> bool:
 VERL_PARAMETERS = ("data_source", "solution_str", "ground_truth")  # and, optionally, extra_info
 
 
+@functools.cache
+def _parameter_names(fn: Verifier) -> frozenset[str]:
+    """`fn`'s parameter names, read once per function (the grader calls it per answer); none for a builtin."""
+    try:
+        return frozenset(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return frozenset()
+
+
 def takes_verl_arguments(fn: Verifier) -> bool:
     """Whether `fn` is a reward in verl's form: it has parameters named `data_source`, `solution_str` and
     `ground_truth` (and maybe `extra_info`)."""
-    try:
-        parameters = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a builtin without a signature
-        return False
-    return all(name in parameters for name in VERL_PARAMETERS)
+    return all(name in _parameter_names(fn) for name in VERL_PARAMETERS)
 
 
 def reads_gold_answer(fn: Verifier) -> bool:
@@ -177,7 +183,7 @@ def call_verifier(fn: Verifier, answer: str, problem: Mapping[str, Any]) -> Verd
     if takes_verl_arguments(fn):
         keywords = {"data_source": problem.get("data_source", "math"), "solution_str": answer,
                     "ground_truth": problem["answer"]}
-        if "extra_info" in inspect.signature(fn).parameters:
+        if "extra_info" in _parameter_names(fn):
             keywords["extra_info"] = problem.get("extra_info") or {}
         return _verl_verdict(fn(**keywords))
     if takes_problem_row(fn):
