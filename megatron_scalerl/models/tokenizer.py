@@ -53,10 +53,12 @@ def ensure_generation_config(directory: Path, config: dict[str, Any]) -> None:
 def end_token_ids(tokenizer, directory: str | Path | None = None) -> frozenset[int]:
     """Every token a generator stops at, as vLLM reads them: the tokenizer's EOS and the `eos_token_id` (one id or
     a list) of the generation_config.json in `directory` (default: the tokenizer's own directory). SmolLM2 and
-    Llama-3-Instruct end a turn with a token that is not their tokenizer's EOS."""
+    Llama-3-Instruct end a turn with a token that is not their tokenizer's EOS. A tokenizer built in memory (no
+    `name_or_path`) has only its EOS."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    path = Path(directory if directory is not None else tokenizer.name_or_path) / GENERATION_CONFIG
-    if path.is_file():
+    directory = directory if directory is not None else getattr(tokenizer, "name_or_path", None)
+    path = Path(directory) / GENERATION_CONFIG if directory else None
+    if path is not None and path.is_file():
         try:
             eos = json.loads(path.read_text()).get("eos_token_id")
         except (json.JSONDecodeError, AttributeError) as exc:
