@@ -57,16 +57,24 @@ def pytest_configure(config):
         config.pluginmanager.register(_DurationRecorder(), "scalerl-durations")
 
 
+def _machine(config) -> dict:
+    import torch
+
+    from megatron_scalerl.platform.precision import cpu_bf16_support
+
+    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith("model name")] if Path("/proc/cpuinfo").is_file() else []
+    return {"cpu": names[0] if names else "unknown", "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "bf16": cpu_bf16_support()[1], "workers": config.getoption("numprocesses", None)}
+
+
 def pytest_terminal_summary(terminalreporter, config):
+    if not hasattr(config, "workerinput"):  # every timing says where it was taken (CI keeps only a log's tail)
+        terminalreporter.write_line(f"measured on: {os.cpu_count()} cores, {_machine(config)}")
     recorder = config.pluginmanager.get_plugin("scalerl-durations")
     if recorder is not None:
-        import torch
-
-        from megatron_scalerl.platform.precision import cpu_bf16_support
-
         files = {**_known_seconds(), **{f: round(s, 1) for f, s in recorder.seconds.items()}}
-        measured = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "bf16": cpu_bf16_support()[1],
-                    "workers": config.getoption("numprocesses", None)}
+        measured = _machine(config)
         DURATIONS.write_text(json.dumps({"measured_on": measured, "files": dict(sorted(
             files.items(), key=lambda kv: -kv[1]))}, indent=1) + "\n")
         terminalreporter.write_line(f"{DURATIONS}: {len(recorder.seconds)} files' seconds recorded")

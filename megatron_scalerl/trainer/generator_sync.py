@@ -76,6 +76,18 @@ RESTART_AFTER = 2  # syncs in a row a live server fails before the launcher is a
 WEIGHT_SYNC_DIR = "weight_sync"  # RUN/weight_sync/: the disk transport's files (`weight_sync.transport: disk`)
 
 
+def weight_sync_config(recipe: Recipe, run_dir: str | Path, dtype: str) -> WeightSyncConfig:
+    """The trainer's weight sync into generators serving `dtype` (generators.json's), from the recipe's
+    `weight_sync` section: the run's key, the disk transport's folder in `run_dir`, loads overlapped with training."""
+    section = recipe.weight_sync
+    return WeightSyncConfig(bucket_mib=section.bucket_mib, serving_dtype=getattr(torch, dtype),
+                            fp32_lm_head=recipe.trainer.fp32_lm_head,
+                            timeout_s=float(recipe.cluster.collective_timeout_s),
+                            transport=section.transport, disk_dir=str(Path(run_dir) / WEIGHT_SYNC_DIR),
+                            staging=section.staging, checksum_every=section.checksum_every,
+                            api_key=os.environ.get(API_KEY_ENV), overlap_apply=True)
+
+
 class GeneratorLink:
     """Trainer side of the run's generators (see the module docstring). Every method is collective."""
 
@@ -109,14 +121,8 @@ class GeneratorLink:
         if found is None:
             return None
         urls, dtype = found
-        section = recipe.weight_sync
-        config = WeightSyncConfig(bucket_mib=section.bucket_mib, serving_dtype=getattr(torch, dtype),
-                                  fp32_lm_head=recipe.trainer.fp32_lm_head,
-                                  timeout_s=float(recipe.cluster.collective_timeout_s),
-                                  transport=section.transport, disk_dir=str(Path(run_dir) / WEIGHT_SYNC_DIR),
-                                  staging=section.staging, checksum_every=section.checksum_every,
-                                  api_key=os.environ.get(API_KEY_ENV), overlap_apply=True)
-        return cls(urls, recipe, config, is_rank0=is_rank0, run_dir=run_dir, deadline=deadline)
+        return cls(urls, recipe, weight_sync_config(recipe, run_dir, dtype), is_rank0=is_rank0, run_dir=run_dir,
+                   deadline=deadline)
 
     # ---- rank 0: what the servers say ----------------------------------------------------------------------------
 
