@@ -79,6 +79,22 @@ def offline(model: str, requests: list[GenerationRequest], engine: dict, repeats
     out.put((statistics.median(times), tokens))
 
 
+def offline_run(model: str, requests: list[GenerationRequest], engine: dict, repeats: int, env: dict = ENV
+                ) -> tuple[float, int]:
+    """`offline` in a spawned process of its own (its engine process goes with it): (median seconds, tokens)."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=offline, args=(model, requests, engine, repeats, queue, env))
+    proc.start()
+    try:
+        result = queue.get(timeout=1800)
+        proc.join(120)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    return result
+
+
 async def fleet_pass(url: str, requests: list[GenerationRequest], api_key: str | None = None) -> tuple[float, int]:
     async with Fleet([url], api_key=api_key) as fleet:
         start = time.perf_counter()
@@ -102,18 +118,9 @@ def main() -> None:
     requests = make_requests(args, model_cfg.vocab_size)
     with tempfile.TemporaryDirectory() as tmp:
         model = str(save_random_hf_model(model_cfg, Path(tmp) / "model", seed=0))
-        ctx = multiprocessing.get_context("spawn")
-        queue = ctx.Queue()
         engine = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "load_format": "safetensors",
                   "skip_tokenizer_init": True, "block_size": 32, "max_num_seqs": args.max_num_seqs}
-        proc = ctx.Process(target=offline, args=(model, requests, engine, args.repeats, queue))
-        proc.start()
-        try:
-            offline_s, offline_tokens = queue.get(timeout=1800)
-            proc.join(120)
-        finally:
-            if proc.is_alive():
-                proc.kill()
+        offline_s, offline_tokens = offline_run(model, requests, engine, args.repeats)
         config = VLLMServerConfig(model=model, port=free_port(), dtype="float32", max_model_len=MAX_MODEL_LEN,
                                   skip_tokenizer_init=True, env=ENV,
                                   extra_args=("--block-size", "32", "--tokens-only", "--max-num-seqs",

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import os
 import secrets
 import statistics
@@ -51,7 +50,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from generation import fleet_pass, offline  # this folder's fleet-against-offline benchmark
+from generation import fleet_pass, offline_run  # this folder's fleet-against-offline benchmark
 from pipeline import add_set_argument  # this folder's pipeline benchmark: --set
 from train_step import bench_batch  # this folder's train-step benchmark: a TrainBatch of a step's shape
 from weight_sync import machine  # this folder's link benchmark
@@ -247,17 +246,8 @@ def main() -> None:
     fleet_s, fleet_tokens = statistics.median(s for s, _ in passes), passes[0][1]
     engine = {"dtype": dtype, "max_model_len": recipe.rollout.max_prompt_tokens + recipe.rollout.max_new_tokens,
               "load_format": "safetensors", "generation_config": "vllm"}
-    queue = multiprocessing.get_context("spawn").Queue()
-    worker = multiprocessing.get_context("spawn").Process(target=offline, args=(
-        str(hf_dir), requests, engine, args.repeats, queue,
-        {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(args.threads)}))
-    worker.start()
-    try:
-        offline_s, offline_tokens = queue.get(timeout=1800)
-        worker.join(120)
-    finally:
-        if worker.is_alive():
-            worker.kill()
+    offline_s, offline_tokens = offline_run(str(hf_dir), requests, engine, args.repeats, {
+        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(args.threads)})
     torch.set_num_threads(args.threads)
     hf_s, hf_tokens = transformers_generate(hf_dir, requests, getattr(torch, dtype), ends, args.repeats)
     update = {k: statistics.median(u[k] for u in trained["updates"]) for k in ("seconds", "paused_s")}
