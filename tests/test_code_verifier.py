@@ -103,7 +103,9 @@ def test_cases_past_the_answer_deadline_time_out(short_limits):
     start = time.monotonic()
     verdict = verify_code(answer("import time\ntime.sleep(60)"), ADD_CASES)
     assert verdict == Verdict(False, 0.0, "timeout")
-    assert time.monotonic() - start < code_verifier.ANSWER_DEADLINE_S + 1  # the third case never started
+    # the answer stops at its deadline, give or take a loaded machine's sandbox teardown (1.35 s seen): never a
+    # third case's 3 s
+    assert time.monotonic() - start < code_verifier.ANSWER_DEADLINE_S + 2
 
 
 # ---- asserts ----
