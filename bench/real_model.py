@@ -43,7 +43,6 @@ import json
 import os
 import secrets
 import statistics
-import subprocess
 import tempfile
 import time
 from dataclasses import replace
@@ -56,9 +55,12 @@ from train_step import bench_batch  # this folder's train-step benchmark: a Trai
 from weight_sync import machine  # this folder's link benchmark
 
 from megatron_scalerl.demo.real_model import real_checkpoint
+from megatron_scalerl.families import layer_plan
 from megatron_scalerl.inference.fleet import GenerationRequest
 from megatron_scalerl.inference.vllm_server import wait_healthy
 from megatron_scalerl.launch.roles import MODEL_DIR, generator_command
+from megatron_scalerl.launch.supervise import Role
+from megatron_scalerl.models.memory_plan import param_counts
 from megatron_scalerl.models.tokenizer import end_token_ids
 from megatron_scalerl.platform import free_port, run_local_workers
 from megatron_scalerl.platform.precision import serving_dtype, with_resolved_precision
@@ -113,11 +115,14 @@ def transformers_generate(hf_dir: Path, requests: list[GenerationRequest], dtype
 
 
 def matmul_parameters(recipe: Recipe) -> int:
-    """The parameters of every matmul of one token's forward pass: attention and MLP projections, the LM head."""
-    m = recipe.model
-    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
-    attention = m.hidden_size * head_dim * (2 * m.num_attention_heads + 2 * m.num_query_groups)
-    return m.num_layers * (attention + 3 * m.hidden_size * m.ffn_hidden_size) + m.vocab_size * m.hidden_size
+    """The parameters of every matmul of one token's forward pass, from the memory plan's counts: a dense model's
+    projections (attention and MLP, `ParamCounts.dense_per_layer`) and the LM head (vocabulary x hidden, tied or
+    not). A model with routed experts is refused: its FLOPs per token are not its parameters'."""
+    counts = param_counts(recipe)
+    if any(counts.experts_per_layer) or any(layer_plan(recipe.model, i).latent_attention
+                                             for i in range(recipe.model.num_layers)):
+        raise SystemExit("bench/real_model.py counts the FLOPs of dense models with plain attention only")
+    return sum(counts.dense_per_layer) + counts.embedding
 
 
 def matmul_peak(dtype: torch.dtype, size: int, repeats: int) -> float:
@@ -184,27 +189,19 @@ def flat_broadcast(rank: int, nbytes: int, repeats: int) -> float | None:
     return statistics.median(times) if rank == 0 else None
 
 
-def start_generator(run_dir: Path, recipe: Recipe, dtype: str, threads: int) -> tuple[subprocess.Popen, str]:
-    """The run's generator as the local launcher starts it, on the model in `run_dir/model`: (process, URL)."""
-    port, log, out = free_port(), run_dir / "vllm.log", run_dir / "generator.log"
-    command = generator_command(run_dir, recipe, port=port, host="127.0.0.1", dtype=dtype, log=log)
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}
-    with open(out, "w") as said:
-        process = subprocess.Popen(command, env=env, stdout=said, stderr=subprocess.STDOUT, start_new_session=True)
+def start_generator(run_dir: Path, recipe: Recipe, dtype: str, threads: int) -> tuple[Role, str]:
+    """The run's generator as the local launcher starts it (its command, a `Role`), on the model in `run_dir/model`:
+    (the role, its URL) once healthy."""
+    port, log = free_port(), run_dir / "vllm.log"
+    role = Role("generator", generator_command(run_dir, recipe, port=port, host="127.0.0.1", dtype=dtype, log=log),
+                run_dir / "generator.log", {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)})
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, process, 600, what="the generator", log_path=log, log_tail=lambda: "\n".join(
-        line for f in (out, log) if f.is_file() for line in f.read_text().splitlines()[-20:]))
-    return process, url
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, 15)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
-            process.wait(30)
+    try:
+        wait_healthy(url, role.start().process, 600, what="the generator", log_path=role.log, log_tail=role.tail)
+    except BaseException:
+        role.stop()
+        raise
+    return role, url
 
 
 def main() -> None:
@@ -225,6 +222,7 @@ def main() -> None:
 
     hf_dir = args.hf or real_checkpoint(MODEL, args.model_root)
     recipe = demo_recipe(hf_dir, args.set)
+    matmul_params = matmul_parameters(recipe)  # first: a model it cannot count is refused before anything runs
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     ends = end_token_ids(tokenizer)
     requests = demo_requests(recipe, tokenizer, args.prompts, args.max_tokens)
@@ -233,7 +231,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_real_model_") as tmp:
         run_dir = Path(tmp)
         (run_dir / MODEL_DIR).symlink_to(hf_dir.resolve())
-        process, url = start_generator(run_dir, recipe, dtype, args.threads)
+        generator, url = start_generator(run_dir, recipe, dtype, args.threads)
         try:
             world = recipe.cluster.trainer_gpus  # the demo's trainer ranks, the cores shared among them
             threads = max(1, args.threads // world)
@@ -242,7 +240,7 @@ def main() -> None:
             trained = {**ranks[0], "peak_flops": sum(r["peak_flops"] for r in ranks)}
             passes = [asyncio.run(fleet_pass(url, requests, key)) for _ in range(args.repeats + 1)][1:]
         finally:
-            stop(process)
+            generator.stop()
     fleet_s, fleet_tokens = statistics.median(s for s, _ in passes), passes[0][1]
     engine = {"dtype": dtype, "max_model_len": recipe.rollout.max_prompt_tokens + recipe.rollout.max_new_tokens,
               "load_format": "safetensors", "generation_config": "vllm"}
@@ -254,7 +252,7 @@ def main() -> None:
     nbytes = trained["updates"][0]["bytes"]
     flat_s = run_local_workers(flat_broadcast, 2, nbytes, args.repeats, timeout_s=600)[0]
     m = recipe.model
-    flops = 6 * trained["tokens"] * matmul_parameters(recipe) + 6 * m.num_layers * m.hidden_size * trained[
+    flops = 6 * trained["tokens"] * matmul_params + 6 * m.num_layers * m.hidden_size * trained[
         "squared_lengths"]
     achieved = flops / trained["step_s"]
     generation = {name: {"seconds": round(s, 3), "tokens": t, "tokens_per_s": round(t / s, 1)} for name, (s, t) in

@@ -58,28 +58,31 @@ def pytest_configure(config):
 
 
 def _machine(config) -> dict:
+    """Where this run's timings were taken: cores, CPU model, torch's capability, whether bf16 is native."""
     import torch
 
-    from megatron_scalerl.platform.precision import cpu_bf16_support
+    from megatron_scalerl.platform.precision import CPUINFO, cpu_bf16_support
 
-    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-             if line.startswith("model name")] if Path("/proc/cpuinfo").is_file() else []
-    return {"cpu": names[0] if names else "unknown", "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "bf16": cpu_bf16_support()[1], "workers": config.getoption("numprocesses", None)}
+    names = [line.split(":", 1)[1].strip() for line in CPUINFO.read_text().splitlines()
+             if line.startswith("model name")] if CPUINFO.is_file() else []
+    return {"cores": len(os.sched_getaffinity(0)), "cpu": names[0] if names else "unknown",
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "bf16": cpu_bf16_support()[1],
+            "workers": config.getoption("numprocesses", None)}
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    if not hasattr(config, "workerinput"):  # every timing says where it was taken (CI keeps only a log's tail)
-        terminalreporter.write_line(f"measured on: {os.cpu_count()} cores, {_machine(config)}")
+    if hasattr(config, "workerinput"):
+        return
+    measured = _machine(config)
+    terminalreporter.write_line(f"measured on: {measured}")  # every timing says where (CI keeps a log's tail)
     recorder = config.pluginmanager.get_plugin("scalerl-durations")
     if recorder is not None:
         files = {**_known_seconds(), **{f: round(s, 1) for f, s in recorder.seconds.items()}}
-        measured = _machine(config)
         DURATIONS.write_text(json.dumps({"measured_on": measured, "files": dict(sorted(
             files.items(), key=lambda kv: -kv[1]))}, indent=1) + "\n")
         terminalreporter.write_line(f"{DURATIONS}: {len(recorder.seconds)} files' seconds recorded")
     unknown = getattr(config, "_unknown_files", [])
-    if unknown and not hasattr(config, "workerinput"):
+    if unknown:
         named = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
         terminalreporter.write_line(f"{len(unknown)} file(s) not in tests/{DURATIONS.name}, so scheduled last: "
                                     f"{named} (refresh it: make test-durations)")

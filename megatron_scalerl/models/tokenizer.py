@@ -56,9 +56,9 @@ def end_token_ids(tokenizer, directory: str | Path | None = None) -> frozenset[i
     Llama-3-Instruct end a turn with a token that is not their tokenizer's EOS. A tokenizer built in memory (no
     `name_or_path`) has only its EOS."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    directory = directory if directory is not None else getattr(tokenizer, "name_or_path", None)
-    path = Path(directory) / GENERATION_CONFIG if directory else None
-    if path is not None and path.is_file():
+    source = directory if directory is not None else getattr(tokenizer, "name_or_path", "")
+    path = Path(source) / GENERATION_CONFIG
+    if source and path.is_file():
         try:
             eos = json.loads(path.read_text()).get("eos_token_id")
         except (json.JSONDecodeError, AttributeError) as exc:
