@@ -59,7 +59,7 @@ def run(tmp_path_factory):
 
     def kill_generator():
         port = generator_url(run_dir).rsplit(":", 1)[1]
-        [server] = pids(f"vllm.entrypoints.openai.api_server.*--port {port}")
+        [server] = pids(f"megatron_scalerl.inference.api_server.*--port {port}")
         launches["generator_nice"] = _nice(server)
         os.killpg(server, signal.SIGKILL)  # the server's whole group: API server, engine core, worker
 

