@@ -150,7 +150,8 @@ def test_the_launched_generator_serves_only_the_runs_key_which_no_command_line_s
     # the launcher, the trainer's torchrun and its rank, the orchestrator, scalerl serve and vLLM's processes
     assert sum(b"megatron_scalerl.trainer" in c for c in commands) >= 2 and any(b"scalerl\0train" in c for c in
                                                                                  commands), commands
-    assert any(b"orchestrator" in c for c in commands) and any(b"vllm.entrypoints" in c for c in commands), commands
+    assert any(b"orchestrator" in c for c in commands), commands
+    assert any(b"megatron_scalerl.inference.api_server" in c for c in commands), commands  # vLLM's server, ours
     assert all(key not in command for command in commands)
     ours = [environment for command, environment in processes if b"megatron_scalerl" in command]
     assert ours and all(b"SCALERL_API_KEY=" + key in environment.split(b"\0") for environment in ours)

@@ -44,10 +44,11 @@ pytestmark = [pytest.mark.slurm, needs_slurm]
 
 def local_cluster(tmp_path_factory, nodes: int):
     """A local SLURM cluster of `nodes` virtual nodes (yields the environment its clients need), stopped after;
-    SlurmdTimeout 60 s, so a node lost in a test is declared DOWN within about a minute (SLURM's default: 300 s)."""
+    SlurmdTimeout 30 s, so a node lost in a test is declared DOWN within 30-40 s (SLURM's default: 300 s; slurmctld
+    pings its nodes every third of it, and a slurmd answers a ping within that even on a loaded machine)."""
     state = tmp_path_factory.mktemp("slurm")
     out = subprocess.run([str(LOCAL_CLUSTER / "start"), str(state)], capture_output=True, text=True,
-                         env={**os.environ, "NODES": str(nodes), "SLURMD_TIMEOUT": "60"}, timeout=120)
+                         env={**os.environ, "NODES": str(nodes), "SLURMD_TIMEOUT": "30"}, timeout=120)
     assert out.returncode == 0, out.stderr
     env = {**os.environ, "SLURM_CONF": out.stdout.strip().split("=", 1)[1], "OMP_NUM_THREADS": "1",
            "WANDB_MODE": "disabled"}
@@ -169,7 +170,7 @@ def test_moe_job_requeues_on_time_limit_then_loses_a_node_and_finishes_the_run_o
     checkpoints, requeues itself and continues the run. Then the generator's node is lost: its slurmd and
     everything started there SIGKILLed. The launcher starts the generator again, srun cannot reach the node, and the
     job, finding the node NOT_RESPONDING in its allocation, ends its roles and waits for SLURM to declare it DOWN
-    (SlurmdTimeout, 60 s here); SLURM then requeues the whole job, which starts again on the spare node and finishes
+    (SlurmdTimeout, 30 s here); SLURM then requeues the whole job, which starts again on the spare node and finishes
     the run, each step once in its history. The node is brought back at the end."""
     run_dir, out, steps = tmp_path / "run", tmp_path / "job.out", 12
     # PipelineRL-2 and a quick poll: the orchestrator only 2 batches ahead, so the trainer (0.5 s a step) cannot
