@@ -1,5 +1,6 @@
 """`scalerl train` before any process starts: the run directory it prepares, the roles' commands, bad input."""
 
+import json
 import os
 
 import pytest
@@ -40,6 +41,35 @@ def test_run_dir_holds_the_recipe_and_a_servable_model_dir(tmp_path, tokenizer_d
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
     assert config.eos_token_id == tokenizer.eos_token_id and config.vocab_size == RECIPE.model.vocab_size
     assert tokenizer.encode("</think>", add_special_tokens=False) == [tokenizer.convert_tokens_to_ids("</think>")]
+
+
+def test_the_launchs_tokenizer_reads_as_autotokenizer_does(tmp_path, tokenizer_dir):
+    """`tokenizer_facts` (the launch's quick read: transformers' generic fast tokenizer) against AutoTokenizer, the
+    oracle: the same length and special ids, from a tokenizer.json, and from vocab.json + merges.txt alone (there it
+    is AutoTokenizer itself)."""
+    from transformers import AutoTokenizer, GPT2Tokenizer
+
+    from megatron_scalerl.models.tokenizer import special_token_ids, tokenizer_facts
+
+    slow = tmp_path / "slow"
+    vocab, merges = _vocab_merges(tokenizer_dir, tmp_path)
+    GPT2Tokenizer(vocab_file=vocab, merges_file=merges, bos_token="<|begin_of_text|>",
+                  eos_token="<|end_of_text|>").save_pretrained(slow)
+    (slow / "tokenizer.json").unlink(missing_ok=True)
+    for directory in (tokenizer_dir, slow):
+        quick, oracle = tokenizer_facts(directory), AutoTokenizer.from_pretrained(str(directory))
+        assert len(quick) == len(oracle) and special_token_ids(quick) == special_token_ids(oracle), directory
+        assert special_token_ids(quick)["eos_token_id"] is not None
+
+
+def _vocab_merges(tokenizer_dir, out):
+    """vocab.json and merges.txt of the BPE in `tokenizer_dir`'s tokenizer.json (a tokenizer without tokenizer.json)."""
+    model = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]
+    vocab, merges = out / "vocab.json", out / "merges.txt"
+    vocab.write_text(json.dumps(model["vocab"]))
+    merges.write_text("#version: 0.2\n" + "".join(
+        (" ".join(m) if isinstance(m, list) else m) + "\n" for m in model["merges"]))
+    return str(vocab), str(merges)
 
 
 def test_roles_commands(tmp_path):

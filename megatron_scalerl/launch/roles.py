@@ -30,6 +30,7 @@ from megatron_scalerl.models.tokenizer import (
     ensure_generation_config,
     has_tokenizer,
     special_token_ids,
+    tokenizer_facts,
 )
 from megatron_scalerl.orchestrator.state import rewind_to_checkpoint
 from megatron_scalerl.platform.precision import Precision, resolve_precision, with_resolved_precision
@@ -58,11 +59,9 @@ def prepare_run_dir(run_dir: Path, recipe: Recipe, tokenizer_dir: Path, *, cuda:
     `trainer.precision` resolved for the trainer's device (`cuda`: GPUs, else this CPU; `platform.precision`), so
     that the run's record says what it trained in. An HF `trainer.init_from` of another model than the recipe's is
     refused first, before anything is written or any role starts (`recipe.require_init_from_matches`)."""
-    from transformers import AutoTokenizer
-
     require_init_from_matches(recipe)
-    say_rope_note(recipe)  # before AutoTokenizer, which may read a config.json of the model
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    say_rope_note(recipe)  # before the tokenizer, whose loading may read a config.json of the model
+    tokenizer = tokenizer_facts(tokenizer_dir)
     if len(tokenizer) > recipe.model.vocab_size:
         raise UserError(f"tokenizer {tokenizer_dir}: {len(tokenizer)} ids, more than model.vocab_size "
                         f"{recipe.model.vocab_size}")

@@ -32,6 +32,21 @@ def has_tokenizer(directory: str | Path) -> bool:
     return any((Path(directory) / name).is_file() for name in TOKENIZER_CORE_FILES)
 
 
+def tokenizer_facts(directory: str | Path):
+    """The tokenizer of `directory` for what a launch checks and records before any role starts (its length and
+    special token ids): with a `tokenizer.json`, transformers' generic fast tokenizer, whose import leaves out the
+    torch compiler stack that `AutoTokenizer`'s pulls in (about 5 s of a launch's start on 2 cores); else
+    `AutoTokenizer`. The roles that encode text (the orchestrator, the evaluation) load the model's own class with
+    `AutoTokenizer`, whose encodings may differ (a class of its own may add tokens)."""
+    if (Path(directory) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(directory))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
 def special_token_ids(tokenizer) -> dict[str, int | None]:
     """The token ids an HF config.json records for `tokenizer` (the generators stop on `eos_token_id`)."""
     return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
