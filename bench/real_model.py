@@ -25,7 +25,8 @@ same run on the same model:
   (`trainer.generator_sync.weight_sync_config`; its load awaited, not overlapped with a step), `--repeats` after a
   warm-up: seconds and the generator's pause; against a flat gloo broadcast of the same bytes between two processes
   (memory already touched: the link's limit). `pause_share` = paused / update seconds (goal <= 0.5),
-  `update_over_flat` = update seconds / flat seconds.
+  `update_over_flat` = update seconds / flat seconds; `phases_s`: where rank 0's update time goes, each part's
+  median (`weight_sync.sender.PHASES`: export, plan, send, the other senders, receive, checksums, apply, finish).
 
 The parts run one at a time, nothing beside them: the generator and each baseline get `--threads` threads (default:
 every core), the trainer's ranks share them.
@@ -68,6 +69,7 @@ from megatron_scalerl.recipe import Recipe, load_recipe
 from megatron_scalerl.run.directory import API_KEY_ENV
 from megatron_scalerl.tasks.problems import load_sources
 from megatron_scalerl.tasks.prompts import render_prompt
+from megatron_scalerl.weight_sync.sender import PHASES
 
 MODEL = "smollm2_135m"
 
@@ -161,7 +163,7 @@ def trainer_part(rank: int, run_dir: str, recipe: Recipe, url: str, dtype: str, 
             stats = push_weights(trainer.model, recipe.model, config, sender, version)
             if stats is not None:  # rank 0's
                 updates.append({"seconds": time.perf_counter() - start, "paused_s": stats.paused_s,
-                                "bytes": stats.bytes, "staged": stats.staged})
+                                "bytes": stats.bytes, "staged": stats.staged, "phases": stats.phases})
     finally:
         sender.close()
     batch = bench_batch(recipe, recipe.rollout.max_prompt_tokens + recipe.rollout.max_new_tokens)
@@ -249,6 +251,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     hf_s, hf_tokens = transformers_generate(hf_dir, requests, getattr(torch, dtype), ends, args.repeats)
     update = {k: statistics.median(u[k] for u in trained["updates"]) for k in ("seconds", "paused_s")}
+    phases = {k: round(statistics.median(u["phases"].get(k, 0.0) for u in trained["updates"]), 3) for k in PHASES}
     nbytes = trained["updates"][0]["bytes"]
     flat_s = run_local_workers(flat_broadcast, 2, nbytes, args.repeats, timeout_s=600)[0]
     m = recipe.model
@@ -266,6 +269,7 @@ def main() -> None:
           f" tokens/s, {achieved / 1e9:.2f} GFLOP/s of a {trained['peak_flops'] / 1e9:.1f} GFLOP/s matmul peak")
     print(f"  weight update {update['seconds']:.2f} s ({nbytes / 2**20:.0f} MiB), paused {update['paused_s']:.2f} s; "
           f"flat broadcast {flat_s:.3f} s")
+    print("  its parts: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in phases.items()))
     print(json.dumps({
         "machine": machine(), "threads": args.threads, "trainer_precision": recipe.trainer.precision,
         "generator_dtype": dtype, "samples": len(requests), "max_tokens": args.max_tokens, "generation": generation,
@@ -278,7 +282,7 @@ def main() -> None:
         "update": {"seconds": round(update["seconds"], 3), "paused_s": round(update["paused_s"], 3), "bytes": nbytes,
                    "staged": trained["updates"][0]["staged"], "flat_broadcast_s": round(flat_s, 4),
                    "pause_share": round(update["paused_s"] / update["seconds"], 3),
-                   "update_over_flat": round(update["seconds"] / flat_s, 2)}}))
+                   "update_over_flat": round(update["seconds"] / flat_s, 2), "phases_s": phases}}))
 
 
 if __name__ == "__main__":

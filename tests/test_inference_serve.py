@@ -188,7 +188,8 @@ def test_serve_gives_a_tied_qwen3_an_fp32_head_and_keeps_it_through_syncs(tmp_pa
     url = f"http://127.0.0.1:{port}"
     proc = start_serve(model, port, tmp_path / "vllm.log", "--dtype", "float16", "--max-model-len", "256")
     try:
-        assert "FP32 LM head" in _read_ready_line(proc, 300)
+        ready = _read_ready_line(proc, 300)
+        assert "FP32 LM head" in ready
         (head,) = request_json(url, "/collective_rpc", {"method": "scalerl_fp32_lm_head"}, timeout_s=30,
                                api_key=KEY)["results"]
         assert head["converted_from"] is None  # serve made it FP32 already
@@ -196,8 +197,18 @@ def test_serve_gives_a_tied_qwen3_an_fp32_head_and_keeps_it_through_syncs(tmp_pa
         head = _sync_twice(url, weights, tied=True)
         assert head == {"converted_from": None, "checksum": checksum(weights[EMBEDDING])}  # bit for bit, FP32
         _assert_greedy_is_transformers(url, other)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        # serve and vLLM's API server SIGKILLed, not their group (a node's processes killed one by one): the forked
+        # engine core dies with its API server and never held the port, which a restart can listen on at once
+        server_pid = int(ready.split("(pid ")[1].split(",")[0])
+        [core] = [pid for pid in _live_group_members(server_pid) if psutil.Process(pid).name() == "VLLM::EngineCore"]
+        for pid in (proc.pid, server_pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
+        psutil.Process(core).wait(timeout=10)
+        with socket.socket() as listener:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", port))
+            listener.listen()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -114,3 +114,9 @@ def test_the_real_model_bench_reports_every_ratio(smol_shaped, tmp_path):
     params = sum(t.numel() for t in load_file(hf / "model.safetensors").values())
     assert update["bytes"] == 4 * params  # fp32 on the wire, the tied head once
     assert 0 < update["pause_share"] <= 1 and positive(update["update_over_flat"]), update
+    # where the update's time goes: every part once, none negative, together within the update's own seconds
+    from megatron_scalerl.weight_sync.sender import PHASES
+
+    phases = update["phases_s"]
+    assert list(phases) == list(PHASES) and min(phases.values()) >= 0 and phases["send_s"] > 0, phases
+    assert sum(phases.values()) <= update["seconds"] + 0.01, (phases, update["seconds"])

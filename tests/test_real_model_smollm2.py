@@ -49,10 +49,11 @@ def test_the_memory_plan_counts_the_real_models_parameters(smollm2):
 
 def test_our_model_at_tp3_gives_transformers_logits(smollm2):
     out = subprocess.run([sys.executable, "-m", "megatron_scalerl.commands", "verify", "logits", "--hf", str(smollm2),
-                          "--tp", "3", "--seq-len", "24"], capture_output=True, text=True, timeout=900)
+                          "--tp", "3", "--seq-len", "24", "--tolerance", "1e-3"], capture_output=True, text=True,
+                         timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report["max_abs_diff"] <= 1e-3, report
+    assert report["max_abs_diff"] <= 1e-3, report  # 6e-5 with AVX512, 1.4e-4 on AVX2: 30 fp32 layers, other sums
 
 
 def test_serve_takes_the_trainers_weights_and_chats_in_the_models_template(smollm2, tmp_path, monkeypatch):

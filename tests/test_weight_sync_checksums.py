@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from megatron_scalerl.http_json import ServerError
 from megatron_scalerl.weight_sync.protocol import Bucket, WeightSyncError
-from megatron_scalerl.weight_sync.sender import WeightSender, WeightSyncConfig
+from megatron_scalerl.weight_sync.sender import PHASES, WeightSender, WeightSyncConfig
 from tests.trainer_utils import tiny_hf_checkpoint
 from tests.weight_sync_utils import assert_matches, hf_greedy, server_greedy, start_server, weight_version
 
@@ -81,6 +81,11 @@ def test_a_corrupted_receive_is_caught_and_sent_again(server, caplog, staging):
         sender.close()
     assert "checksums disagree" in caplog.text and "sending it all again" in caplog.text
     assert stats.staged == (staging == "on") and stats.checksums_verified > 0
+    # its parts: each once, together the sync's seconds (which start after the export)
+    assert list(stats.phases) == list(PHASES), stats.phases
+    assert abs(sum(stats.phases.values()) - stats.phases["export_s"] - stats.seconds) < 0.05, stats
+    assert stats.phases["checksums_s"] > 0 and stats.phases["finish_s"] > 0
+    assert stats.phases["apply_s"] > 0 or not stats.staged, stats.phases  # staged: the load is its own part
     assert weight_version(server["url"]) == str(version)
     assert_matches(server_greedy(server["url"]), hf_greedy(server["dirs"]["b"]), "after a resent sync")
 

@@ -103,17 +103,41 @@ class SyncStats:
     staged: bool
     checksums_verified: int  # slices x server workers compared (0 when not due)
     overlapped: bool = False  # its load is being applied in the background (`WeightSyncConfig.overlap_apply`)
+    phases: dict[str, float] = field(default_factory=dict)  # rank 0's seconds in each part (`PHASES`; over both
+    #                  attempts when sent twice; an overlapped sync has none of the parts after `senders_s`)
+
+
+# The parts of one sync on rank 0, in order: taking the slices from the model (`export_s`), the plan (headers
+# gathered, the servers told: `plan_s`), sending its own buckets (`send_s`), waiting for the other senders
+# (`senders_s`), then on the servers: the unstaged receive-and-load's end (`receive_s`), every worker's checksums
+# (staged: the receive's end; `checksums_s`), the staged load (pause, start, apply: `apply_s`), tag and resume
+# (`finish_s`).
+PHASES = ("export_s", "plan_s", "send_s", "senders_s", "receive_s", "checksums_s", "apply_s", "finish_s")
+
+
+class Laps:
+    """Seconds between successive `lap(name)` calls, added into `seconds[name]` (from its creation first)."""
+
+    def __init__(self, seconds: dict[str, float]):
+        self.seconds, self.last = seconds, time.monotonic()
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now
 
 
 @dataclass
 class Update:
     """Rank 0's record of one sync attempt: `staged`; `paused_s` (the servers paused, s: -start until it ends);
-    `receiving` (the servers' unstaged `/update_weights` calls in flight); `verified` (checksums compared)."""
+    `receiving` (the servers' unstaged `/update_weights` calls in flight); `verified` (checksums compared);
+    `phases` (seconds per part, `PHASES`)."""
 
     staged: bool
     paused_s: float = 0.0
     receiving: dict = field(default_factory=dict)
     verified: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class WeightSender:
@@ -220,7 +244,9 @@ class WeightSender:
             raise WeightSyncError(f"weight sender unusable after an earlier failure: {self.failed}")
         if not self.senders:
             raise WeightSyncError("weight sender not connected: call connect() first")
+        exported = time.monotonic()
         pieces = [Piece.of(p) for p in pieces] if self.sends else []
+        exported = time.monotonic() - exported
         config = self.config
 
         def dtype_of(name: str) -> torch.dtype:
@@ -228,10 +254,12 @@ class WeightSender:
 
         first = None
         for attempt in (1, 2):
-            stats, resend = self._sync(pieces, weight_version, dtype_of, progress)
+            stats, resend = self._sync(pieces, weight_version, dtype_of, progress, exported if attempt == 1 else 0.0)
             if not resend:
                 return stats if first is None or stats is None else replace(
-                    stats, seconds=first.seconds + stats.seconds, paused_s=first.paused_s + stats.paused_s)
+                    stats, seconds=first.seconds + stats.seconds, paused_s=first.paused_s + stats.paused_s,
+                    phases={k: first.phases.get(k, 0.0) + stats.phases.get(k, 0.0) for k in PHASES
+                            if k in first.phases or k in stats.phases})
             first = stats
             if attempt == 1:
                 log.warning("weight sync of version %d: checksums disagree (%s); sending it all again",
@@ -240,9 +268,12 @@ class WeightSender:
         raise WeightSyncError(self.failed)
 
     def _sync(self, pieces: list[Piece], version: int, dtype_of: Callable[[str], torch.dtype],
-              progress: Callable[[Bucket], None] | None) -> tuple[SyncStats | None, str | None]:
-        """One attempt (collective): the stats on rank 0 and, when checksums disagreed, what disagreed."""
+              progress: Callable[[Bucket], None] | None, exported_s: float) -> tuple[SyncStats | None, str | None]:
+        """One attempt (collective): the stats on rank 0 and, when checksums disagreed, what disagreed
+        (`exported_s`: the seconds its pieces took to export, counted in its phases)."""
         start = time.monotonic()
+        phases: dict[str, float] = {"export_s": exported_s}
+        laps = Laps(phases)
         self.syncs += 1
         check = self.config.checksum_every > 0 and self.syncs % self.config.checksum_every == 0
         groups = group_buckets(pieces, max(1, int(self.config.bucket_mib * MIB)), dtype_of)
@@ -256,11 +287,14 @@ class WeightSender:
             error = self._begin(plan, update)
         plan["sync"], error = from_rank0((plan["sync"], error))
         self.agree(error if self.rank == 0 else None, f"weight sync of version {version}")
+        laps.lap("plan_s")
         sums: dict[str, str] = {}
         if self.sends:
             error = self._send_buckets(groups, dtype_of, plan["sync"], check, sums, progress)
+        laps.lap("send_s")
         every_sum = all_gathered(sums if check else None)
         errors = [e for e in all_gathered(error) if e]
+        laps.lap("senders_s")
         resend = None
         if self.control is not None:
             sent = {key: value for part in every_sum if part for key, value in part.items()}
@@ -276,8 +310,10 @@ class WeightSender:
         overlapped = self.applying is not None
         paused_s = self.applied_paused_s + (0.0 if overlapped else update.paused_s)
         self.applied_paused_s = 0.0
+        if not overlapped:
+            phases.update(update.phases)
         return SyncStats(version, sum(len(s) for s in plan["senders"]), total, time.monotonic() - start,
-                         paused_s, update.staged, update.verified, overlapped), resend
+                         paused_s, update.staged, update.verified, overlapped, phases), resend
 
     def settle(self) -> str | None:
         """Rank 0 (elsewhere None at once): wait for the last sync's load in the background, if any; its error, else
@@ -312,13 +348,16 @@ class WeightSender:
                   ) -> tuple[str | None, str | None]:
         """Rank 0, after the senders sent (`errors`: theirs; `sent`: their slices' checksums when due): wait for the
         receive, compare checksums, load what was staged, tag `version`, resume. Returns (error, what disagreed)."""
+        laps = Laps(update.phases)
         try:
             if errors:
                 raise WeightSyncError("; ".join(errors) + f" [{self.control.health()}]")
             if update.receiving:
                 self.control.wait(update.receiving, "receive")
+            laps.lap("receive_s")
             # staged: wait until every worker has it all (its checksums answer then), before pausing anything
             received = self.control.checksums() if update.staged or sent is not None else None
+            laps.lap("checksums_s")
             resend = None
             if sent is not None:
                 resend, update.verified = self._compare(sent, received)
@@ -333,10 +372,12 @@ class WeightSender:
                 self._pause(update)
                 self.control.start_update()
                 self.control.wait(self.control.submit_update({"staged": True}), "apply staged")
+            laps.lap("apply_s")
             self.control.finish_update(version)
             if self.config.pause_generation:
                 self.control.resume()
             update.paused_s += time.monotonic()
+            laps.lap("finish_s")
             return None, None
         except Exception as exc:  # whatever it is, the other ranks must hear of it rather than wait
             if update.staged:
