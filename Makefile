@@ -31,8 +31,8 @@ bytecode: setup
 # The whole suite, as CI runs it (.ci/run): two pytest workers (pytest-xdist), whole files to each, so that a
 # module's fixtures (a vLLM server, a trainer, a SLURM cluster) are built once; the files longest first by
 # tests/durations.json (tests/conftest.py). Each tier's time below: 2 cores, Intel Xeon, AVX512 with native bf16
-# (amx_bf16), 2026-12-02 (docs/benchmarks.md, "Test suite"). The whole suite: 27-31 min there, 45.6 min on a
-# 2-core AMD EPYC (AVX512, avx512_bf16, no AMX).
+# (amx_bf16), 2026-12-02 (docs/benchmarks.md, "Test suite"). The whole suite: 27-31 min there, 32.8-45.6 min on a
+# 2-core AMD EPYC (AVX512, avx512_bf16, no AMX), 60.2 min on a 2-core AMD EPYC with AVX2 only (2026-12-03).
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 test: bytecode
 	$(PYTEST) --durations=25 $(PYTEST_ARGS)
