@@ -6,6 +6,8 @@ Oracles: the source HF tensors themselves (every tensor equal, dtype included), 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -16,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_scalerl.checkpoint.sharded import checkpoint_model_config
+from megatron_scalerl.commands import main
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.models.convert import (
     HF_EXTRAS_DIR,
@@ -292,10 +295,14 @@ def _copy_hf(source: Path, target: Path) -> Path:
 
 
 def _refused(args: list[str], message: str, out: Path) -> None:
-    proc = _scalerl("convert", *args, "--out", str(out), timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+    """`scalerl convert ARGS --out OUT` (the CLI's `main`, in this process: a refusal starts no worker) exits 2 with
+    one `error:` line holding `message`, and writes nothing."""
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        code = main(["convert", *args, "--out", str(out)])
+    assert code == 2, stderr.getvalue()[-2000:]
+    lines = [line for line in stderr.getvalue().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], stderr.getvalue()[-2000:]
     assert not out.exists() and not list(out.parent.glob(f".{out.name}*"))
 
 
