@@ -295,8 +295,8 @@ def _copy_hf(source: Path, target: Path) -> Path:
 
 
 def _refused(args: list[str], message: str, out: Path) -> None:
-    """`scalerl convert ARGS --out OUT` (the CLI's `main`, in this process: a refusal starts no worker) exits 2 with
-    one `error:` line holding `message`, and writes nothing."""
+    """`scalerl convert ARGS --out OUT` (the CLI's `main`, in this process: no interpreter started for a refusal)
+    exits 2 with one `error:` line holding `message`, and writes nothing."""
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
         code = main(["convert", *args, "--out", str(out)])

@@ -75,6 +75,11 @@ def stop_serve(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def _server_pid(ready: str) -> int:
+    """The vLLM API server's pid in serve's ready line ("... (pid N, ...")."""
+    return int(ready.split("(pid ")[1].split(",")[0])
+
+
 def _read_ready_line(proc: subprocess.Popen, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -120,7 +125,7 @@ def test_serve_guards_routes_keeps_an_fp32_head_through_syncs_and_stops_cleanly(
         ready = _read_ready_line(proc, 300)
         assert f"at {url}" in ready and "FP32 LM head" in ready and "API key on every route" in ready
         assert "no tokenizer in the checkpoint: token ids in and out only" in ready
-        server_pid = int(ready.split("(pid ")[1].split(",")[0])
+        server_pid = _server_pid(ready)
         assert request_json(url, "/health", method="GET", timeout_s=10) is None  # open: launchers poll it
         names = [psutil.Process(pid).name() for pid in _live_group_members(server_pid)]
         assert "VLLM::EngineCore" in names and not any("Worker" in name for name in names), names  # worker in-process
@@ -199,7 +204,7 @@ def test_serve_gives_a_tied_qwen3_an_fp32_head_and_keeps_it_through_syncs(tmp_pa
         _assert_greedy_is_transformers(url, other)
         # serve and vLLM's API server SIGKILLed, not their group (a node's processes killed one by one): the forked
         # engine core dies with its API server and never held the port, which a restart can listen on at once
-        server_pid = int(ready.split("(pid ")[1].split(",")[0])
+        server_pid = _server_pid(ready)
         [core] = [pid for pid in _live_group_members(server_pid) if psutil.Process(pid).name() == "VLLM::EngineCore"]
         for pid in (proc.pid, server_pid):
             os.kill(pid, signal.SIGKILL)

@@ -51,7 +51,7 @@ def fork_engine_core_on_cpu() -> None:
 def children_let_go(sock: socket.socket) -> None:
     """Every child this process forks from now on closes its copy of `sock` and, forked from the main thread (a
     parent-death signal follows the thread that forked), is SIGKILLed when this process dies."""
-    parent, forking = os.getpid(), {}
+    parent, prctl, forking = os.getpid(), ctypes.CDLL(None).prctl, {}
 
     def before() -> None:
         forking["main"] = threading.current_thread() is threading.main_thread()
@@ -59,7 +59,7 @@ def children_let_go(sock: socket.socket) -> None:
     def in_child() -> None:
         sock.close()
         if forking.get("main"):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             if os.getppid() != parent:  # the parent died before the signal was asked for
                 os._exit(1)
 

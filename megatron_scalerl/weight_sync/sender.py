@@ -110,8 +110,8 @@ class SyncStats:
 # The parts of one sync on rank 0, in order: taking the slices from the model (`export_s`), the plan (headers
 # gathered, the servers told: `plan_s`), sending its own buckets (`send_s`), waiting for the other senders
 # (`senders_s`), then on the servers: the unstaged receive-and-load's end (`receive_s`), every worker's checksums
-# (staged: the receive's end; `checksums_s`), the staged load (pause, start, apply: `apply_s`), tag and resume
-# (`finish_s`).
+# (staged: the receive's end) and their comparison (`checksums_s`), the staged load (pause, start, apply:
+# `apply_s`), tag and resume (`finish_s`).
 PHASES = ("export_s", "plan_s", "send_s", "senders_s", "receive_s", "checksums_s", "apply_s", "finish_s")
 
 
@@ -244,9 +244,10 @@ class WeightSender:
             raise WeightSyncError(f"weight sender unusable after an earlier failure: {self.failed}")
         if not self.senders:
             raise WeightSyncError("weight sender not connected: call connect() first")
-        exported = time.monotonic()
+        phases: dict[str, float] = {}  # both attempts' parts, added up
+        laps = Laps(phases)
         pieces = [Piece.of(p) for p in pieces] if self.sends else []
-        exported = time.monotonic() - exported
+        laps.lap("export_s")
         config = self.config
 
         def dtype_of(name: str) -> torch.dtype:
@@ -254,12 +255,10 @@ class WeightSender:
 
         first = None
         for attempt in (1, 2):
-            stats, resend = self._sync(pieces, weight_version, dtype_of, progress, exported if attempt == 1 else 0.0)
+            stats, resend = self._sync(pieces, weight_version, dtype_of, progress, phases)
             if not resend:
                 return stats if first is None or stats is None else replace(
-                    stats, seconds=first.seconds + stats.seconds, paused_s=first.paused_s + stats.paused_s,
-                    phases={k: first.phases.get(k, 0.0) + stats.phases.get(k, 0.0) for k in PHASES
-                            if k in first.phases or k in stats.phases})
+                    stats, seconds=first.seconds + stats.seconds, paused_s=first.paused_s + stats.paused_s)
             first = stats
             if attempt == 1:
                 log.warning("weight sync of version %d: checksums disagree (%s); sending it all again",
@@ -268,11 +267,11 @@ class WeightSender:
         raise WeightSyncError(self.failed)
 
     def _sync(self, pieces: list[Piece], version: int, dtype_of: Callable[[str], torch.dtype],
-              progress: Callable[[Bucket], None] | None, exported_s: float) -> tuple[SyncStats | None, str | None]:
-        """One attempt (collective): the stats on rank 0 and, when checksums disagreed, what disagreed
-        (`exported_s`: the seconds its pieces took to export, counted in its phases)."""
+              progress: Callable[[Bucket], None] | None, phases: dict[str, float]
+              ) -> tuple[SyncStats | None, str | None]:
+        """One attempt (collective): the stats on rank 0 and, when checksums disagreed, what disagreed; its parts'
+        seconds are added into `phases` (the stats hold the sums so far)."""
         start = time.monotonic()
-        phases: dict[str, float] = {"export_s": exported_s}
         laps = Laps(phases)
         self.syncs += 1
         check = self.config.checksum_every > 0 and self.syncs % self.config.checksum_every == 0
@@ -311,9 +310,10 @@ class WeightSender:
         paused_s = self.applied_paused_s + (0.0 if overlapped else update.paused_s)
         self.applied_paused_s = 0.0
         if not overlapped:
-            phases.update(update.phases)
+            for name, seconds in update.phases.items():
+                phases[name] = phases.get(name, 0.0) + seconds
         return SyncStats(version, sum(len(s) for s in plan["senders"]), total, time.monotonic() - start,
-                         paused_s, update.staged, update.verified, overlapped, phases), resend
+                         paused_s, update.staged, update.verified, overlapped, dict(phases)), resend
 
     def settle(self) -> str | None:
         """Rank 0 (elsewhere None at once): wait for the last sync's load in the background, if any; its error, else
@@ -357,10 +357,10 @@ class WeightSender:
             laps.lap("receive_s")
             # staged: wait until every worker has it all (its checksums answer then), before pausing anything
             received = self.control.checksums() if update.staged or sent is not None else None
-            laps.lap("checksums_s")
             resend = None
             if sent is not None:
                 resend, update.verified = self._compare(sent, received)
+            laps.lap("checksums_s")
             if resend and update.staged:
                 self.control.discard_staged()  # nothing of it was loaded; the servers never paused
                 return None, resend
