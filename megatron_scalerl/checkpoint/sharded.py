@@ -10,6 +10,8 @@ tensors, plain values), never run.
 
 from __future__ import annotations
 
+import contextlib
+import queue
 from pathlib import Path
 
 import torch
@@ -36,14 +38,40 @@ def _strategy(path: Path, *, loading: bool):
     return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group)
 
 
-def save_sharded(sharded_state: dict, path: Path):
-    """Collective. Prepare writing `sharded_state` (megatron ShardedTensors) into the existing directory `path`:
-    megatron-core's AsyncRequest (its asynchronous save), which the caller runs in place (`execute_sync()`, as
-    megatron's own synchronous save does) or schedules in the background (`AsyncCallsQueue`, CUDA only)."""
+def save_sharded(sharded_state: dict, path: Path, *, in_place: bool):
+    """Collective. Write `sharded_state` (megatron ShardedTensors) into the existing directory `path`: with
+    `in_place`, here and now (as megatron's own synchronous save does, `execute_sync()`), returning None; else
+    megatron-core's AsyncRequest (its asynchronous save), for the caller to schedule in the background
+    (`AsyncCallsQueue`, CUDA only)."""
     from megatron.core import dist_checkpointing
 
-    return dist_checkpointing.save(sharded_state, str(path), sharded_strategy=_strategy(path, loading=False),
-                                   async_sharded_save=True)
+    def save():
+        return dist_checkpointing.save(sharded_state, str(path), sharded_strategy=_strategy(path, loading=False),
+                                       async_sharded_save=True)
+
+    if not in_place:
+        return save()
+    with _results_in_this_process():
+        request = save()
+    request.execute_sync()
+    return None
+
+
+@contextlib.contextmanager
+def _results_in_this_process():
+    """megatron-core's writer hands a save's results to the rank that saves through a queue it makes once per
+    process at its first save: a spawned multiprocessing Manager, which a write run in another process needs. Its
+    server imports torch to hold them: 5-7 s of CPU per rank at its first checkpoint (2 AVX2 cores). A save run in
+    place puts and gets them in this process: its writer is given a plain queue instead (the writer keeps the queue
+    it was given; megatron's own, for a save in the background, is left as it was)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    made = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = made
 
 
 def load_sharded(sharded_state: dict, path: Path) -> dict:

@@ -49,7 +49,7 @@ from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig,
 from megatron_scalerl.models.hf_io import require_safetensors
 from megatron_scalerl.models.tokenizer import has_tokenizer
 from megatron_scalerl.run.directory import API_KEY_ENV, read_api_key_file
-from megatron_scalerl.weight_sync.protocol import WEIGHT_UPDATE_IN_PROGRESS
+from megatron_scalerl.weight_sync import WEIGHT_UPDATE_IN_PROGRESS
 
 
 def add_api_key_arguments(parser: argparse.ArgumentParser, what: str) -> None:

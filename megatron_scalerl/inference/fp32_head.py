@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
 from megatron_scalerl.inference.weight_receiver import tied_to
-from megatron_scalerl.weight_sync.protocol import EMBEDDING, LM_HEAD, WEIGHT_UPDATE_IN_PROGRESS, checksum, dtype_name
+from megatron_scalerl.weight_sync import WEIGHT_UPDATE_IN_PROGRESS
+from megatron_scalerl.weight_sync.protocol import EMBEDDING, LM_HEAD, checksum, dtype_name
 
 
 class FP32HeadMethod(UnquantizedEmbeddingMethod):

@@ -43,6 +43,8 @@ only the positions the server computes, so such a server runs with prefix cachin
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import json
 import os
 import signal
@@ -52,8 +54,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from megatron_scalerl.families import hf_family
 from megatron_scalerl.http_json import ServerError, request_json
@@ -95,7 +95,7 @@ def _family_flags(checkpoint: dict, extra_args: list[str]) -> list[str]:
     if overrides:
         flags += ["--override-generation-config", json.dumps(overrides)]
     if family.kv_block_size is not None and not gives_flag(extra_args, "--block-size"):
-        block = family.kv_block_size(checkpoint, 16 if torch.cuda.is_available() else 128)
+        block = family.kv_block_size(checkpoint, 16 if cuda_available() else 128)
         if block is not None:
             flags += ["--block-size", str(block)]
     return flags
@@ -108,19 +108,31 @@ def _mla_backend_flags(checkpoint: dict, dtype: str, extra_args: list[str]) -> l
     bfloat16, float16, int8, ..."); CPU_MLA, the one it picks on CPUs without AMX, computes in fp32. So an fp32 MLA
     generator runs the same kernel on every CPU; a bf16 one keeps vLLM's choice (AMX_MLA on AMX CPUs)."""
     fp32 = dtype == "float32" or dtype == "auto" and checkpoint.get("torch_dtype", checkpoint.get("dtype")) == "float32"
-    if torch.cuda.is_available() or not fp32 or checkpoint.get("kv_lora_rank") is None \
+    if cuda_available() or not fp32 or checkpoint.get("kv_lora_rank") is None \
             or gives_flag(extra_args, "--attention-backend"):
         return []
     return ["--attention-backend", "CPU_MLA"]
 
 
+@functools.cache
+def cuda_available() -> bool:
+    """`torch.cuda.is_available()`, where the installed torch is built for CUDA; False for a CPU build (a version
+    ending in +cpu) without importing torch, which `scalerl serve` needs for nothing else (3 s of CPU per server on
+    2 AVX2 cores)."""
+    if importlib.metadata.version("torch").endswith("+cpu"):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _default_eager() -> bool:
-    return not torch.cuda.is_available()
+    return not cuda_available()
 
 
 def vllm_captures_routes() -> bool:
     """Whether this machine's vLLM captures routed experts itself: its Model Runner V2 runs on CUDA only."""
-    return torch.cuda.is_available()
+    return cuda_available()
 
 
 AUTH_MIDDLEWARE = "megatron_scalerl.inference.server_auth.RequireApiKey"
@@ -233,7 +245,7 @@ class VLLMServerConfig:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
-        on_cpu = not torch.cuda.is_available()
+        on_cpu = not cuda_available()
         if on_cpu:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cpu_kv_cache_gib))
             tcmalloc = find_tcmalloc()

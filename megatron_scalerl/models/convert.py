@@ -154,7 +154,7 @@ def _hf_to_megatron_worker(rank: int, model_cfg_json: str, hf_dir: str, parallel
         load_hf_state(gpt, LazyHFState(Path(hf_dir)), model_cfg)
 
         def write(tmp: Path) -> None:
-            save_sharded({"model": gpt.sharded_state_dict()}, tmp).execute_sync()
+            save_sharded({"model": gpt.sharded_state_dict()}, tmp, in_place=True)
             if rank == 0:
                 _copy_hf_extras(Path(hf_dir), tmp / HF_EXTRAS_DIR)
                 carried = _carried_tensors(Path(hf_dir), model_cfg)

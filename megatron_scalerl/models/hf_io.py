@@ -12,14 +12,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from safetensors import safe_open
-from torch import Tensor
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.families import hf_config_dict
 from megatron_scalerl.recipe import ModelConfig, read_hf_config
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: `scalerl serve` reads config files only
+    from torch import Tensor
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -85,7 +87,7 @@ def _indexed_file(directory: Path, index: Path, name: str, file: object) -> Path
     return directory / file
 
 
-class LazyHFState(Mapping[str, Tensor]):
+class LazyHFState(Mapping[str, "Tensor"]):
     """HF tensor name -> tensor, read from the directory's safetensors files when asked for."""
 
     def __init__(self, directory: Path):

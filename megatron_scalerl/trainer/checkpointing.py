@@ -120,10 +120,9 @@ class CheckpointWriter:
         scheduled: list[int] = []
 
         def write() -> None:  # megatron's files first: it warns of a directory that already holds some
-            request = save_sharded(_sharded_state(model_chunks, optimizer, is_loading=False), publication.tmp)
-            if self.queue is None:
-                request.execute_sync()
-            else:
+            request = save_sharded(_sharded_state(model_chunks, optimizer, is_loading=False), publication.tmp,
+                                   in_place=self.queue is None)
+            if request is not None:
                 scheduled.append(self.queue.schedule_async_request(request))
             (publication.tmp / "rng").mkdir(exist_ok=True)
             torch.save(_rng_state(), publication.tmp / "rng" / f"rank_{rank():05d}.pt")

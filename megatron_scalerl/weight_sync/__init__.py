@@ -13,3 +13,7 @@ vLLM weight-transfer backend "scalerl", alias "gloo") and `worker_extension` (th
 it; staging, checksums, FP32 LM head). Submodules are imported explicitly: the server side must not pull in
 megatron-core, and the trainer side imports vLLM only where it talks to servers.
 """
+
+# The worker extension's refusal to convert the LM head while a weight update holds it empty (callers retry on it;
+# here, not in `protocol`, so that `scalerl serve` reads it without importing torch).
+WEIGHT_UPDATE_IN_PROGRESS = "the LM head is being reloaded by a weight update"

@@ -30,8 +30,6 @@ from torch import Tensor
 
 from megatron_scalerl.models.mapping import kept_fp32
 
-# The worker extension's refusal to convert the LM head while a weight update holds it empty (callers retry on it).
-WEIGHT_UPDATE_IN_PROGRESS = "the LM head is being reloaded by a weight update"
 # The only tensor that keeps FP32 on the wire and on the server when `fp32_lm_head` is on: the LM head, which with
 # tied embeddings is the embedding (one tensor; the server keeps its embedding in the serving dtype and an FP32 copy
 # as the head, `fp32_head.make_lm_head_fp32`).
