@@ -15,8 +15,8 @@ SMALL = ["--set", "rollout.prompts_per_step=4", "--set", "rollout.generations_pe
 
 
 def test_live_forecast_bench():
-    figures = run_bench("live_forecast.py", "--workload", "random", "--steps", "10", "--warmup", "2", *SMALL,
-                        "--validation-interval", "2")
+    figures = run_bench("live_forecast.py", "--workload", "random", "--steps", "5", "--warmup", "1", *SMALL,
+                        "--validation-interval", "1")
     assert positive(figures["generated_samples_per_s_on_over_off"]) and positive(figures["samples_per_s_on_over_off"])
     assert figures["fits"]["fits"] >= 1 and positive(figures["fits"]["fit_cpu_s_mean"])  # 6 validations: a fit from the 5th
 

@@ -653,7 +653,7 @@ def test_a_local_sweep_is_interrupted_then_resumed_and_extended_at_once(tmp_path
     sweep_dir = tmp_path / "sweep"
     base, dapo = sweep_dir / "base" / "seed0", sweep_dir / "loo_dapo_loss" / "seed0"
     fresh = ["--sweep-dir", str(sweep_dir), "--base", "demo", "--model", f"hf:{dense_model}",
-             "--variants", "loo_dapo_loss", "--steps", "4", *[a for s in SETS for a in ("--set", s)]]
+             "--variants", "loo_dapo_loss", "--steps", "3", *[a for s in SETS for a in ("--set", s)]]
     # 1: the base runs to its end; the variant is interrupted (Ctrl-C) once it has a checkpoint
     first = SweepProcess(fresh, tmp_path / "first.log")
     first.wait_for(lambda: (dapo / "checkpoints" / "iter_0000001" / "manifest.json").is_file(), "a variant checkpoint")
@@ -662,23 +662,23 @@ def test_a_local_sweep_is_interrupted_then_resumed_and_extended_at_once(tmp_path
     assert "stopping 1 run(s)" in first.text()
     runs = load_manifest(sweep_dir)["runs"]
     assert (runs["base/seed0"]["state"], runs["loo_dapo_loss/seed0"]["state"]) == ("done", "stopped")
-    assert read_finished(base)["step"] == 4 and read_finished(dapo) is None
+    assert read_finished(base)["step"] == 3 and read_finished(dapo) is None
     assert load_recipe(dapo / "recipe.yaml").algorithm.loss == "dapo" and load_recipe(base / "recipe.yaml").model.arch \
         == "llama3"
-    # 2: extended to 8 steps: the stopped variant continues from its checkpoint, the finished base from its end, and
+    # 2: extended to 6 steps: the stopped variant continues from its checkpoint, the finished base from its end, and
     # the report is made. (A resumed trainer may run through batches already on disk faster than the orchestrator
     # polls the versions it pushes, so the variant may have few validations of its first part; the new steps bring
     # it past the fit's 5.)
-    second = SweepProcess(["--sweep-dir", str(sweep_dir), "--steps", "8"], tmp_path / "second.log")
+    second = SweepProcess(["--sweep-dir", str(sweep_dir), "--steps", "6"], tmp_path / "second.log")
     assert second.end() == 0, second.text()[-3000:]
     assert "2 runs, 0 done, 2 to continue, 0 to start" in second.text()
     assert "resumed from iter_" in (dapo / "logs" / "trainer.log").read_text()
-    assert "resumed from iter_0000004" in (base / "logs" / "trainer.log").read_text()
+    assert "resumed from iter_0000003" in (base / "logs" / "trainer.log").read_text()
     for run in (base, dapo):
-        assert read_finished(run)["step"] == 8 and load_recipe(run / "recipe.yaml").trainer.max_steps == 8
+        assert read_finished(run)["step"] == 6 and load_recipe(run / "recipe.yaml").trainer.max_steps == 6
         steps = _trainer_steps(run)
-        assert sorted(set(steps)) == list(range(1, 9)) and steps.count(1) == 1, (run, steps)
-    assert _trainer_steps(base) == list(range(1, 9))  # never a step twice
+        assert sorted(set(steps)) == list(range(1, 7)) and steps.count(1) == 1, (run, steps)
+    assert _trainer_steps(base) == list(range(1, 7))  # never a step twice
     assert "# Ablation: loo_dapo_loss vs base" in second.text()
     report = json.loads((sweep_dir / "report" / "ablation.json").read_text())
     assert [v["name"] for v in report["variants"]] == ["loo_dapo_loss"] and report["left_out"] == []
