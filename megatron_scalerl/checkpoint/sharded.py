@@ -45,14 +45,11 @@ def save_sharded(sharded_state: dict, path: Path, *, in_place: bool):
     (`AsyncCallsQueue`, CUDA only)."""
     from megatron.core import dist_checkpointing
 
-    def save():
-        return dist_checkpointing.save(sharded_state, str(path), sharded_strategy=_strategy(path, loading=False),
-                                       async_sharded_save=True)
-
+    with _results_in_this_process() if in_place else contextlib.nullcontext():
+        request = dist_checkpointing.save(sharded_state, str(path), sharded_strategy=_strategy(path, loading=False),
+                                          async_sharded_save=True)
     if not in_place:
-        return save()
-    with _results_in_this_process():
-        request = save()
+        return request
     request.execute_sync()
     return None
 
