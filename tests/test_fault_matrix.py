@@ -225,8 +225,13 @@ def final_weights_withheld(model, tmp_path_factory):
         found["failed_after_s"] = time.monotonic() - found["frozen_at"]
         os.kill(found["rank0"], signal.SIGCONT)  # it finds the stop the launcher asked for, and checkpoints
 
-    # rank 1 waits for the frozen rank 0 in a collective: longer than the orchestrator's deadline may take
-    code, out = launch(_fresh(run_dir, model, f"trainer.max_steps={WITHHELD_STEPS}", "launch.max_restarts=0",
+    # PipelineRL-1: the last batch is generated from policy WITHHELD_STEPS - 1, so once that policy is served the
+    # trainer waits seconds for its batch before it can train the last step and push it: the freeze lands in that
+    # wait, never inside the last push (under k=2 the last batch was ready, and on a loaded machine the freeze once
+    # landed while the servers were paused inside the last update, so the run waited on its validation instead).
+    # Rank 1 waits for the frozen rank 0 in a collective: longer than the orchestrator's deadline may take
+    code, out = launch(_fresh(run_dir, model, f"trainer.max_steps={WITHHELD_STEPS}", "rollout.k=1",
+                              "launch.max_restarts=0",
                               "launch.wait_floor_min=0.25", "cluster.collective_timeout_s=900"), [
         (f"policy {WITHHELD_STEPS - 1} served", lambda: WITHHELD_STEPS - 1 in _trainer_steps(run_dir)
          and served(WITHHELD_STEPS - 1), freeze),
