@@ -7,6 +7,7 @@ import resource
 import secrets
 import signal
 import socket
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_scalerl.tasks.judge.judge import observed_failure
+from megatron_scalerl.tasks.judge.judge import cpu_clock_s, observed_failure
 from megatron_scalerl.tasks.sandbox import (
     BWRAP,
     RLIMITS,
@@ -160,6 +161,20 @@ def test_a_failure_two_tasks_below_the_limit_is_a_process_failure():
         return observed_failure(1, 0.0, 10.0, peak_tasks, False, limits, task_limit=17)
 
     assert [kind(tasks) for tasks in (17, 16, 15, 14, 0)] == ["processes"] * 3 + ["runtime_error"] * 2
+
+
+def test_the_cpu_seconds_judged_are_those_the_limit_counts():
+    """The judge reads a program's CPU seconds on the clock RLIMIT_CPU is enforced on (its PROF clock, before it is
+    reaped): a busy loop the kernel stopped at 2 s reads 2 s or more, where rusage once read 1.6 s beside another
+    sandbox's fork bomb and the run was graded a runtime error."""
+    pid = os.fork()
+    if pid == 0:
+        resource.setrlimit(resource.RLIMIT_CPU, (1, 2))
+        os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", "while True: pass"])
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    seconds = cpu_clock_s(pid)
+    _, status, _ = os.wait4(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == -signal.SIGXCPU and seconds is not None and 1.0 <= seconds < 1.5
 
 
 def test_fork_bomb_is_contained_and_nothing_outlives_it(mode):

@@ -42,6 +42,7 @@ TICK_S = 0.05  # seconds between looks at the program's task count while it runs
 # the kernel counts a new task before it checks RLIMIT_NPROC, so forks at once each hold a count the judge cannot see:
 # a fork bomb's refused forks left the limit less 1 (about 15% of runs) or less 2 (about 1%) of tasks on two cores
 FORKS_IN_FLIGHT = 2
+CPUCLOCK_PROF = 0  # linux/posix-timers.h: a process CPU clock counting user + system ticks, the one RLIMIT_CPU reads
 MEMORY_SHARE = 0.75  # a failed run whose peak resident memory reached this share of its limit failed on memory
 
 
@@ -56,7 +57,7 @@ def observed_failure(status: int, cpu_s: float, peak_rss_mb: float, peak_tasks: 
     size; else "runtime_error" (any other exit status or signal). `status`: os.waitstatus_to_exitcode."""
     if status == 0:
         return None
-    if cpu_s >= 0.9 * limits["cpu_s"]:  # the kernel enforces the limit on a finer clock than rusage reports
+    if cpu_s >= 0.9 * limits["cpu_s"]:  # (the limit's own clock reads it at or just past the limit: 2.004 of 2)
         return "timeout"
     if peak_tasks >= task_limit - FORKS_IN_FLIGHT:
         return "processes"
@@ -65,6 +66,17 @@ def observed_failure(status: int, cpu_s: float, peak_rss_mb: float, peak_tasks: 
     if files_full:
         return "filesystem"
     return "runtime_error"
+
+
+def cpu_clock_s(pid: int) -> float | None:
+    """The CPU seconds of process `pid` (a child that has exited and is not reaped yet) on its PROF clock, the tick
+    count RLIMIT_CPU is enforced on; None where it cannot be read. rusage's count, scaled to the scheduler's runtime,
+    can be far under it on a loaded machine: a busy loop beside a fork bomb got SIGXCPU at its 2 s with rusage at
+    1.6 s, which read as a runtime error."""
+    try:
+        return time.clock_gettime((~pid << 3) | CPUCLOCK_PROF)  # the kernel's clock id of a process's PROF clock
+    except OSError:
+        return None
 
 
 # ---- the judge ----
@@ -201,7 +213,10 @@ class Judge:
 
     def end(self, child: Child) -> tuple[int, float, float]:
         """Wait for the child (it has exited or been killed), then kill and reap what it left running. Returns its
-        status (os.waitstatus_to_exitcode), its CPU seconds and its peak resident memory (MiB)."""
+        status (os.waitstatus_to_exitcode), its CPU seconds as RLIMIT_CPU counts them (`cpu_clock_s`, read before it
+        is reaped; rusage's where that clock cannot be read) and its peak resident memory (MiB)."""
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: its clock can still be read
+        cpu_s = cpu_clock_s(child.pid)
         _, status, usage = os.wait4(child.pid, 0)
         if self.own_namespace:
             try:
@@ -221,7 +236,9 @@ class Judge:
         for fd in (child.stdout, child.stderr):
             if fd is not None:
                 os.close(fd)
-        return os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+        if cpu_s is None:
+            cpu_s = usage.ru_utime + usage.ru_stime
+        return os.waitstatus_to_exitcode(status), cpu_s, usage.ru_maxrss / 1024
 
     def files_full(self, entries: list[tuple[str, bool]]) -> bool:
         """Whether the program filled its scratch space (under bwrap a tmpfs of file_mb) or wrote a file of the
