@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
-import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -56,43 +56,20 @@ def make_requests(args: argparse.Namespace, vocab: int) -> list[GenerationReques
             for i in range(args.prompts)]
 
 
-def offline(model: str, requests: list[GenerationRequest], engine: dict, repeats: int, out, env: dict = ENV) -> None:
-    """In its own process (environment `env`): time `LLM.generate` of all requests by an engine of `engine`'s
-    settings (dtype, lengths, batch: vLLM's `LLM` keywords), eager, with processed log-probs; put (median seconds,
-    tokens generated)."""
-    os.environ.update(env)
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    llm = LLM(model=model, enforce_eager=True, logprobs_mode="processed_logprobs", seed=0, **engine)
-    prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, seed=r.seed,
-                             logprobs=0, detokenize=False) for r in requests]
-    times, tokens = [], 0
-    for attempt in range(repeats + 1):
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        if attempt:
-            times.append(time.perf_counter() - start)
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    llm.llm_engine.engine_core.shutdown()  # else its engine process outlives this one, which waits for it at exit
-    out.put((statistics.median(times), tokens))
-
-
 def offline_run(model: str, requests: list[GenerationRequest], engine: dict, repeats: int, env: dict = ENV
                 ) -> tuple[float, int]:
-    """`offline` in a spawned process of its own (its engine process goes with it): (median seconds, tokens)."""
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=offline, args=(model, requests, engine, repeats, queue, env))
-    proc.start()
-    try:
-        result = queue.get(timeout=1800)
-        proc.join(120)
-    finally:
-        if proc.is_alive():
-            proc.kill()
-    return result
+    """vLLM's `LLM.generate` of all requests by an engine of `engine`'s settings (dtype, lengths, batch: `LLM`'s
+    keywords), eager, with processed log-probs, in bench/offline_engine.py's process (environment `env`; its engine
+    processes go with it): (median seconds of `repeats` passes, tokens generated in one)."""
+    job = {"model": model, "engine": engine, "repeats": repeats, "env": env,
+           "requests": [{"prompt_ids": r.prompt_ids, "max_tokens": r.max_tokens, "temperature": r.temperature,
+                         "top_p": r.top_p, "seed": r.seed} for r in requests]}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("offline_engine.py"))], input=json.dumps(job),
+                          stdout=subprocess.PIPE, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench/offline_engine.py exited with status {done.returncode} (its output is above)")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result["seconds"], result["tokens"]
 
 
 async def fleet_pass(url: str, requests: list[GenerationRequest], api_key: str | None = None) -> tuple[float, int]:
