@@ -55,7 +55,7 @@ from megatron_scalerl.models.weights import export_hf_state, sends_weights
 from megatron_scalerl.platform import free_port, run_local_workers
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.trainer.setup import build_model_and_optimizer
-from megatron_scalerl.weight_sync.sender import WeightSender, WeightSyncConfig, push_weights
+from megatron_scalerl.weight_sync.sender import SenderConfig, WeightSender, push_weights
 
 PROMPT = list(range(3, 40))
 
@@ -87,7 +87,7 @@ def _disk_round_trip(rank: int, model: list, recipe: Recipe, urls: list[str], di
     return time.perf_counter() - start, False
 
 
-def bench_rank(rank: int, recipe: Recipe, urls: list[str], configs: dict[str, WeightSyncConfig], repeats: int,
+def bench_rank(rank: int, recipe: Recipe, urls: list[str], configs: dict[str, SenderConfig], repeats: int,
                directory: str) -> dict:
     """On every trainer rank: each live mode of `configs` (a sender connected for it), then the disk round trip.
     Rank 0 reports."""
@@ -167,7 +167,7 @@ def main() -> None:
             for server in servers:
                 server.wait_ready(600)
             (root / "disk").mkdir()
-            base = WeightSyncConfig(serving_dtype=torch.float32, timeout_s=300.0)
+            base = SenderConfig(serving_dtype=torch.float32, timeout_s=300.0)
             configs = {}
             for mib in buckets:
                 configs[f"live {mib:g} MiB, staging auto"] = replace(base, bucket_mib=mib, staging="auto")

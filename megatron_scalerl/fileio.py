@@ -22,11 +22,15 @@ import yaml
 
 from megatron_scalerl.errors import UserError
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-# The mode open() gives a new file under this process's umask (0o644 under the usual 022). Files that libraries
-# create through private temporary files (mkstemp, safetensors) get 0600 and are set to this.
-DEFAULT_FILE_MODE = 0o666 & ~_UMASK
+
+def default_file_mode() -> int:
+    """The mode open() gives a new file under this process's umask now (0o644 under the usual 022). Files that
+    libraries create through private temporary files (mkstemp, safetensors) get 0600 and are set to this. The umask
+    is read from /proc/self/status (setting it to read it would change it for every thread meanwhile)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Umask:"):
+            return 0o666 & ~int(line.split()[1], 8)
+    raise RuntimeError("/proc/self/status has no Umask line (Linux 4.7 or later is needed)")
 
 
 class _Loader(yaml.SafeLoader):
@@ -125,14 +129,15 @@ def replace_durably(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         fsync_dir(Path(src).parent)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = DEFAULT_FILE_MODE) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = None) -> None:
     """Write `data` to `path` via a temp file in the same folder + fsync + rename + fsync of the folder; the file has
-    `mode` from its creation on (0o600: never readable by others, not even while it is written)."""
+    `mode` (default: `default_file_mode()`) from its creation on (0o600: never readable by others, not even while it
+    is written)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, mode)  # mkstemp makes 0600
+        os.fchmod(fd, default_file_mode() if mode is None else mode)  # mkstemp makes 0600
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()

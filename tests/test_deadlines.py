@@ -48,7 +48,7 @@ from megatron_scalerl.trainer.generator_sync import GeneratorLink
 from megatron_scalerl.trainer.step import StepState
 from megatron_scalerl.trainer.trainer import Trainer
 from megatron_scalerl.weight_sync.protocol import WeightSyncError
-from megatron_scalerl.weight_sync.sender import WeightSyncConfig
+from megatron_scalerl.weight_sync.sender import SenderConfig
 from tests.test_orchestrator_validation import Generator, _recipe, _tokenizer
 from tests.test_orchestrator_validation import Trainer as StandInTrainer
 from tests.trainer_utils import rl_batch
@@ -182,7 +182,7 @@ def tiny_push(monkeypatch):
 
 
 def _link(run_dir: Path | None, url: str, tmp_path: Path, deadline: Deadline) -> GeneratorLink:
-    config = WeightSyncConfig(bucket_mib=1, serving_dtype=torch.float32, timeout_s=10.0, transport="disk",
+    config = SenderConfig(bucket_mib=1, serving_dtype=torch.float32, timeout_s=10.0, transport="disk",
                               disk_dir=str(tmp_path / "weight_sync"), staging="on", overlap_apply=True)
     return GeneratorLink([url], load_recipe("demo"), config, is_rank0=True, run_dir=run_dir, deadline=deadline)
 

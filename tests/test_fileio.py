@@ -106,3 +106,16 @@ def test_every_rename_in_the_package_goes_through_replace_durably():
                                                    and node.func.value.id == "os")):
                 found.append(f"{path.relative_to(package)}:{node.lineno}")
     assert found == []
+
+
+def test_new_files_get_the_umasks_mode_read_without_changing_it(tmp_path):
+    """An atomic write's file gets the mode open() would give it under the umask of the moment, and reading the
+    umask leaves it as it was (it is read from /proc, not set to read it)."""
+    before = os.umask(0o027)
+    try:
+        assert fileio.default_file_mode() == 0o640
+        atomic_write_bytes(tmp_path / "a", b"x")
+        assert stat.S_IMODE((tmp_path / "a").stat().st_mode) == 0o640
+        assert os.umask(0o027) == 0o027  # unchanged by the reads
+    finally:
+        os.umask(before)

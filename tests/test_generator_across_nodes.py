@@ -15,7 +15,7 @@ import torch
 
 from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.platform import free_port, run_local_workers
-from megatron_scalerl.weight_sync.sender import WeightSyncConfig
+from megatron_scalerl.weight_sync.sender import SenderConfig
 from tests.trainer_utils import FP32, tiny_hf_checkpoint, tiny_recipe
 from tests.weight_sync_utils import assert_matches, hf_greedy, push_and_read, server_greedy
 
@@ -55,7 +55,7 @@ def spanning(tmp_path_factory):
         _wait_health(url, procs)
         before = server_greedy(url)
         tp2 = tiny_recipe("tiny_dense", tp=2, hf=b, extra=FP32)
-        config = WeightSyncConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=30.0, checksum_every=1)
+        config = SenderConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=30.0, checksum_every=1)
         pushed = run_local_workers(push_and_read, 2, [(tp2, 1, None)], [url], config, timeout_s=400)
     finally:
         for proc in procs:

@@ -17,12 +17,12 @@ from megatron_scalerl.algo.length_control import InterruptionPolicy
 from megatron_scalerl.algo.versions import NO_VERSION
 from megatron_scalerl.inference.fleet import Fleet, GenerationRequest
 from megatron_scalerl.orchestrator.generation import contains, generate_sample
-from megatron_scalerl.weight_sync.sender import WeightSender, WeightSyncConfig
+from megatron_scalerl.weight_sync.sender import SenderConfig, WeightSender
 from tests.trainer_utils import tiny_hf_checkpoint
 from tests.weight_sync_utils import PROMPTS, start_server, wait_all_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-SYNC = WeightSyncConfig(bucket_mib=0.5, serving_dtype=torch.float32, timeout_s=60.0)
+SYNC = SenderConfig(bucket_mib=0.5, serving_dtype=torch.float32, timeout_s=60.0)
 
 
 @pytest.fixture(scope="module")

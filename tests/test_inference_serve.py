@@ -33,7 +33,7 @@ from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig
 from megatron_scalerl.platform import free_port
 from megatron_scalerl.weight_sync.protocol import EMBEDDING, LM_HEAD, checksum
-from megatron_scalerl.weight_sync.sender import WeightSender, WeightSyncConfig
+from megatron_scalerl.weight_sync.sender import SenderConfig, WeightSender
 from tests.trainer_utils import tiny_hf_checkpoint
 from tests.weight_sync_utils import hf_greedy, server_greedy
 
@@ -165,7 +165,7 @@ def test_serve_guards_routes_keeps_an_fp32_head_through_syncs_and_stops_cleanly(
 def _sync_twice(url: str, weights: dict[str, torch.Tensor], *, tied: bool) -> dict:
     """Send `weights` to the server at `url` twice (the second sync is a reload of a reloaded model), the head in
     FP32 and the rest in float16; the server's report of its FP32 head after."""
-    sender = WeightSender([url], WeightSyncConfig(bucket_mib=0.5, serving_dtype=torch.float16, timeout_s=30.0,
+    sender = WeightSender([url], SenderConfig(bucket_mib=0.5, serving_dtype=torch.float16, timeout_s=30.0,
                                                   checksum_every=1, api_key=KEY)).connect()
     try:
         for version in (1, 2):

@@ -23,7 +23,7 @@ from megatron_scalerl.models.gguf import gguf_to_hf
 from megatron_scalerl.models.memory_plan import param_counts
 from megatron_scalerl.platform import free_port, run_local_workers
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.weight_sync.sender import WeightSyncConfig
+from megatron_scalerl.weight_sync.sender import SenderConfig
 from tests.test_inference_serve import KEY, _read_ready_line, start_serve, stop_serve
 from tests.weight_sync_utils import assert_matches, hf_greedy, push_and_read, server_greedy
 
@@ -67,7 +67,7 @@ def test_serve_takes_the_trainers_weights_and_chats_in_the_models_template(smoll
         url = f"http://127.0.0.1:{port}"
         recipe = load_recipe(SMOLLM2.preset, ["trainer.precision=fp32", "cluster.trainer_nodes=1"],
                              model_preset=f"hf:{smollm2}")
-        config = WeightSyncConfig(bucket_mib=64, serving_dtype=torch.float32, timeout_s=300, api_key=KEY)
+        config = SenderConfig(bucket_mib=64, serving_dtype=torch.float32, timeout_s=300, api_key=KEY)
         monkeypatch.setenv("SCALERL_API_KEY", KEY)
         ((pushed,),) = run_local_workers(push_and_read, 1, [(recipe, 1, None)], [url], config, timeout_s=600)
         assert pushed["error"] is None and pushed["versions"] == ["1"]

@@ -23,12 +23,12 @@ from safetensors.torch import load_file
 
 from megatron_scalerl.http_json import ServerError
 from megatron_scalerl.weight_sync.protocol import Bucket, WeightSyncError
-from megatron_scalerl.weight_sync.sender import PHASES, WeightSender, WeightSyncConfig
+from megatron_scalerl.weight_sync.sender import PHASES, SenderConfig, WeightSender
 from tests.trainer_utils import tiny_hf_checkpoint
 from tests.weight_sync_utils import assert_matches, hf_greedy, server_greedy, start_server, weight_version
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-CONFIG = WeightSyncConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=30.0, checksum_every=1,
+CONFIG = SenderConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=30.0, checksum_every=1,
                           staging="on")
 OVERLAPPED = replace(CONFIG, checksum_every=0, overlap_apply=True)  # as the trainer's GeneratorLink syncs
 
@@ -107,7 +107,7 @@ def test_a_repeated_corruption_fails_and_leaves_the_old_weights_serving(server):
 
 @pytest.mark.parametrize("staging", ["on", "off"])
 def test_the_disk_transport_updates_the_server(server, tmp_path, staging):
-    config = WeightSyncConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=30.0, transport="disk",
+    config = SenderConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=30.0, transport="disk",
                               disk_dir=str(tmp_path / "weight_sync"), staging=staging, checksum_every=1)
     version = 3 if staging == "on" else 4
     checkpoint = server["dirs"]["c" if staging == "on" else "a"]
@@ -124,7 +124,7 @@ def test_the_disk_transport_updates_the_server(server, tmp_path, staging):
 
 def test_the_disk_transport_needs_its_folder(server):
     with pytest.raises(WeightSyncError, match="trainer rank 0: weight_sync.transport: disk needs a shared folder"):
-        WeightSender([server["url"]], WeightSyncConfig(transport="disk")).connect()
+        WeightSender([server["url"]], SenderConfig(transport="disk")).connect()
 
 
 class UnconfirmedReceive:

@@ -17,7 +17,7 @@ import torch
 
 from megatron_scalerl.platform import run_local_workers
 from megatron_scalerl.platform.local_workers import WorkerError
-from megatron_scalerl.weight_sync.sender import WeightSyncConfig
+from megatron_scalerl.weight_sync.sender import SenderConfig
 from tests.trainer_utils import FP32, tiny_hf_checkpoint, tiny_recipe
 from tests.weight_sync_utils import (
     assert_matches,
@@ -43,7 +43,7 @@ def synced(tmp_path_factory):
         before = [server_greedy(s.url) for s in servers]
         tp2 = tiny_recipe("tiny_dense", tp=2, hf=b, extra=FP32)
         pp2 = tiny_recipe("tiny_dense", pp=2, hf=c, extra=FP32)
-        config = WeightSyncConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=TIMEOUT_S, checksum_every=1)
+        config = SenderConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=TIMEOUT_S, checksum_every=1)
         tp2pp2 = tiny_recipe("tiny_dense", tp=2, pp=2, hf=b, extra=FP32)
         urls = [s.url for s in servers]
         four = run_local_workers(push_and_read, 4, [(tp2pp2, 7, None)], urls, replace(config, staging="off"),

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_scalerl.platform import run_local_workers
-from megatron_scalerl.weight_sync.sender import WeightSyncConfig
+from megatron_scalerl.weight_sync.sender import SenderConfig
 from tests.trainer_utils import FP32, tiny_hf_checkpoint, tiny_recipe
 from tests.weight_sync_utils import (
     assert_matches,
@@ -70,7 +70,7 @@ def synced(request, tmp_path_factory):
         wait_all_ready([server])
         ranks = []
         for staging, pushes in (("on", ((2, 1, b), (2, 2, b_new_experts))), ("off", ((1, 3, a),))):
-            config = WeightSyncConfig(bucket_mib=1.0, serving_dtype=torch.float32, timeout_s=60.0, checksum_every=1,
+            config = SenderConfig(bucket_mib=1.0, serving_dtype=torch.float32, timeout_s=60.0, checksum_every=1,
                                       staging=staging)
             pushes = [(tiny_recipe(model, ep=ep, dp=2, hf=ckpt, extra=(*FP32, *shape)), version, False)
                       for ep, version, ckpt in pushes]

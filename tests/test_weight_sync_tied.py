@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_scalerl.platform import run_local_workers
-from megatron_scalerl.weight_sync.sender import WeightSyncConfig
+from megatron_scalerl.weight_sync.sender import SenderConfig
 from tests.trainer_utils import FP32, tiny_hf_checkpoint, tiny_recipe
 from tests.weight_sync_utils import assert_matches, continuations_batch, hf_greedy, server_greedy, start_server
 
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multiprocess]
 MODEL = "tiny_qwen3"
 
 
-def _push_and_score(rank: int, recipe, url: str, config: WeightSyncConfig, run_dir: str) -> dict:
+def _push_and_score(rank: int, recipe, url: str, config: SenderConfig, run_dir: str) -> dict:
     """The trainer pushes its weights (version 1) to the server at `url`, then scores the server's greedy
     continuations itself: {"stats", "outputs" (the server's), "trainer_logprobs" (per prompt, completion tokens)}."""
     from megatron_scalerl.trainer.trainer import Trainer
@@ -47,7 +47,7 @@ def test_tied_model_sync_gives_the_server_the_trainers_logprobs(tmp_path):
         server.wait_ready(300)
         before = server_greedy(server.url)
         recipe = tiny_recipe(MODEL, hf=b, extra=FP32)
-        config = WeightSyncConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=30.0, checksum_every=1)
+        config = SenderConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=30.0, checksum_every=1)
         (run_dir := tmp_path / "run").mkdir()
         (result,) = run_local_workers(_push_and_score, 1, recipe, server.url, config, str(run_dir), timeout_s=400)
     finally:

@@ -164,7 +164,7 @@ def _summarise(A, B, C_mid, R0) -> dict[str, np.ndarray]:
 
 
 @dataclass(frozen=True)
-class Recipe:
+class ArmForecasts:
     """The base or a variant: the forecasts of its seeds (one run each) and their mean curve (module docstring)."""
 
     name: str
@@ -269,7 +269,7 @@ class Contrast:
     needs: str | None  # too-early: what would let the rule call it, as numbers; else None
 
 
-def _needs(base: Recipe, variant: Recipe, options: ForecastOptions) -> str:
+def _needs(base: ArmForecasts, variant: ArmForecasts, options: ForecastOptions) -> str:
     """What a `too-early` verdict would take (`forecast.design`): longer runs for a curve that has not bent, else
     the study designs simulated from the fits."""
     for recipe in (base, variant):
@@ -285,8 +285,8 @@ def _judge(base: list[Curve], variant: tuple[str, list[Curve]], options: Forecas
     return make_ablation(base, [variant], options, judge_only=True).contrasts[0].verdict
 
 
-def _contrast(base: Recipe, base_compute: dict, gain_levels: dict, variant: Recipe, options: ForecastOptions | None
-              ) -> Contrast:
+def _contrast(base: ArmForecasts, base_compute: dict, gain_levels: dict, variant: ArmForecasts,
+              options: ForecastOptions | None) -> Contrast:
     """Differences of `variant` to `base` replicate by replicate; `gain_levels[q]` is the reward at q of the base's
     gain (value, draws), `base_compute[q]` the base's GPU-hours to it (value, draws). With `options`, a too-early
     verdict says what would call it (`_needs`)."""
@@ -307,13 +307,14 @@ def _contrast(base: Recipe, base_compute: dict, gain_levels: dict, variant: Reci
     return Contrast(dA, compute, ratio, own_ratio, verdict, reason, needs)
 
 
-def _gain_level(recipe: Recipe, q: float) -> tuple[float, np.ndarray]:
+def _gain_level(recipe: ArmForecasts, q: float) -> tuple[float, np.ndarray]:
     """The pass rate at `q` of the recipe's own gain, R0 + q (A - R0): fitted value, and per draw (shape (k,))."""
     fitted, sampled = recipe.fitted, recipe.sampled
     return fitted["R0"] + q * (fitted["A"] - fitted["R0"]), sampled["R0"] + q * (sampled["A"] - sampled["R0"])
 
 
-def _verdict(base: Recipe, variant: Recipe, dA: tuple[float, np.ndarray], own_ratio: dict) -> tuple[str, str]:
+def _verdict(base: ArmForecasts, variant: ArmForecasts, dA: tuple[float, np.ndarray], own_ratio: dict
+             ) -> tuple[str, str]:
     """The rule of the module docstring (`own_ratio`: q -> the compute ratio to q of each one's own gain, value and
     interval); returns (verdict, the reason in one sentence)."""
     for recipe in (base, variant):
@@ -339,8 +340,8 @@ def _verdict(base: Recipe, variant: Recipe, dA: tuple[float, np.ndarray], own_ra
 
 @dataclass(frozen=True)
 class Ablation:
-    base: Recipe
-    variants: tuple[Recipe, ...]
+    base: ArmForecasts
+    variants: tuple[ArmForecasts, ...]
     base_compute: dict[float, tuple[float, np.ndarray]]  # q -> the base's GPU-h to q of its gain: value, draws (k,)
     contrasts: tuple[Contrast, ...]  # one per variant
     options: ForecastOptions  # the targets include make_ablation's `target`
@@ -349,7 +350,7 @@ class Ablation:
     def metric(self) -> str:
         return self.base.forecasts[0].curve.metric
 
-    def _recipe_dict(self, recipe: Recipe, compute: dict) -> dict:
+    def _recipe_dict(self, recipe: ArmForecasts, compute: dict) -> dict:
         level = recipe.level
         out = {"name": recipe.name, "run": recipe.runs[0], "runs": recipe.runs, "curve": self.metric}
         for name in PARAMS:
@@ -427,8 +428,8 @@ def make_ablation(base: list[Curve], variants: list[tuple[str, list[Curve]]], op
         options = replace(options, targets=(*options.targets, target))
     seeds = iter(range(options.seed, options.seed + len(runs)))  # independent replicates for independent runs
 
-    def recipe(name: str, curves: list[Curve]) -> Recipe:
-        return Recipe(name, tuple(make_forecast(c, replace(options, seed=next(seeds))) for c in curves))
+    def recipe(name: str, curves: list[Curve]) -> ArmForecasts:
+        return ArmForecasts(name, tuple(make_forecast(c, replace(options, seed=next(seeds))) for c in curves))
 
     base_recipe = recipe(names[0], base)
     recipes = tuple(recipe(name, curves) for name, curves in variants)

@@ -27,7 +27,7 @@ from megatron_scalerl.forecast.predict import FIT_ERRORS, format_gpu_hours
 from megatron_scalerl.forecast.synthetic import PaperRun, simulate_run
 
 if TYPE_CHECKING:
-    from megatron_scalerl.forecast.ablation import Recipe
+    from megatron_scalerl.forecast.ablation import ArmForecasts
     from megatron_scalerl.forecast.data import Curve
     from megatron_scalerl.forecast.predict import ForecastOptions
 
@@ -38,14 +38,14 @@ SIMULATION_RESAMPLES = 40  # bootstrap refits per simulated run (the verdicts' i
 DEFAULT_DRAWS = 256  # completions per validation assumed when the options do not say (64 prompts x 4 samples)
 
 
-def longer_runs(recipe: Recipe) -> str:
+def longer_runs(recipe: ArmForecasts) -> str:
     """For a recipe whose curve has not bent: how much longer its runs would need to be (to ~2x its C_mid)."""
     c_mid = recipe.fitted["C_mid"]
     return (f"{recipe.name}'s runs about {2 * c_mid / recipe.fitted_until:.1f}x as long (to ~2x its C_mid, "
             f"{format_gpu_hours(2 * c_mid)} GPU-h), so that its curve bends inside them")
 
 
-def _simulated_recipe(recipe: Recipe, seeds: int, draws: int, rng: np.random.Generator) -> list[Curve]:
+def _simulated_recipe(recipe: ArmForecasts, seeds: int, draws: int, rng: np.random.Generator) -> list[Curve]:
     """`seeds` synthetic runs of `recipe`'s fitted mean curve with its first run's evaluations and drift (one more
     evaluation, at 0 GPU-h, outside every fit window: the fitted ones keep their count)."""
     first = recipe.forecasts[0]
@@ -64,7 +64,7 @@ def _simulated_recipe(recipe: Recipe, seeds: int, draws: int, rng: np.random.Gen
 Judge = Callable[[list["Curve"], tuple[str, list["Curve"]], "ForecastOptions"], str]  # (base, variant, options) -> verdict
 
 
-def designs_to_call(base: Recipe, variant: Recipe, options: ForecastOptions, judge: Judge) -> str:
+def designs_to_call(base: ArmForecasts, variant: ArmForecasts, options: ForecastOptions, judge: Judge) -> str:
     """The designs tried for a too-early `variant` against `base` and what their simulated studies concluded;
     `judge` gives the ablation's verdict on simulated runs (the ablation's own rule, passed in by it)."""
     seeds = max(len(base.forecasts), len(variant.forecasts))

@@ -43,7 +43,7 @@ from megatron_scalerl.checkpoint.store import publish, read_rl_state, require_co
 from megatron_scalerl.checkpoint.unpickling import read_metadata
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.families import FAMILIES, hf_config_dict
-from megatron_scalerl.fileio import DEFAULT_FILE_MODE, fsync_tree, replace_durably
+from megatron_scalerl.fileio import default_file_mode, fsync_tree, replace_durably
 from megatron_scalerl.models.arch import check_model_layout
 from megatron_scalerl.models.hf_io import INDEX_FILE, LazyHFState, has_safetensors, hf_tensor_shapes
 from megatron_scalerl.models.mapping import hf_parameter_names, kept_fp32
@@ -232,7 +232,7 @@ class _ShardWriter:
             return
         name = f"{self.prefix}-{len(self.files):05d}.safetensors"
         save_file(self.pending, self.directory / name, metadata={"format": "pt"})
-        os.chmod(self.directory / name, DEFAULT_FILE_MODE)  # safetensors writes 0600: servers run as other users
+        os.chmod(self.directory / name, default_file_mode())  # safetensors writes 0600: servers run as other users
         self.files.append((name, list(self.pending), sha256_file(self.directory / name)))
         self.pending, self.pending_bytes = {}, 0
 

@@ -19,7 +19,7 @@ through the collective export:
   answers, then `push`: no step is trained before the fleet serves the trainer's weights.
 - `push`: the servers that answer (/weight_info) get the weights in flight (`WeightSender`: every sending rank its
   own slices, received while the servers generate where they have the room, paused only to load them; the load of
-  such a staged sync runs in the background while the trainer trains on, `WeightSyncConfig.overlap_apply`, and
+  such a staged sync runs in the background while the trainer trains on, `SenderConfig.overlap_apply`, and
   whatever asks the servers next waits for it first). When the
   set of live servers changed, the senders' groups are formed again. The recipe's `weight_sync` section sets the
   transport, bucket size, staging and checksum interval. A sync that fails is retried
@@ -67,7 +67,7 @@ from megatron_scalerl.run.directory import (
     request_generator_restart,
 )
 from megatron_scalerl.weight_sync.protocol import WeightSyncError
-from megatron_scalerl.weight_sync.sender import SyncStats, WeightSender, WeightSyncConfig, push_weights
+from megatron_scalerl.weight_sync.sender import SenderConfig, SyncStats, WeightSender, push_weights
 
 log = logging.getLogger("megatron_scalerl.trainer")
 
@@ -76,11 +76,11 @@ RESTART_AFTER = 2  # syncs in a row a live server fails before the launcher is a
 WEIGHT_SYNC_DIR = "weight_sync"  # RUN/weight_sync/: the disk transport's files (`weight_sync.transport: disk`)
 
 
-def weight_sync_config(recipe: Recipe, run_dir: str | Path, dtype: str) -> WeightSyncConfig:
+def weight_sync_config(recipe: Recipe, run_dir: str | Path, dtype: str) -> SenderConfig:
     """The trainer's weight sync into generators serving `dtype` (generators.json's), from the recipe's
     `weight_sync` section: the run's key, the disk transport's folder in `run_dir`, loads overlapped with training."""
     section = recipe.weight_sync
-    return WeightSyncConfig(bucket_mib=section.bucket_mib, serving_dtype=getattr(torch, dtype),
+    return SenderConfig(bucket_mib=section.bucket_mib, serving_dtype=getattr(torch, dtype),
                             fp32_lm_head=recipe.trainer.fp32_lm_head,
                             timeout_s=float(recipe.cluster.collective_timeout_s),
                             transport=section.transport, disk_dir=str(Path(run_dir) / WEIGHT_SYNC_DIR),
@@ -91,7 +91,7 @@ def weight_sync_config(recipe: Recipe, run_dir: str | Path, dtype: str) -> Weigh
 class GeneratorLink:
     """Trainer side of the run's generators (see the module docstring). Every method is collective."""
 
-    def __init__(self, urls: list[str], recipe: Recipe, config: WeightSyncConfig, *, is_rank0: bool,
+    def __init__(self, urls: list[str], recipe: Recipe, config: SenderConfig, *, is_rank0: bool,
                  run_dir: str | Path | None = None, deadline: Deadline | None = None):
         self.urls = urls
         self.model_cfg = recipe.model

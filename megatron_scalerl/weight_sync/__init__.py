@@ -1,6 +1,6 @@
 """Live weight sync: the sharded Megatron trainer -> N vLLM servers, each sending rank straight to every worker.
 
-    sender.WeightSender(urls, WeightSyncConfig(...), sends=models.weights.sends_weights()).connect()   every rank
+    sender.WeightSender(urls, SenderConfig(...), sends=models.weights.sends_weights()).connect()   every rank
     sender.push_weights(model, model_cfg, config, sender, weight_version)    collective, every rank: one sync
     fleet_control.FleetControl   trainer rank 0's HTTP to every server at once: the plan, pause, update, resume
     transport                    `WeightTransport` and its transports (gloo, NCCL, disk), used by both ends

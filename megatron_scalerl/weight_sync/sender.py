@@ -1,6 +1,6 @@
 """The trainer side of weight sync: every sending rank sends its own weights; rank 0 drives the servers.
 
-    config = WeightSyncConfig(bucket_mib=64, serving_dtype=torch.bfloat16, timeout_s=120)
+    config = SenderConfig(bucket_mib=64, serving_dtype=torch.bfloat16, timeout_s=120)
     sender = WeightSender(urls, config, sends=weights.sends_weights()).connect()      # every trainer rank
     push_weights(trainer.model, recipe.model, config, sender, weight_version=step)    # every trainer rank
 
@@ -9,7 +9,7 @@ shards from every TP rank of data-parallel rank 0, experts from every EP rank, e
 sends its slices of HF tensors from its own rank over its own group to every generator worker: no gather, nothing
 funnelled through one rank. Rank 0 also drives the servers over HTTP (`fleet_control.FleetControl`). Group g holds
 sender g (rank 0 of the group) and every server's workers (`protocol.rank_offsets`); its transport is gloo, NCCL or
-disk (`transport.py`), chosen by `WeightSyncConfig.transport`.
+disk (`transport.py`), chosen by `SenderConfig.transport`.
 
 One sync (`WeightSender.send`, collective over the trainer's ranks):
   1. every sender groups its slices into buckets; the headers reach rank 0 (`all_gathered`): the plan, every
@@ -66,7 +66,7 @@ STAGING_SLACK = 1.25  # staging needs this many times the sync's bytes free on e
 
 
 @dataclass(frozen=True)
-class WeightSyncConfig:
+class SenderConfig:
     """`bucket_mib`: bucket size (MiB); `serving_dtype`: the servers' dtype (the LM head stays FP32 with
     `fp32_lm_head`); `timeout_s`: bound (seconds) on each HTTP call, each receive and the rendezvous;
     `transport`: auto (nccl with CUDA, else gloo), gloo, nccl or disk (`disk_dir`: the shared folder the disk
@@ -102,7 +102,7 @@ class SyncStats:
     #                  settled since the last sync's stats (an overlapped sync's own load is counted by the next)
     staged: bool
     checksums_verified: int  # slices x server workers compared (0 when not due)
-    overlapped: bool = False  # its load is being applied in the background (`WeightSyncConfig.overlap_apply`)
+    overlapped: bool = False  # its load is being applied in the background (`SenderConfig.overlap_apply`)
     phases: dict[str, float] = field(default_factory=dict)  # rank 0's seconds in each part (`PHASES`; over both
     #                  attempts when sent twice; an overlapped sync has none of the parts after `senders_s`)
 
@@ -144,7 +144,7 @@ class WeightSender:
     """One trainer rank's end of weight sync (every rank has one; see the module docstring). `urls`: the servers
     (read on rank 0); `sends`: this rank sends weights (`models.weights.sends_weights()`)."""
 
-    def __init__(self, urls: list[str], config: WeightSyncConfig, *, sends: bool = True,
+    def __init__(self, urls: list[str], config: SenderConfig, *, sends: bool = True,
                  master_address: str | None = None, syncs: int = 0):
         self.config = config
         self.sends = sends
@@ -169,7 +169,7 @@ class WeightSender:
         if name != "disk":
             return make_transport(name)
         if not self.config.disk_dir:
-            raise ValueError("weight_sync.transport: disk needs a shared folder (WeightSyncConfig.disk_dir)")
+            raise ValueError("weight_sync.transport: disk needs a shared folder (SenderConfig.disk_dir)")
         return make_transport(name, directory=Path(self.config.disk_dir) / f"sender-{self.rank}")
 
     def agree(self, error: str | None, what: str) -> None:
@@ -448,7 +448,7 @@ class WeightSender:
         self.senders = []
 
 
-def push_weights(model_chunks: list, model_cfg, config: WeightSyncConfig, sender: WeightSender,
+def push_weights(model_chunks: list, model_cfg, config: SenderConfig, sender: WeightSender,
                  weight_version: int, progress: Callable[[Bucket], None] | None = None) -> SyncStats | None:
     """Collective over every trainer rank: send this rank's slices of the model (`export_hf_slices`) with
     `sender.send`. Returns the stats on rank 0, None elsewhere."""

@@ -116,7 +116,7 @@ def push_check(root: Path, layout: dict, *, gpu: int | None, serving: str) -> di
     from megatron_scalerl.http_json import request_json
     from megatron_scalerl.inference.vllm_server import reload_from_disk
     from megatron_scalerl.platform import run_local_workers
-    from megatron_scalerl.weight_sync.sender import WeightSyncConfig
+    from megatron_scalerl.weight_sync.sender import SenderConfig
     from tests.trainer_utils import tiny_hf_checkpoint, tiny_recipe
     from tests.weight_sync_utils import server_greedy, weight_version
 
@@ -124,7 +124,7 @@ def push_check(root: Path, layout: dict, *, gpu: int | None, serving: str) -> di
     a, b = (tiny_hf_checkpoint(root / name, model, seed=seed) for seed, name in enumerate("ab", 1))
     recipe = tiny_recipe(**layout, hf=b)
     world = recipe.parallelism.tp * recipe.parallelism.pp * layout.get("dp", 1)
-    config = WeightSyncConfig(bucket_mib=BUCKET_MIB, serving_dtype=getattr(torch, serving), timeout_s=120,
+    config = SenderConfig(bucket_mib=BUCKET_MIB, serving_dtype=getattr(torch, serving), timeout_s=120,
                               checksum_every=1)
     server = start_generator(a, root, gpu=gpu, dtype=serving)
     try:
