@@ -21,7 +21,7 @@ from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.commands.parsing import command_group
 from megatron_scalerl.commands.verify import add_layout_arguments, layout_from_arguments, logits_check
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.models.convert import hf_to_megatron, megatron_to_hf, verify_hf_checksums
+from megatron_scalerl.models.convert import CONVERT_TIMEOUT_S, hf_to_megatron, megatron_to_hf, verify_hf_checksums
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
                             help="cast every tensor (default: keep each tensor's dtype, e.g. an FP32 LM head)")
         parser.add_argument("--verify", action="store_true", help="re-check checksums and logits against HF")
-        parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before the workers are stopped")
+        parser.add_argument("--timeout", type=float, default=CONVERT_TIMEOUT_S, help="seconds before the workers are stopped")
     to_megatron.set_defaults(func=_hf_to_megatron)
     to_hf.set_defaults(func=_megatron_to_hf)
 

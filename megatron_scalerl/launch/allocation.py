@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.platform.local_workers import EPHEMERAL_PORTS_START, JOB_PORTS_START
 
 if TYPE_CHECKING:
     from megatron_scalerl.recipe import Recipe
 
 SCONTROL_TIMEOUT_S = 60.0
-JOB_PORT_SLOTS = (32768 - 20000) // 100  # 127 jobs whose ports differ (Allocation.base_port)
+JOB_PORT_SLOTS = (EPHEMERAL_PORTS_START - JOB_PORTS_START) // 100  # 127 jobs whose ports differ (Allocation.base_port)
 TRAINER_GROUP, GENERATOR_GROUP = 0, 1
 
 
@@ -116,7 +117,7 @@ class Allocation:
         """The first of the job's 100 ports: 20000 + 100 x (job id mod JOB_PORT_SLOTS), so every port of every job lies
         in 20000-32699, below Linux's ephemeral range (32768-60999 by default), where any outgoing connection or
         bind(0) listener of the node (gloo's, vLLM's) may hold it."""
-        return 20000 + 100 * (self.job_id % JOB_PORT_SLOTS)
+        return JOB_PORTS_START + 100 * (self.job_id % JOB_PORT_SLOTS)
 
     def rendezvous(self) -> str:
         return f"{self.trainer.nodes[0].addr}:{self.base_port}"

@@ -60,6 +60,7 @@ CHECKSUMS_FILE = "checksums.sha256"  # in an HF output: `sha256sum -c checksums.
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F32": "float32", "F16": "float16"}
 HEAD = "lm_head.weight"
+CONVERT_TIMEOUT_S = 3600.0  # seconds a conversion's workers get before they are stopped (`--timeout`)
 EMBEDDING = "model.embed_tokens.weight"
 # A body tensor of every family (`mapping.attention_rules`); not the embedding, FP32 when it is a tied FP32 head
 BODY = "model.layers.0.self_attn.o_proj.weight"
@@ -169,7 +170,7 @@ def _hf_to_megatron_worker(rank: int, model_cfg_json: str, hf_dir: str, parallel
 
 
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, parallelism: ParallelismConfig, *, dtype: str | None = None,
-                   timeout_s: float = 3600.0) -> Path:
+                   timeout_s: float = CONVERT_TIMEOUT_S) -> Path:
     """Convert an HF checkpoint into a Megatron distributed checkpoint at `out` (loadable at any layout, e.g. as
     `trainer.init_from`), converting at `parallelism` on its `min_world_size()` processes."""
     hf_dir, out = Path(hf_dir), Path(out)
@@ -287,7 +288,7 @@ def hf_extras_source(ckpt: Path) -> Path | None:
 
 
 def megatron_to_hf(ckpt: str | Path, out: str | Path, parallelism: ParallelismConfig, *, dtype: str | None = None,
-                   shard_bytes: int = 2 << 30, timeout_s: float = 3600.0) -> Path:
+                   shard_bytes: int = 2 << 30, timeout_s: float = CONVERT_TIMEOUT_S) -> Path:
     """Convert a Megatron checkpoint (converted, or a trainer's `RUN/checkpoints/iter_N`) into an HF directory at
     `out`: safetensors files of at most `shard_bytes` + index + config.json + tokenizer files when known +
     `checksums.sha256`; the model is loaded at `parallelism` on its `min_world_size()` processes."""

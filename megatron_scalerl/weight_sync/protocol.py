@@ -36,6 +36,7 @@ from megatron_scalerl.models.mapping import kept_fp32
 LM_HEAD = "lm_head.weight"
 EMBEDDING = "model.embed_tokens.weight"
 MIB = 1024 * 1024
+SYNC_TIMEOUT_S = 120.0  # the default bound (seconds) on each HTTP call, receive and rendezvous of a sync
 
 
 class WeightSyncError(RuntimeError):

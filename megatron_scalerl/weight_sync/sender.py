@@ -51,6 +51,7 @@ from megatron_scalerl.platform.distributed import rank as trainer_rank
 from megatron_scalerl.weight_sync.fleet_control import FleetControl
 from megatron_scalerl.weight_sync.protocol import (
     MIB,
+    SYNC_TIMEOUT_S,
     Bucket,
     Piece,
     WeightSyncError,
@@ -79,7 +80,7 @@ class SenderConfig:
     bucket_mib: float = 64.0
     serving_dtype: torch.dtype = torch.bfloat16
     fp32_lm_head: bool = True
-    timeout_s: float = 120.0
+    timeout_s: float = SYNC_TIMEOUT_S
     transport: str = "auto"
     disk_dir: str | None = None
     staging: str = "auto"

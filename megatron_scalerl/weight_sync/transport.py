@@ -44,7 +44,13 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from megatron_scalerl.weight_sync.protocol import Bucket, describe_header, gloo_group, join_gloo_group
+from megatron_scalerl.weight_sync.protocol import (
+    SYNC_TIMEOUT_S,
+    Bucket,
+    describe_header,
+    gloo_group,
+    join_gloo_group,
+)
 
 TRANSPORTS = ("gloo", "nccl", "disk")
 DISK_POLL_S = 0.05
@@ -80,7 +86,7 @@ class GlooTransport:
         self.group: dist.ProcessGroup | None = None
         self._listening: socket.socket | None = None
         self.address, self.port, self.secret = "", 0, ""
-        self.timeout = timedelta(seconds=120)
+        self.timeout = timedelta(seconds=SYNC_TIMEOUT_S)
 
     def listen(self, address: str) -> dict:
         """Bind the rendezvous port on `address` only, now (no other process can take it before `open`), and mint
@@ -137,7 +143,7 @@ class NcclTransport:
         # The receiver's threads start on cuda:0: this process's device, as the constructing (main) thread has it.
         self.device = torch.cuda.current_device()
         self.stream = torch.cuda.Stream(self.device)
-        self.timeout_s = 120.0
+        self.timeout_s = SYNC_TIMEOUT_S
 
     def listen(self, address: str) -> dict:
         """Mint the connection's NCCL unique id (its bootstrap root listens from now on, on the interface NCCL picks,
@@ -210,7 +216,7 @@ class DiskTransport:
 
     def __init__(self, directory: str | Path | None = None) -> None:
         self.directory = Path(directory) if directory is not None else None
-        self.timeout_s = 120.0
+        self.timeout_s = SYNC_TIMEOUT_S
         self.current = ""  # the sync whose files the sender wrote last
 
     def listen(self, address: str) -> dict:
