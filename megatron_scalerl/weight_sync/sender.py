@@ -73,8 +73,7 @@ class SenderConfig:
     `transport`: auto (nccl with CUDA, else gloo), gloo, nccl or disk (`disk_dir`: the shared folder the disk
     senders write under); `staging`: auto (on when every worker has the room), on or off; `checksum_every`: compare
     every received slice's checksum with its sender's every N-th sync (0: never); `api_key`: the servers' key;
-    `pause_generation`: freeze the servers' running requests while weights are loaded (off only for tests that
-    need the servers to have nothing running); `overlap_apply`: a staged sync without checksums due returns once
+    `overlap_apply`: a staged sync without checksums due returns once
     the senders sent, its load applied in the background (module docstring)."""
 
     bucket_mib: float = 64.0
@@ -86,7 +85,6 @@ class SenderConfig:
     staging: str = "auto"
     checksum_every: int = 0
     api_key: str | None = None
-    pause_generation: bool = True
     overlap_apply: bool = False
 
     def resolved_transport(self) -> str:
@@ -375,8 +373,7 @@ class WeightSender:
                 self.control.wait(self.control.submit_update({"staged": True}), "apply staged")
             laps.lap("apply_s")
             self.control.finish_update(version)
-            if self.config.pause_generation:
-                self.control.resume()
+            self.control.resume()
             update.paused_s += time.monotonic()
             laps.lap("finish_s")
             return None, None
@@ -387,8 +384,7 @@ class WeightSender:
 
     def _pause(self, update: Update) -> None:
         update.paused_s -= time.monotonic()
-        if self.config.pause_generation:
-            self.control.pause()
+        self.control.pause()
 
     def _staged(self, total_bytes: int) -> bool:
         """Whether this sync is staged: `staging` on, or auto and every worker has the room for it."""
