@@ -5,6 +5,7 @@ matplotlib."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,13 +53,11 @@ def test_every_command_module_registers_its_arguments(name):
     assert chosen._actions[1:], f"`scalerl {name}` has no arguments: its module's register() added none"
 
 
-@pytest.mark.parametrize("old, new", [("megatron_scalerl.cli", "megatron_scalerl.commands"),
-                                      ("megatron_scalerl.rollout.orchestrator", "megatron_scalerl.orchestrator")])
-def test_the_old_module_names_still_start_the_same_programs(old, new):
-    """Scripts written against the old layout (`python -m megatron_scalerl.cli ...`, the orchestrator's old module)
-    keep working: the same program, the same flags."""
-    def usage(module: str) -> str:
-        return subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=300,
-                              check=True).stdout
+def test_python_dash_m_the_package_is_the_scalerl_command():
+    """`python -m megatron_scalerl ...` starts the `scalerl` command (the console script's `commands.main`): the same
+    program, the same flags."""
+    def usage(*command: str) -> str:
+        return subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=300, check=True).stdout
 
-    assert usage(old) == usage(new)
+    scalerl = str(Path(sys.executable).with_name("scalerl"))
+    assert usage(sys.executable, "-m", "megatron_scalerl") == usage(scalerl)

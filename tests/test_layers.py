@@ -32,12 +32,12 @@ LAYERS = [
     {"weight_sync"},
     {"inference"},
     {"orchestrator", "trainer"},
-    {"launch", "rollout"},
+    {"launch"},
     {"evaluation", "verify"},
     {"demo"},
     {"sweep"},
     {"commands"},
-    {"cli"},
+    {"__main__"},
 ]
 FAMILY_MODEL_SIDE = "model"  # families/<name>/model: a family's torch side, in the `models` unit (models/family.py)
 

@@ -513,7 +513,3 @@ def main(argv: list[str] | None = None) -> int:
         if orchestrator is not None:
             orchestrator.close()
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
