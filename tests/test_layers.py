@@ -20,8 +20,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_scalerl"
 
 # The order of docs/design.md, section 5: a unit may import the units of lower layers only.
 LAYERS = [
-    {"errors", "choices", "rope_note"},
-    # __init__: the package's, which imports rope_note; families: the model families' pure side (HF config.json
+    {"errors", "choices"},
+    # __init__: the package's; families: the model families' pure side (HF config.json
     # translation, layer plans, serving specifics)
     {"__init__", "fileio", "http_json", "families"},
     {"recipe", "run"},

@@ -1,6 +1,6 @@
 """Scout-style RoPE scaling (low_freq_factor == high_freq_factor): transformers' warning is said once per run by the
-launcher, dropped in the run's processes (ours on import, vLLM's through its general-plugin entry point), and left
-alone everywhere else. The oracle is transformers itself, reading a real config in a fresh process."""
+launcher, dropped in the run's processes (ours as they start, vLLM's through its general-plugin entry point), and
+left alone everywhere else. The oracle is transformers itself, reading a real config in a fresh process."""
 
 import json
 import os
@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from megatron_scalerl.families import hf_config_dict
+from megatron_scalerl.families.llama4.rope_note import MESSAGE_START, SAID_ENV, degenerate, note_once
 from megatron_scalerl.recipe import load_recipe
-from megatron_scalerl.rope_note import MESSAGE_START, SAID_ENV, degenerate, note_once
 
 SCOUT_ROPE = "model.rope_scaling={factor: 16.0, low_freq_factor: 1.0, high_freq_factor: 1.0, " \
              "original_max_position_embeddings: 256}"
@@ -43,7 +43,11 @@ def test_outside_a_run_transformers_warns_as_usual(scout_style_config):
 
 
 def test_in_a_run_our_processes_drop_only_that_message(scout_style_config):
-    code = ("import megatron_scalerl, logging; "
+    """Our processes drop it as they start: the `scalerl` command here (a command run first, as `scalerl serve` or
+    `scalerl eval` in a run); the trainer's and the orchestrator's `__main__` call the same `quiet_if_said`."""
+    code = ("import logging, contextlib, io; from megatron_scalerl.commands import main; "
+            "out = io.StringIO(); ctx = contextlib.redirect_stdout(out); ctx.__enter__(); "
+            "assert main(['recipe', 'show', 'demo']) == 0; ctx.__exit__(None, None, None); "
             f"{LOAD.format(dir=scout_style_config)}; "
             "logging.getLogger('transformers.modeling_rope_utils').warning('another rope warning')")
     err = _stderr_of(code, said=True)

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 from megatron_scalerl.commands.parsing import Parser
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.families.llama4.rope_note import quiet_if_said
 
 # name: (module, one-line help), in the order `scalerl --help` lists them
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -62,6 +63,7 @@ def _chosen(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     # `scalerl ... | head` ends quietly; the caller's own handling comes back after (main called from Python)
     previous = signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    quiet_if_said()  # a run's processes: transformers' note on Scout's RoPE scaling was said once by the launcher
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = build_parser(_chosen(argv)).parse_args(argv)

@@ -49,13 +49,13 @@ from typing import Any
 from megatron_scalerl.checkpoint.store import CheckpointStore
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.evaluation.harness import SUMMARY, Benchmark, EvalRequest, evaluate, load_benchmark
+from megatron_scalerl.families.llama4.rope_note import note_once
 from megatron_scalerl.http_json import request_json
 from megatron_scalerl.inference.vllm_server import VLLMServer, VLLMServerConfig, reload_from_disk
 from megatron_scalerl.models.convert import megatron_to_hf
 from megatron_scalerl.platform.local_workers import free_port
 from megatron_scalerl.platform.precision import serving_dtype
 from megatron_scalerl.recipe import EvalConfig, LocalBenchmark, Recipe, benchmark_name
-from megatron_scalerl.rope_note import note_once
 from megatron_scalerl.run.metrics_log import MetricsLog, read_metrics
 from megatron_scalerl.tasks.prompts import render_prompt
 

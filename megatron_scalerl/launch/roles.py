@@ -22,6 +22,7 @@ from pathlib import Path
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.families import hf_config_dict
+from megatron_scalerl.families.llama4.rope_note import note_once
 from megatron_scalerl.fileio import atomic_write_text
 from megatron_scalerl.launch.supervise import Restarts, RunWatch
 from megatron_scalerl.models.tokenizer import (
@@ -35,7 +36,6 @@ from megatron_scalerl.models.tokenizer import (
 from megatron_scalerl.orchestrator.state import rewind_to_checkpoint
 from megatron_scalerl.platform.precision import Precision, resolve_precision, with_resolved_precision
 from megatron_scalerl.recipe import Recipe, require_init_from_matches
-from megatron_scalerl.rope_note import note_once
 from megatron_scalerl.run.deadlines import Deadline
 from megatron_scalerl.run.directory import RECIPE_FILE, STOP_TIMEOUT_S, clear_stop_request
 from megatron_scalerl.run.metrics_log import MetricsLog

@@ -2,7 +2,9 @@
 
 import sys
 
+from megatron_scalerl.families.llama4.rope_note import quiet_if_said
 from megatron_scalerl.orchestrator.orchestrator import main
 
 if __name__ == "__main__":
+    quiet_if_said()  # a run's processes: transformers' note on Scout's RoPE scaling was said once by the launcher
     sys.exit(main())
