@@ -7,6 +7,8 @@
    `make` target it names is a target of the Makefile; no Python one-liner (`python -c`) stands in for a command.
 3. No file of the repository cites the development notes kept beside the checkout (`OUTSIDE_NOTES`): users do not
    have them.
+4. The status table's tests exist: every `test_...` name or pattern in its Tests column matches a file of tests/, and
+   every `make` target there is the Makefile's.
 """
 
 from __future__ import annotations
@@ -195,6 +197,37 @@ def test_the_readme_shows_commands_not_python_one_liners():
     lines = [f"line {i}: {line.strip()}" for i, line in enumerate(readme_text().splitlines(), 1)
              if re.search(r"\bpython[\d.]*\s+-c\b", line)]
     assert not lines, "README.md uses Python one-liners instead of commands:\n" + "\n".join(lines)
+
+
+def status_rows(text: str) -> list[tuple[str, list[str]]]:
+    """(capability, the backticked names of its Tests column) of every row of the README's status table."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| Capability |"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows.append((cells[0], re.findall(r"`([^`]+)`", cells[2])))
+    return rows
+
+
+def test_every_capability_rows_named_tests_exist():
+    rows = status_rows(readme_text())
+    assert len(rows) >= 20 and sum(len(names) for _, names in rows) >= 30  # the table was found and read
+    targets = set(re.findall(r"^([A-Za-z][\w-]*):", (REPO / "Makefile").read_text(), re.MULTILINE))
+    missing = []
+    for capability, names in rows:
+        for name in names:
+            if name.startswith("make "):
+                found = name.split()[1] in targets
+            elif name.startswith("test_"):
+                found = bool(list((REPO / "tests").rglob(f"{name}.py")) or list((REPO / "tests").rglob(f"{name}")))
+            else:
+                found = False
+            if not found:
+                missing.append(f"{capability!r}: {name}")
+    assert not missing, "README.md's status table names tests that do not exist:\n" + "\n".join(missing)
 
 
 # ---- no citation of notes users do not have ----
