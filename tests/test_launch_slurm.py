@@ -32,7 +32,7 @@ from megatron_scalerl.launch.supervise import (
     run_roles,
 )
 from megatron_scalerl.platform import free_port
-from megatron_scalerl.platform.local_workers import LISTEN_PORTS
+from megatron_scalerl.ports import LISTEN_PORTS
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run.directory import FINISHED_FILE, STOP_FILE, read_finished, read_generators, stop_requested
 from megatron_scalerl.run.gpu_hours import ComputeMeter, parse_sacct, record_job

@@ -23,7 +23,7 @@ LAYERS = [
     {"errors", "choices"},
     # __init__: the package's; families: the model families' pure side (HF config.json
     # translation, layer plans, serving specifics)
-    {"__init__", "fileio", "http_json", "families"},
+    {"__init__", "fileio", "http_json", "ports", "families"},
     {"recipe", "run"},
     {"algo", "forecast", "batches"},
     {"platform", "tasks"},

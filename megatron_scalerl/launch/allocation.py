@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.platform.local_workers import EPHEMERAL_PORTS_START, JOB_PORTS_START
+from megatron_scalerl.ports import EPHEMERAL_PORTS_START, JOB_PORTS_START
 
 if TYPE_CHECKING:
     from megatron_scalerl.recipe import Recipe

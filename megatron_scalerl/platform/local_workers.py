@@ -28,14 +28,7 @@ import torch.multiprocessing as mp
 
 from megatron_scalerl.platform.cpu_compat import silence_cpu_import_warnings
 from megatron_scalerl.platform.distributed import destroy_distributed, init_distributed, resolve_backend
-
-EPHEMERAL_PORTS_START = 32768  # Linux's default ephemeral range: 32768-60999
-JOB_PORTS_START = 20000  # our SLURM jobs' ports lie from here to the ephemeral range (launch.allocation)
-# Listening ports are drawn from here: below Linux's ephemeral range, from which every
-# outgoing connection of the machine takes its local port, and below our SLURM jobs' ports. A port the
-# kernel hands out for bind(0) is an ephemeral one: a server starting seconds later (vLLM imports for ~10 s) lost it
-# to some process's outgoing connection ("Address already in use").
-LISTEN_PORTS = range(10000, JOB_PORTS_START)
+from megatron_scalerl.ports import LISTEN_PORTS
 
 
 def free_port() -> int:

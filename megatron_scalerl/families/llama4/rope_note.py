@@ -9,8 +9,9 @@ transformers computes with them.
 The launcher states it once (`note_once`, which also sets SCALERL_ROPE_NOTE_SAID=1 for the roles it starts); a
 process that has that variable drops that one message (`quiet_if_said`: a filter on transformers' rope logger,
 nothing else). Our processes call it as they start (the `scalerl` command, the trainer's and the orchestrator's
-`__main__`); vLLM's through the `vllm.general_plugins` entry point in pyproject.toml (a `VLLM_PLUGINS` list that leaves it out skips it: vLLM's processes then repeat the
-warning). Outside a launch (e.g. `scalerl verify`) transformers' warning is left as it is.
+`__main__`); vLLM's through the `vllm.general_plugins` entry point in pyproject.toml (a `VLLM_PLUGINS` list that
+leaves it out skips it: vLLM's processes then repeat the warning). Outside a launch (e.g. `scalerl verify`)
+transformers' warning is left as it is.
 """
 
 from __future__ import annotations
