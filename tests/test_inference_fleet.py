@@ -131,9 +131,9 @@ def test_interruption_lands_at_the_budget_and_keeps_the_answer_budget(fleet_serv
 
 def test_a_weight_sync_in_flight_tags_tokens_with_their_versions(fleet_servers):
     """The product's pause: the sender wraps every update in pause(keep) ... resume on every server, so samples in
-    flight freeze there and continue on the new weights. The sender connects
-    before the samples start (its process-group set-up is the slow part), and a round whose samples all ended before
-    the update reached the servers (a fast or loaded machine) is run again, up to three rounds."""
+    flight freeze there and continue on the new weights. The sender connects before the samples start (its
+    process-group set-up is the slow part), and a round whose samples all ended before the update reached the
+    servers (a fast or loaded machine) is run again, up to three rounds."""
     urls = [s.url for s in fleet_servers["servers"]]
     weights = load_file(f"{fleet_servers['b']}/model.safetensors")
     sender = WeightSender(urls, SYNC).connect()

@@ -45,11 +45,12 @@ def test_outside_a_run_transformers_warns_as_usual(scout_style_config):
 def test_in_a_run_our_processes_drop_only_that_message(scout_style_config):
     """Our processes drop it as they start: the `scalerl` command here (a command run first, as `scalerl serve` or
     `scalerl eval` in a run); the trainer's and the orchestrator's `__main__` call the same `quiet_if_said`."""
-    code = ("import logging, contextlib, io; from megatron_scalerl.commands import main; "
-            "out = io.StringIO(); ctx = contextlib.redirect_stdout(out); ctx.__enter__(); "
-            "assert main(['recipe', 'show', 'demo']) == 0; ctx.__exit__(None, None, None); "
-            f"{LOAD.format(dir=scout_style_config)}; "
-            "logging.getLogger('transformers.modeling_rope_utils').warning('another rope warning')")
+    code = "\n".join(["import contextlib, io, logging",
+                      "from megatron_scalerl.commands import main",
+                      "with contextlib.redirect_stdout(io.StringIO()):",
+                      "    assert main(['recipe', 'show', 'demo']) == 0",
+                      LOAD.format(dir=scout_style_config),
+                      "logging.getLogger('transformers.modeling_rope_utils').warning('another rope warning')"])
     err = _stderr_of(code, said=True)
     assert MESSAGE_START not in err and "another rope warning" in err
 

@@ -73,8 +73,8 @@ class SenderConfig:
     `transport`: auto (nccl with CUDA, else gloo), gloo, nccl or disk (`disk_dir`: the shared folder the disk
     senders write under); `staging`: auto (on when every worker has the room), on or off; `checksum_every`: compare
     every received slice's checksum with its sender's every N-th sync (0: never); `api_key`: the servers' key;
-    `overlap_apply`: a staged sync without checksums due returns once
-    the senders sent, its load applied in the background (module docstring)."""
+    `overlap_apply`: a staged sync without checksums due returns once the senders sent, its load applied in the
+    background (module docstring). The servers are paused around every load."""
 
     bucket_mib: float = 64.0
     serving_dtype: torch.dtype = torch.bfloat16
