@@ -9,7 +9,7 @@ import torch
 
 from megatron_scalerl.algo import losses
 from megatron_scalerl.algo.aggregation import LossNormalizers
-from megatron_scalerl.algo.losses import LOSSES, loss_params, merge_metrics, policy_loss
+from megatron_scalerl.algo.losses import LOSSES, merge_metrics, policy_loss
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.recipe import load_recipe
 
@@ -259,11 +259,16 @@ def test_bad_names_and_parameters_are_user_errors():
         policy_loss("cispo", aggregation="token", eps_max=4.0, **{**common, "advantages": adv[:3]})
 
 
-def test_loss_params_come_from_the_recipe():
-    algorithm = load_recipe("scalerl").algorithm
-    assert loss_params(algorithm) == {"eps_max": 4.0}
-    dapo = load_recipe("loo_dapo_loss").algorithm
-    assert loss_params(dapo) == {"clip_low": 0.2, "clip_high": 0.26}
+def test_loss_parameters_are_the_fields_of_the_recipes_loss_section():
+    cispo = load_recipe("scalerl").algorithm.loss
+    assert (cispo.tag(), cispo.params()) == ("cispo", {"eps_max": 4.0})
+    dapo = load_recipe("loo_dapo_loss").algorithm.loss
+    assert (dapo.tag(), dapo.params()) == ("dapo", {"clip_low": 0.2, "clip_high": 0.26})
+    # the loss the trainer names takes exactly its section's fields (policy_loss refuses any other set)
+    lp, gen, _, adv, mask, groups = random_batch(seed=0)
+    for loss in (cispo, dapo):
+        policy_loss(loss.tag(), logprobs=lp, gen_logprobs=gen, advantages=adv, mask=mask, group_ids=groups,
+                    aggregation="token", **loss.params())
 
 
 def test_merge_metrics_is_the_metrics_of_one_call():

@@ -15,7 +15,7 @@ def test_show_json_is_exactly_one_object(capsys):
     out = capsys.readouterr().out
     assert out.count("\n") == 1
     data = json.loads(out)
-    assert data["trainer"]["lr"] == 1e-6 and data["algorithm"]["loss"] == "cispo"
+    assert data["trainer"]["lr"] == 1e-6 and data["algorithm"]["loss"] == {"type": "cispo", "eps_max": 4.0}
 
 
 def test_show_yaml_with_model_preset(capsys):

@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_scalerl"
 
 # The order of docs/design.md, section 5: a unit may import the units of lower layers only.
 LAYERS = [
-    {"errors", "choices"},
+    {"errors", "section"},
     # __init__: the package's; families: the model families' pure side (HF config.json
     # translation, layer plans, serving specifics)
     {"__init__", "fileio", "http_json", "ports", "families"},

@@ -33,7 +33,7 @@ def test_every_model_preset_composes_with_every_recipe(name, model):
 
 def test_scalerl_holds_the_papers_values():
     r = rc.load_recipe("scalerl")
-    assert r.algorithm.loss == "cispo"
+    assert r.algorithm.loss.type == "cispo" and r.algorithm.loss.eps_max == 4.0
     assert r.rollout.off_policy == "pipeline" and r.rollout.k == 8
     assert (r.rollout.prompts_per_step, r.rollout.generations_per_prompt) == (48, 16)
     assert r.samples_per_step == 768
@@ -42,7 +42,7 @@ def test_scalerl_holds_the_papers_values():
     assert r.algorithm.aggregation == "prompt"
     assert r.algorithm.zero_variance_filter is True
     assert r.algorithm.no_positive_resampling.enabled and r.algorithm.no_positive_resampling.threshold == 0.9
-    assert r.trainer.lr == 5e-7 and r.trainer.warmup_steps == 100 and r.trainer.lr_schedule == "constant"
+    assert r.trainer.lr == 5e-7 and r.trainer.warmup_steps == 100 and r.trainer.lr_schedule.type == "constant"
     assert r.trainer.adam_eps == 1e-15 and r.trainer.weight_decay == 0.01
     lc = r.algorithm.length_control
     assert lc.mode == "interruption"
@@ -56,15 +56,16 @@ def test_scalerl_holds_the_papers_values():
 
 def test_baselines_follow_the_papers_table():
     ds = rc.load_recipe("deepseek_grpo")
-    assert (ds.algorithm.loss, ds.rollout.off_policy, ds.rollout.k, ds.algorithm.aggregation) == ("ppo_clip", "ppo", 8, "sample")
-    assert (ds.algorithm.clip_low, ds.algorithm.clip_high, ds.samples_per_step) == (0.2, 0.2, 768)
+    assert (ds.algorithm.loss.type, ds.rollout.off_policy, ds.rollout.k, ds.algorithm.aggregation) == (
+        "ppo_clip", "ppo", 8, "sample")
+    assert (ds.algorithm.loss.clip_low, ds.algorithm.loss.clip_high, ds.samples_per_step) == (0.2, 0.2, 768)
     dapo = rc.load_recipe("qwen_dapo")
-    assert (dapo.algorithm.loss, dapo.algorithm.clip_high, dapo.samples_per_step) == ("dapo", 0.26, 1280)
+    assert (dapo.algorithm.loss.type, dapo.algorithm.loss.clip_high, dapo.samples_per_step) == ("dapo", 0.26, 1280)
     assert dapo.algorithm.zero_variance_filter and dapo.algorithm.aggregation == "prompt"
     mag = rc.load_recipe("magistral")
-    assert mag.algorithm.loss == "dapo" and mag.rollout.off_policy == "pipeline"
+    assert mag.algorithm.loss.type == "dapo" and mag.rollout.off_policy == "pipeline"
     mm = rc.load_recipe("minimax_m1")
-    assert mm.algorithm.loss == "cispo" and mm.trainer.fp32_lm_head and mm.rollout.off_policy == "ppo"
+    assert mm.algorithm.loss.type == "cispo" and mm.trainer.fp32_lm_head and mm.rollout.off_policy == "ppo"
     assert mm.samples_per_step == 1280 and mm.algorithm.zero_variance_filter
 
 
@@ -74,9 +75,8 @@ def test_each_leave_one_out_variant_reverts_exactly_one_part(name):
     parts = {path.split(".")[1] if path.startswith("algorithm.") else path.split(".")[0] + "." + path.split(".")[1]
              for path, _, _ in rows}
     assert rows, f"{name} equals scalerl"
-    # one recipe component changes (a loss change may touch its own clip parameters)
-    components = {p for p in parts if p not in ("clip_low", "clip_high")}
-    assert len(components) <= 1 or name == "loo_ppo_off_policy", rows
+    # one recipe component changes (a loss change: the loss section, its type and its parameters)
+    assert len(parts) <= 1 or name == "loo_ppo_off_policy", rows
 
 
 def test_model_presets_have_real_dimensions():
@@ -101,7 +101,7 @@ def test_recipe_file_composes_base_model_and_own_keys(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text("base: qwen_dapo\nmodel_preset: tiny_moe\ntrainer:\n  lr: 3e-5\n")
     r = rc.load_recipe(path, ["trainer.warmup_steps=7"])
-    assert r.name == "mine" and r.algorithm.loss == "dapo" and r.model.arch == "llama4"
+    assert r.name == "mine" and r.algorithm.loss.type == "dapo" and r.model.arch == "llama4"
     assert r.trainer.lr == 3e-5 and r.trainer.warmup_steps == 7
     assert r.rollout.prompts_per_step == 4  # the tiny model preset's value overrides the base's 80
 
@@ -131,7 +131,7 @@ def test_resolved_recipe_round_trips_without_base(tmp_path):
          "neither divides cluster.gpus_per_node=8"),
         (["parallelism.generator_tp=12", "cluster.generator_nodes=3"], "parallelism.generator_tp",
          "nor is a multiple of it"),
-        (["algorithm.loss=ppo_clip", "algorithm.clip_high=0.26"], "algorithm.clip_high", "symmetric clip"),
+        (["algorithm.loss=ppo_clip", "algorithm.clip_high=0.26"], "algorithm.loss.clip_high", "symmetric clip"),
     ],
 )
 def test_validation_errors_name_the_path(overrides, path, fragment):

@@ -14,14 +14,8 @@ from megatron_scalerl import recipe as rc
 from megatron_scalerl.commands import main
 from megatron_scalerl.errors import RecipeError
 from megatron_scalerl.recipe import explain as ex
-from megatron_scalerl.recipe.schema import (
-    DataSource,
-    LengthControlConfig,
-    LocalBenchmark,
-    NoPositiveResamplingConfig,
-    Recipe,
-    RopeScaling,
-)
+from megatron_scalerl.recipe.schema import DataSource, LocalBenchmark, NoPositiveResamplingConfig, Recipe, RopeScaling
+from megatron_scalerl.recipe.variants import Cispo, CosineSchedule, Dapo, Interruption, LengthPenalty
 
 # A number's description names what it counts or measures in one of these words.
 UNITS = ("tokens", "steps", "GPUs", "GPU-hours", "nodes", "samples", "prompts", "problems", "layers", "features",
@@ -52,7 +46,8 @@ def _fields(cls: type[BaseModel], seen: set) -> list:
 def test_every_field_has_a_one_line_description_with_its_unit():
     seen: set = set()
     fields = _fields(Recipe, seen)
-    assert {RopeScaling, NoPositiveResamplingConfig, LengthControlConfig, DataSource, LocalBenchmark} <= seen
+    assert {RopeScaling, NoPositiveResamplingConfig, Interruption, LengthPenalty, Cispo, Dapo, CosineSchedule,
+            DataSource, LocalBenchmark} <= seen
     missing = [f"{cls.__name__}.{name}" for cls, name, info in fields
                if not (info.description or "").strip() or "\n" in info.description]
     assert not missing, f"fields without a one-line description: {missing}"
@@ -61,8 +56,13 @@ def test_every_field_has_a_one_line_description_with_its_unit():
     unitless = [f"{cls.__name__}.{name}: {info.description}" for cls, name, info in numbers
                 if not any(unit in info.description for unit in UNITS)]
     assert len(numbers) > 80 and not unitless, f"numbers whose description names no unit: {unitless}"
-    # explain walks the same fields: one key per field, none left out
-    assert len(rc.schema_keys()) == len(fields)
+    # explain walks the same fields: a key per field, none left out (one key for a field the alternatives of a
+    # variant section share: algorithm.loss.type, algorithm.loss.eps_max of cispo and tis_reinforce)
+    keys = rc.schema_keys()
+    assert {name for _, name, _ in fields} == {path.rpartition(".")[2].removesuffix("[]") for path in keys}
+    assert {"algorithm.loss.type", "algorithm.loss.eps_max", "algorithm.loss.clip_high", "trainer.lr_schedule.min_lr",
+            "algorithm.length_control.mode", "algorithm.length_control.penalty_max_len"} <= set(keys)
+    assert keys["algorithm.loss.type"].type_text == "one of cispo, tis_reinforce, ppo_clip, dapo, gspo"
 
 
 @pytest.fixture(scope="module")

@@ -310,7 +310,7 @@ def test_a_two_variant_sweep_runs_as_slurm_jobs_finds_them_again_and_each_genera
             steps = {r["step"]: r for r in read_metrics(run_dir, role="trainer")}
             fresh = {step: r["train/mismatch_k3"] for step, r in steps.items() if r["train/staleness_max"] == 0}
             assert sorted(steps) == [1, 2] and 1 in fresh and max(fresh.values()) < 1e-4, (key, steps)
-        assert load_recipe(sweep_dir / "loo_dapo_loss/seed0/recipe.yaml").algorithm.loss == "dapo"
+        assert load_recipe(sweep_dir / "loo_dapo_loss/seed0/recipe.yaml").algorithm.loss.type == "dapo"
         assert "no ablation report" in text  # 3 evaluations: too few to fit, said
     finally:
         manifest = load_manifest(sweep_dir) if (sweep_dir / "sweep.json").is_file() else {"runs": {}}

@@ -62,7 +62,9 @@ def test_a_loo_preset_on_demo_changes_only_what_it_names(name):
         assert name == "loo_length_penalty" and "variant loo_length_penalty on base demo" in str(exc), exc
         assert "algorithm.length_control.penalty_max_len" in str(exc)
         return
-    expected = {(k, a, b) for k, a, b in diff(load_recipe("scalerl"), load_recipe(name)) if demo.get(k) != b}
+    # against the loaded base: a loss section holds its own alternative's fields (dapo's clip_low, not cispo's)
+    loaded = flatten(base.to_dict())
+    expected = {(k, a, b) for k, a, b in diff(load_recipe("scalerl"), load_recipe(name)) if loaded.get(k) != b}
     assert set(diff(base, recipe)) == expected
     assert recipe.model == base.model and recipe.trainer.init_from == "/models/shared"
 
@@ -84,7 +86,7 @@ def test_seeds_steps_and_budget_reach_each_runs_recipe():
     runs = [variant_recipe(spec, preset_variant("loo_dapo_loss"), i, f"r{i}") for i in range(2)]
     base_seed = load_recipe("demo").trainer.seed
     assert [r.trainer.seed for r in runs] == [base_seed, base_seed + 1]
-    assert all(r.trainer.max_steps == 7 and r.trainer.max_gpu_hours == 2.5 and r.algorithm.loss == "dapo"
+    assert all(r.trainer.max_steps == 7 and r.trainer.max_gpu_hours == 2.5 and r.algorithm.loss.type == "dapo"
                for r in runs)
     assert variant_recipe(_spec(), Variant("base", "base"), 0, "b").trainer.max_steps == \
         load_recipe("demo").trainer.max_steps
@@ -663,7 +665,7 @@ def test_a_local_sweep_is_interrupted_then_resumed_and_extended_at_once(tmp_path
     runs = load_manifest(sweep_dir)["runs"]
     assert (runs["base/seed0"]["state"], runs["loo_dapo_loss/seed0"]["state"]) == ("done", "stopped")
     assert read_finished(base)["step"] == 3 and read_finished(dapo) is None
-    assert load_recipe(dapo / "recipe.yaml").algorithm.loss == "dapo" and load_recipe(base / "recipe.yaml").model.arch \
+    assert load_recipe(dapo / "recipe.yaml").algorithm.loss.type == "dapo" and load_recipe(base / "recipe.yaml").model.arch \
         == "llama3"
     # 2: extended to 6 steps: the stopped variant continues from its checkpoint, the finished base from its end, and
     # the report is made. (A resumed trainer may run through batches already on disk faster than the orchestrator

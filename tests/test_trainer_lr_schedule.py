@@ -50,7 +50,8 @@ def test_every_update_matches_megatron_cores_scheduler(schedule):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     t = _trainer(schedule)
-    megatron = OptimizerParamScheduler(SimpleNamespace(param_groups=[{}]), init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
+    megatron = OptimizerParamScheduler(SimpleNamespace(param_groups=[{}]), init_lr=0.0, max_lr=t.lr,
+                                       min_lr=t.lr_schedule.min_lr if schedule == "cosine" else 0.0,
                                        lr_warmup_steps=t.warmup_steps, lr_decay_steps=t.max_steps,
                                        lr_decay_style=schedule, start_wd=0.0, end_wd=0.0, wd_incr_steps=t.max_steps,
                                        wd_incr_style="constant")

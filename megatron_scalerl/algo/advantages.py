@@ -18,14 +18,14 @@ Shapes: rewards [num_samples] float, group_ids [num_samples] int64, members / ma
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, get_args
 
 import torch
 
 from megatron_scalerl.algo.filters import group_index, select_samples
-from megatron_scalerl.choices import ADVANTAGE_NORMS
+from megatron_scalerl.recipe.schema import AdvantageNorm
 
-AdvantageNorm = Literal[ADVANTAGE_NORMS]
+ADVANTAGE_NORMS = get_args(AdvantageNorm)
 
 
 def _group_mean(values: torch.Tensor, index: torch.Tensor, num_groups: int, members: torch.Tensor) -> torch.Tensor:

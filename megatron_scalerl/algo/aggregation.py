@@ -21,13 +21,13 @@ A sample with no loss token (mask all zero: filtered, masked) is in no count: it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import get_args
 
 import torch
 
-from megatron_scalerl.choices import AGGREGATIONS
+from megatron_scalerl.recipe.schema import Aggregation
 
-Aggregation = Literal[AGGREGATIONS]
+AGGREGATIONS = get_args(Aggregation)
 
 
 @dataclass(frozen=True, eq=False)

@@ -16,13 +16,13 @@ Shapes: rewards [num_samples] float, group_ids [num_samples] int64 (generation g
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import get_args
 
 import torch
 
-from megatron_scalerl.choices import TRUNCATED_POLICIES
+from megatron_scalerl.recipe.schema import TruncatedPolicy
 
-TruncatedPolicy = Literal[TRUNCATED_POLICIES]
+TRUNCATED_POLICIES = get_args(TruncatedPolicy)
 
 
 @dataclass(frozen=True)

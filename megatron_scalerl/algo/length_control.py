@@ -84,7 +84,8 @@ class InterruptionPolicy:
     @classmethod
     def from_config(cls, config: Any, *, phrase_ids: Sequence[int], max_new_tokens: int,
                     seed: int) -> InterruptionPolicy:
-        """From a recipe's LengthControlConfig; `phrase_ids` = the tokenizer's ids of config.interruption_phrase."""
+        """From a recipe's length_control section of mode interruption; `phrase_ids` = the tokenizer's ids of
+        config.interruption_phrase."""
         if config.mode != "interruption":
             raise UserError(f"length_control.mode is '{config.mode}', not 'interruption'")
         return cls(think_budget_min=config.think_budget_min, think_budget_max=config.think_budget_max,

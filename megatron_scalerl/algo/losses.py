@@ -39,13 +39,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from megatron_scalerl import choices
-from megatron_scalerl.algo.aggregation import LossNormalizers
+from megatron_scalerl.algo.aggregation import AGGREGATIONS, LossNormalizers
 from megatron_scalerl.errors import UserError
+from megatron_scalerl.recipe.variants import LOSS_VARIANTS, Cispo, Dapo, Gspo, PpoClip, TisReinforce, Variant
 
 # Tokens per chunk of rows in policy_loss: bounds the objectives' temporaries to a few MiB each, whatever the batch.
 CHUNK_ELEMENTS = 1 << 16
@@ -125,30 +124,15 @@ def gspo(inputs: LossInputs, *, clip_low: float, clip_high: float) -> ObjectiveT
                           ratio=seq_ratio * inputs.mask)
 
 
-@dataclass(frozen=True)
-class LossSpec:
-    objective: Callable[..., ObjectiveTerms]
-    params: tuple[str, ...]  # keyword parameters, named as the recipe's algorithm fields
+# The objective of each of the recipe's losses (`algorithm.loss`, recipe/variants.py: its name and parameters).
+OBJECTIVES: dict[type[Variant], Callable[..., ObjectiveTerms]] = {
+    Cispo: cispo, TisReinforce: tis_reinforce, PpoClip: ppo_clip, Dapo: dapo, Gspo: gspo}
+if set(OBJECTIVES) != set(LOSS_VARIANTS):  # every loss a recipe can name has its objective here
+    raise ImportError(f"algo.losses has no objective for {sorted(c.tag() for c in set(LOSS_VARIANTS) - set(OBJECTIVES))}")
+LOSSES: dict[str, type[Variant]] = {cls.tag(): cls for cls in OBJECTIVES}  # by name
 
 
-LOSSES: dict[str, LossSpec] = {
-    "cispo": LossSpec(cispo, ("eps_max",)),
-    "tis_reinforce": LossSpec(tis_reinforce, ("eps_max",)),
-    "ppo_clip": LossSpec(ppo_clip, ("clip_low", "clip_high")),
-    "dapo": LossSpec(dapo, ("clip_low", "clip_high")),
-    "gspo": LossSpec(gspo, ("clip_low", "clip_high")),
-}
-if set(LOSSES) != set(choices.LOSSES):  # the recipe offers exactly the losses implemented here
-    raise ImportError(f"algo.losses implements {sorted(LOSSES)} but megatron_scalerl.choices lists "
-                      f"{sorted(choices.LOSSES)}")
-
-
-def loss_params(algorithm: Any) -> dict[str, float]:
-    """The keyword parameters of `algorithm.loss`, read from a recipe's AlgorithmConfig."""
-    return {name: getattr(algorithm, name) for name in _spec(algorithm.loss).params}
-
-
-def _spec(name: str) -> LossSpec:
+def _loss(name: str) -> type[Variant]:
     if name not in LOSSES:
         raise UserError(f"unknown loss '{name}' (known: {', '.join(LOSSES)})")
     return LOSSES[name]
@@ -210,16 +194,17 @@ def policy_loss(name: str, *, logprobs: torch.Tensor, gen_logprobs: torch.Tensor
     Pass the same normalizers to every DP rank and micro-batch of a step: the summed losses and gradients then equal
     those of one call over the full batch, so gradients must be SUMMED over ranks and micro-batches, not averaged
     (in Megatron: no 1/dp gradient scaling and no 1/num_microbatches loss scaling, as with calculate_per_token_loss).
-    `params`: exactly the loss's parameters (LOSSES[name].params; `loss_params` reads them from a recipe).
+    `params`: exactly the loss's parameters (the fields of its recipe section: `recipe.algorithm.loss.params()`).
 
     Memory: the objectives run on chunks of about CHUNK_ELEMENTS tokens (whole rows), writing one gradient buffer
     shaped like `logprobs`; that buffer becomes logprobs.grad. Nothing else outlives the call.
     """
-    spec = _spec(name)
-    if set(params) != set(spec.params):
-        raise UserError(f"loss {name} takes parameters {', '.join(spec.params)}; got {', '.join(params) or 'none'}")
-    if aggregation not in choices.AGGREGATIONS:
-        raise UserError(f"unknown aggregation '{aggregation}' (known: {', '.join(choices.AGGREGATIONS)})")
+    loss = _loss(name)
+    if set(params) != loss.own_fields():
+        raise UserError(f"loss {name} takes parameters {', '.join(sorted(loss.own_fields()))}; got "
+                        f"{', '.join(params) or 'none'}")
+    if aggregation not in AGGREGATIONS:
+        raise UserError(f"unknown aggregation '{aggregation}' (known: {', '.join(AGGREGATIONS)})")
     _check_inputs(logprobs, gen_logprobs, old_logprobs, advantages, mask, group_ids)
     mask = mask.bool()
     num_samples, seq_len = logprobs.shape
@@ -240,7 +225,7 @@ def policy_loss(name: str, *, logprobs: torch.Tensor, gen_logprobs: torch.Tensor
         for rows in chunks:
             inputs = _chunk_inputs(rows, logprobs.detach(), gen_logprobs, old_logprobs, advantages.detach(), mask,
                                    sample_tokens, dtype)
-            terms = spec.objective(inputs, **params)
+            terms = OBJECTIVES[loss](inputs, **params)
             value -= (weights[rows] * terms.objective_sums).sum()
             grad[rows] = terms.grad.mul_(-weights[rows].unsqueeze(-1))
             sums.add(terms, inputs.log_ratio_gen, inputs.mask)

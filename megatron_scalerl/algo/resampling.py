@@ -22,11 +22,11 @@ import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-from megatron_scalerl.choices import HISTORY_RULES
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_text
+from megatron_scalerl.recipe.schema import HistoryRule
 
 STATE_VERSION = 1
 
@@ -44,9 +44,9 @@ class PromptHistory:
 
 class NoPositiveResampling:
     def __init__(self, *, threshold: float, history: str, ema_decay: float, enabled: bool = True):
-        if history not in HISTORY_RULES:
+        if history not in get_args(HistoryRule):
             raise UserError(f"no_positive_resampling.history: unknown rule '{history}' "
-                            f"(known: {', '.join(HISTORY_RULES)})")
+                            f"(known: {', '.join(get_args(HistoryRule))})")
         if not 0 <= threshold <= 1 or not 0 <= ema_decay <= 1:
             raise UserError(f"no_positive_resampling: threshold {threshold} and ema_decay {ema_decay} must be in "
                             "[0, 1]")

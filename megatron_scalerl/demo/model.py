@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megatron_scalerl.errors import UserError
 from megatron_scalerl.models.hf_io import save_random_hf_model
 from megatron_scalerl.models.tokenizer import special_token_ids, train_tokenizer
 from megatron_scalerl.recipe import Recipe
+from megatron_scalerl.recipe.variants import Interruption
 from megatron_scalerl.tasks.problems import Problem, load_sources
 from megatron_scalerl.tasks.prompts import PLAIN_CHAT_TEMPLATE, THINK_CLOSE, THINK_OPEN, render_prompt
 
@@ -35,11 +37,21 @@ def solution_text(problem: Problem, *, close_thinking: bool = True) -> str:
     return f"{thinking}\n{THINK_CLOSE}\n{answer}" if close_thinking else thinking
 
 
+def interruption_of(recipe: Recipe) -> Interruption:
+    """The recipe's forced interruption: the format the tiny model's tokenizer and warm start are made for (the
+    demo presets the demo builds from, `demo` and `demo_mix`, have it)."""
+    control = recipe.algorithm.length_control
+    if not isinstance(control, Interruption):
+        raise UserError(f"{recipe.name}: the demo builds and warm-starts its tiny model for forced interruption "
+                        f"(algorithm.length_control.mode: interruption), not {control.mode}")
+    return control
+
+
 def tokenizer_corpus(recipe: Recipe) -> list[str]:
     """Every training problem's prompt (its own template) with its worked completion, and the interruption phrase."""
     problems = [p for source in load_sources(recipe.data.train, seed=recipe.data_seed) for p in source.problems]
     texts = [render_prompt(p) + solution_text(p) for p in problems]
-    return texts + [recipe.algorithm.length_control.interruption_phrase] * PHRASE_REPEATS
+    return texts + [interruption_of(recipe).interruption_phrase] * PHRASE_REPEATS
 
 
 def build_model(recipe: Recipe, out_dir: str | Path, *, seed: int = 0) -> Path:

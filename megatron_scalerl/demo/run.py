@@ -41,7 +41,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_scalerl.demo.model import build_model
+from megatron_scalerl.demo.model import build_model, interruption_of
 from megatron_scalerl.demo.sft import warm_start
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_json, fsync_tree, replace_durably
@@ -90,7 +90,7 @@ def build_settings(recipe, **stage) -> dict:
     return {"model": recipe.model.model_dump(mode="json"),
             "data": [source.model_dump(mode="json") for source in recipe.data.train], "seed": recipe.trainer.seed,
             **({"data_seed": recipe.data.seed} if recipe.data.seed is not None else {}),  # old builds: none
-            "interruption_phrase": recipe.algorithm.length_control.interruption_phrase,
+            "interruption_phrase": interruption_of(recipe).interruption_phrase,
             "chat_template": PLAIN_CHAT_TEMPLATE, **stage}
 
 

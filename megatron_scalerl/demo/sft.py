@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_scalerl.demo.model import solution_text
+from megatron_scalerl.demo.model import interruption_of, solution_text
 from megatron_scalerl.models.hf_io import load_hf_causal_lm
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.tasks.problems import Problem, load_sources
@@ -74,7 +74,7 @@ def new_tokens_cap(recipe: Recipe, template: str) -> int:
     """Tokens a warm-start evaluation samples per completion of a `template` problem: the thinking budget's maximum
     (a worked math completion is under 20 tokens), plus the answer budget for code (its fenced solution alone is
     about 20)."""
-    budget = recipe.algorithm.length_control
+    budget = interruption_of(recipe)
     return budget.think_budget_max + (budget.answer_budget if template == "code" else 0)
 
 

@@ -108,7 +108,7 @@ def sampling_settings(recipe: Recipe, tokenizer: Any) -> SamplingSettings:
     return SamplingSettings(temperature=recipe.rollout.temperature, top_p=recipe.rollout.top_p,
                             max_new_tokens=recipe.rollout.max_new_tokens,
                             policy=InterruptionPolicy.from_recipe(recipe, tokenizer) if tokenizer is not None else None,
-                            interruption_phrase=control.interruption_phrase)
+                            interruption_phrase=control.interruption_phrase if control.mode == "interruption" else "")
 
 
 def shown_answer(completion: str, problem: Problem) -> str | None:

@@ -2,6 +2,8 @@
 
     schema.py   the typed sections (ModelConfig, ParallelismConfig, ..., Recipe): types and ranges, no defaults
                 (those live in recipes/scalerl.yaml); slurm_minutes for the cluster's time limit
+    variants.py the sections with alternatives, each with its own fields (algorithm.loss, trainer.lr_schedule,
+                algorithm.length_control), and the readers of their spelling from before them
     loading.py  presets (recipes/*.yaml, recipes/models/*.yaml, `hf:DIR`), `--set` overrides, validation with the
                 first bad field named (cross-field rules: rules.py), load_recipe; flatten / changed_fields /
                 diff to compare recipes; preset_catalogue (the presets, for explain); load_run_recipe (a run's own

@@ -16,7 +16,7 @@ import difflib
 import re
 import types
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -27,6 +27,7 @@ from megatron_scalerl.errors import RecipeError
 from megatron_scalerl.fileio import parse_yaml
 from megatron_scalerl.recipe.rule_reads import Rule, rules_of
 from megatron_scalerl.recipe.schema import Recipe
+from megatron_scalerl.recipe.variants import Variant, union_variants
 
 REQUIRED = "required"  # the default of a key the schema gives none (every recipe sets it)
 OWN_NAME = "name"  # the key every preset sets to its own name: not compared across presets
@@ -35,7 +36,8 @@ OWN_NAME = "name"  # the key every preset sets to its own name: not compared acr
 @dataclass(frozen=True)
 class Key:
     """One recipe key. `section`: the section class it holds (its keys are `path.<field>`, or `path[].<field>` when
-    `listed`: a list of them), None for a plain value. `default`: the schema's, REQUIRED when it has none."""
+    `listed`: a list of them), None for a plain value. `default`: the schema's, REQUIRED when it has none.
+    `variants`: a variant section's alternatives (recipe/variants.py; `section` is the first), else empty."""
 
     path: str
     description: str
@@ -43,6 +45,11 @@ class Key:
     default: Any
     section: type[BaseModel] | None = None
     listed: bool = False
+    variants: tuple[type[Variant], ...] = ()
+
+    def has_field(self, name: str) -> bool:
+        """Whether the section (any of its alternatives) has the field `name`."""
+        return any(name in cls.model_fields for cls in self.variants or (self.section,) if cls is not None)
 
     @property
     def inner(self) -> str:
@@ -111,14 +118,33 @@ def schema_keys(model: type[BaseModel] = Recipe) -> dict[str, Key]:
             if isinstance(default, BaseModel):
                 default = default.model_dump(mode="json")
             held = next(_sections(info.annotation), None)
-            key = Key(path, info.description or "", type_text(info.annotation, info.metadata), default,
-                      *(held or (None, False)))
-            out[path] = key
-            if held:
-                walk(held[0], key.inner)
+            variants = union_variants(info.annotation)
+            text = (" | ".join(v.tag() for v in variants) if variants
+                    else type_text(info.annotation, info.metadata))
+            key = Key(path, info.description or "", text, default, *(held or (None, False)), variants=variants)
+            if path in out and name == getattr(cls, "tag_key", None):  # an alternative's tag: one key for them all
+                first = out[path]
+                out[path] = replace(first, description=f"{first.description}; {key.description}",
+                                    type_text=f"{first.type_text}, {key.type_text.removeprefix('one of ')}",
+                                    default=REQUIRED)
+            out.setdefault(path, key)  # a field two alternatives share (eps_max) is described once
+            for inner in variants or ([held[0]] if held else []):
+                walk(inner, key.inner)
 
     walk(model, "")
     return out
+
+
+def variant_tags(path: str) -> set[str]:
+    """The tags of the alternatives of the variant section at `path` (empty for any other key)."""
+    key = schema_keys().get(path)
+    return {cls.tag() for cls in key.variants} if key else set()
+
+
+def variant_tag_key(path: str) -> str | None:
+    """The tag field of the variant section at `path` (`type`, `mode`), None for any other key."""
+    key = schema_keys().get(path)
+    return key.variants[0].tag_key if key and key.variants else None
 
 
 @cache
@@ -232,8 +258,19 @@ def annotate_yaml(text: str, keys: dict[str, Key] | None = None) -> str:
     keys = schema_keys() if keys is None else keys
     lines = yaml_key_lines(text)
     width = min(max((len(line) for path, line in lines if path in keys), default=0), 60)
-    return "".join(f"{line:<{width}}  # {keys[path].description}\n" if path in keys else line + "\n"
+    return "".join(f"{line:<{width}}  # {_line_description(path, line, keys)}\n" if path in keys else line + "\n"
                    for path, line in lines)
+
+
+def _line_description(path: str, line: str, keys: dict[str, Key]) -> str:
+    """The description of the key a YAML line sets; a variant section's tag: its chosen alternative's."""
+    section = keys.get(path.rpartition(".")[0])
+    if section is not None and section.variants and path.endswith("." + section.variants[0].tag_key):
+        chosen = line.partition(":")[2].partition("#")[0].strip().strip("'\"")
+        for cls in section.variants:
+            if cls.tag() == chosen:
+                return cls.model_fields[cls.tag_key].description
+    return keys[path].description
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,10 @@ from megatron_scalerl import families
 from megatron_scalerl.errors import RecipeError, UserError
 from megatron_scalerl.families.hf import read_config_json
 from megatron_scalerl.fileio import load_yaml, parse_yaml
-from megatron_scalerl.recipe.explain import Presets, unknown_key_hint
+from megatron_scalerl.recipe.explain import Presets, unknown_key_hint, variant_tag_key, variant_tags
 from megatron_scalerl.recipe.rules import cross_field_problems
 from megatron_scalerl.recipe.schema import ModelConfig, Recipe
+from megatron_scalerl.recipe.variants import switch_variant
 
 PRESET_DIR = Path(__file__).parent.parent / "recipes"  # megatron_scalerl/recipes/
 MODEL_PRESET_DIR = PRESET_DIR / "models"
@@ -61,13 +62,14 @@ def _read_mapping(path: Path) -> dict[str, Any]:
 
 
 def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    """Mappings merge key by key; anything else in `top` replaces what `base` has."""
+    """Mappings merge key by key; anything else in `top` replaces what `base` has (a bare name over a variant
+    section changes its alternative, keeping its fields: `variants.switch_variant`)."""
     out = copy.deepcopy(base)
     for key, value in top.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = deep_merge(out[key], value)
         else:
-            out[key] = copy.deepcopy(value)
+            out[key] = switch_variant(out.get(key), copy.deepcopy(value))
     return out
 
 
@@ -149,10 +151,13 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
+            tag_key = variant_tag_key(".".join(parts[: i + 1]))
+            if isinstance(child, str) and tag_key:  # `loss: cispo` (a bare name), then `--set algorithm.loss.eps_max`
+                child = node[part] = {tag_key: child}
             if not isinstance(child, dict):
                 raise RecipeError(".".join(parts[: i + 1]), f"is not a section (override '{text}')")
             node = child
-        node[parts[-1]] = value
+        node[parts[-1]] = switch_variant(node.get(parts[-1]), value)
     return out
 
 
@@ -174,8 +179,12 @@ def resolve_dict(name_or_path: str | Path, overrides: list[str] = (), model_pres
 
 
 def _format_loc(loc: tuple) -> str:
+    """pydantic's error location as a recipe key; the alternative's tag it puts after a variant section is left out
+    (`algorithm.loss.cispo.eps_max` -> `algorithm.loss.eps_max`)."""
     out = ""
     for part in loc:
+        if isinstance(part, str) and part in variant_tags(out):
+            continue
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 

@@ -26,11 +26,13 @@ from pydantic import BaseModel
 
 from megatron_scalerl.recipe import rules as rules_module
 from megatron_scalerl.recipe import schema as schema_module
+from megatron_scalerl.recipe import variants as variants_module
 
 if TYPE_CHECKING:
     from megatron_scalerl.recipe.explain import Key
 
 PACKAGE = Path(schema_module.__file__).resolve().parents[1]  # megatron_scalerl/
+SECTION_MODULES = (schema_module.__name__, variants_module.__name__)  # where the sections' members are written
 
 
 @dataclass(frozen=True)
@@ -58,10 +60,11 @@ class Rule:
 
 @dataclass(frozen=True)
 class _At:
-    """A local name that stands for a section of the recipe: its dotted path and class."""
+    """A local name that stands for a section of the recipe: its dotted path and class (a variant section's: its
+    alternatives)."""
 
     path: str
-    cls: type[BaseModel]
+    classes: tuple[type[BaseModel], ...]
 
 
 def _chain(node: ast.AST) -> tuple[str, list[str]] | None:
@@ -106,21 +109,22 @@ class _Reader:
         for attr in attrs:
             if not isinstance(found, _At):
                 return found
-            if attr in found.cls.model_fields:
-                key = self.keys[f"{found.path}.{attr}" if found.path else attr]
+            key = self.keys.get(f"{found.path}.{attr}" if found.path else attr)
+            if key is not None:
                 if key.section is None or key.listed:
                     return frozenset({key.path})
-                found = _At(key.path, key.section)
+                found = _At(key.path, key.variants or (key.section,))
             else:
                 return self.member(found, attr)
         return found
 
     def member(self, at: _At, name: str) -> frozenset[str]:
         """The keys a section's property or method reads (`self.x` and the members it calls in turn)."""
-        cache_key = (at.cls, name, at.path)
+        cache_key = (at.classes, name, at.path)
         if cache_key not in self.members:
             self.members[cache_key] = frozenset()  # a member that reaches itself reads nothing more
-            fn = next((node for cls in at.cls.__mro__ if cls.__module__ == schema_module.__name__
+            fn = next((node for cls in (c for held in at.classes for c in held.__mro__)
+                       if cls.__module__ in SECTION_MODULES
                        for node in ast.walk(_source(cls)[0])
                        if isinstance(node, ast.FunctionDef) and node.name == name), None)
             self.members[cache_key] = self.reads(fn, {"self": at}) if fn else frozenset()
@@ -200,18 +204,22 @@ def rules_of(keys: dict[str, Key], model: type[BaseModel], module: ModuleType = 
     reader = _Reader(keys)
     places = {model: [""]}  # section class -> the paths it sits at
     for key in keys.values():
-        if key.section is not None:
-            places.setdefault(key.section, []).append(key.inner)
+        for cls in key.variants or ((key.section,) if key.section is not None else ()):
+            places.setdefault(cls, []).append(key.inner)
     by_name = {cls.__name__: (cls, paths[0]) for cls, paths in places.items()}
     out: list[Rule] = []
     tree, first, where = _source(module)
     for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef)):
-        env = {a.arg: _At(by_name[a.annotation.id][1], by_name[a.annotation.id][0]) for a in fn.args.args
+        env = {a.arg: _At(by_name[a.annotation.id][1], (by_name[a.annotation.id][0],)) for a in fn.args.args
                if isinstance(a.annotation, ast.Name) and a.annotation.id in by_name}
         out += reader.rules(fn, env, first, where)
+    validated: dict[type[BaseModel], list[str]] = {}  # each class whose validators a section runs (its bases too)
     for cls, paths in places.items():
+        for base in (c for c in cls.__mro__ if c.__module__ in SECTION_MODULES):
+            validated.setdefault(base, []).extend(p for p in paths if p not in validated.get(base, []))
+    for cls, paths in validated.items():
         tree, first, where = _source(cls)
         for fn in (n for n in tree.body[0].body if isinstance(n, ast.FunctionDef) and _is_validator(n)):
             for path in paths:
-                out += reader.rules(fn, {"self": _At(path, cls)}, first, where, section=path or "(recipe)")
+                out += reader.rules(fn, {"self": _At(path, (cls,))}, first, where, section=path or "(recipe)")
     return out

@@ -69,10 +69,12 @@ def cross_field_problems(r: Recipe) -> list[tuple[str, str]]:
                     f"max_prompt_tokens + max_new_tokens = {ro.max_prompt_tokens + ro.max_new_tokens} exceeds "
                     f"model.max_position_embeddings={m.max_position_embeddings}"))
     lc = a.length_control
-    if lc.think_budget_min > lc.think_budget_max:
-        out.append(("algorithm.length_control.think_budget_min",
-                    f"{lc.think_budget_min} > think_budget_max {lc.think_budget_max}"))
     if lc.mode == "interruption":
+        if lc.think_budget_min > lc.think_budget_max:
+            out.append(("algorithm.length_control.think_budget_min",
+                        f"{lc.think_budget_min} > think_budget_max {lc.think_budget_max}"))
+        if not lc.interruption_phrase.strip():
+            out.append(("algorithm.length_control.interruption_phrase", "must not be empty"))
         need = lc.think_budget_max + lc.phrase_token_reserve + lc.answer_budget
         if need > ro.max_new_tokens:
             out.append(("algorithm.length_control.think_budget_max",
@@ -81,8 +83,6 @@ def cross_field_problems(r: Recipe) -> list[tuple[str, str]]:
         if need > r.eval.max_new_tokens:  # the eval watcher samples with the same interruption
             out.append(("eval.max_new_tokens", f"think_budget_max + phrase_token_reserve + answer_budget = {need} "
                                                f"exceeds eval.max_new_tokens={r.eval.max_new_tokens}"))
-        if not lc.interruption_phrase.strip():
-            out.append(("algorithm.length_control.interruption_phrase", "must not be empty"))
         unthinking = [f"data.train[{i}]" for i, source in enumerate(r.data.train) if not source.thinking]
         unthinking += [f"eval.benchmarks ({b.name})" for b in r.eval.benchmarks if not isinstance(b, str)
                        and not b.thinking]
@@ -97,6 +97,9 @@ def cross_field_problems(r: Recipe) -> list[tuple[str, str]]:
         if lc.penalty_max_len > ro.max_new_tokens:
             out.append(("algorithm.length_control.penalty_max_len",
                         f"{lc.penalty_max_len} exceeds rollout.max_new_tokens={ro.max_new_tokens}"))
+    if a.loss.type == "ppo_clip" and a.loss.clip_low != a.loss.clip_high:
+        out.append(("algorithm.loss.clip_high", f"ppo_clip is the symmetric clip: clip_high {a.loss.clip_high} != "
+                                                f"clip_low {a.loss.clip_low} (use loss dapo for clip-higher)"))
     if a.routing_replay and not m.is_moe:
         out.append(("algorithm.routing_replay", "needs an MoE model (model.num_experts is 0): a dense model has no "
                                                 "routing to replay"))
@@ -105,13 +108,6 @@ def cross_field_problems(r: Recipe) -> list[tuple[str, str]]:
                                               "routing to capture"))
     if a.reward_correct <= a.reward_incorrect:
         out.append(("algorithm.reward_correct", "must be greater than algorithm.reward_incorrect"))
-    if a.loss in ("ppo_clip", "dapo", "gspo") and a.clip_low >= 1:
-        out.append(("algorithm.clip_low", f"{a.clip_low} must be < 1 (ratio lower bound is 1 - clip_low)"))
-    if a.loss == "ppo_clip" and a.clip_low != a.clip_high:
-        out.append(("algorithm.clip_high", f"ppo_clip is the symmetric clip: clip_high {a.clip_high} != clip_low "
-                                           f"{a.clip_low} (use loss dapo for clip-higher)"))
-    if a.eps_max <= 1 and a.loss in ("cispo", "tis_reinforce"):
-        out.append(("algorithm.eps_max", f"{a.eps_max} must be > 1 (it caps the importance ratio)"))
     f = r.forecast
     if f.stop_at_fraction is not None and not (f.live and f.resamples > 0 and r.data.validation_holdout > 0):
         out.append(("forecast.stop_at_fraction", "needs the live forecast with an interval on A: forecast.live true, "

@@ -14,17 +14,28 @@ import math
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, model_validator
 
-from megatron_scalerl import choices, families
+from megatron_scalerl import families
 from megatron_scalerl.families.hf import LLAMA3_ROPE, YARN_ROPE
 from megatron_scalerl.fileio import dump_yaml
+from megatron_scalerl.recipe.variants import (
+    LOSS_FIELDS,
+    LR_SCHEDULE_FIELDS,
+    CosineSchedule,
+    LengthControl,
+    LossConfig,
+    LrSchedule,
+    lift_flat_fields,
+)
+from megatron_scalerl.section import Fraction, NonNeg, NonNegFloat, Pos, PosFloat, Section
 
-Pos = Annotated[int, Field(gt=0)]
-NonNeg = Annotated[int, Field(ge=0)]
-PosFloat = Annotated[float, Field(gt=0)]
-NonNegFloat = Annotated[float, Field(ge=0)]
-Fraction = Annotated[float, Field(ge=0, le=1)]
+# The names of the algorithm's plain choices (algo/ checks its arguments against them; the variant sections with
+# fields of their own are in variants.py)
+Aggregation = Literal["prompt", "sample", "token"]  # algo/aggregation.py
+AdvantageNorm = Literal["batch", "prompt", "none"]  # algo/advantages.py
+TruncatedPolicy = Literal["keep", "mask", "drop"]  # algo/filters.py: samples that hit the hard length cap
+HistoryRule = Literal["latest", "cumulative", "ema"]  # algo/resampling.py: No-Positive-Resampling's pass-rate history
 _SLURM_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
 
@@ -58,12 +69,6 @@ def _on_off(value: Any) -> Any:
 
 
 OnOffAuto = Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)]
-
-
-class Section(BaseModel):
-    """Strict: no unknown keys, no silent type coercion (a string is not a number)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
 class RopeScaling(Section):
@@ -248,54 +253,42 @@ class ParallelismConfig(Section):
 class NoPositiveResamplingConfig(Section):
     enabled: bool = Field(description="retire prompts the policy (almost) always solves from later epochs (paper: on)")
     threshold: Fraction = Field(description="pass rate at which a prompt retires, by `history` (fraction; paper: 0.9)")
-    history: Literal[choices.HISTORY_RULES] = Field(
+    history: HistoryRule = Field(
         description="a prompt's pass rate: its latest group's, cumulative over its groups, or an ema")
     ema_decay: Fraction = Field(description="weight of the previous EMA value when history is ema (fraction)")
 
 
-class LengthControlConfig(Section):
-    """`interruption`: force an end of thinking at a random budget; `length_penalty`: DAPO-style soft penalty."""
-
-    mode: Literal["interruption", "length_penalty", "none"] = Field(
-        description="interruption (end thinking at a random budget; paper), length_penalty (DAPO-style) or none")
-    think_budget_min: Pos = Field(description="thinking budget's low end, uniform draw per sample (tokens; paper: 10k)")
-    think_budget_max: Pos = Field(description="high end of the thinking budget (tokens; paper: 12k)")
-    interruption_phrase: str = Field(
-        description="text appended when thinking reaches its budget, closing </think>; out of the loss")
-    phrase_token_reserve: Pos = Field(description="room kept for the interruption phrase itself (tokens)")
-    answer_budget: Pos = Field(description="most tokens generated after the interruption phrase (tokens; paper: 2k)")
-    penalty_max_len: Pos = Field(description="L_max of R_len = clip((L_max - |y|) / L_cache - 1, -1, 0) (tokens)")
-    penalty_cache_len: Pos = Field(
-        description="length penalty's L_cache: the ramp below L_max where correct answers lose reward (tokens)")
-
-
 class AlgorithmConfig(Section):
-    loss: Literal[choices.LOSSES] = Field(
-        description="policy-gradient loss: cispo (ScaleRL's), ppo_clip, dapo, gspo or tis_reinforce (algo/losses.py)")
-    eps_max: PosFloat = Field(
-        description="cispo / tis_reinforce: cap on the importance ratio, sg(min(rho, eps_max)) (ratio, > 1)")
-    clip_low: PosFloat = Field(description="ppo_clip / dapo / gspo: the ratio's lower clip is 1 - clip_low (ratio)")
-    clip_high: PosFloat = Field(
-        description="ppo_clip / dapo / gspo: the ratio's upper clip is 1 + clip_high (ratio; DAPO clip-higher: 0.26)")
-    advantage_norm: Literal[choices.ADVANTAGE_NORMS] = Field(
+    """`loss` and `length_control` are variant sections (variants.py); `algorithm.loss: cispo` with a flat
+    `algorithm.eps_max` (clip_low, clip_high), the spelling before them, still loads."""
+
+    loss: LossConfig = Field(
+        description="policy-gradient loss and its parameters: cispo (ScaleRL's), ppo_clip, dapo, gspo or "
+                    "tis_reinforce (algo/losses.py)")
+    advantage_norm: AdvantageNorm = Field(
         description="A_i = r_i - group mean, divided by: batch (the step's std), prompt (the group's) or none")
     advantage_std_after_filter: bool = Field(
         description="the batch std counts only samples that reach the loss (after the zero-variance filter)")
-    aggregation: Literal[choices.AGGREGATIONS] = Field(
+    aggregation: Aggregation = Field(
         description="loss average: prompt (per prompt over its tokens, then over prompts), sample or token")
     zero_variance_filter: bool = Field(
         description="groups whose samples all got the same reward leave the loss (no refill; paper)")
-    truncated_samples: Literal[choices.TRUNCATED_POLICIES] = Field(
+    truncated_samples: TruncatedPolicy = Field(
         description="completions that hit rollout.max_new_tokens: keep (their reward), mask (out of the loss), drop")
     reward_correct: float = Field(description="reward of a correct answer (reward)")
     reward_incorrect: float = Field(description="reward of a wrong or missing answer (reward)")
     no_positive_resampling: NoPositiveResamplingConfig = Field(
         description="No-Positive-Resampling: prompts solved (almost) always leave later epochs")
-    length_control: LengthControlConfig = Field(
-        description="how completions' length is held: forced interruption, a length penalty or the hard cap")
+    length_control: LengthControl = Field(
+        description="how completions' length is held: forced interruption, a length penalty or the hard cap (mode)")
     # the default lets a run directory's recipe.yaml written before the key existed load unchanged
     routing_replay: bool = Field(
         False, description="MoE: the trainer's routers take the generator's experts (R3, docs/routing_replay.md)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_loss_fields(cls, data: Any) -> Any:
+        return lift_flat_fields(data, "loss", LOSS_FIELDS)
 
 
 class RolloutConfig(Section):
@@ -317,9 +310,8 @@ class RolloutConfig(Section):
 class TrainerConfig(Section):
     lr: PosFloat = Field(description="learning rate after warm-up (dimensionless; paper: 5e-7)")
     warmup_steps: NonNeg = Field(description="linear warm-up from 0 to lr (steps)")
-    lr_schedule: Literal["constant", "cosine"] = Field(
-        description="after warm-up: constant (the paper's) or cosine down to min_lr at max_steps")
-    min_lr: Annotated[float, Field(ge=0)] = Field(description="where cosine ends, at max_steps (dimensionless)")
+    lr_schedule: LrSchedule = Field(
+        description="after warm-up: constant (the paper's) or cosine down to min_lr at max_steps (type)")
     adam_beta1: Annotated[float, Field(ge=0, lt=1)] = Field(description="Adam's first-moment decay (dimensionless)")
     adam_beta2: Annotated[float, Field(ge=0, lt=1)] = Field(description="Adam's second-moment decay (dimensionless)")
     adam_eps: PosFloat = Field(description="Adam's epsilon (dimensionless; paper: 1e-15)")
@@ -343,10 +335,17 @@ class TrainerConfig(Section):
     init_from: str | None = Field(
         None, description="HF or Megatron checkpoint directory the weights start from (path); null: random, from seed")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_schedule_fields(cls, data: Any) -> Any:
+        return lift_flat_fields(data, "lr_schedule", LR_SCHEDULE_FIELDS)
+
     @model_validator(mode="after")
     def _lr_range(self) -> TrainerConfig:
-        if self.lr_schedule == "cosine" and self.min_lr > self.lr:
-            raise ValueError(f"min_lr {self.min_lr} is above lr {self.lr}: a cosine schedule decays from lr to min_lr")
+        schedule = self.lr_schedule
+        if isinstance(schedule, CosineSchedule) and schedule.min_lr > self.lr:
+            raise ValueError(f"min_lr {schedule.min_lr} is above lr {self.lr}: a cosine schedule decays from lr to "
+                             "min_lr")
         return self
 
 

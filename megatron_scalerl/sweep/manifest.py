@@ -39,6 +39,7 @@ from typing import Any
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.fileio import atomic_write_json
 from megatron_scalerl.recipe import changed_fields
+from megatron_scalerl.recipe.variants import respell_flat
 from megatron_scalerl.run.directory import read_finished
 from megatron_scalerl.sweep.plan import BASE_VARIANT, Variant
 
@@ -216,7 +217,7 @@ def merge(sweep_dir: Path, old: dict[str, Any] | None, *, base: str | None, mode
 def check_base_recipe(manifest: dict[str, Any], current: dict[str, Any], sweep_file: Path) -> None:
     """Refuse to start new runs when the base recipe's fields now (`current`, `plan.base_fields`) differ from those
     the sweep recorded (field 'base_recipe'), naming the fields that changed."""
-    recorded, absent = manifest["base_recipe"], "(absent)"
+    recorded, absent = respell_flat(manifest["base_recipe"]), "(absent)"  # a sweep begun before the variants
     changed = changed_fields(recorded, current)
     if changed:
         shown = "; ".join(f"{k}: {json.dumps(recorded.get(k, absent))} -> {json.dumps(current.get(k, absent))}"

@@ -39,6 +39,7 @@ from megatron_scalerl.recipe import (
     resolve_dict,
     validate,
 )
+from megatron_scalerl.recipe.variants import respell_flat
 
 BASE_VARIANT = "base"
 NAME_CHARS = re.compile(r"[^A-Za-z0-9._+-]+")
@@ -82,8 +83,9 @@ class BaseSpec:
 
 def base_fields(base: dict[str, Any]) -> dict[str, Any]:
     """The base recipe's mapping (`BaseSpec.base_dict`) as its dotted fields, JSON values, without PER_RUN_FIELDS:
-    what the manifest records to tell whether the base changed (`manifest.check_base_recipe`)."""
-    fields = {k: v for k, v in flatten(base).items() if k not in PER_RUN_FIELDS}
+    what the manifest records to tell whether the base changed (`manifest.check_base_recipe`); a field set in the
+    spelling before the variant sections (`--set trainer.min_lr=...`) as it is spelled now."""
+    fields = {k: v for k, v in respell_flat(flatten(base)).items() if k not in PER_RUN_FIELDS}
     return json.loads(json.dumps(fields, default=str))
 
 

@@ -179,7 +179,7 @@ class Sweep:
         atomic_write_text(path, recipe.to_yaml())
         print(f"sweep: {run.key}: {path} now has " + ", ".join(f"trainer.{k}={v:g}" for k, v in wanted.items()),
               flush=True)
-        if recipe.trainer.lr_schedule == "cosine" and recipe.trainer.max_steps != old.trainer.max_steps:
+        if recipe.trainer.lr_schedule.type == "cosine" and recipe.trainer.max_steps != old.trainer.max_steps:
             print(f"sweep: note: {run.key} decays its LR on a cosine to trainer.max_steps; moved from "
                   f"{old.trainer.max_steps} to {recipe.trainer.max_steps}, the rate of its steps still to come rises "
                   f"again: it is not the run a {recipe.trainer.max_steps}-step sweep would have made", flush=True)

@@ -29,12 +29,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_scalerl.algo.aggregation import LossNormalizers
-from megatron_scalerl.algo.losses import loss_params, merge_metrics, policy_loss
+from megatron_scalerl.algo.losses import merge_metrics, policy_loss
 from megatron_scalerl.batches.train_batch import TrainBatch
 from megatron_scalerl.platform.distributed import all_gathered, current_device
 from megatron_scalerl.platform.megatron_optimizer import optimizer_parts
 from megatron_scalerl.platform.precision import trainer_dtype
 from megatron_scalerl.recipe import Recipe, TrainerConfig
+from megatron_scalerl.recipe.variants import CosineSchedule
 from megatron_scalerl.trainer.logprobs import token_logprobs
 from megatron_scalerl.trainer.microbatches import MicroBatch, build_microbatches
 from megatron_scalerl.trainer.routing_replay import RoutingReplay
@@ -48,14 +49,15 @@ class NonFiniteError(RuntimeError):
 def lr_at(updates: int, trainer: TrainerConfig) -> float:
     """Learning rate for the update after `updates` successful ones (skipped non-finite steps do not count): linear
     warm-up over `trainer.warmup_steps` updates, then constant (`lr_schedule: constant`, the paper's) or a cosine
-    from `trainer.lr` down to `trainer.min_lr` at update `trainer.max_steps` (`lr_schedule: cosine`)."""
+    from `trainer.lr` down to its `min_lr` at update `trainer.max_steps` (`lr_schedule: {type: cosine, min_lr}`)."""
     if updates + 1 < trainer.warmup_steps:
         return trainer.lr * (updates + 1) / trainer.warmup_steps
-    if trainer.lr_schedule == "constant":
+    schedule = trainer.lr_schedule
+    if not isinstance(schedule, CosineSchedule):
         return trainer.lr
     peak = max(trainer.warmup_steps, 1)  # the update count at which the rate peaks (the last warm-up update's)
     progress = min(max(updates + 1 - peak, 0) / max(trainer.max_steps - peak, 1), 1.0)
-    return trainer.min_lr + (trainer.lr - trainer.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+    return schedule.min_lr + (trainer.lr - schedule.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @dataclass
@@ -97,7 +99,6 @@ class ForwardBackward:
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.device = current_device()
         self.sequence_parallel = recipe.parallelism.sequence_parallel and self.tp_size > 1
-        self.loss_params = loss_params(recipe.algorithm)
         # FP32 head: FP32 logits; without it the head computes in the model's precision (the ablation)
         self.logits_dtype = torch.float32 if recipe.trainer.fp32_lm_head else trainer_dtype(recipe)
         self.routing = RoutingReplay(model_chunks, replay=recipe.algorithm.routing_replay,
@@ -175,10 +176,11 @@ class ForwardBackward:
     def _loss(self, normalizers: LossNormalizers, scale: float, mb: MicroBatch, hidden: torch.Tensor):
         """hidden: [rows, seq(/tp), hidden] from the last stage. Returns (scaled loss, metrics of this micro-batch)."""
         lp, entropy = self._token_logprobs(mb, hidden)
-        loss, metrics = policy_loss(self.recipe.algorithm.loss, logprobs=lp, gen_logprobs=mb.gen_logprobs,
+        chosen = self.recipe.algorithm.loss
+        loss, metrics = policy_loss(chosen.tag(), logprobs=lp, gen_logprobs=mb.gen_logprobs,
                                     advantages=mb.advantages, mask=mb.loss_mask, group_ids=mb.group_ids,
                                     aggregation=self.recipe.algorithm.aggregation, normalizers=normalizers,
-                                    **self.loss_params)
+                                    **chosen.params())
         metrics["loss"] = loss.detach()
         metrics["entropy_sum"] = (entropy * mb.loss_mask).sum()
         return loss * scale, metrics
