@@ -7,6 +7,9 @@ Oracles: the folder names, the recipe's `model.arch` choices, the model presets,
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -73,6 +76,56 @@ def test_a_new_folder_is_a_new_family(tmp_path, monkeypatch):
         assert list(families._discover()) == sorted([*FAMILIES, "toy"])
     finally:
         sys.modules.pop(f"{families.__name__}.toy", None)
+
+
+THROWAWAY_FAMILY = """
+from pydantic import Field
+
+from megatron_scalerl.families.llama3 import FAMILY as LLAMA3
+from megatron_scalerl.families.spec import FamilySpec
+from megatron_scalerl.section import Pos, Section
+
+
+class ToyFields(Section):
+    toy_width: Pos = Field(7, description="toy: a width only this family reads (features)")
+
+
+FAMILY = FamilySpec(name="toy", hf_architecture="ToyForCausalLM", hf_model_type="toy", moe=False,
+                    layer=LLAMA3.layer, hf_fields=LLAMA3.hf_fields, model_fields=LLAMA3.model_fields,
+                    fields=ToyFields)
+"""
+THROWAWAY_CHECK = """
+import megatron_scalerl
+from megatron_scalerl.errors import RecipeError
+from megatron_scalerl.recipe import explain_key, load_recipe, preset_catalogue
+
+assert megatron_scalerl.__file__.startswith(COPY), megatron_scalerl.__file__
+toy = load_recipe("scalerl", ["model.arch=toy", "model.toy_width=9"], model_preset="tiny_dense")
+assert toy.model.toy_width == 9 and load_recipe("scalerl", model_preset="tiny_dense").model.toy_width == 7
+try:
+    load_recipe("scalerl", ["model.toy_width=9"], model_preset="tiny_dense")
+except RecipeError as exc:
+    assert "toy_width is a setting of arch toy, not of llama3" in str(exc), exc
+else:
+    raise AssertionError("a llama3 model took toy_width")
+print(explain_key("model.toy_width", preset_catalogue()).key.description)
+"""
+
+
+def test_a_family_with_a_field_of_its_own_touches_nothing_outside_its_folder(tmp_path):
+    """A throwaway family, added to a copy of the package as one new folder, declares a field of its own: a recipe
+    of it loads with the field, another family's model refuses it, and `recipe explain` describes it."""
+    copy = tmp_path / "src"
+    shutil.copytree(Path(families.__file__).parents[1], copy / "megatron_scalerl",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    folder = copy / "megatron_scalerl" / "families" / "toy"
+    folder.mkdir()
+    (folder / "__init__.py").write_text(THROWAWAY_FAMILY)
+    result = subprocess.run([sys.executable, "-c", f"COPY = {str(copy)!r}\n" + THROWAWAY_CHECK],
+                            env={**os.environ, "PYTHONPATH": str(copy)}, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "toy: a width only this family reads (features)"
 
 
 def _family_values() -> set[str]:

@@ -13,8 +13,9 @@ from pydantic import BaseModel
 from megatron_scalerl import recipe as rc
 from megatron_scalerl.commands import main
 from megatron_scalerl.errors import RecipeError
+from megatron_scalerl.recipe import RopeScaling
 from megatron_scalerl.recipe import explain as ex
-from megatron_scalerl.recipe.schema import DataSource, LocalBenchmark, NoPositiveResamplingConfig, Recipe, RopeScaling
+from megatron_scalerl.recipe.schema import DataSource, LocalBenchmark, NoPositiveResamplingConfig, Recipe
 from megatron_scalerl.recipe.variants import Cispo, CosineSchedule, Dapo, Interruption, LengthPenalty
 
 # A number's description names what it counts or measures in one of these words.

@@ -2,6 +2,8 @@
 family adds no line outside its folder (docs/model_families.md).
 
     FAMILIES: {name: FamilySpec}, NAMES (sorted)   each folder's `FAMILY` (families/spec.py)
+    ModelConfig                                    the recipe's `model` section: the shared fields
+                                                   (model_section.py) and each family's own (`FamilySpec.fields`)
     hf_family(config) -> FamilySpec | None         the family of an HF config.json dict, by its model_type
     hf_config_dict(model_cfg) -> dict              the HF config.json of a recipe model section
     model_section_from_hf(config, source) -> dict  the recipe model section (unvalidated) of an HF config.json
@@ -17,14 +19,18 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.families.hf import shared_hf_fields, shared_model_fields
+from megatron_scalerl.families.model_section import RopeScaling, SharedModelFields
 from megatron_scalerl.families.spec import FamilySpec, LayerPlan
+from megatron_scalerl.section import Section
 
-if TYPE_CHECKING:
-    from megatron_scalerl.recipe import ModelConfig
+__all__ = ["FAMILIES", "NAMES", "FamilySpec", "LayerPlan", "ModelConfig", "RopeScaling", "attention_chunk",
+           "hf_config_dict", "hf_family", "layer_plan", "model_section_from_hf"]
 
 
 def _discover() -> dict[str, FamilySpec]:
@@ -38,6 +44,56 @@ def _discover() -> dict[str, FamilySpec]:
 
 FAMILIES: dict[str, FamilySpec] = _discover()
 NAMES: tuple[str, ...] = tuple(FAMILIES)
+
+
+def _own_fields_classes() -> tuple[type[Section], ...]:
+    """Every family's own-fields class, once each. A field two families declare (norm_topk_prob: DeepSeek-V3 and
+    Qwen3-MoE) must be declared alike, and none may be a shared field."""
+    classes = tuple(dict.fromkeys(f.fields for f in FAMILIES.values() if f.fields is not None))
+    declared: dict[str, Any] = {}
+    for cls in classes:
+        for name, info in cls.model_fields.items():
+            if name in SharedModelFields.model_fields:
+                raise ImportError(f"{cls.__qualname__}.{name}: a shared model field (families/model_section.py)")
+            if name in declared and repr(declared[name]) != repr(info):
+                raise ImportError(f"{cls.__qualname__}.{name}: declared otherwise by another family")
+            declared[name] = info
+    return classes
+
+
+class ModelConfig(*reversed(_own_fields_classes()), SharedModelFields):
+    """Architecture. `arch` selects the model family, `families/<arch>/`: llama3 (dense Llama-3), llama4 (Llama-4
+    MoE, text part), qwen3 (dense Qwen3), qwen3_moe (Qwen3-MoE) or deepseek_v3 (DeepSeek-V3/R1, Moonlight);
+    docs/model_families.md. The fields every family reads come first, then each family's own (flat: `model.<field>`)."""
+
+    arch: Literal[NAMES] = Field(description="model family, families/<arch>/: " + ", ".join(NAMES) +
+                                 " (docs/model_families.md)")
+
+    @model_validator(mode="after")
+    def _family_rules(self) -> ModelConfig:
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError("num_attention_heads must be a multiple of num_query_groups")
+        family = FAMILIES[self.arch]
+        if self.is_moe and not family.moe:
+            moe = " or ".join(name for name, other in FAMILIES.items() if other.moe)
+            raise ValueError(f"num_experts > 0 is only supported for arch {moe}")
+        if self.is_moe and self.moe_ffn_hidden_size is None:
+            raise ValueError("moe_ffn_hidden_size is required when num_experts > 0")
+        if self.is_moe and self.moe_router_topk > self.num_experts:
+            raise ValueError("moe_router_topk exceeds num_experts")
+        for name in sorted({name for other in FAMILIES.values() for name in other.own_fields}
+                           - set(family.own_fields)):
+            if getattr(self, name) != type(self).model_fields[name].default:
+                owners = " and ".join(f.name for f in FAMILIES.values() if name in f.own_fields)
+                raise ValueError(f"{name} is a setting of arch {owners}, not of {self.arch}")
+        rope_type = self.rope_scaling.rope_type if self.rope_scaling else "default"
+        if rope_type not in family.rope_types:
+            raise ValueError(f"rope_scaling: rope_type {rope_type} is not computed by arch {self.arch} "
+                             f"({', '.join(family.rope_types)})")
+        problems = family.model_problems(self) if family.model_problems else []
+        if problems:
+            raise ValueError("; ".join(f"{field}: {why} (arch {self.arch})" for field, why in problems))
+        return self
 
 
 def hf_family(config: dict[str, Any]) -> FamilySpec | None:

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from megatron_scalerl.errors import UserError
 
 if TYPE_CHECKING:
+    from megatron_scalerl.families import ModelConfig
     from megatron_scalerl.families.spec import FamilySpec
-    from megatron_scalerl.recipe import ModelConfig
 
 LLAMA3_ROPE = "llama3"  # HF's rope_type of Llama-3-style frequency scaling (recipe `model.rope_scaling`)
 YARN_ROPE = "yarn"  # HF's rope_type of YaRN scaling (DeepSeek-V3; the family says whether it computes it)

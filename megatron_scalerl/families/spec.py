@@ -1,7 +1,8 @@
 """What a model family declares on its pure side: `FamilySpec`, and `LayerPlan` for what each decoder layer is.
 
-Pure data and functions of the recipe's model section (no torch, no megatron-core; `recipe` imports this package,
-so `ModelConfig` is named for type checking only). The family's torch side is `models.family.ModelParts`.
+Pure data and functions of the recipe's model section (no torch, no megatron-core; `families.ModelConfig` is named
+for type checking only: it is composed of every family's `fields`). The family's torch side is
+`models.family.ModelParts`.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from megatron_scalerl.section import Section
+
 if TYPE_CHECKING:
-    from megatron_scalerl.recipe import ModelConfig
+    from megatron_scalerl.families import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -59,9 +62,10 @@ class FamilySpec:
     model_fields: Callable[[dict[str, Any], str], dict[str, Any]]
     # model section -> (field, why) for each setting the family's models cannot compute (checked when a recipe loads)
     model_problems: Callable[[ModelConfig], list[tuple[str, str]]] | None = None
-    # the recipe model-section fields only this family reads (`recipe.ModelConfig`); a model of another family that
-    # sets one away from its default is refused, naming the field and the family that reads it
-    own_fields: tuple[str, ...] = ()
+    # the model-section fields this family reads beyond the shared ones (`families.model_section`), declared in its
+    # folder with their descriptions and defaults; a model of another family that sets one away from its default is
+    # refused, naming the field and the family that reads it. None: the shared fields alone
+    fields: type[Section] | None = None
     # Serving: (config.json, vLLM's default KV block in tokens) -> the KV block vLLM must use instead, or None for
     # the default. None: the default always fits the family.
     kv_block_size: Callable[[dict[str, Any], int], int | None] | None = None
@@ -71,3 +75,8 @@ class FamilySpec:
     # the HF rope_type values the family's models compute: "default" (no scaling), "llama3", "yarn"; a recipe whose
     # `model.rope_scaling` is another is refused when it loads
     rope_types: tuple[str, ...] = ("default", "llama3")
+
+    @property
+    def own_fields(self) -> tuple[str, ...]:
+        """The names of the family's own model-section fields (`fields`)."""
+        return tuple(self.fields.model_fields) if self.fields else ()

@@ -15,6 +15,7 @@
 Everything else imports from here: `from megatron_scalerl.recipe import Recipe, load_recipe`.
 """
 
+from megatron_scalerl.families import ModelConfig, RopeScaling
 from megatron_scalerl.recipe.explain import annotate_yaml, explain_key, key_table, schema_keys
 from megatron_scalerl.recipe.loading import (
     PRESET_DIR,
@@ -41,10 +42,8 @@ from megatron_scalerl.recipe.schema import (
     EvalConfig,
     ForecastConfig,
     LocalBenchmark,
-    ModelConfig,
     ParallelismConfig,
     Recipe,
-    RopeScaling,
     TrainerConfig,
     benchmark_name,
     slurm_minutes,

@@ -25,11 +25,12 @@ from pydantic import ValidationError
 
 from megatron_scalerl import families
 from megatron_scalerl.errors import RecipeError, UserError
+from megatron_scalerl.families import ModelConfig
 from megatron_scalerl.families.hf import read_config_json
 from megatron_scalerl.fileio import load_yaml, parse_yaml
 from megatron_scalerl.recipe.explain import Presets, unknown_key_hint, variant_tag_key, variant_tags
 from megatron_scalerl.recipe.rules import cross_field_problems
-from megatron_scalerl.recipe.schema import ModelConfig, Recipe
+from megatron_scalerl.recipe.schema import Recipe
 from megatron_scalerl.recipe.variants import switch_variant
 
 PRESET_DIR = Path(__file__).parent.parent / "recipes"  # megatron_scalerl/recipes/

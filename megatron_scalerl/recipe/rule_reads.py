@@ -26,13 +26,11 @@ from pydantic import BaseModel
 
 from megatron_scalerl.recipe import rules as rules_module
 from megatron_scalerl.recipe import schema as schema_module
-from megatron_scalerl.recipe import variants as variants_module
 
 if TYPE_CHECKING:
     from megatron_scalerl.recipe.explain import Key
 
 PACKAGE = Path(schema_module.__file__).resolve().parents[1]  # megatron_scalerl/
-SECTION_MODULES = (schema_module.__name__, variants_module.__name__)  # where the sections' members are written
 
 
 @dataclass(frozen=True)
@@ -124,7 +122,7 @@ class _Reader:
         if cache_key not in self.members:
             self.members[cache_key] = frozenset()  # a member that reaches itself reads nothing more
             fn = next((node for cls in (c for held in at.classes for c in held.__mro__)
-                       if cls.__module__ in SECTION_MODULES
+                       if _ours(cls)
                        for node in ast.walk(_source(cls)[0])
                        if isinstance(node, ast.FunctionDef) and node.name == name), None)
             self.members[cache_key] = self.reads(fn, {"self": at}) if fn else frozenset()
@@ -194,6 +192,11 @@ def _is_value_error(node: ast.AST | None) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "ValueError"
 
 
+def _ours(cls: type) -> bool:
+    """Whether a section class is written in this package (the recipe's, a family's), not pydantic's."""
+    return cls.__module__.startswith(f"{PACKAGE.name}.")
+
+
 def _is_validator(fn: ast.FunctionDef) -> bool:
     return any(isinstance(d, ast.Call) and getattr(d.func, "id", None) == "model_validator" for d in fn.decorator_list)
 
@@ -215,7 +218,7 @@ def rules_of(keys: dict[str, Key], model: type[BaseModel], module: ModuleType = 
         out += reader.rules(fn, env, first, where)
     validated: dict[type[BaseModel], list[str]] = {}  # each class whose validators a section runs (its bases too)
     for cls, paths in places.items():
-        for base in (c for c in cls.__mro__ if c.__module__ in SECTION_MODULES):
+        for base in (c for c in cls.__mro__ if _ours(c)):
             validated.setdefault(base, []).extend(p for p in paths if p not in validated.get(base, []))
     for cls, paths in validated.items():
         tree, first, where = _source(cls)

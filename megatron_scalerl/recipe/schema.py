@@ -16,8 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, model_validator
 
-from megatron_scalerl import families
-from megatron_scalerl.families.hf import LLAMA3_ROPE, YARN_ROPE
+from megatron_scalerl.families import ModelConfig
 from megatron_scalerl.fileio import dump_yaml
 from megatron_scalerl.recipe.variants import (
     LOSS_FIELDS,
@@ -28,7 +27,7 @@ from megatron_scalerl.recipe.variants import (
     LrSchedule,
     lift_flat_fields,
 )
-from megatron_scalerl.section import Fraction, NonNeg, NonNegFloat, Pos, PosFloat, Section
+from megatron_scalerl.section import Fraction, NonNeg, Pos, PosFloat, Section
 
 # The names of the algorithm's plain choices (algo/ checks its arguments against them; the variant sections with
 # fields of their own are in variants.py)
@@ -69,147 +68,6 @@ def _on_off(value: Any) -> Any:
 
 
 OnOffAuto = Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)]
-
-
-class RopeScaling(Section):
-    """RoPE frequency scaling (HF `rope_scaling`): Llama-3 style (rope_type llama3, the default: a section written
-    before YaRN existed has no rope_type) or YaRN (rope_type yarn: DeepSeek-V3), each with its own fields."""
-
-    rope_type: Literal["llama3", "yarn"] = Field("llama3", description="llama3 or yarn (HF's rope_type; no unit)")
-    factor: PosFloat = Field(description="times its original context the scaled RoPE covers (ratio; Llama-3.1: 8)")
-    original_max_position_embeddings: Pos = Field(description="context the RoPE was trained for, unscaled (tokens)")
-    low_freq_factor: PosFloat | None = Field(
-        None, description="llama3: wavelengths above original_max_position_embeddings / this are divided by `factor` "
-                          "(ratio)")
-    high_freq_factor: PosFloat | None = Field(
-        None, description="llama3: wavelengths below original_max_position_embeddings / this stay unscaled (ratio)")
-    beta_fast: PosFloat | None = Field(
-        None, description="yarn: rotations per original context above which a frequency is kept (count; HF: 32)")
-    beta_slow: PosFloat | None = Field(
-        None, description="yarn: rotations per original context below which a frequency is scaled (count; HF: 1)")
-    mscale: NonNegFloat | None = Field(
-        None, description="yarn: cos/sin scale 0.1 * mscale * ln(factor) + 1, its numerator (dimensionless)")
-    mscale_all_dim: NonNegFloat | None = Field(
-        None, description="yarn: that scale's denominator, squared into the softmax scale too (dimensionless; 0: none)")
-
-    @model_validator(mode="after")
-    def _fields_of_its_type(self) -> RopeScaling:
-        own = {LLAMA3_ROPE: ("low_freq_factor", "high_freq_factor"),
-               YARN_ROPE: ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")}
-        for kind, names in own.items():
-            for name in names:
-                if (getattr(self, name) is None) == (kind == self.rope_type):
-                    state = "needs" if kind == self.rope_type else "takes no"
-                    raise ValueError(f"rope_type {self.rope_type} {state} {name}")
-        return self
-
-    def hf_fields(self) -> dict[str, Any]:
-        """The HF rope_parameters keys of this scaling (rope_theta apart)."""
-        return self.model_dump(exclude_none=True)
-
-
-class ModelConfig(Section):
-    """Architecture. `arch` selects the model family, `families/<arch>/`: llama3 (dense Llama-3), llama4 (Llama-4
-    MoE, text part), qwen3 (dense Qwen3), qwen3_moe (Qwen3-MoE) or deepseek_v3 (DeepSeek-V3/R1, Moonlight);
-    docs/model_families.md."""
-
-    arch: Literal[families.NAMES] = Field(
-        description="model family, families/<arch>/: llama3, llama4, qwen3, qwen3_moe or deepseek_v3 "
-                    "(docs/model_families.md)")
-    num_layers: Pos = Field(description="transformer layers (count)")
-    hidden_size: Pos = Field(description="width of the residual stream (features per token)")
-    ffn_hidden_size: Pos = Field(
-        description="dense MLP intermediate size (features; Llama-4: HF intermediate_size_mlp)")
-    num_attention_heads: Pos = Field(description="query heads per layer (count)")
-    num_query_groups: Pos = Field(description="key/value heads per layer, GQA (count; divides num_attention_heads)")
-    head_dim: Pos = Field(description="size of one attention head (features)")
-    vocab_size: Pos = Field(
-        description="tokenizer vocabulary (tokens); embedding and LM head are padded to a multiple of lcm(128, tp)")
-    max_position_embeddings: Pos = Field(
-        description="longest sequence the positions cover (tokens): prompt + completion fit inside")
-    rope_theta: PosFloat = Field(description="RoPE base of the rotary frequencies (dimensionless)")
-    rope_scaling: RopeScaling | None = Field(
-        None, description="RoPE frequency scaling (HF rope_scaling): Llama-3 style, or YaRN (rope_type: yarn, "
-                          "DeepSeek-V3); null: none")
-    norm_eps: PosFloat = Field(description="epsilon inside RMSNorm's square root (dimensionless)")
-    tie_word_embeddings: bool = Field(
-        False, description="the LM head shares the input embedding's weights (HF tie_word_embeddings)")
-    # MoE families (a dense model leaves them at their "off" values).
-    num_experts: NonNeg = Field(0, description="routed experts per MoE layer (count); 0: a dense model")
-    moe_ffn_hidden_size: Pos | None = Field(
-        None, description="intermediate size of each expert and of Llama-4's shared expert (features); MoE only")
-    moe_router_topk: Pos = Field(1, description="experts each token is routed to (count)")
-    moe_layer_interval: Pos = Field(
-        1, description="every N-th layer is MoE (layers; HF interleave_moe_layer_step / decoder_sparse_step)")
-    norm_topk_prob: bool = Field(
-        True, description="softmax routing (Qwen3-MoE): the top-k weights renormalised to sum to 1 (HF's key)")
-    moe_aux_loss_coeff: NonNegFloat = Field(
-        0.0, description="weight of the router's load-balancing loss (dimensionless); 0: off, the RL default")
-    # Llama-4 only (its FamilySpec.own_fields: another family's model refuses them away from these defaults). They
-    # stay flat here so every RUN/recipe.yaml written before the other families keeps loading.
-    attention_chunk_size: Pos | None = Field(
-        None, description="Llama-4: chunked local attention on RoPE layers, chunk length (tokens); null: none")
-    nope_layer_interval: Pos | None = Field(
-        None, description="Llama-4: every N-th layer has no RoPE and attends globally (layers); null: none")
-    use_qk_norm: bool = Field(False, description="Llama-4: L2 norm on the queries and keys of RoPE layers")
-    attn_temperature_tuning: bool = Field(
-        False, description="Llama-4: scale NoPE layers' queries by log(floor((pos + 1) / floor_scale) + 1)")
-    floor_scale: PosFloat = Field(
-        8192.0, description="Llama-4 temperature tuning: positions per step of the query scale's log (tokens)")
-    attn_scale: PosFloat = Field(0.1, description="Llama-4 temperature tuning: the query scale's slope (dimensionless)")
-    # DeepSeek-V3 only (its own_fields), named after their HF keys: multi-latent attention and grouped routing
-    q_lora_rank: Pos | None = Field(
-        None, description="DeepSeek-V3: rank of the query's low-rank projection (features); null: q projected directly")
-    kv_lora_rank: Pos | None = Field(
-        None, description="DeepSeek-V3: rank of the compressed key/value latent, what the KV cache holds (features)")
-    qk_nope_head_dim: Pos | None = Field(
-        None, description="DeepSeek-V3: features of each q/k head without RoPE (features)")
-    qk_rope_head_dim: Pos | None = Field(
-        None, description="DeepSeek-V3: features of each q/k head with RoPE, one k part shared by all heads (features)")
-    v_head_dim: Pos | None = Field(None, description="DeepSeek-V3: features of each value head (features)")
-    n_group: Pos = Field(1, description="DeepSeek-V3 routing: the experts form this many equal groups (count)")
-    topk_group: Pos = Field(
-        1, description="DeepSeek-V3 routing: each token picks its experts from its best this-many groups (count)")
-    routed_scaling_factor: PosFloat = Field(
-        1.0, description="DeepSeek-V3 routing: the routed experts' weights are multiplied by this (ratio)")
-    n_shared_experts: NonNeg = Field(
-        0, description="DeepSeek-V3: shared experts beside the routed ones, moe_ffn_hidden_size each (count)")
-    first_k_dense_replace: NonNeg = Field(
-        0, description="DeepSeek-V3: the first this-many layers have the dense MLP, the rest routed experts (layers)")
-    num_nextn_predict_layers: NonNeg = Field(
-        0, description="DeepSeek-V3: multi-token-prediction layers the checkpoint declares after its last decoder "
-                       "layer (layers); not trained: their weights, where the checkpoint has them, are carried "
-                       "through conversions unchanged")
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    @model_validator(mode="after")
-    def _family_rules(self) -> ModelConfig:
-        if self.num_attention_heads % self.num_query_groups:
-            raise ValueError("num_attention_heads must be a multiple of num_query_groups")
-        family = families.FAMILIES[self.arch]
-        if self.is_moe and not family.moe:
-            moe = " or ".join(name for name, family in families.FAMILIES.items() if family.moe)
-            raise ValueError(f"num_experts > 0 is only supported for arch {moe}")
-        if self.is_moe and self.moe_ffn_hidden_size is None:
-            raise ValueError("moe_ffn_hidden_size is required when num_experts > 0")
-        if self.is_moe and self.moe_router_topk > self.num_experts:
-            raise ValueError("moe_router_topk exceeds num_experts")
-        for name in sorted({name for other in families.FAMILIES.values() for name in other.own_fields}
-                           - set(family.own_fields)):
-            if getattr(self, name) != type(self).model_fields[name].default:
-                owners = " and ".join(f.name for f in families.FAMILIES.values() if name in f.own_fields)
-                raise ValueError(f"{name} is a setting of arch {owners}, not of {self.arch}")
-        rope_type = self.rope_scaling.rope_type if self.rope_scaling else "default"
-        if rope_type not in family.rope_types:
-            raise ValueError(f"rope_scaling: rope_type {rope_type} is not computed by arch {self.arch} "
-                             f"({', '.join(family.rope_types)})")
-        problems = family.model_problems(self) if family.model_problems else []
-        if problems:
-            raise ValueError("; ".join(f"{field}: {why} (arch {self.arch})" for field, why in problems))
-        return self
 
 
 class ParallelismConfig(Section):

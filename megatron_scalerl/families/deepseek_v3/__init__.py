@@ -23,11 +23,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pydantic import Field
+
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.families.spec import FamilySpec, LayerPlan
+from megatron_scalerl.section import NonNeg, Pos, PosFloat, Section
 
 if TYPE_CHECKING:
-    from megatron_scalerl.recipe import ModelConfig
+    from megatron_scalerl.families import ModelConfig
 
 # the config.json values of the routing we compute (released DeepSeek-V3/R1 and Moonlight files carry them; vLLM
 # reads them to choose its router)
@@ -40,6 +43,37 @@ _REQUIRED = ("intermediate_size", *_LATENT[1:])
 # transformers' DeepseekV3Config defaults, for the routing keys a config.json leaves out
 _HF_DEFAULTS = dict(n_routed_experts=256, moe_intermediate_size=2048, num_experts_per_tok=8, norm_topk_prob=True,
                     n_group=8, topk_group=4, routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=3)
+
+
+
+class DeepseekV3Fields(Section):
+    """The model-section fields only DeepSeek-V3 reads, named after their HF keys: multi-latent attention and grouped
+    routing (and, with Qwen3-MoE, norm_topk_prob); another family's model refuses them away from these defaults."""
+
+    norm_topk_prob: bool = Field(
+        True, description="softmax routing (Qwen3-MoE): the top-k weights renormalised to sum to 1 (HF's key)")
+    q_lora_rank: Pos | None = Field(
+        None, description="DeepSeek-V3: rank of the query's low-rank projection (features); null: q projected directly")
+    kv_lora_rank: Pos | None = Field(
+        None, description="DeepSeek-V3: rank of the compressed key/value latent, what the KV cache holds (features)")
+    qk_nope_head_dim: Pos | None = Field(
+        None, description="DeepSeek-V3: features of each q/k head without RoPE (features)")
+    qk_rope_head_dim: Pos | None = Field(
+        None, description="DeepSeek-V3: features of each q/k head with RoPE, one k part shared by all heads (features)")
+    v_head_dim: Pos | None = Field(None, description="DeepSeek-V3: features of each value head (features)")
+    n_group: Pos = Field(1, description="DeepSeek-V3 routing: the experts form this many equal groups (count)")
+    topk_group: Pos = Field(
+        1, description="DeepSeek-V3 routing: each token picks its experts from its best this-many groups (count)")
+    routed_scaling_factor: PosFloat = Field(
+        1.0, description="DeepSeek-V3 routing: the routed experts' weights are multiplied by this (ratio)")
+    n_shared_experts: NonNeg = Field(
+        0, description="DeepSeek-V3: shared experts beside the routed ones, moe_ffn_hidden_size each (count)")
+    first_k_dense_replace: NonNeg = Field(
+        0, description="DeepSeek-V3: the first this-many layers have the dense MLP, the rest routed experts (layers)")
+    num_nextn_predict_layers: NonNeg = Field(
+        0, description="DeepSeek-V3: multi-token-prediction layers the checkpoint declares after its last decoder "
+                       "layer (layers); not trained: their weights, where the checkpoint has them, are carried "
+                       "through conversions unchanged")
 
 
 def _layer(model_cfg: ModelConfig, layer: int) -> LayerPlan:
@@ -149,8 +183,6 @@ FAMILY = FamilySpec(
     hf_fields=_hf_fields,
     model_fields=_model_fields,
     model_problems=_model_problems,
-    own_fields=("norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace",
-                "num_nextn_predict_layers"),
+    fields=DeepseekV3Fields,
     rope_types=("default", "yarn"),
 )

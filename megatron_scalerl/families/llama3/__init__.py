@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_scalerl.families.spec import FamilySpec, LayerPlan
 
 if TYPE_CHECKING:
-    from megatron_scalerl.recipe import ModelConfig
+    from megatron_scalerl.families import ModelConfig
 
 _EVERY_LAYER = LayerPlan(moe=False, rope=True, qk_norm=None, attention_chunk=None)
 

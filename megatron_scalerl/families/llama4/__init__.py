@@ -17,12 +17,31 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from pydantic import Field
+
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.families.hf import every_nth
 from megatron_scalerl.families.spec import FamilySpec, LayerPlan
+from megatron_scalerl.section import Pos, PosFloat, Section
 
 if TYPE_CHECKING:
-    from megatron_scalerl.recipe import ModelConfig
+    from megatron_scalerl.families import ModelConfig
+
+
+class Llama4Fields(Section):
+    """The model-section fields only Llama-4 reads (`model.attention_chunk_size`, ...; another family's model
+    refuses them away from these defaults)."""
+
+    attention_chunk_size: Pos | None = Field(
+        None, description="Llama-4: chunked local attention on RoPE layers, chunk length (tokens); null: none")
+    nope_layer_interval: Pos | None = Field(
+        None, description="Llama-4: every N-th layer has no RoPE and attends globally (layers); null: none")
+    use_qk_norm: bool = Field(False, description="Llama-4: L2 norm on the queries and keys of RoPE layers")
+    attn_temperature_tuning: bool = Field(
+        False, description="Llama-4: scale NoPE layers' queries by log(floor((pos + 1) / floor_scale) + 1)")
+    floor_scale: PosFloat = Field(
+        8192.0, description="Llama-4 temperature tuning: positions per step of the query scale's log (tokens)")
+    attn_scale: PosFloat = Field(0.1, description="Llama-4 temperature tuning: the query scale's slope (dimensionless)")
 
 
 def _layer(model_cfg: ModelConfig, layer: int) -> LayerPlan:
@@ -125,6 +144,5 @@ FAMILY = FamilySpec(
     model_problems=_model_problems,
     kv_block_size=_kv_block_size,
     generation_overrides=_generation_overrides,
-    own_fields=("attention_chunk_size", "nope_layer_interval", "use_qk_norm", "attn_temperature_tuning",
-                "floor_scale", "attn_scale"),
+    fields=Llama4Fields,
 )

@@ -15,7 +15,7 @@ from megatron_scalerl.errors import UserError
 from megatron_scalerl.families.spec import FamilySpec, LayerPlan
 
 if TYPE_CHECKING:
-    from megatron_scalerl.recipe import ModelConfig
+    from megatron_scalerl.families import ModelConfig
 
 _EVERY_LAYER = LayerPlan(moe=False, rope=True, qk_norm="rms", attention_chunk=None)
 

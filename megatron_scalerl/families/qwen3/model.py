@@ -20,7 +20,7 @@ from megatron_scalerl.models.mapping import (
 from megatron_scalerl.platform.layer_backend import base_layer_spec
 
 if TYPE_CHECKING:
-    from megatron_scalerl.recipe import ModelConfig
+    from megatron_scalerl.families import ModelConfig
 
 ATTENTION = attention_rules(HF_LAYER) + qk_norm_rules(HF_LAYER)
 

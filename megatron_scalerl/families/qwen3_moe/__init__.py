@@ -14,13 +14,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pydantic import Field
+
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.families.hf import every_nth
 from megatron_scalerl.families.qwen3 import attention_hf_fields, check_attention
 from megatron_scalerl.families.spec import FamilySpec, LayerPlan
+from megatron_scalerl.section import Section
 
 if TYPE_CHECKING:
-    from megatron_scalerl.recipe import ModelConfig
+    from megatron_scalerl.families import ModelConfig
+
+
+class Qwen3MoeFields(Section):
+    """The model-section field Qwen3-MoE reads beyond the shared ones (DeepSeek-V3 reads it too)."""
+
+    norm_topk_prob: bool = Field(
+        True, description="softmax routing (Qwen3-MoE): the top-k weights renormalised to sum to 1 (HF's key)")
 
 
 def _layer(model_cfg: ModelConfig, layer: int) -> LayerPlan:
@@ -74,5 +84,5 @@ FAMILY = FamilySpec(
     layer=_layer,
     hf_fields=_hf_fields,
     model_fields=_model_fields,
-    own_fields=("norm_topk_prob",),
+    fields=Qwen3MoeFields,
 )

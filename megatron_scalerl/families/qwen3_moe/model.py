@@ -24,7 +24,7 @@ from megatron_scalerl.models.mapping import (
 from megatron_scalerl.platform.layer_backend import base_layer_spec
 
 if TYPE_CHECKING:
-    from megatron_scalerl.recipe import ModelConfig
+    from megatron_scalerl.families import ModelConfig
 
 
 def _layer_spec(model_cfg: ModelConfig, layer: int) -> ModuleSpec:
