@@ -49,7 +49,7 @@ Intervals (all at `level`):
 - a new evaluation (`observation_interval`, backtests): the pass-rate draws plus evaluation noise.
 
 Calibration (`OMP_NUM_THREADS=1 .venv/bin/python bench/forecast.py [--drift-corr RHO]`, 100 replicates, nominal 95%;
-docs/benchmarks.md has the tables, with the figures before). 200 reruns of Table 1 with AR(1) drift of correlation
+docs/benchmarks.md has the tables, CHANGELOG.md the figures before). 200 reruns of Table 1 with AR(1) drift of correlation
 0.5-0.9 and binomial noise: fit on [1.5k GPU-h, budget / 2], the interval at the budget covers the run's pass rate
 on 96.5-97% of runs (93.5-94.5% with the priors before, 63% with the moving-block residual bootstrap before that);
 A's interval covers the true A on 96.7% of fits (both windows), 95.5-99.1% per window and correlation half. Every
