@@ -1,8 +1,13 @@
 """The run's roles as command lines: what the local launcher starts, and what SLURM's srun starts on each node.
+Each process a launch starts runs one module, named in one table, `ENTRY_POINTS`:
 
     trainer       torchrun -m megatron_scalerl.trainer --run-dir RUN             (cluster.trainer_gpus processes)
-    generator     scalerl serve --model RUN/model --port P ... -- --load-format dummy   (one per server)
+    generator     python -m megatron_scalerl.commands serve --model RUN/model --port P ... -- --load-format dummy
+                  (`scalerl serve`, one per server; it starts vLLM's server, inference/vllm_server.py)
     orchestrator  python -m megatron_scalerl.orchestrator --run-dir RUN [--resume]
+
+(SLURM's preflight checks, `python -m megatron_scalerl.launch.preflight node` on each node before the roles, build
+their own line in preflight.py, a module that stays light: this one imports torch.)
 
 Every role reads the run directory. `prepare_run_dir` writes what the roles need before they start:
 - `recipe.yaml`, the resolved recipe (`trainer.precision` too: never `auto` there);
@@ -42,6 +47,17 @@ from megatron_scalerl.run.metrics_log import MetricsLog
 from megatron_scalerl.run.tls import RunTLS
 
 MODEL_DIR = "model"
+# the module each process a launch starts runs (`python -m`, the trainer's under torchrun)
+ENTRY_POINTS = {
+    "trainer": "megatron_scalerl.trainer",
+    "generator": "megatron_scalerl.commands",  # with `serve` first: the `scalerl serve` command
+    "orchestrator": "megatron_scalerl.orchestrator",
+}
+
+
+def python_command(role: str, *args: str) -> list[str]:
+    """`python -m` the role's module (`ENTRY_POINTS`) with `args`, in this interpreter."""
+    return [sys.executable, "-m", ENTRY_POINTS[role], *args]
 
 
 def tokenizer_source(recipe: Recipe, given: Path | None) -> Path:
@@ -119,7 +135,7 @@ def trainer_command(run_dir: Path, recipe: Recipe, *, rendezvous: str | None = N
         host, port = rendezvous.rsplit(":", 1)
         where = [f"--nnodes={recipe.cluster.trainer_nodes}", f"--nproc-per-node={recipe.cluster.gpus_per_node}",
                  f"--master-addr={host}", f"--master-port={port}"]
-    return [torchrun, *where, f"--shutdown-timeout={STOP_TIMEOUT_S:.0f}", "-m", "megatron_scalerl.trainer",
+    return [torchrun, *where, f"--shutdown-timeout={STOP_TIMEOUT_S:.0f}", "-m", ENTRY_POINTS["trainer"],
             "--run-dir", str(run_dir)]
 
 
@@ -143,18 +159,18 @@ def generator_command(run_dir: Path, recipe: Recipe, *, port: int, host: str, dt
     max_len = recipe.rollout.max_prompt_tokens + recipe.rollout.max_new_tokens
     span = ["--nnodes", str(recipe.generator_server_nodes), "--master-addr", host, "--master-port",
             str(master_port)] if master_port is not None else []
-    return [sys.executable, "-m", "megatron_scalerl.commands", "serve", "--model", str(run_dir / MODEL_DIR),
-            "--host", host, "--port", str(port), "--tp", str(recipe.parallelism.generator_tp), *span, "--dtype", dtype,
-            "--max-model-len", str(max_len), "--seed", str(recipe.trainer.seed), "--log", str(log),
-            *(["--ssl-keyfile", str(tls.key), "--ssl-certfile", str(tls.cert)] if tls else []),
-            *([] if recipe.trainer.fp32_lm_head else ["--no-fp32-lm-head"]),
-            *(["--capture-routes"] if recipe.captures_routes else []),
-            "--", "--load-format", "dummy"]
+    return python_command(
+        "generator", "serve", "--model", str(run_dir / MODEL_DIR), "--host", host, "--port", str(port),
+        "--tp", str(recipe.parallelism.generator_tp), *span, "--dtype", dtype, "--max-model-len", str(max_len),
+        "--seed", str(recipe.trainer.seed), "--log", str(log),
+        *(["--ssl-keyfile", str(tls.key), "--ssl-certfile", str(tls.cert)] if tls else []),
+        *([] if recipe.trainer.fp32_lm_head else ["--no-fp32-lm-head"]),
+        *(["--capture-routes"] if recipe.captures_routes else []),
+        "--", "--load-format", "dummy")
 
 
 def orchestrator_command(run_dir: Path, *, resume: bool) -> list[str]:
-    return [sys.executable, "-m", "megatron_scalerl.orchestrator", "--run-dir", str(run_dir),
-            *(["--resume"] if resume else [])]
+    return python_command("orchestrator", "--run-dir", str(run_dir), *(["--resume"] if resume else []))
 
 
 def restart_budget(run_dir: Path, recipe: Recipe, allocation_lost: Callable[[], str | None] = lambda: None,
