@@ -38,8 +38,9 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from megatron_scalerl.demo.model import build_model, interruption_of
 from megatron_scalerl.demo.sft import warm_start
@@ -172,6 +173,29 @@ def domain_verdicts(run_dir: Path, domains: list[str]) -> list[str]:
                  "every domain's validation rose")
     return lines
 
+
+DEMO_PRESET = "demo"
+DEMO_MODEL_ROOT = Path("runs/demo_model")  # `make demo`'s cache (scalerl demo --run-dir runs/demo)
+
+
+def demo_preset_weights(base_dict: dict[str, Any]) -> Path:
+    """The demo preset's initial weights for runs that name none (a sweep on `--base demo`): its warm-started model,
+    the one `make demo` builds and keeps in DEMO_MODEL_ROOT (built on first use, reused while built from the same
+    settings), built from the demo preset itself (never from `--model` or `--set`): a base dict (`base_dict`, the
+    demo preset's resolved mapping with what the caller changed) whose model section differs is refused, naming the
+    fields (give it `trainer.init_from`)."""
+    preset = resolve_dict(DEMO_PRESET)
+    changed = changed_fields({"model": base_dict.get("model")}, {"model": preset["model"]})
+    if changed:
+        raise UserError(f"base {DEMO_PRESET}: its model section differs from the demo preset's "
+                        f"({', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}, from --model or --set): the "
+                        f"demo's shared weights ({DEMO_MODEL_ROOT}) are the preset's model; give the runs weights of "
+                        "this model (--set trainer.init_from=DIR, or --model hf:DIR)")
+    return warm_started_model(validate(preset, source=DEMO_PRESET), DEMO_MODEL_ROOT)
+
+
+# the presets that offer initial weights to runs that name none: {preset: its weights, from the base's mapping}
+PRESET_WEIGHTS: dict[str, Callable[[dict[str, Any]], Path]] = {DEMO_PRESET: demo_preset_weights}
 
 def init_only(out_dir: Path, model_preset: str, seed: int | None) -> int:
     """`--init-only`: the tiny model of `model_preset` with random weights and the demo's tokenizer in `out_dir`."""

@@ -1,10 +1,8 @@
 """The initial weights every run of a sweep starts from (`trainer.init_from`), decided once and checked after.
 
 - the base recipe (with `--model` and `--set`) names `trainer.init_from` (or `--model hf:DIR` set it): those;
-- else, on `--base demo`: the demo's warm-started model, the one `make demo` builds and keeps in `runs/demo_model/`
-  (`demo.run.warm_started_model`: built on first use, reused while built from the same settings). It is the demo
-  preset's model, built from the demo preset itself (never from the sweep's `--model` or `--set`): a demo base whose
-  model section differs from the preset's is refused, naming the fields (give it `trainer.init_from`);
+- else the weights its preset offers to runs that name none (`demo.run.PRESET_WEIGHTS`: on `--base demo`, the demo's
+  warm-started model, `demo.run.demo_preset_weights`, built on first use);
 - else the sweep is refused: runs started from random weights would each start from their own.
 
 The sweep records the directory and a fingerprint of its files (relative path, bytes, modification time) in
@@ -18,12 +16,8 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from megatron_scalerl.demo.run import warm_started_model
+from megatron_scalerl.demo.run import PRESET_WEIGHTS
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.recipe import changed_fields, resolve_dict, validate
-
-DEMO_BASE = "demo"
-DEMO_MODEL_ROOT = Path("runs/demo_model")  # `make demo`'s cache (scalerl demo --run-dir runs/demo)
 
 
 def fingerprint(directory: Path) -> str:
@@ -39,19 +33,12 @@ def fingerprint(directory: Path) -> str:
 
 
 def decide_init_from(base: str, base_dict: dict[str, Any]) -> Path:
-    """Where the sweep's runs start from (see the module docstring); builds the demo's model when needed."""
+    """Where the sweep's runs start from (see the module docstring); builds a preset's offered weights when needed."""
     given = (base_dict.get("trainer") or {}).get("init_from")
     if given:
         return Path(given).resolve()
-    if base == DEMO_BASE:
-        preset = resolve_dict(DEMO_BASE)
-        changed = changed_fields({"model": base_dict.get("model")}, {"model": preset["model"]})
-        if changed:
-            raise UserError(f"base {base}: its model section differs from the demo preset's ({', '.join(changed[:5])}"
-                            f"{' ...' if len(changed) > 5 else ''}, from --model or --set): the demo's shared weights "
-                            f"({DEMO_MODEL_ROOT}) are the preset's model; give the runs weights of this model "
-                            "(--set trainer.init_from=DIR, or --model hf:DIR)")
-        return warm_started_model(validate(preset, source=DEMO_BASE), DEMO_MODEL_ROOT).resolve()
+    if base in PRESET_WEIGHTS:
+        return PRESET_WEIGHTS[base](base_dict).resolve()
     raise UserError(f"base {base} starts from random weights (trainer.init_from is null): a sweep needs "
                     "trainer.init_from (--set trainer.init_from=DIR) or --model hf:DIR, so that all its runs start "
                     "from the same weights")
