@@ -148,8 +148,8 @@ def trainer_part(rank: int, run_dir: str, recipe: Recipe, url: str, dtype: str, 
     import torch.distributed as dist
 
     from megatron_scalerl.models.weights import sends_weights
-    from megatron_scalerl.trainer.generator_sync import weight_sync_config
     from megatron_scalerl.trainer.trainer import Trainer
+    from megatron_scalerl.weight_sync.generator_link import weight_sync_config
     from megatron_scalerl.weight_sync.sender import WeightSender, push_weights
 
     torch.set_num_threads(threads)

@@ -132,7 +132,7 @@ def test_worker_extension_registers_our_receiver_and_fits_vllm_worker():
     from vllm.v1.worker.cpu_worker import CPUWorker
 
     from megatron_scalerl.inference import worker_extension
-    from megatron_scalerl.inference.weight_receiver import ScaleRLWeightTransferEngine
+    from megatron_scalerl.weight_sync.receiver import ScaleRLWeightTransferEngine
 
     for name in ("scalerl", "gloo"):  # "gloo": its name before
         assert WeightTransferEngineFactory._registry[name]() is ScaleRLWeightTransferEngine

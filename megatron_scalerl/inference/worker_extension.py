@@ -32,21 +32,21 @@ import torch
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from megatron_scalerl.inference.expert_permutation import permute_experts
-from megatron_scalerl.inference.fp32_head import make_lm_head_fp32
 from megatron_scalerl.inference.rendezvous import bind_to_master_address
-from megatron_scalerl.inference.weight_receiver import (
+from megatron_scalerl.inference.worker_routes import RouteCapture
+from megatron_scalerl.weight_sync.fp32_head import make_lm_head_fp32
+from megatron_scalerl.weight_sync.protocol import host_available_bytes
+from megatron_scalerl.weight_sync.receiver import (
     ScaleRLWeightTransferEngine,
     cpu_moe_layers,
     repack_cpu_tied_head,
 )
-from megatron_scalerl.inference.worker_routes import RouteCapture
-from megatron_scalerl.weight_sync.protocol import host_available_bytes
 
 # Servers get `{"backend": "scalerl"}` (`vllm_server.WEIGHT_TRANSFER_BACKEND`); "gloo" is the name it had before.
 for _name in ("scalerl", "gloo"):
     try:
         WeightTransferEngineFactory.register_engine(
-            _name, "megatron_scalerl.inference.weight_receiver", "ScaleRLWeightTransferEngine")
+            _name, "megatron_scalerl.weight_sync.receiver", "ScaleRLWeightTransferEngine")
     except ValueError:  # registered already in this process
         pass
 bind_to_master_address()

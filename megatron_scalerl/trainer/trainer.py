@@ -71,9 +71,9 @@ from megatron_scalerl.run.directory import (
 from megatron_scalerl.run.gpu_hours import ComputeMeter
 from megatron_scalerl.run.metrics_log import MetricsLog, logged_wall_hours
 from megatron_scalerl.trainer.checkpointing import CheckpointWriter, load_trainer
-from megatron_scalerl.trainer.generator_sync import GeneratorLink
 from megatron_scalerl.trainer.setup import build_model_and_optimizer
 from megatron_scalerl.trainer.step import ForwardBackward, NonFiniteError, StepState, clip_and_update, grad_norm, lr_at
+from megatron_scalerl.weight_sync.generator_link import GeneratorLink
 from megatron_scalerl.weight_sync.protocol import WeightSyncError
 
 STOP_STACKS_AFTER_S = STOP_TIMEOUT_S / 2  # stacks while the launcher still waits for the stop

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-from megatron_scalerl.inference.weight_receiver import tied_to
 from megatron_scalerl.weight_sync import WEIGHT_UPDATE_IN_PROGRESS
 from megatron_scalerl.weight_sync.protocol import EMBEDDING, LM_HEAD, checksum, dtype_name
+from megatron_scalerl.weight_sync.receiver import tied_to
 
 
 class FP32HeadMethod(UnquantizedEmbeddingMethod):
