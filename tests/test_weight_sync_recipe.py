@@ -1,5 +1,5 @@
 """The recipe's `weight_sync` section (issue 39): its defaults, an old run's recipe.yaml without it, bad values refused
-when the recipe loads, and what this machine cannot run refused at launch (launch/weight_sync_checks.py), naming the
+when the recipe loads, and what this machine cannot run refused at launch (weight_sync/launch_checks.py), naming the
 key: nccl without CUDA, staging that does not fit."""
 
 import subprocess

@@ -4,7 +4,7 @@
    (RUN/model, or `trainer.init_from` before the run exists) readable, the job's ports free, and, on GPUs, as many
    GPUs as the recipe counts on with the memory its layout needs (`models/memory_plan.py`, `scalerl recipe show
    --plan`); with `weight_sync.staging: on`, each generator node has room beside every generator for one copy of the
-   weights (`launch/weight_sync_checks.py`). Before it, in the batch step, the rest of the `weight_sync` section's
+   weights (`weight_sync/launch_checks.py`). Before it, in the batch step, the rest of the `weight_sync` section's
    refusals (`check_weight_sync`: nccl without CUDA).
 2. The trainer nodes' all-reduce bus bandwidth (`allreduce`, one task per trainer GPU): NVIDIA nccl-tests'
    `all_reduce_perf` when it is on PATH (its "# Avg bus bandwidth" line), else a torch.distributed all-reduce over
