@@ -70,7 +70,6 @@ log = logging.getLogger("megatron_scalerl.weight_sync")
 STAGING_SLACK = 1.25  # staging needs this many times the sync's bytes free on every worker (`staging: auto`)
 
 
-
 def head_tensor(tied: bool) -> str:
     """The HF name of the tensor that holds the LM head: the embedding when `tied` (`tie_word_embeddings`)."""
     return EMBEDDING if tied else LM_HEAD
