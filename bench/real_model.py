@@ -22,7 +22,7 @@ same run on the same model:
   (causal attention, forward and backward), against the peak: each rank's best of `--peak-repeats` square matmuls
   (`--peak-size`) in the trainer's dtype on its threads, all ranks at once, summed: `mfu` = achieved / peak.
 - weight update: `push_weights` of the trainer's model into the generator with the trainer's own sync settings
-  (`trainer.generator_sync.weight_sync_config`; its load awaited, not overlapped with a step), `--repeats` after a
+  (`weight_sync.generator_link.weight_sync_config`; its load awaited, not overlapped with a step), `--repeats` after a
   warm-up: seconds and the generator's pause; against a flat gloo broadcast of the same bytes between two processes
   (memory already touched: the link's limit). `pause_share` = paused / update seconds (goal <= 0.5),
   `update_over_flat` = update seconds / flat seconds; `phases_s`: where rank 0's update time goes, each part's
@@ -148,8 +148,8 @@ def trainer_part(rank: int, run_dir: str, recipe: Recipe, url: str, dtype: str, 
     import torch.distributed as dist
 
     from megatron_scalerl.models.weights import sends_weights
-    from megatron_scalerl.trainer.generator_sync import weight_sync_config
     from megatron_scalerl.trainer.trainer import Trainer
+    from megatron_scalerl.weight_sync.generator_link import weight_sync_config
     from megatron_scalerl.weight_sync.sender import WeightSender, push_weights
 
     torch.set_num_threads(threads)

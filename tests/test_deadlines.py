@@ -43,10 +43,10 @@ from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run.deadlines import Deadline, Heartbeat, beat
 from megatron_scalerl.run.directory import HEARTBEAT_FILE, generator_restart_requests
 from megatron_scalerl.run.metrics_log import read_metrics
-from megatron_scalerl.trainer import generator_sync
-from megatron_scalerl.trainer.generator_sync import GeneratorLink
 from megatron_scalerl.trainer.step import StepState
 from megatron_scalerl.trainer.trainer import Trainer
+from megatron_scalerl.weight_sync import generator_link
+from megatron_scalerl.weight_sync.generator_link import GeneratorLink
 from megatron_scalerl.weight_sync.protocol import WeightSyncError
 from megatron_scalerl.weight_sync.sender import SenderConfig
 from tests.test_orchestrator_validation import Generator, _recipe, _tokenizer
@@ -177,7 +177,7 @@ WAITS = "import pathlib, sys, time\nwhile not pathlib.Path(sys.argv[1]).exists()
 @pytest.fixture
 def tiny_push(monkeypatch):
     """The trainer's push of a model replaced by one tensor through the real sender (its every other step real)."""
-    monkeypatch.setattr(generator_sync, "push_weights", lambda model_chunks, model_cfg, config, sender, version:
+    monkeypatch.setattr(generator_link, "push_weights", lambda model_chunks, model_cfg, config, sender, version:
                         sender.send([("w", torch.ones(8))], version))
 
 

@@ -74,7 +74,7 @@ def test_the_routing_bias_travels_and_converts_in_fp32():
     import torch
 
     from megatron_scalerl.models.mapping import kept_fp32
-    from megatron_scalerl.weight_sync.protocol import wire_dtype
+    from megatron_scalerl.weight_sync.sender import wire_dtype
 
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert kept_fp32(bias) and not kept_fp32("model.layers.1.mlp.gate.weight")

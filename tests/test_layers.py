@@ -8,13 +8,20 @@ may import each other in a circle, inside a package or across packages.
 One exception to "a unit is a subpackage": a model family's folder spans two layers (docs/model_families.md). Its
 pure side (`families/<name>/__init__.py` and any other module there) is the `families` unit, below `recipe`; its
 torch side, `families/<name>/model` (a module or a package), is part of the `models` unit.
+
+One unit has sides: `weight_sync` holds both ends of weight sync. Its receiving side runs in every vLLM worker and
+imports of ours only the modules both ends share, which import nothing else of ours (`WEIGHT_SYNC_SIDES`); a worker
+that imports our worker extension is checked to load nothing of the trainer.
 """
 
 import ast
 import functools
+import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_scalerl"
 
@@ -40,6 +47,23 @@ LAYERS = [
     {"__main__"},
 ]
 FAMILY_MODEL_SIDE = "model"  # families/<name>/model: a family's torch side, in the `models` unit (models/family.py)
+
+# The sides of `weight_sync` (docs/design.md, section 5), module names below the package. "shared": both ends use
+# them; they import of ours only each other, and the protocol nothing at all. "receiving": inside every vLLM worker;
+# of ours only the shared modules and each other. "trainer": the trainer's and the launcher's side, which may import
+# the shared modules and any lower layer.
+WEIGHT_SYNC_SIDES = {
+    "shared": {"weight_sync", "weight_sync.protocol", "weight_sync.transport", "weight_sync.broadcast",
+               "weight_sync.disk"},
+    "receiving": {"weight_sync.receiver", "weight_sync.worker_methods", "weight_sync.fp32_head"},
+    "trainer": {"weight_sync.sender", "weight_sync.fleet_control", "weight_sync.generator_link",
+                "weight_sync.launch_checks"},
+}
+WORKER_EXTENSION_MODULE = "megatron_scalerl.inference.worker_extension"  # what vLLM imports in every worker
+# What a generator's worker must never load: megatron-core and the trainer's side of the package
+TRAINER_MODULES = ("megatron.core", "megatron_scalerl.models", "megatron_scalerl.recipe", "megatron_scalerl.trainer",
+                   "megatron_scalerl.launch", "megatron_scalerl.orchestrator",
+                   *(f"megatron_scalerl.{module}" for module in WEIGHT_SYNC_SIDES["trainer"]))
 
 
 def _module_name(path: Path) -> str:
@@ -115,6 +139,38 @@ def test_imports_go_down_the_layers_only():
                     if _unit(a) != _unit(b) and layer[_unit(b)] >= layer[_unit(a)])
     assert not upward, "imports that go up (or across) the layer order:\n" + "\n".join(
         f"  {a} (layer {layer[_unit(a)]}) -> {b} (layer {layer[_unit(b)]})" for a, b in upward)
+
+
+def test_every_weight_sync_module_has_a_side():
+    modules = {m.removeprefix(f"{PACKAGE.name}.") for m in map(_module_name, PACKAGE.rglob("*.py"))
+               if _unit(m) == "weight_sync"}
+    sided = set().union(*WEIGHT_SYNC_SIDES.values())
+    assert modules == sided, (f"weight_sync modules without a side (add them to WEIGHT_SYNC_SIDES and docs/design.md): "
+                              f"{sorted(modules - sided)}; sides naming no module: {sorted(sided - modules)}")
+    assert sum(len(side) for side in WEIGHT_SYNC_SIDES.values()) == len(sided)
+
+
+def test_weight_syncs_receiving_side_imports_only_what_both_ends_share():
+    graph = import_graph()
+    ours = {side: {f"{PACKAGE.name}.{m}" for m in modules} for side, modules in WEIGHT_SYNC_SIDES.items()}
+    allowed = {"shared": ours["shared"], "receiving": ours["shared"] | ours["receiving"]}
+    wrong = [f"  {module} ({side}) -> {target}" for side, permitted in allowed.items() for module in sorted(ours[side])
+             for target in sorted(graph.get(module, ())) if target not in permitted]
+    wrong += [f"  {PACKAGE.name}.weight_sync.protocol -> {target}"
+              for target in sorted(graph.get(f"{PACKAGE.name}.weight_sync.protocol", ()))]
+    assert not wrong, "weight_sync imports that break its sides (WEIGHT_SYNC_SIDES):\n" + "\n".join(wrong)
+
+
+def test_a_generator_worker_loads_nothing_of_the_trainer():
+    """What vLLM imports in every worker (our worker extension, which registers the receiver) leaves megatron-core
+    and the trainer's modules unloaded, at run time: the static rule above, and whatever vLLM pulls in."""
+    pytest.importorskip("vllm")
+    probe = (f"import sys\nimport {WORKER_EXTENSION_MODULE}\nwatched = {TRAINER_MODULES!r}\n"
+             "print('loaded:' + ','.join(sorted(m for m in sys.modules\n"
+             "                                  if any(m == w or m.startswith(w + '.') for w in watched))))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+    loaded = next(line for line in done.stdout.splitlines() if line.startswith("loaded:")).removeprefix("loaded:")
+    assert loaded == "", f"importing {WORKER_EXTENSION_MODULE} loaded {loaded}"
 
 
 def test_no_module_imports_itself_in_a_circle():

@@ -127,17 +127,12 @@ def test_the_disk_transport_needs_its_folder(server):
         WeightSender([server["url"]], SenderConfig(transport="disk")).connect()
 
 
-class UnconfirmedReceive:
-    """Wraps a sender's real FleetControl: the servers never confirm a receive (their checksums call fails)."""
+def unconfirm_receives(control):
+    """From now on the servers of a sender's real FleetControl never confirm a receive (its checksums call fails)."""
+    def checksums():
+        raise ServerError(f"{control.urls[0]}/collective_rpc: injected: the receive was not confirmed")
 
-    def __init__(self, control):
-        self.control = control
-
-    def checksums(self):
-        raise ServerError(f"{self.control.urls[0]}/collective_rpc: injected: the receive was not confirmed")
-
-    def __getattr__(self, name):
-        return getattr(self.control, name)
+    control.checksums = checksums
 
 
 def test_an_overlapped_load_serves_the_new_weights_once_settled(server):
@@ -168,7 +163,7 @@ def test_a_failed_overlapped_load_is_raised_by_the_next_send_and_the_old_weights
     try:
         sender.send(_weights(server["dirs"]["a"]).items(), 13)
         assert sender.settle() is None
-        sender.control = UnconfirmedReceive(sender.control)
+        unconfirm_receives(sender.control)
         assert sender.send(_weights(server["dirs"]["c"]).items(), 14).overlapped
         with pytest.raises(WeightSyncError, match=r"version 14 \(its load, in the background\): .*not confirmed"):
             sender.send(_weights(server["dirs"]["c"]).items(), 15)

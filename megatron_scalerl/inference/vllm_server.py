@@ -10,9 +10,9 @@ The server is vLLM's OpenAI-compatible API server, started as `python -m megatro
 it, 7-8 s sooner ready: `inference.api_server`) with,
 when `weight_transfer` is on (the default), what weight sync needs: `VLLM_SERVER_DEV_MODE=1` (the RL routes
 `/init_weight_transfer_engine` ... `/finish_weight_update`, `/collective_rpc`, `/reset_prefix_cache`),
-`--weight-transfer-config` naming our receiver (`WEIGHT_TRANSFER_BACKEND`, `inference.weight_receiver`: gloo, NCCL
-or disk transports, chosen by the trainer when it connects) and our worker extension (`inference.worker_extension`; also behind
-`reload_from_disk`, which loads an HF checkpoint into a running server: the evaluation watcher). On a CPU machine
+`--weight-transfer-config` naming our receiver (`WEIGHT_TRANSFER_BACKEND`, `weight_sync.receiver`: gloo, NCCL or
+disk transports, chosen by the trainer when it connects) and our worker extension (`inference.worker_extension`;
+also behind `reload_from_disk`, which loads an HF checkpoint into a running server: the evaluation watcher). On a CPU machine
 the KV cache gets `cpu_kv_cache_gib` GiB (`VLLM_CPU_KVCACHE_SPACE`) and CUDA graphs are off (`--enforce-eager`).
 The checkpoint's model family sets what vLLM must be told beyond the checkpoint (`FamilySpec`): a KV block size
 (`--block-size`, e.g. one that divides Llama-4's attention chunk; the engine refuses the first request otherwise) and
@@ -58,9 +58,10 @@ from pathlib import Path
 from megatron_scalerl.families import hf_family
 from megatron_scalerl.http_json import ServerError, request_json
 
-# `--worker-extension-cls` of our servers (`inference.worker_extension`; importing it registers our receiver).
+# `--worker-extension-cls` of our servers (`inference.worker_extension`; importing it registers our receiver,
+# `weight_sync.worker_methods`).
 WORKER_EXTENSION = "megatron_scalerl.inference.worker_extension.ScaleRLWorkerExtension"
-WEIGHT_TRANSFER_BACKEND = "scalerl"  # vLLM's weight-transfer backend name of `weight_receiver`
+WEIGHT_TRANSFER_BACKEND = "scalerl"  # vLLM's weight-transfer backend name of `weight_sync.receiver`
 
 
 def _checkpoint_config(model: str) -> dict:

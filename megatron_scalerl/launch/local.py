@@ -35,13 +35,13 @@ from megatron_scalerl.launch.roles import (
     trainer_command,
 )
 from megatron_scalerl.launch.supervise import Role, run_roles
-from megatron_scalerl.launch.weight_sync_checks import check_weight_sync, generator_free_bytes
 from megatron_scalerl.orchestrator.state import rewind_to_checkpoint
 from megatron_scalerl.platform.local_workers import free_port
 from megatron_scalerl.platform.precision import serving_dtype
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.run.directory import clear_stop_request, request_stop, run_api_key, write_generators
 from megatron_scalerl.run.tls import RunTLS, run_tls
+from megatron_scalerl.weight_sync.launch_checks import check_weight_sync, generator_free_bytes
 
 # On CPU every role shares the machine's cores. The trainer's ranks run in lock-step (one that loses its core stalls
 # the others at the next collective) and the trainer is the slower side there, so the generators yield to it

@@ -4,7 +4,7 @@
    (RUN/model, or `trainer.init_from` before the run exists) readable, the job's ports free, and, on GPUs, as many
    GPUs as the recipe counts on with the memory its layout needs (`models/memory_plan.py`, `scalerl recipe show
    --plan`); with `weight_sync.staging: on`, each generator node has room beside every generator for one copy of the
-   weights (`launch/weight_sync_checks.py`). Before it, in the batch step, the rest of the `weight_sync` section's
+   weights (`weight_sync/launch_checks.py`). Before it, in the batch step, the rest of the `weight_sync` section's
    refusals (`check_weight_sync`: nccl without CUDA).
 2. The trainer nodes' all-reduce bus bandwidth (`allreduce`, one task per trainer GPU): NVIDIA nccl-tests'
    `all_reduce_perf` when it is on PATH (its "# Avg bus bandwidth" line), else a torch.distributed all-reduce over
@@ -91,7 +91,7 @@ def node_problems(run_dir: Path, model: Path, ports: list[int], gpus: int | None
                 problems.append(f"GPUs hold {have:.1f} GiB, the layout needs {need_gib:.1f} GiB per GPU "
                                 "(scalerl recipe show RECIPE --plan)")
     if staging_bytes is not None:
-        from megatron_scalerl.launch.weight_sync_checks import generator_free_bytes, staging_refusal  # deferred: torch
+        from megatron_scalerl.weight_sync.launch_checks import generator_free_bytes, staging_refusal  # deferred: torch
 
         free = generator_free_bytes(cuda=bool(gpus), generators_here=generators,
                                     generator_tp=max(1, (gpus or 1) // generators))
@@ -148,8 +148,8 @@ def run_preflight(run_dir: Path, recipe: Recipe, alloc: Allocation, env: dict[st
     """Both checks over the allocation (`cuda`: the nodes run on GPUs), after the `weight_sync` section's refusals
     (`check_weight_sync`; staging's memory is measured on the generator nodes by their node check); raises UserError
     naming the node and the problem. Returns the measured bus bandwidth (GB/s; None with a single trainer process)."""
-    from megatron_scalerl.launch.weight_sync_checks import check_weight_sync, staging_bytes  # deferred (both):
-    from megatron_scalerl.models.memory_plan import generator_plan, trainer_plan  # torch, which the node check
+    from megatron_scalerl.models.memory_plan import generator_plan, trainer_plan  # deferred (both): torch, which
+    from megatron_scalerl.weight_sync.launch_checks import check_weight_sync, staging_bytes  # the node check
     # (`preflight node`, started on every node) needs only on GPUs or to check staging
 
     check_weight_sync(recipe, cuda=cuda, free_bytes_per_worker=None)

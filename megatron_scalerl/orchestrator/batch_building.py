@@ -8,7 +8,7 @@ paper's batch-level std is taken over exactly these groups), keeps the samples t
 into a TrainBatch (`batches.stream`). Figures are plain floats for `metrics.jsonl`.
 
 Versions (`algo.versions`): a completion token's policy version is the trainer step whose weights sampled it
-(`trainer.generator_sync`); a token without one (NO_VERSION: the interruption phrase, forced in rather than sampled)
+(`weight_sync.generator_link`); a token without one (NO_VERSION: the interruption phrase, forced in rather than sampled)
 takes the version of the token before it, the first token the group's admission version. Prompt tokens are stored
 as NO_VERSION. A group written as batch b has staleness b - (its oldest token's version), in optimizer steps.
 """

@@ -488,7 +488,7 @@ class ClusterConfig(Section):
 
 class WeightSyncConfig(Section):
     """How the trainer's weights reach the generators after each update (weight_sync/). What this machine
-    cannot run (nccl without CUDA, staging that does not fit) is refused by the launch (launch/weight_sync_checks.py),
+    cannot run (nccl without CUDA, staging that does not fit) is refused by the launch (weight_sync/launch_checks.py),
     never here: recipes load on submit hosts and in `scalerl recipe show`."""
 
     transport: Literal["auto", "nccl", "gloo", "disk"] = Field(

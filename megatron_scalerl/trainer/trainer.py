@@ -10,7 +10,7 @@ runs a `Trainer`, read top to bottom:
 - `Trainer(run_dir, recipe)` builds the model at the recipe's layout and its optimizer (`trainer/setup.py`), resumes
   from the newest valid checkpoint in `RUN/checkpoints/` (or initialises from `trainer.init_from`, an HF or Megatron
   checkpoint, else randomly with `trainer.seed`), and opens the run's generators (`RUN/generators.json`, see
-  `generator_sync`; a run without that file trains alone), the metrics log and the compute clock;
+  `weight_sync.generator_link`; a run without that file trains alone), the metrics log and the compute clock;
 - `train_step(batch)`: one optimizer step (the forward/backward passes and the loss: `trainer/step.py`);
 - `checkpoint()`: `RUN/checkpoints/iter_<step>`, then the rollout batches no checkpoint a resume may use needs are
   pruned (`CheckpointStore.resumable`: the `keep_checkpoints` newest; `keep_every` ones are kept for evaluation);
@@ -71,9 +71,9 @@ from megatron_scalerl.run.directory import (
 from megatron_scalerl.run.gpu_hours import ComputeMeter
 from megatron_scalerl.run.metrics_log import MetricsLog, logged_wall_hours
 from megatron_scalerl.trainer.checkpointing import CheckpointWriter, load_trainer
-from megatron_scalerl.trainer.generator_sync import GeneratorLink
 from megatron_scalerl.trainer.setup import build_model_and_optimizer
 from megatron_scalerl.trainer.step import ForwardBackward, NonFiniteError, StepState, clip_and_update, grad_norm, lr_at
+from megatron_scalerl.weight_sync.generator_link import GeneratorLink
 from megatron_scalerl.weight_sync.protocol import WeightSyncError
 
 STOP_STACKS_AFTER_S = STOP_TIMEOUT_S / 2  # stacks while the launcher still waits for the stop

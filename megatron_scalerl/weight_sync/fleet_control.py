@@ -6,6 +6,11 @@
     control.stage(plan)                        # workers receive the sync in the background, still generating
     control.pause(); control.start_update(); control.submit_update({"staged": True}); control.finish_update(v)
 
+and rank 0's part of one sync, around the senders' sending (`sender.WeightSender.send`, its steps 2 and 4):
+
+    update = Update(staged=...); control.begin(plan, update)     # the servers told: staged, or paused and receiving
+    control.conclude(update, version, errors, sent_checksums)  # received, checksums compared, loaded, tagged, resumed
+
 Every call goes to all servers concurrently and waits at most `timeout_s` seconds; a failure raises WeightSyncError
 naming every server that failed or stayed silent, and whether it still answers /health. `faults` keeps, of the
 failures so far, each server whose part failed (or stayed silent) while it still answers /health, with its own error:
@@ -17,8 +22,10 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_scalerl.algo.versions import version_tag
@@ -27,6 +34,31 @@ from megatron_scalerl.weight_sync.protocol import WeightSyncError, rank_offsets
 
 log = logging.getLogger("megatron_scalerl.weight_sync")
 ANSWERS = "answers /health"
+
+
+class Laps:
+    """Seconds between successive `lap(name)` calls, added into `seconds[name]` (from its creation first)."""
+
+    def __init__(self, seconds: dict[str, float]):
+        self.seconds, self.last = seconds, time.monotonic()
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now
+
+
+@dataclass
+class Update:
+    """Rank 0's record of one sync attempt: `staged`; `paused_s` (the servers paused, s: -start until it ends);
+    `receiving` (the servers' unstaged `/update_weights` calls in flight); `verified` (checksums compared);
+    `phases` (seconds per part, `sender.PHASES`)."""
+
+    staged: bool
+    paused_s: float = 0.0
+    receiving: dict = field(default_factory=dict)
+    verified: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class FleetControl:
@@ -161,3 +193,84 @@ class FleetControl:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
+    # ---- rank 0's part of one sync (`sender.WeightSender`'s steps 2 and 4) ------------------------------------
+
+    def begin(self, plan: dict, update: Update) -> str | None:
+        """Rank 0, before the senders send: hand the servers the plan, staged (they receive in the background) or
+        not (paused, inside an update session, receiving and loading as the tensors complete); the error or None."""
+        try:
+            if update.staged:
+                self.stage(plan)
+            else:
+                self._pause_timed(update)
+                self.start_update()
+                update.receiving = self.submit_update({"plan": plan})
+            return None
+        except Exception as exc:  # whatever it is, the other ranks must hear of it rather than wait
+            return error_message(exc)
+
+    def conclude(self, update: Update, version: int, errors: list[str], sent: dict[str, str] | None
+                 ) -> tuple[str | None, str | None]:
+        """Rank 0, after the senders sent (`errors`: theirs; `sent`: their slices' checksums when due): wait for the
+        receive, compare checksums, load what was staged, tag `version`, resume. Returns (error, what disagreed)."""
+        laps = Laps(update.phases)
+        try:
+            if errors:
+                raise WeightSyncError("; ".join(errors) + f" [{self.health()}]")
+            if update.receiving:
+                self.wait(update.receiving, "receive")
+            laps.lap("receive_s")
+            # staged: wait until every worker has it all (its checksums answer then), before pausing anything
+            received = self.checksums() if update.staged or sent is not None else None
+            resend = None
+            if sent is not None:
+                resend, update.verified = self._compare(sent, received)
+            laps.lap("checksums_s")
+            if resend and update.staged:
+                self.discard_staged()  # nothing of it was loaded; the servers never paused
+                return None, resend
+            if resend:  # unstaged: close the session untagged, still paused, and send it all again
+                self.finish_update(None)
+                update.paused_s += time.monotonic()
+                return None, resend
+            if update.staged:
+                self._pause_timed(update)
+                self.start_update()
+                self.wait(self.submit_update({"staged": True}), "apply staged")
+            laps.lap("apply_s")
+            self.finish_update(version)
+            self.resume()
+            update.paused_s += time.monotonic()
+            laps.lap("finish_s")
+            return None, None
+        except Exception as exc:  # whatever it is, the other ranks must hear of it rather than wait
+            if update.staged:
+                self.discard_staged()
+            return error_message(exc), None
+
+    def _pause_timed(self, update: Update) -> None:
+        """`pause`, its start counted into `update.paused_s`."""
+        update.paused_s -= time.monotonic()
+        self.pause()
+
+    def _compare(self, sent: dict[str, str], received: list[list[dict[str, str]]]) -> tuple[str | None, int]:
+        """(a description of the mismatches or None, slices x workers compared); `received`: per server, per worker,
+        its slices' checksums."""
+        problems, verified = [], 0
+        for url, workers in zip(self.urls, received, strict=True):
+            for worker, received in enumerate(workers):
+                for key, expected in sent.items():
+                    got = received.get(key)
+                    if got != expected:
+                        problems.append(f"{url} worker {worker} {key}: trainer {expected}, server "
+                                        f"{got or 'nothing received'}")
+                    verified += 1
+        if problems:
+            log.warning("weight sync checksum mismatch (%d): %s", len(problems), "; ".join(problems[:10]))
+            return f"{len(problems)} slices, e.g. {problems[0]}", verified
+        return None, verified
+
+
+def error_message(exc: BaseException) -> str:
+    """An error as one line: a WeightSyncError's own message, anything else prefixed by its type."""
+    return str(exc) if isinstance(exc, WeightSyncError) else f"{type(exc).__name__}: {exc}"

@@ -1,16 +1,11 @@
 """What trainer and servers agree on: the pieces a sender sends, buckets and their headers (a sync's plan), how
-received slices become whole tensors (`Assembler`), wire dtypes, the groups' ranks, per-slice checksums, and how a
-gloo group meets.
+received slices become whole tensors (`Assembler`), dtype names, the groups' ranks, per-slice checksums, and the
+address a group meets on.
 
-Shared by the trainer side (`sender`, `fleet_control`, `transport`) and the server side
-(`inference.weight_receiver`), and light to import (torch only).
-
-Every sending trainer rank hosts the rendezvous of its own group. For gloo it is a TCPStore on one interface
-(`local_address_towards` the servers; `transport.GlooTransport`). The store has no authentication: whoever connects
-may read and write any key it can name. So every key of the group lives under a per-connection secret (`gloo_group`:
-a `PrefixStore`), which the sender mints for each connection and hands each server inside its
-`/init_weight_transfer_engine` payload, over the API-key-guarded route; gloo's own connections listen on that same
-interface.
+Shared by the trainer side (`sender`, `fleet_control`) and the receiving side in the vLLM workers (`receiver`), and
+by the transports both use (`transport`, `broadcast`, `disk`). Pure: it imports torch and nothing of the package,
+so a generator's worker that imports it pulls in nothing of the trainer. Which dtype a tensor travels in is the
+sender's choice (`sender.wire_dtype`), written into each bucket's header.
 """
 
 from __future__ import annotations
@@ -20,15 +15,11 @@ import math
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
-
-from megatron_scalerl.models.mapping import kept_fp32
 
 # The only tensor that keeps FP32 on the wire and on the server when `fp32_lm_head` is on: the LM head, which with
 # tied embeddings is the embedding (one tensor; the server keeps its embedding in the serving dtype and an FP32 copy
@@ -46,19 +37,6 @@ class WeightSyncError(RuntimeError):
 def dtype_name(dtype: torch.dtype) -> str:
     """vLLM's spelling of a dtype in update infos: `torch.bfloat16` -> "bfloat16" (read back with getattr(torch, .))."""
     return str(dtype).removeprefix("torch.")
-
-
-def head_tensor(tied: bool) -> str:
-    """The HF name of the tensor that holds the LM head: the embedding when `tied` (`tie_word_embeddings`)."""
-    return EMBEDDING if tied else LM_HEAD
-
-
-def wire_dtype(name: str, serving_dtype: torch.dtype, fp32_lm_head: bool, *, tied: bool) -> torch.dtype:
-    """The dtype an HF tensor travels in: FP32 for the LM head's tensor (`head_tensor(tied)`) with `fp32_lm_head`
-    and for the tensors kept FP32 (`models.mapping.kept_fp32`: vLLM holds them FP32), else the serving dtype."""
-    if (fp32_lm_head and name == head_tensor(tied)) or kept_fp32(name):
-        return torch.float32
-    return serving_dtype
 
 
 def checksum(tensor: Tensor) -> str:
@@ -276,30 +254,3 @@ def local_address_towards(host: str) -> str:
         probe.connect((socket.gethostbyname(host), 9))  # UDP: no packet is sent
         return probe.getsockname()[0]
 
-
-def gloo_group(store: dist.Store, secret: str, rank: int, world_size: int, timeout: timedelta,
-               address: str) -> dist.ProcessGroup:
-    """The weight broadcast group over gloo as rank `rank` of `world_size`, met through `store` (the trainer's
-    TCPStore, hosted or joined) with every key under `secret`, gloo's connections listening on `address` (this
-    process's address towards its peers); `timeout` bounds every collective. Built as vLLM's
-    `stateless_init_torch_distributed_process_group` builds it, which takes neither a key prefix of ours nor an
-    address for gloo."""
-    prefixed = dist.PrefixStore(f"scalerl-weights/{secret}/", store)
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-    backend = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
-    group = dist.ProcessGroup(prefixed, rank, world_size)
-    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    backend._set_sequence_number_for_group()
-    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    return group
-
-
-def join_gloo_group(address: str, port: int, secret: str, rank: int, world_size: int,
-                    timeout: timedelta) -> dist.ProcessGroup:
-    """A server worker's (or any non-zero rank's) end of `gloo_group`: a client of the trainer's TCPStore at
-    `address`:`port`, waiting up to `timeout` for it."""
-    store = dist.TCPStore(host_name=address, port=port, world_size=world_size, is_master=False, timeout=timeout,
-                          multi_tenant=True)
-    return gloo_group(store, secret, rank, world_size, timeout, local_address_towards(address))

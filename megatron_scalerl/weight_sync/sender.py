@@ -9,20 +9,22 @@ shards from every TP rank of data-parallel rank 0, experts from every EP rank, e
 sends its slices of HF tensors from its own rank over its own group to every generator worker: no gather, nothing
 funnelled through one rank. Rank 0 also drives the servers over HTTP (`fleet_control.FleetControl`). Group g holds
 sender g (rank 0 of the group) and every server's workers (`protocol.rank_offsets`); its transport is gloo, NCCL or
-disk (`transport.py`), chosen by `SenderConfig.transport`.
+disk (`transport.py`: `broadcast.py`, `disk.py`), chosen by `SenderConfig.transport`. Each tensor travels in its wire
+dtype (`wire_dtype`). The other end, in every generator worker, is `receiver.ScaleRLWeightTransferEngine`.
 
 One sync (`WeightSender.send`, collective over the trainer's ranks):
   1. every sender groups its slices into buckets; the headers reach rank 0 (`all_gathered`): the plan, every
      bucket of every sender, is one JSON object;
-  2. rank 0 hands the plan to every server in one call: staged (`scalerl_stage_weights`: the workers receive in the
-     background into staging tensors and go on generating) or not (pause(keep), `/start_weight_update`, one
-     `/update_weights` with the plan: the workers receive and load as the tensors complete);
+  2. rank 0 hands the plan to every server in one call (`FleetControl.begin`): staged (`scalerl_stage_weights`:
+     the workers receive in the background into staging tensors and go on generating) or not (pause(keep),
+     `/start_weight_update`, one `/update_weights` with the plan: the workers receive and load as the tensors
+     complete);
   3. every sender sends its buckets, concurrently with the others;
-  4. rank 0: staged, waits until every worker has received it all (`scalerl_weight_checksums` answers then);
-     checksums when due (every `checksum_every`-th sync: each received slice's against its sender's; a mismatch is
-     logged and the whole sync sent again, once); staged: pause(keep), `/start_weight_update`,
-     `/update_weights {"staged": true}` (loads only), then for both `/finish_weight_update` with the policy version,
-     `/reset_prefix_cache` (running requests recompute their KV), `/resume`.
+  4. rank 0 (`FleetControl.conclude`): staged, waits until every worker has received it all
+     (`scalerl_weight_checksums` answers then); checksums when due (every `checksum_every`-th sync: each received
+     slice's against its sender's; a mismatch is logged and the whole sync sent again, once); staged: pause(keep),
+     `/start_weight_update`, `/update_weights {"staged": true}` (loads only), then for both `/finish_weight_update`
+     with the policy version, `/reset_prefix_cache` (running requests recompute their KV), `/resume`.
 Running requests freeze at the pause and continue on the new weights (PipelineRL's in-flight update). With
 `overlap_apply` (the trainer's own syncs), a staged sync without checksums due returns once the senders sent: rank 0
 waits for the receive and loads, tags and resumes the servers (step 4) in the background while the trainer trains
@@ -45,11 +47,14 @@ from pathlib import Path
 
 import torch
 
+from megatron_scalerl.models.mapping import kept_fp32
 from megatron_scalerl.models.weights import export_hf_slices
 from megatron_scalerl.platform.distributed import all_gathered, from_rank0, resolve_backend
 from megatron_scalerl.platform.distributed import rank as trainer_rank
-from megatron_scalerl.weight_sync.fleet_control import FleetControl
+from megatron_scalerl.weight_sync.fleet_control import FleetControl, Laps, Update, error_message
 from megatron_scalerl.weight_sync.protocol import (
+    EMBEDDING,
+    LM_HEAD,
     MIB,
     SYNC_TIMEOUT_S,
     Bucket,
@@ -58,12 +63,25 @@ from megatron_scalerl.weight_sync.protocol import (
     bucket_header,
     group_buckets,
     local_address_towards,
-    wire_dtype,
 )
 from megatron_scalerl.weight_sync.transport import WeightTransport, make_transport
 
 log = logging.getLogger("megatron_scalerl.weight_sync")
 STAGING_SLACK = 1.25  # staging needs this many times the sync's bytes free on every worker (`staging: auto`)
+
+
+def head_tensor(tied: bool) -> str:
+    """The HF name of the tensor that holds the LM head: the embedding when `tied` (`tie_word_embeddings`)."""
+    return EMBEDDING if tied else LM_HEAD
+
+
+def wire_dtype(name: str, serving_dtype: torch.dtype, fp32_lm_head: bool, *, tied: bool) -> torch.dtype:
+    """The dtype an HF tensor travels in: FP32 for the LM head's tensor (`head_tensor(tied)`) with `fp32_lm_head`
+    and for the tensors kept FP32 (`models.mapping.kept_fp32`: vLLM holds them FP32), else the serving dtype. The
+    servers read it from each bucket's header."""
+    if (fp32_lm_head and name == head_tensor(tied)) or kept_fp32(name):
+        return torch.float32
+    return serving_dtype
 
 
 @dataclass(frozen=True)
@@ -112,31 +130,6 @@ class SyncStats:
 # (staged: the receive's end) and their comparison (`checksums_s`), the staged load (pause, start, apply:
 # `apply_s`), tag and resume (`finish_s`).
 PHASES = ("export_s", "plan_s", "send_s", "senders_s", "receive_s", "checksums_s", "apply_s", "finish_s")
-
-
-class Laps:
-    """Seconds between successive `lap(name)` calls, added into `seconds[name]` (from its creation first)."""
-
-    def __init__(self, seconds: dict[str, float]):
-        self.seconds, self.last = seconds, time.monotonic()
-
-    def lap(self, name: str) -> None:
-        now = time.monotonic()
-        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
-        self.last = now
-
-
-@dataclass
-class Update:
-    """Rank 0's record of one sync attempt: `staged`; `paused_s` (the servers paused, s: -start until it ends);
-    `receiving` (the servers' unstaged `/update_weights` calls in flight); `verified` (checksums compared);
-    `phases` (seconds per part, `PHASES`)."""
-
-    staged: bool
-    paused_s: float = 0.0
-    receiving: dict = field(default_factory=dict)
-    verified: int = 0
-    phases: dict[str, float] = field(default_factory=dict)
 
 
 class WeightSender:
@@ -210,7 +203,7 @@ class WeightSender:
                 joins = self.control.submit_connect([e for e in endpoints if e], sizes, self.config.timeout_s)
                 world = 1 + sum(sizes)
             except Exception as exc:
-                error = _message(exc)
+                error = error_message(exc)
         error, world = from_rank0((error, world))
         self.agree(error if self.rank == 0 else None, "weight sync connect")
         if self.sends:
@@ -225,7 +218,7 @@ class WeightSender:
                 if self.config.staging != "off":
                     self.room = self.control.staging_room()
             except Exception as exc:
-                error = _message(exc)
+                error = error_message(exc)
         self.agree(error, "weight sync connect")
 
     # ---- one sync -----------------------------------------------------------------------------------------------
@@ -234,7 +227,7 @@ class WeightSender:
              tied: bool = False) -> SyncStats | None:
         """Collective: one full update of every server, tagged policy version `weight_version`, from every rank's
         `pieces` ((name, whole tensor) pairs or slices with `Piece`'s fields; any dtype: each is cast to its wire
-        dtype as its bucket is packed: `protocol.wire_dtype`, `tied` for a model whose LM head is its embedding).
+        dtype as its bucket is packed: `wire_dtype`, `tied` for a model whose LM head is its embedding).
         `progress(bucket)` is called on a sender after each of its buckets left. Returns the stats on rank 0 (over
         both attempts when checksums disagreed once), None elsewhere."""
         if self.config.overlap_apply:  # the same on every rank: the collective runs on all or none
@@ -282,7 +275,7 @@ class WeightSender:
         update, error = None, None
         if self.control is not None:
             update = Update(staged=self._staged(total))
-            error = self._begin(plan, update)
+            error = self.control.begin(plan, update)
         plan["sync"], error = from_rank0((plan["sync"], error))
         self.agree(error if self.rank == 0 else None, f"weight sync of version {version}")
         laps.lap("plan_s")
@@ -298,9 +291,9 @@ class WeightSender:
             sent = {key: value for part in every_sum if part for key, value in part.items()}
             if self.config.overlap_apply and update.staged and not check and not errors:
                 # the receive, load, tag and resume go on while the trainer trains (`settle` waits for them)
-                self.applying = (self._background.submit(self._conclude, update, version, [], None), version, update)
+                self.applying = (self._background.submit(self.control.conclude, update, version, [], None), version, update)
             else:
-                error, resend = self._conclude(update, version, errors, sent if check else None)
+                error, resend = self.control.conclude(update, version, errors, sent if check else None)
         error, resend = from_rank0((error, resend))
         self.agree(error if self.rank == 0 else None, f"weight sync of version {version}")
         if update is None:
@@ -329,63 +322,6 @@ class WeightSender:
             return self.failed
         return None
 
-    def _begin(self, plan: dict, update: Update) -> str | None:
-        """Rank 0, before the senders send: hand the servers the plan, staged (they receive in the background) or
-        not (paused, inside an update session, receiving and loading as the tensors complete); the error or None."""
-        try:
-            if update.staged:
-                self.control.stage(plan)
-            else:
-                self._pause(update)
-                self.control.start_update()
-                update.receiving = self.control.submit_update({"plan": plan})
-            return None
-        except Exception as exc:  # whatever it is, the other ranks must hear of it rather than wait
-            return _message(exc)
-
-    def _conclude(self, update: Update, version: int, errors: list[str], sent: dict[str, str] | None
-                  ) -> tuple[str | None, str | None]:
-        """Rank 0, after the senders sent (`errors`: theirs; `sent`: their slices' checksums when due): wait for the
-        receive, compare checksums, load what was staged, tag `version`, resume. Returns (error, what disagreed)."""
-        laps = Laps(update.phases)
-        try:
-            if errors:
-                raise WeightSyncError("; ".join(errors) + f" [{self.control.health()}]")
-            if update.receiving:
-                self.control.wait(update.receiving, "receive")
-            laps.lap("receive_s")
-            # staged: wait until every worker has it all (its checksums answer then), before pausing anything
-            received = self.control.checksums() if update.staged or sent is not None else None
-            resend = None
-            if sent is not None:
-                resend, update.verified = self._compare(sent, received)
-            laps.lap("checksums_s")
-            if resend and update.staged:
-                self.control.discard_staged()  # nothing of it was loaded; the servers never paused
-                return None, resend
-            if resend:  # unstaged: close the session untagged, still paused, and send it all again
-                self.control.finish_update(None)
-                update.paused_s += time.monotonic()
-                return None, resend
-            if update.staged:
-                self._pause(update)
-                self.control.start_update()
-                self.control.wait(self.control.submit_update({"staged": True}), "apply staged")
-            laps.lap("apply_s")
-            self.control.finish_update(version)
-            self.control.resume()
-            update.paused_s += time.monotonic()
-            laps.lap("finish_s")
-            return None, None
-        except Exception as exc:  # whatever it is, the other ranks must hear of it rather than wait
-            if update.staged:
-                self.control.discard_staged()
-            return _message(exc), None
-
-    def _pause(self, update: Update) -> None:
-        update.paused_s -= time.monotonic()
-        self.control.pause()
-
     def _staged(self, total_bytes: int) -> bool:
         """Whether this sync is staged: `staging` on, or auto and every worker has the room for it."""
         if self.config.staging == "auto":
@@ -410,23 +346,6 @@ class WeightSender:
         except Exception as exc:
             what = bucket.describe() if bucket is not None else "its buckets"
             return f"trainer rank {self.rank} sending {what}: {type(exc).__name__}: {exc}"
-
-    def _compare(self, sent: dict[str, str], received: list[list[dict[str, str]]]) -> tuple[str | None, int]:
-        """(a description of the mismatches or None, slices x workers compared); `received`: per server, per worker,
-        its slices' checksums."""
-        problems, verified = [], 0
-        for url, workers in zip(self.control.urls, received, strict=True):
-            for worker, received in enumerate(workers):
-                for key, expected in sent.items():
-                    got = received.get(key)
-                    if got != expected:
-                        problems.append(f"{url} worker {worker} {key}: trainer {expected}, server "
-                                        f"{got or 'nothing received'}")
-                    verified += 1
-        if problems:
-            log.warning("weight sync checksum mismatch (%d): %s", len(problems), "; ".join(problems[:10]))
-            return f"{len(problems)} slices, e.g. {problems[0]}", verified
-        return None, verified
 
     def close(self) -> None:
         """Wait for a load in the background, release the servers' ends, leave the groups, stop the HTTP threads."""
@@ -460,10 +379,7 @@ def push_weights(model_chunks: list, model_cfg, config: SenderConfig, sender: We
         try:
             pieces = list(export_hf_slices(model_chunks[0], model_cfg))
         except Exception as exc:  # every rank must hear of it rather than wait in the sync's first collective
-            error = f"trainer rank {sender.rank}: exporting its slices: {_message(exc)}"
+            error = f"trainer rank {sender.rank}: exporting its slices: {error_message(exc)}"
     sender.agree(error, f"weight sync of version {weight_version}")
     return sender.send(pieces, weight_version, progress, tied=model_cfg.tie_word_embeddings)
 
-
-def _message(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, WeightSyncError) else f"{type(exc).__name__}: {exc}"

@@ -75,8 +75,8 @@ def push_worker(rank: int, recipe, url: str, config, run_dir: Path, out_dir: Pat
     from megatron_scalerl.models.weights import sends_weights
     from megatron_scalerl.platform.distributed import all_gathered, from_rank0
     from megatron_scalerl.trainer.trainer import Trainer
-    from megatron_scalerl.weight_sync.protocol import checksum, head_tensor, wire_dtype
-    from megatron_scalerl.weight_sync.sender import WeightSender, push_weights
+    from megatron_scalerl.weight_sync.protocol import checksum
+    from megatron_scalerl.weight_sync.sender import WeightSender, head_tensor, push_weights, wire_dtype
     from tests.trainer_utils import rl_batch
     from tests.weight_sync_utils import continuations_batch, server_greedy
 

@@ -1,17 +1,21 @@
-"""The generators' weight receiver: vLLM's weight-transfer engine for the plan-driven sync of `weight_sync`.
+"""The generators' weight receiver: vLLM's weight-transfer engine for the plan-driven sync of `weight_sync`, the
+other end of `sender.WeightSender`. It runs in every vLLM worker and imports nothing of the trainer (the protocol,
+the transports, torch and vLLM only).
 
-Registered with vLLM's `WeightTransferEngineFactory` as backend "scalerl" (and "gloo", its name before) when the
-worker extension module is imported (`--worker-extension-cls` `vllm_server.WORKER_EXTENSION`, imported in every
-worker before the engine is built), and selected with `--weight-transfer-config '{"backend": "scalerl"}'`.
+Registered with vLLM's `WeightTransferEngineFactory` as backend "scalerl" (and "gloo", its name before) when
+`worker_methods` is imported (by our worker extension, `--worker-extension-cls` `vllm_server.WORKER_EXTENSION`,
+imported in every worker before the engine is built), and selected with
+`--weight-transfer-config '{"backend": "scalerl"}'`.
 
 vLLM's dense NCCL engine provides the HTTP routes, the worker's update session and the layered reload around the
 loads (`start_weight_update` / `finish_weight_update`); what is ours:
-  - `init_transfer_engine`: join one group per trainer sender (`endpoints`, each a `weight_sync.transport`
+  - `init_transfer_engine`: join one group per trainer sender (`endpoints`, each a `transport.WeightTransport`
     endpoint: gloo, nccl or disk) at rank `rank_offset` + dp index x TP x PP + worker rank (vLLM's rank rule);
   - the plan: one JSON object per sync naming every sender's buckets (names, dtypes, slice shapes, full shapes,
     starts), so the whole sync is one control call, not one per bucket. Each sender's buckets are received by a
-    thread of their own, concurrently (`transport.receive_plan`); the slices are assembled into whole HF tensors (`protocol.Assembler`);
-  - `stage(plan)` (worker extension `scalerl_stage_weights`): receive the whole sync in the background into staging
+    thread of their own, concurrently (`transport.receive_plan`); the slices are assembled into whole HF tensors
+    (`protocol.Assembler`);
+  - `stage(plan)` (`worker_methods.scalerl_stage_weights`): receive the whole sync in the background into staging
     tensors while the server keeps generating; then `update_weights({"staged": true})`, called inside the update
     session while the server is paused, only loads them. `update_weights({"plan": plan})` instead receives and
     loads as tensors complete (the server paused throughout);

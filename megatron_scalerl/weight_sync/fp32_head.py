@@ -1,6 +1,6 @@
-"""The FP32 LM head inside a vLLM worker (`worker_extension.scalerl_fp32_lm_head`): the head's weights and logits in
-FP32 under a bf16/fp16 body; a head tied to the embedding becomes an FP32 copy fed by every load of the embedding
-(docs/design.md section 6)."""
+"""The FP32 LM head inside a vLLM worker (`worker_methods.scalerl_fp32_lm_head`): the head's weights and logits in
+FP32 under a bf16/fp16 body, loaded from the FP32 tensor the trainer sends (`sender.wire_dtype`); a head tied to the
+embedding becomes an FP32 copy fed by every load of the embedding (docs/design.md section 6)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-from megatron_scalerl.inference.weight_receiver import tied_to
 from megatron_scalerl.weight_sync import WEIGHT_UPDATE_IN_PROGRESS
 from megatron_scalerl.weight_sync.protocol import EMBEDDING, LM_HEAD, checksum, dtype_name
+from megatron_scalerl.weight_sync.receiver import tied_to
 
 
 class FP32HeadMethod(UnquantizedEmbeddingMethod):

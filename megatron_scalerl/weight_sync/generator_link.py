@@ -81,11 +81,11 @@ def weight_sync_config(recipe: Recipe, run_dir: str | Path, dtype: str) -> Sende
     `weight_sync` section: the run's key, the disk transport's folder in `run_dir`, loads overlapped with training."""
     section = recipe.weight_sync
     return SenderConfig(bucket_mib=section.bucket_mib, serving_dtype=getattr(torch, dtype),
-                            fp32_lm_head=recipe.trainer.fp32_lm_head,
-                            timeout_s=float(recipe.cluster.collective_timeout_s),
-                            transport=section.transport, disk_dir=str(Path(run_dir) / WEIGHT_SYNC_DIR),
-                            staging=section.staging, checksum_every=section.checksum_every,
-                            api_key=os.environ.get(API_KEY_ENV), overlap_apply=True)
+                        fp32_lm_head=recipe.trainer.fp32_lm_head,
+                        timeout_s=float(recipe.cluster.collective_timeout_s),
+                        transport=section.transport, disk_dir=str(Path(run_dir) / WEIGHT_SYNC_DIR),
+                        staging=section.staging, checksum_every=section.checksum_every,
+                        api_key=os.environ.get(API_KEY_ENV), overlap_apply=True)
 
 
 class GeneratorLink:
