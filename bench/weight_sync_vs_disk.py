@@ -167,7 +167,7 @@ def main() -> None:
             for server in servers:
                 server.wait_ready(600)
             (root / "disk").mkdir()
-            base = SenderConfig(serving_dtype=torch.float32, timeout_s=300.0)
+            base = SenderConfig(serving_dtype=torch.float32, timeout_s=300.0, overlap_apply=False)  # whole updates
             configs = {}
             for mib in buckets:
                 configs[f"live {mib:g} MiB, staging auto"] = replace(base, bucket_mib=mib, staging="auto")

@@ -183,7 +183,7 @@ def tiny_push(monkeypatch):
 
 def _link(run_dir: Path | None, url: str, tmp_path: Path, deadline: Deadline) -> GeneratorLink:
     config = SenderConfig(bucket_mib=1, serving_dtype=torch.float32, timeout_s=10.0, transport="disk",
-                              disk_dir=str(tmp_path / "weight_sync"), staging="on", overlap_apply=True)
+                              disk_dir=str(tmp_path / "weight_sync"), staging="on")
     return GeneratorLink([url], load_recipe("demo"), config, is_rank0=True, run_dir=run_dir, deadline=deadline)
 
 

@@ -22,7 +22,7 @@ from tests.trainer_utils import tiny_hf_checkpoint
 from tests.weight_sync_utils import PROMPTS, start_server, wait_all_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-SYNC = SenderConfig(bucket_mib=0.5, serving_dtype=torch.float32, timeout_s=60.0)
+SYNC = SenderConfig(bucket_mib=0.5, serving_dtype=torch.float32, timeout_s=60.0, overlap_apply=False)
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,8 @@ def test_serve_takes_the_trainers_weights_and_chats_in_the_models_template(smoll
         url = f"http://127.0.0.1:{port}"
         recipe = load_recipe(SMOLLM2.preset, ["trainer.precision=fp32", "cluster.trainer_nodes=1"],
                              model_preset=f"hf:{smollm2}")
-        config = SenderConfig(bucket_mib=64, serving_dtype=torch.float32, timeout_s=300, api_key=KEY)
+        config = SenderConfig(bucket_mib=64, serving_dtype=torch.float32, timeout_s=300, api_key=KEY,
+                              overlap_apply=False)
         monkeypatch.setenv("SCALERL_API_KEY", KEY)
         ((pushed,),) = run_local_workers(push_and_read, 1, [(recipe, 1, None)], [url], config, timeout_s=600)
         assert pushed["error"] is None and pushed["versions"] == ["1"]

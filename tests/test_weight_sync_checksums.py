@@ -30,7 +30,7 @@ from tests.weight_sync_utils import assert_matches, hf_greedy, server_greedy, st
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 CONFIG = SenderConfig(bucket_mib=0.25, serving_dtype=torch.float32, timeout_s=30.0, checksum_every=1,
                           staging="on")
-OVERLAPPED = replace(CONFIG, checksum_every=0, overlap_apply=True)  # as the trainer's GeneratorLink syncs
+OVERLAPPED = replace(CONFIG, checksum_every=0)  # as the trainer's GeneratorLink syncs (overlap_apply, the default)
 
 
 class FlipOneBit:

@@ -85,7 +85,7 @@ def weight_sync_config(recipe: Recipe, run_dir: str | Path, dtype: str) -> Sende
                         timeout_s=float(recipe.cluster.collective_timeout_s),
                         transport=section.transport, disk_dir=str(Path(run_dir) / WEIGHT_SYNC_DIR),
                         staging=section.staging, checksum_every=section.checksum_every,
-                        api_key=os.environ.get(API_KEY_ENV), overlap_apply=True)
+                        api_key=os.environ.get(API_KEY_ENV))
 
 
 class GeneratorLink:

@@ -91,8 +91,10 @@ class SenderConfig:
     `transport`: auto (nccl with CUDA, else gloo), gloo, nccl or disk (`disk_dir`: the shared folder the disk
     senders write under); `staging`: auto (on when every worker has the room), on or off; `checksum_every`: compare
     every received slice's checksum with its sender's every N-th sync (0: never); `api_key`: the servers' key;
-    `overlap_apply`: a staged sync without checksums due returns once the senders sent, its load applied in the
-    background (module docstring). The servers are paused around every load."""
+    `overlap_apply` (the default, what the trainer's syncs do): a staged sync without checksums due returns once the
+    senders sent, its load applied in the background (module docstring); False: every sync returns once the servers
+    serve it (a bench timing whole updates, a caller that reads the servers right after). The servers are paused
+    around every load."""
 
     bucket_mib: float = 64.0
     serving_dtype: torch.dtype = torch.bfloat16
@@ -103,7 +105,7 @@ class SenderConfig:
     staging: str = "auto"
     checksum_every: int = 0
     api_key: str | None = None
-    overlap_apply: bool = False
+    overlap_apply: bool = True
 
     def resolved_transport(self) -> str:
         return resolve_backend("auto") if self.transport == "auto" else self.transport
