@@ -4,6 +4,7 @@ key: nccl without CUDA, staging that does not fit."""
 
 import subprocess
 import sys
+from typing import get_args
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from megatron_scalerl.weight_sync.launch_checks import (
     host_available_bytes,
     staging_bytes,
 )
+from megatron_scalerl.weight_sync.transport import TRANSPORTS, make_transport
 
 GIB = 2**30
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a node without CUDA")
@@ -140,3 +142,11 @@ def test_the_slurm_node_check_measures_staging_on_the_generator_node(tmp_path):
                            str(tmp_path / "run"), "--model", str(model), "--staging-bytes", str(2**50),
                            "--generators", "2"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "weight_sync.staging: on needs" in done.stdout, done.stdout + done.stderr
+
+
+def test_every_transport_a_recipe_names_is_one_the_transports_module_builds():
+    """The receiving side may not import the recipe, so the transports' names live twice: the recipe's
+    `weight_sync.transport` choices (with `auto`) and `weight_sync.transport.TRANSPORTS`; they must agree."""
+    assert set(get_args(WeightSyncConfig.model_fields["transport"].annotation)) - {"auto"} == set(TRANSPORTS)
+    with pytest.raises(ValueError, match="one of gloo, nccl, disk"):
+        make_transport("tcp")
