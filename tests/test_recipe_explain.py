@@ -15,7 +15,8 @@ from megatron_scalerl.commands import main
 from megatron_scalerl.errors import RecipeError
 from megatron_scalerl.recipe import RopeScaling
 from megatron_scalerl.recipe import explain as ex
-from megatron_scalerl.recipe.schema import DataSource, LocalBenchmark, NoPositiveResamplingConfig, Recipe
+from megatron_scalerl.recipe.schema import NoPositiveResamplingConfig, Recipe
+from megatron_scalerl.recipe.sources import DataSource, LocalBenchmark
 from megatron_scalerl.recipe.variants import Cispo, CosineSchedule, Dapo, Interruption, LengthPenalty
 
 # A number's description names what it counts or measures in one of these words.

@@ -1,7 +1,9 @@
 """The run configuration: one typed, validated `Recipe`, composed from YAML presets and dotted overrides.
 
-    schema.py   the typed sections (ModelConfig, ParallelismConfig, ..., Recipe): types and ranges, no defaults
+    schema.py   the typed sections (ParallelismConfig, ..., Recipe; the model section: families.ModelConfig): types and ranges, no defaults
                 (those live in recipes/scalerl.yaml); slurm_minutes for the cluster's time limit
+    sources.py  the data and evaluation sections: prompt sources, how their rows are read, asked and graded
+                (RowFormat), local benchmarks
     variants.py the sections with alternatives, each with its own fields (algorithm.loss, trainer.lr_schedule,
                 algorithm.length_control), and the readers of their spelling from before them
     loading.py  presets (recipes/*.yaml, recipes/models/*.yaml, `hf:DIR`), `--set` overrides, validation with the
@@ -36,18 +38,14 @@ from megatron_scalerl.recipe.loading import (
     validate,
 )
 from megatron_scalerl.recipe.schema import (
-    SHIPPED_BENCHMARKS,
     ClusterConfig,
-    DataSource,
-    EvalConfig,
     ForecastConfig,
-    LocalBenchmark,
     ParallelismConfig,
     Recipe,
     TrainerConfig,
-    benchmark_name,
     slurm_minutes,
 )
+from megatron_scalerl.recipe.sources import SHIPPED_BENCHMARKS, DataSource, EvalConfig, LocalBenchmark, benchmark_name
 
 __all__ = [
     "PRESET_DIR",
