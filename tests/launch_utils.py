@@ -28,7 +28,7 @@ def wait_until(ready, proc: subprocess.Popen, what: str, timeout_s: float = 400)
     while not ready():
         assert proc.poll() is None, f"scalerl train exited {proc.returncode}:\n{proc.stdout.read()[-3000:]}"
         assert time.monotonic() < deadline, f"not {what} after {timeout_s} s"
-        time.sleep(0.5)
+        time.sleep(0.2)
 
 
 def launch(args: list[str], faults: list[tuple[str, object, object]]) -> tuple[int, str]:

@@ -229,8 +229,11 @@ def final_weights_withheld(model, tmp_path_factory):
     # trainer waits seconds for its batch before it can train the last step and push it: the freeze lands in that
     # wait, never inside the last push (under k=2 the last batch was ready, and on a loaded machine the freeze once
     # landed while the servers were paused inside the last update, so the run waited on its validation instead).
-    # Rank 1 waits for the frozen rank 0 in a collective: longer than the orchestrator's deadline may take
+    # Rank 1 waits for the frozen rank 0 in a collective: longer than the orchestrator's deadline may take.
+    # That wait lasts the last batch's generation, a few seconds: 8 samples a prompt make it long enough for the poll
+    # to see policy WITHHELD_STEPS - 1 served on a loaded machine (with 4 it once missed it, and the run just ended).
     code, out = launch(_fresh(run_dir, model, f"trainer.max_steps={WITHHELD_STEPS}", "rollout.k=1",
+                              "rollout.generations_per_prompt=8",
                               "launch.max_restarts=0",
                               "launch.wait_floor_min=0.25", "cluster.collective_timeout_s=900"), [
         (f"policy {WITHHELD_STEPS - 1} served", lambda: WITHHELD_STEPS - 1 in _trainer_steps(run_dir)
