@@ -4,7 +4,6 @@ key: nccl without CUDA, staging that does not fit."""
 
 import subprocess
 import sys
-from typing import get_args
 
 import pytest
 import torch
@@ -16,7 +15,9 @@ from megatron_scalerl.launch.preflight import node_problems
 from megatron_scalerl.models.memory_plan import param_counts
 from megatron_scalerl.recipe import load_recipe, load_run_recipe
 from megatron_scalerl.recipe.schema import WeightSyncConfig
+from megatron_scalerl.recipe.variants import union_variants
 from megatron_scalerl.run.directory import RECIPE_FILE
+from megatron_scalerl.weight_sync.generator_link import weight_sync_config
 from megatron_scalerl.weight_sync.launch_checks import (
     check_weight_sync,
     generator_free_bytes,
@@ -31,8 +32,8 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is o
 
 def test_defaults_from_scalerl_yaml_and_the_schema_agree():
     defaults = WeightSyncConfig()
-    assert (defaults.transport, defaults.bucket_mib, defaults.staging, defaults.checksum_every) == ("auto", 64.0,
-                                                                                                    "auto", 0)
+    assert (defaults.transport.type, defaults.bucket_mib, defaults.staging, defaults.checksum_every) == (
+        "auto", 64.0, "auto", 0)
     assert load_recipe("scalerl").weight_sync == defaults and load_recipe("demo").weight_sync == defaults
 
 
@@ -50,7 +51,7 @@ def test_yaml_on_and_off_are_the_words_and_survive_a_round_trip(tmp_path):
     """YAML 1.1 reads a bare `on` as true: `staging: on` in a file or a --set still means on."""
     (tmp_path / "r.yaml").write_text("base: demo\nweight_sync:\n  staging: on\n  transport: disk\n")
     recipe = load_recipe(str(tmp_path / "r.yaml"))
-    assert recipe.weight_sync.staging == "on" and recipe.weight_sync.transport == "disk"
+    assert recipe.weight_sync.staging == "on" and recipe.weight_sync.transport.type == "disk"
     (tmp_path / RECIPE_FILE).write_text(recipe.to_yaml())
     assert load_run_recipe(tmp_path, RECIPE_FILE).weight_sync == recipe.weight_sync
     assert load_recipe("demo", ["weight_sync.staging=off"]).weight_sync.staging == "off"
@@ -146,7 +147,21 @@ def test_the_slurm_node_check_measures_staging_on_the_generator_node(tmp_path):
 
 def test_every_transport_a_recipe_names_is_one_the_transports_module_builds():
     """The receiving side may not import the recipe, so the transports' names live twice: the recipe's
-    `weight_sync.transport` choices (with `auto`) and `weight_sync.transport.TRANSPORTS`; they must agree."""
-    assert set(get_args(WeightSyncConfig.model_fields["transport"].annotation)) - {"auto"} == set(TRANSPORTS)
+    `weight_sync.transport` alternatives (with `auto`) and `weight_sync.transport.TRANSPORTS`; they must agree."""
+    named = {tag for cls in union_variants(WeightSyncConfig.model_fields["transport"].annotation) for tag in cls.tags()}
+    assert named - {"auto"} == set(TRANSPORTS)
     with pytest.raises(ValueError, match="one of gloo, nccl, disk"):
         make_transport("tcp")
+
+
+def test_the_disk_transport_writes_where_its_section_says(tmp_path):
+    """`weight_sync.transport: {type: disk, dir}`: the senders' folder (the receivers read it from the sender's
+    endpoint); without `dir`, RUN/weight_sync. A bare `disk`, and the broadcast's names, as before."""
+    run_dir = tmp_path / "run"
+    default = weight_sync_config(load_recipe("demo", ["weight_sync.transport=disk"]), run_dir, "float32")
+    assert (default.transport, default.disk_dir) == ("disk", str(run_dir / "weight_sync"))
+    scratch = load_recipe("demo", ["weight_sync.transport.type=disk", f"weight_sync.transport.dir={tmp_path / 's'}"])
+    assert weight_sync_config(scratch, run_dir, "float32").disk_dir == str(tmp_path / "s")
+    assert scratch.to_dict()["weight_sync"]["transport"] == {"type": "disk", "dir": str(tmp_path / "s")}
+    assert weight_sync_config(load_recipe("demo", ["weight_sync.transport=gloo"]), run_dir, "float32").transport == \
+        "gloo"

@@ -119,7 +119,7 @@ def schema_keys(model: type[BaseModel] = Recipe) -> dict[str, Key]:
                 default = default.model_dump(mode="json")
             held = next(_sections(info.annotation), None)
             variants = union_variants(info.annotation)
-            text = (" | ".join(v.tag() for v in variants) if variants
+            text = (" | ".join(tag for v in variants for tag in v.tags()) if variants
                     else type_text(info.annotation, info.metadata))
             key = Key(path, info.description or "", text, default, *(held or (None, False)), variants=variants)
             if path in out and name == getattr(cls, "tag_key", None):  # an alternative's tag: one key for them all
@@ -138,7 +138,7 @@ def schema_keys(model: type[BaseModel] = Recipe) -> dict[str, Key]:
 def variant_tags(path: str) -> set[str]:
     """The tags of the alternatives of the variant section at `path` (empty for any other key)."""
     key = schema_keys().get(path)
-    return {cls.tag() for cls in key.variants} if key else set()
+    return {tag for cls in key.variants for tag in cls.tags()} if key else set()
 
 
 def variant_tag_key(path: str) -> str | None:
@@ -268,7 +268,7 @@ def _line_description(path: str, line: str, keys: dict[str, Key]) -> str:
     if section is not None and section.variants and path.endswith("." + section.variants[0].tag_key):
         chosen = line.partition(":")[2].partition("#")[0].strip().strip("'\"")
         for cls in section.variants:
-            if cls.tag() == chosen:
+            if chosen in cls.tags():
                 return cls.model_fields[cls.tag_key].description
     return keys[path].description
 

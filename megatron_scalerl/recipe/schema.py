@@ -24,10 +24,12 @@ from megatron_scalerl.recipe.sources import DataConfig, EvalConfig
 from megatron_scalerl.recipe.variants import (
     LOSS_FIELDS,
     LR_SCHEDULE_FIELDS,
+    BroadcastTransportConfig,
     CosineSchedule,
     LengthControl,
     LossConfig,
     LrSchedule,
+    TransportConfig,
     lift_flat_fields,
 )
 from megatron_scalerl.section import Fraction, NonNeg, Pos, PosFloat, Section
@@ -284,8 +286,9 @@ class WeightSyncConfig(Section):
     cannot run (nccl without CUDA, staging that does not fit) is refused by the launch (weight_sync/launch_checks.py),
     never here: recipes load on submit hosts and in `scalerl recipe show`."""
 
-    transport: Literal["auto", "nccl", "gloo", "disk"] = Field(
-        "auto", description="auto (nccl with CUDA, else gloo), nccl, gloo, or disk: safetensors files in the run dir")
+    transport: TransportConfig = Field(
+        BroadcastTransportConfig(), description="how the bytes travel: auto, nccl or gloo (a broadcast), or disk "
+                                                "{dir} (files); a bare name is the alternative (variants.py)")
     bucket_mib: PosFloat = Field(
         64.0, description="weights packed into one transfer, the most a sender holds at a time (MiB)")
     staging: OnOffAuto = Field(

@@ -7,6 +7,7 @@ tag field; the code that runs an alternative is keyed by its class (`algo/losses
     trainer.lr_schedule       {type: constant} | {type: cosine, min_lr}                         (trainer/step.py)
     algorithm.length_control  {mode: interruption, think_budget_min, ...} | {mode: length_penalty, penalty_max_len,
                               penalty_cache_len} | {mode: none}                          (algo/length_control.py)
+    weight_sync.transport     {type: auto | nccl | gloo} | {type: disk, dir}     (weight_sync/generator_link.py)
 
 Their rules across fields (a budget's ends, ppo_clip's symmetric clip) are in rules.py with the others.
 
@@ -40,7 +41,13 @@ class Variant(Section):
 
     @classmethod
     def tag(cls) -> str:
+        """Its name (the default of its tag field; of an alternative that several names choose, the first)."""
         return cls.model_fields[cls.tag_key].default
+
+    @classmethod
+    def tags(cls) -> tuple[str, ...]:
+        """Every name that chooses it (`weight_sync.transport`: auto, nccl and gloo choose the broadcast)."""
+        return get_args(cls.model_fields[cls.tag_key].annotation)
 
     @classmethod
     def own_fields(cls) -> set[str]:
@@ -54,7 +61,7 @@ class Variant(Section):
 def variant_union(*classes: type[Variant]) -> Any:
     """The type of a variant section with alternatives `classes` (read as the module docstring says)."""
     key = classes[0].tag_key
-    own = {cls.tag(): set(cls.model_fields) for cls in classes}
+    own = {tag: set(cls.model_fields) for cls in classes for tag in cls.tags()}
     every = set().union(*own.values())
 
     def read(value: Any) -> Any:
@@ -223,3 +230,26 @@ class NoLengthControl(_LengthControl):
 
 
 LengthControl = variant_union(Interruption, LengthPenalty, NoLengthControl)
+
+
+# --- weight_sync.transport (weight_sync/transport.py builds the transports; generator_link.py reads this) ----------
+
+class BroadcastTransportConfig(Variant):
+    """The weights broadcast over one process group per sender (weight_sync/broadcast.py)."""
+
+    type: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="auto (nccl with CUDA, else gloo), nccl or gloo: a broadcast over process groups")
+
+
+class DiskTransportConfig(Variant):
+    """Each sender writes its buckets as safetensors files and the generators read them (weight_sync/disk.py), for
+    generators the trainer cannot reach over a process group."""
+
+    type: Literal["disk"] = Field("disk", description="disk: safetensors files on a filesystem both ends mount")
+    dir: str | None = Field(
+        None, description="the folder the senders write under, on a filesystem the generators mount too (path); "
+                          "null: RUN/weight_sync")
+
+
+TransportConfig = variant_union(BroadcastTransportConfig, DiskTransportConfig)
+

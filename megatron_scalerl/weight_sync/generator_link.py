@@ -59,6 +59,7 @@ from megatron_scalerl.http_json import ServerError, request_json
 from megatron_scalerl.models.weights import sends_weights
 from megatron_scalerl.platform.distributed import from_rank0
 from megatron_scalerl.recipe import Recipe
+from megatron_scalerl.recipe.variants import DiskTransportConfig
 from megatron_scalerl.run.deadlines import Deadline, minutes
 from megatron_scalerl.run.directory import (
     API_KEY_ENV,
@@ -73,17 +74,19 @@ log = logging.getLogger("megatron_scalerl.trainer")
 
 HEALTH_TIMEOUT_S = 5.0
 RESTART_AFTER = 2  # syncs in a row a live server fails before the launcher is asked to start it again
-WEIGHT_SYNC_DIR = "weight_sync"  # RUN/weight_sync/: the disk transport's files (`weight_sync.transport: disk`)
+WEIGHT_SYNC_DIR = "weight_sync"  # RUN/weight_sync/: the disk transport's files unless it names its `dir`
 
 
 def weight_sync_config(recipe: Recipe, run_dir: str | Path, dtype: str) -> SenderConfig:
     """The trainer's weight sync into generators serving `dtype` (generators.json's), from the recipe's
     `weight_sync` section: the run's key, the disk transport's folder in `run_dir`, loads overlapped with training."""
     section = recipe.weight_sync
+    disk = section.transport if isinstance(section.transport, DiskTransportConfig) else None
     return SenderConfig(bucket_mib=section.bucket_mib, serving_dtype=getattr(torch, dtype),
                         fp32_lm_head=recipe.trainer.fp32_lm_head,
                         timeout_s=float(recipe.cluster.collective_timeout_s),
-                        transport=section.transport, disk_dir=str(Path(run_dir) / WEIGHT_SYNC_DIR),
+                        transport=section.transport.type,
+                        disk_dir=(disk and disk.dir) or str(Path(run_dir) / WEIGHT_SYNC_DIR),
                         staging=section.staging, checksum_every=section.checksum_every,
                         api_key=os.environ.get(API_KEY_ENV))
 

@@ -69,7 +69,7 @@ def check_weight_sync(recipe: Recipe, *, cuda: bool, free_bytes_per_worker: int 
     not fit the memory a generator worker has free (`free_bytes_per_worker`, bytes; None: unknown, no refusal).
     `auto`, `gloo` and `disk` run anywhere; `staging: auto` turns itself off where the copy does not fit."""
     sync = recipe.weight_sync
-    if sync.transport == "nccl" and not cuda:
+    if sync.transport.type == "nccl" and not cuda:
         raise UserError("weight_sync.transport: nccl needs CUDA on the trainer and the generators; this node has none "
                         "(use auto or gloo)")
     if sync.staging == "on" and free_bytes_per_worker is not None:
