@@ -35,7 +35,7 @@ VARIANT_KEY = "type"  # the tag field of a variant section (length_control's is 
 
 
 class Variant(Section):
-    """One alternative of a variant section; its tag field is a one-value Literal (the alternative's name)."""
+    """One alternative of a variant section; its tag field is a Literal of the alternative's name (or names)."""
 
     tag_key: ClassVar[str] = VARIANT_KEY
 
