@@ -78,6 +78,8 @@ def test_switching_an_alternative_starts_from_the_presets_values():
     assert rc.load_recipe("scalerl", ["trainer.lr_schedule=cosine"]).trainer.lr_schedule == CosineSchedule(min_lr=0.0)
     lc = rc.load_recipe("scalerl", ["algorithm.length_control.mode=length_penalty"]).algorithm.length_control
     assert lc == LengthPenalty(penalty_max_len=14000, penalty_cache_len=2000)
+    # a bare name over a section tagged by `mode` keeps its fields too
+    assert rc.load_recipe("scalerl", ["algorithm.length_control=length_penalty"]).algorithm.length_control == lc
 
 
 def test_a_file_in_the_old_spelling_over_a_preset_in_the_new(tmp_path):

@@ -62,15 +62,17 @@ def _read_mapping(path: Path) -> dict[str, Any]:
     return data
 
 
-def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], top: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Mappings merge key by key; anything else in `top` replaces what `base` has (a bare name over a variant
-    section changes its alternative, keeping its fields: `variants.switch_variant`)."""
+    section changes its alternative, keeping its fields: `variants.switch_variant`). `prefix`: the dotted key of
+    `base` in the recipe."""
     out = copy.deepcopy(base)
     for key, value in top.items():
+        path = f"{prefix}.{key}" if prefix else key
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value, path)
         else:
-            out[key] = switch_variant(out.get(key), copy.deepcopy(value))
+            out[key] = switch_variant(out.get(key), copy.deepcopy(value), variant_tag_key(path))
     return out
 
 
@@ -158,7 +160,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise RecipeError(".".join(parts[: i + 1]), f"is not a section (override '{text}')")
             node = child
-        node[parts[-1]] = switch_variant(node.get(parts[-1]), value)
+        node[parts[-1]] = switch_variant(node.get(parts[-1]), value, variant_tag_key(".".join(parts)))
     return out
 
 

@@ -83,12 +83,13 @@ def union_variants(annotation: Any) -> tuple[type[Variant], ...]:
     return tuple(m for m in members if isinstance(m, type) and issubclass(m, Variant))
 
 
-def switch_variant(old: Any, new: Any) -> Any:
-    """`new` over `old` when a preset or an override writes a bare name over a section that names its alternative:
-    the section with its tag changed (the fields the new alternative does not take are dropped when it is read);
-    otherwise `new`."""
-    if isinstance(new, str) and isinstance(old, dict) and VARIANT_KEY in old:
-        return {**old, VARIANT_KEY: new}
+def switch_variant(old: Any, new: Any, tag_key: str | None) -> Any:
+    """`new` over `old` when a preset or an override writes it at a key; `tag_key`: the tag field of the variant
+    section the key holds (`type`, `mode`), None for any other key. A bare name over such a section is the section
+    with its tag changed (the fields the new alternative does not take are dropped when it is read); otherwise
+    `new`."""
+    if tag_key is not None and isinstance(new, str) and isinstance(old, dict):
+        return {**old, tag_key: new}
     return new
 
 
