@@ -47,10 +47,6 @@ class Key:
     listed: bool = False
     variants: tuple[type[Variant], ...] = ()
 
-    def has_field(self, name: str) -> bool:
-        """Whether the section (any of its alternatives) has the field `name`."""
-        return any(name in cls.model_fields for cls in self.variants or (self.section,) if cls is not None)
-
     @property
     def inner(self) -> str:
         """The prefix of the keys inside it: `path`, or `path[]` for a list of sections."""

@@ -190,8 +190,7 @@ class CosineSchedule(Variant):
     min_lr: NonNegFloat = Field(description="where the cosine ends, at max_steps (dimensionless)")
 
 
-LR_SCHEDULE_VARIANTS = (ConstantSchedule, CosineSchedule)
-LrSchedule = variant_union(*LR_SCHEDULE_VARIANTS)
+LrSchedule = variant_union(ConstantSchedule, CosineSchedule)
 LR_SCHEDULE_FIELDS = {"min_lr"}  # trainer.<field> before the section
 FLAT_BEFORE = {"algorithm.loss": LOSS_FIELDS, "trainer.lr_schedule": LR_SCHEDULE_FIELDS}  # section: its flat fields
 
