@@ -13,7 +13,6 @@ from megatron_scalerl.algo.length_control import (
     Continuation,
     InterruptionPolicy,
     generate_in_stages,
-    join_segments,
     length_metrics,
     length_penalty,
 )
@@ -58,16 +57,6 @@ def test_worst_case_interrupted_sample_fits_the_hard_cap():
     p = policy()
     step = p.continuation(generated_tokens=12_000, think_closed=False)
     assert 12_000 + len(step.append_ids) + step.max_new_tokens <= RECIPE.rollout.max_new_tokens
-
-
-def test_joined_completion_excludes_the_phrase_from_the_loss():
-    step = policy().continuation(generated_tokens=3, think_closed=False)
-    ids, logprobs, mask = join_segments([1, 2, 3], [-0.1, -0.2, -0.3], step, [7, 8], [-0.7, -0.8])
-    assert ids == [1, 2, 3, *PHRASE_IDS, 7, 8]
-    assert logprobs == [-0.1, -0.2, -0.3, *([0.0] * 20), -0.7, -0.8]
-    assert mask == [True] * 3 + [False] * 20 + [True] * 2
-    with pytest.raises(ValueError, match="one generator log-prob per token"):
-        join_segments([1, 2], [-0.1], step, [], [])
 
 
 def test_configuration_errors():

@@ -14,9 +14,10 @@ budget does not depend on the order in which samples are drawn. Generation runs 
                                (rollout.max_new_tokens) minus the tokens generated so far.
      A second stage that stops on its limit instead of EOS leaves the sample truncated.
 
-The phrase tokens were not sampled by the policy: they are out of the loss mask (`join_segments`). The two requests
-are made by `generate_in_stages`, the one flow of training (token ids, `orchestrator.generation`) and evaluation (text,
-`evaluation.sampling`); each side says how a request is made and joins the stages its own way.
+The phrase tokens were not sampled by the policy: they are out of the loss. The stages are run by
+`generate_in_stages`, the one flow of training (token ids, `orchestrator.generation`, where a stage may be several
+turns with an environment) and evaluation (text, `evaluation.sampling`); each side says how a stage is made and joins
+the stages its own way.
 
 Length penalty (mode `length_penalty`, DAPO-style, on correct answers only), |y| the completion length in tokens:
     R_len = clip((L_max - |y|) / L_cache - 1, -1, 0)
@@ -159,22 +160,6 @@ async def generate_in_stages(policy: InterruptionPolicy | None, key: str, max_ne
     if continuation.max_new_tokens <= 0:
         return Stages(head)
     return Stages(head, continuation, await second(head, continuation, None if seed is None else seed + 1))
-
-
-def join_segments(first_ids: Sequence[int], first_logprobs: Sequence[float], continuation: Continuation,
-                  second_ids: Sequence[int],
-                  second_logprobs: Sequence[float]) -> tuple[list[int], list[float], list[bool]]:
-    """One completion from its two stages: (token ids, generator log-probs, loss mask), each a list of equal length.
-
-    The appended phrase tokens get log-prob 0.0 (they were not sampled) and loss mask False; all sampled tokens True.
-    """
-    if len(first_ids) != len(first_logprobs) or len(second_ids) != len(second_logprobs):
-        raise ValueError("each stage needs one generator log-prob per token")
-    phrase = list(continuation.append_ids)
-    token_ids = [*first_ids, *phrase, *second_ids]
-    gen_logprobs = [*map(float, first_logprobs), *([0.0] * len(phrase)), *map(float, second_logprobs)]
-    loss_mask = [True] * len(first_ids) + [False] * len(phrase) + [True] * len(second_ids)
-    return token_ids, gen_logprobs, loss_mask
 
 
 def length_penalty(lengths: torch.Tensor, correct: torch.Tensor, *, max_len: int, cache_len: int) -> torch.Tensor:

@@ -63,7 +63,9 @@ class GenerationRequest:
     """One sample to generate. `key`: unique id of the sample (e.g. "<prompt key>/<sample index>"); lengths in
     tokens; `seed`: vLLM's per-request sampling seed (None: unseeded); `route_layers`: the decoder layers (0-based,
     model order: the MoE layers) whose routes come back, none by default; `routes_from`: the first position they
-    come back for (vLLM's `routed_experts_prompt_start`: the caller has those before it, e.g. a second stage)."""
+    come back for (vLLM's `routed_experts_prompt_start`: the caller has those before it, e.g. a second stage);
+    `stop_token_ids`: tokens besides the model's end tokens that end the request, kept as its last token (an
+    environment's stops, `tasks.environments`)."""
 
     key: str
     prompt_ids: list[int]
@@ -73,6 +75,7 @@ class GenerationRequest:
     seed: int | None = None
     route_layers: tuple[int, ...] = ()
     routes_from: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def payload(self) -> dict:
         params = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
@@ -81,6 +84,8 @@ class GenerationRequest:
             params["seed"] = self.seed
         if self.route_layers:
             params["routed_experts_prompt_start"] = self.routes_from
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
         return {"token_ids": self.prompt_ids, "sampling_params": params}
 
 

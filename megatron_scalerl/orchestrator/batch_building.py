@@ -96,7 +96,8 @@ def outcome_figures(groups: list[RolloutGroup], prefix: str, domains: list[str])
     """Samples not correct by kind of failure, `{prefix}/failures/<kind>` (counts), the mean of each figure a
     verl-form reward returned beside its score, `{prefix}/reward/<key>` (over the samples that have it), and for a
     recipe with several domains (`domains`: data.domains()) each domain's `{prefix}/<domain>/pass_rate` and
-    `{prefix}/<domain>/samples` (a domain without samples here has neither)."""
+    `{prefix}/<domain>/samples` (a domain without samples here has neither); with samples of an environment,
+    `tool_figures`."""
     failures: Counter[str] = Counter()
     reported: dict[str, list[float]] = {}
     for group in groups:
@@ -112,6 +113,30 @@ def outcome_figures(groups: list[RolloutGroup], prefix: str, domains: list[str])
             if correct:
                 figures[f"{prefix}/{domain}/pass_rate"] = sum(correct) / len(correct)
                 figures[f"{prefix}/{domain}/samples"] = float(len(correct))
+    if any(g.problem.environment is not None for g in groups):
+        figures.update(tool_figures(groups, prefix))
+    return figures
+
+
+def tool_figures(groups: list[RolloutGroup], prefix: str) -> dict[str, float]:
+    """The tool use of the samples whose problem has an environment: observations per sample
+    (`{prefix}/tool/calls_mean`), calls that failed by timeout (`tool/timeouts`) or otherwise (`tool/errors`, a
+    limit or a runtime error: counts), observation tokens per sample (`tool/observation_tokens_mean`), and the pass
+    rate of the samples with n calls (`tool/pass_rate_calls_<n>`, with `tool/samples_calls_<n>`)."""
+    samples = [(s, c) for g in groups if g.problem.environment is not None for s, c in zip(g.samples, g.correct,
+                                                                                          strict=True)]
+    failures: Counter[str] = Counter()
+    by_calls: dict[int, list[bool]] = {}
+    for sample, correct in samples:
+        failures.update(sample.tool_failures)
+        by_calls.setdefault(sample.tool_calls, []).append(correct)
+    figures = {f"{prefix}/tool/calls_mean": sum(s.tool_calls for s, _ in samples) / len(samples),
+               f"{prefix}/tool/timeouts": float(failures.pop("timeout", 0)),
+               f"{prefix}/tool/errors": float(sum(failures.values())),
+               f"{prefix}/tool/observation_tokens_mean": sum(s.observation_tokens for s, _ in samples) / len(samples)}
+    for calls, correct in sorted(by_calls.items()):
+        figures[f"{prefix}/tool/pass_rate_calls_{calls}"] = sum(correct) / len(correct)
+        figures[f"{prefix}/tool/samples_calls_{calls}"] = float(len(correct))
     return figures
 
 

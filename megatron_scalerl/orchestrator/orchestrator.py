@@ -114,8 +114,9 @@ class Orchestrator:
         self.deadline = Deadline.of(recipe.launch)  # marked at each new policy version seen: the run's steps
         self.progressed = time.monotonic()  # the last time generation moved (`_watch_progress`)
         self._set_request_timeout()
-        # a run with code sources refuses to start on a sandbox that does not work; the weaker one warns every step
-        uses_code = any(source.verifier == "code" for source in recipe.data.train)
+        # a run with code sources or the Python tool refuses to start on a sandbox that does not work; the weaker one
+        # warns every step
+        uses_code = any(source.verifier == "code" or source.environment == "python_tool" for source in recipe.data.train)
         self.sandbox_warning = require_sandbox(recipe.data.code_sandbox, "this run") if uses_code else None
         if self.sandbox_warning:
             print(self.sandbox_warning, flush=True)

@@ -13,6 +13,8 @@ from pydantic import AfterValidator, Discriminator, Field, Tag, model_validator
 from megatron_scalerl.section import NonNeg, Pos, PosFloat, Section
 
 DOMAIN_NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # a domain names metrics (`val/<domain>/pass_rate`)
+BUILTIN_ENVIRONMENTS = ("python_tool",)  # tasks/environments.py; any other environment is a class by path
+ENVIRONMENT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 ANSWER_FORMATS = ("math_verify", "boxed", "hash", "last_number")  # and "regex:PATTERN" (tasks/answers.py)
@@ -88,7 +90,9 @@ class DataSource(RowFormat):
     twice; 0.5: a seeded half of them, a different half each epoch). `share`: its part of each batch's prompts,
     relative to the other sources' shares (set on every source or on none; without shares the sources' prompts are
     shuffled together by weight). `validation_holdout`: prompts held out of this source alone for validation
-    (default: it takes part in the seeded draw of `data.validation_holdout` over the sources without their own)."""
+    (default: it takes part in the seeded draw of `data.validation_holdout` over the sources without their own).
+    `environment`: multi-turn samples, the model's tool calls answered while it writes (`python_tool`, or a class of
+    yours by path; tasks/environments.py), at most `max_tool_calls` per sample."""
 
     kind: Literal["jsonl", "parquet", "reasoning_gym", "synthetic"] = Field(
         description="jsonl or parquet file, reasoning_gym task, or one of our synthetic tasks (tasks/synthetic.py)")
@@ -106,6 +110,11 @@ class DataSource(RowFormat):
         None, description="its part of each batch's prompts relative to other sources' (ratio; set on all or none)")
     validation_holdout: NonNeg | None = Field(
         None, description="prompts held out of this source alone (prompts); null: in data.validation_holdout's draw")
+    environment: str | None = Field(
+        None, description="multi-turn: python_tool (runs the model's ```python blocks) or package.module:Class "
+        "(tasks/environments.py); null: one reply per sample")
+    max_tool_calls: NonNeg = Field(
+        4, description="environment: observations inserted per sample at most (calls); the model then writes on")
 
     @model_validator(mode="after")
     def _needs(self) -> DataSource:
@@ -120,6 +129,10 @@ class DataSource(RowFormat):
                              "(letters, digits, _ and -) to name its metrics")
         if self.domain is not None and not DOMAIN_NAME.match(self.domain):
             raise ValueError(f"domain {self.domain!r}: use letters, digits, _ and - (it names metrics)")
+        if self.environment is not None and self.environment not in BUILTIN_ENVIRONMENTS and not ENVIRONMENT_PATH.match(
+                self.environment):
+            raise ValueError(f"environment {self.environment!r}: {' or '.join(BUILTIN_ENVIRONMENTS)}, or a class "
+                             "as package.module:Class")
         return self
 
     @property

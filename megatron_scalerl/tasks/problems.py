@@ -50,6 +50,8 @@ class Problem:
     messages: tuple[Mapping[str, str], ...] | None = field(default=None, hash=False)  # a conversation, as given
     data_source: str = "math"  # the row's `data_source`, else the source's domain (verl-form rewards get it)
     extra_info: Mapping[str, Any] = field(default_factory=dict, hash=False)  # the row's `extra_info` (verl form)
+    environment: str | None = None  # the source's environment (tasks/environments.py); None: one reply per sample
+    max_tool_calls: int = 0  # observations the environment may insert per sample
 
     def row(self) -> dict[str, Any]:
         """What a verifier receives besides the answer (tasks/verifiers.py)."""
@@ -160,7 +162,9 @@ class RowReader:
                           system_prompt=source.system_prompt, instruction=source.instruction,
                           answer_format=source.answer_format, messages=messages,
                           data_source=str(record.get("data_source") or source.domain_name),
-                          extra_info=extra if isinstance(extra, dict) else {})
+                          extra_info=extra if isinstance(extra, dict) else {},
+                          environment=source.environment,
+                          max_tool_calls=source.max_tool_calls)
         if self.check is not None:
             try:
                 self.check(problem.row())

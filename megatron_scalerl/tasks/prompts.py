@@ -93,14 +93,14 @@ def _plain_prompt(messages: list[dict[str, str]], key: str) -> str:
     return "".join(f"{m['content']}\n\n" for m in system) + f"Problem: {user['content']}\nSolution: "
 
 
-def render_prompt(problem: Problem, tokenizer: Any = None) -> str:
-    """The text the generator continues: `conversation(problem)` through the tokenizer's chat template when it has
-    one (else the plain "Problem: ...\\nSolution: " format), with its generation prompt. A thinking problem's prompt
+def render_prompt(problem: Problem, tokenizer: Any = None, messages: list[dict[str, str]] | None = None) -> str:
+    """The text the generator continues: `messages` (default `conversation(problem)`; an environment adds to them)
+    through the tokenizer's chat template when it has one (else the plain "Problem: ...\\nSolution: " format), with its generation prompt. A thinking problem's prompt
     then opens the thinking block (unless the chat template's generation prompt opens it, as `PLAIN_CHAT_TEMPLATE`
     and DeepSeek-R1's do): everything the model writes up to `THINK_CLOSE` is thinking (`rewards.strip_thinking`
     drops it). A problem without thinking opens none (the template's own switch, `enable_thinking`, set false); a
     chat template that opens one anyway is an error, since the whole reply would be graded as the answer."""
-    messages = conversation(problem)
+    messages = conversation(problem) if messages is None else messages
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         switch = {} if problem.thinking else {"enable_thinking": False}
         head = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **switch)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import queue
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 
 from megatron_scalerl.tasks.problems import Problem
 from megatron_scalerl.tasks.prompts import THINK_CLOSE, THINK_OPEN
+from megatron_scalerl.tasks.sandbox import Limits, RunResult, run_python
 from megatron_scalerl.tasks.verifiers import (
     NO_ANSWER,
     Verdict,
@@ -72,6 +74,9 @@ def answer_part(completion: str, thinking: bool = True) -> str:
 # ---- worker process ----
 
 GRADER_TIMEOUT = "grader_timeout"  # Grade.failure of an answer whose verifier ran past the grader's timeout
+RUN_PROGRAM = "run_program"  # a worker job that is not a verifier's path: run a tool program (`RewardGrader.run_python`)
+
+
 def grade_here(completion: str, problem: Problem) -> Verdict:
     """`completion` graded in this process as the workers grade it (thinking stripped; no answer: "no_answer"), but
     without their per-answer timeout: for a caller grading a few completions of its own (the demo's warm start)."""
@@ -108,7 +113,8 @@ def _hide_secrets(code_sandbox: str) -> None:
 
 
 def _worker_main(conn, lifeline, code_sandbox: str) -> None:
-    """Loop of one worker: receive (verifier path, answer, problem row), send ("ok", Verdict) or ("error", text).
+    """Loop of one worker: receive (verifier path, answer, problem row), send ("ok", Verdict) or ("error", text);
+    (RUN_PROGRAM, program, limits as a dict): send ("ok", sandbox.RunResult) of the program run in the sandbox.
     Exits on pipe EOF, or when the owner goes away, also while a verifier hangs: a watchdog thread waits on
     `lifeline`, a pipe whose only writing end the owner holds. (The forkserver, our parent, outlives the owner while
     any of its workers lives, so the parent cannot tell.) It first hides its secrets (`_hide_secrets`)."""
@@ -134,6 +140,9 @@ def _worker_main(conn, lifeline, code_sandbox: str) -> None:
         except (EOFError, OSError):
             return
         try:
+            if path == RUN_PROGRAM:
+                conn.send(("ok", run_python(answer, limits=Limits(**row))))
+                continue
             fn = cache.get(path)
             if fn is None:
                 fn = cache[path] = import_verifier(path)
@@ -246,6 +255,21 @@ class RewardGrader:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._grade_blocking, *job)
 
+    async def run_python(self, program: str, limits: Limits) -> RunResult:
+        """Run `program` once, empty stdin, in the grader's sandbox (`code_sandbox`) on one of its workers, within
+        `limits` (tasks/sandbox.py); past the grader's `timeout_s` its worker is replaced and the run is a
+        "timeout". For an environment's tool calls (tasks/environments.py): the workers hold no secret."""
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._run_blocking, program, limits)
+
+    def _run_blocking(self, program: str, limits: Limits) -> RunResult:
+        answer = self._ask_worker((RUN_PROGRAM, program, dataclasses.asdict(limits)))
+        if answer is None or answer[0] != "ok":
+            return RunResult("", "" if answer is None else str(answer[1]), -1, 0.0,
+                             "timeout" if answer is None else "sandbox_error")
+        return answer[1]
+
     def grade_many(self, items: Iterable[tuple[str, Problem | str] | tuple[str, str, str]]) -> list[Grade]:
         """Blocking: grade (completion, problem or gold) or (completion, gold, verifier) tuples in parallel; results
         in order."""
@@ -274,29 +298,34 @@ class RewardGrader:
     def _grade_blocking(self, answer: str, row: dict, path: str) -> Grade:
         if not answer:
             return self._count(Grade(correct=False, failure=NO_ANSWER))
-        worker = self._take_worker()
         start = time.monotonic()
+        reply = self._ask_worker((path, answer, row))
+        seconds = time.monotonic() - start
+        if reply is None:
+            return self._count(Grade(correct=False, timed_out=True, seconds=seconds, failure=GRADER_TIMEOUT))
+        kind, value = reply
+        if kind != "ok":
+            return self._count(Grade(correct=False, error=value, seconds=seconds, failure="error"))
+        verdict: Verdict = value
+        return self._count(Grade(correct=verdict.correct, seconds=seconds, fraction=verdict.fraction,
+                                 failure=verdict.failure, score=verdict.score, metrics=dict(verdict.metrics)))
+
+    def _ask_worker(self, job: tuple) -> tuple[str, object] | None:
+        """`job` on a free worker: its reply (kind, value), ("error", why) when the worker died under it, None when
+        it passed `timeout_s` (the worker is replaced)."""
+        worker = self._take_worker()
         try:
             worker.wait_ready(self.startup_timeout_s)
-            start = time.monotonic()
-            worker.conn.send((path, answer, row))
-            answered = worker.conn.poll(self.timeout_s)
-            seconds = time.monotonic() - start
-            if not answered:
+            worker.conn.send(job)
+            if not worker.conn.poll(self.timeout_s):
                 worker = self._replace(worker)
-                return self._count(Grade(correct=False, timed_out=True, seconds=seconds, failure=GRADER_TIMEOUT))
-            kind, value = worker.conn.recv()
-            if kind != "ok":
-                return self._count(Grade(correct=False, error=value, seconds=seconds, failure="error"))
-            verdict: Verdict = value
-            return self._count(Grade(correct=verdict.correct, seconds=seconds, fraction=verdict.fraction,
-                                     failure=verdict.failure, score=verdict.score, metrics=dict(verdict.metrics)))
-        except (EOFError, OSError) as e:  # the worker died under the verifier (or the grader was closed)
+                return None
+            return worker.conn.recv()
+        except (EOFError, OSError) as e:  # the worker died under the job (or the grader was closed)
             if self._closed:
                 raise RuntimeError("RewardGrader is closed") from e
             dead, worker = worker, self._replace(worker)  # _replace reaps the dead one: its exit code is known
-            return self._count(Grade(correct=False, error=f"reward worker died (exit code {dead.proc.exitcode})",
-                                     seconds=time.monotonic() - start, failure="error"))
+            return "error", f"reward worker died (exit code {dead.proc.exitcode})"
         finally:
             if not self._closed:
                 self._idle.put(worker)
