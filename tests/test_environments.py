@@ -216,3 +216,43 @@ def test_tool_figures_count_calls_failures_and_pass_rate_by_calls():
         "val/tool/calls_mean": 4 / 3, "val/tool/timeouts": 1.0, "val/tool/errors": 1.0,
         "val/tool/observation_tokens_mean": 4 / 3, "val/tool/pass_rate_calls_0": 1.0, "val/tool/samples_calls_0": 1.0,
         "val/tool/pass_rate_calls_2": 0.5, "val/tool/samples_calls_2": 2.0}
+
+
+def test_the_worked_example_of_docs_tasks_md_runs(tokenizer, tmp_path, monkeypatch):
+    import re
+    import sys
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "tasks.md").read_text()
+    [module] = re.findall(r"```python\n(# my_envs\.py\n.*?)```\n", text, re.S)
+    [entry] = re.findall(r"```yaml\ndata:\n  train:\n    - (\{kind: reasoning_gym, [^\n]*my_envs:Calculator[^\n]*\})\n```",
+                         text)
+    (tmp_path / "my_envs.py").write_text(module)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    [source] = load_recipe("demo", [f"data.train=[{entry}]"]).data.train
+    assert (source.environment, source.max_tool_calls) == ("my_envs:Calculator", 3)
+    calculator = load_environment(source.environment, _context(tokenizer), "data.train[0]")
+    assert calculator.prompt([{"role": "user", "content": "Q"}])[0]["content"].endswith("</calc>; the result follows.")
+    episode = calculator.start(None)
+    reply = tokenizer.encode("So <calc>12*34</calc>", add_special_tokens=False)
+    assert tokenizer.decode(episode.step(reply).token_ids) == " = 408 "
+    assert tokenizer.decode(episode.step(tokenizer.encode("<calc>1/0</calc>", add_special_tokens=False)).token_ids) \
+        == " = error: ZeroDivisionError "
+
+
+def test_the_demos_tool_traces_are_what_the_tool_answers_token_for_token(tokenizer, grader):
+    """The warm start's traces (demo.model.tool_trace) hold the observation the tool itself inserts after the reply,
+    as the same token ids, and the warm start trains on the reply and the rest, never on the observation."""
+    from megatron_scalerl.demo.model import tool_trace
+    from megatron_scalerl.demo.sft import _examples
+
+    problem = Problem("p", "Calculate 261 * 120.", "31320", environment="python_tool")
+    reply, observation, rest = tool_trace(problem)
+    episode = load_environment("python_tool", _context(tokenizer, grader), "data.train[0]").start(problem)
+    answered = asyncio.run(episode.step(tokenizer.encode(reply, add_special_tokens=False)))
+    assert answered.token_ids == tuple(tokenizer.encode(observation, add_special_tokens=False))
+    [(ids, learned)] = _examples(tokenizer, [problem], unclosed_fraction=0.0, tool_fraction=1.0, seed=0)
+    observed = [t for t, m in zip(ids, learned, strict=True) if not m]
+    assert tokenizer.decode(observed).endswith(observation) and TOOL_NOTE in tokenizer.decode(observed)
+    assert tokenizer.decode([t for t, m in zip(ids, learned, strict=True) if m]) == (
+        f"{reply}{rest}{tokenizer.eos_token}")

@@ -1,5 +1,6 @@
 """The recipe's length-control setting picks the generation policy; the thinking-closed check on token ids; an
-interrupted sample's two requests joined on token ids (a fake fleet)."""
+interrupted sample's two requests joined on token ids, and an environment's turns inside the stages: budgets, the
+cap, stops (a fake fleet; against a real server: tests/test_environments.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from transformers import PreTrainedTokenizerFast
 from megatron_scalerl.algo.length_control import InterruptionPolicy
 from megatron_scalerl.algo.versions import NO_VERSION
 from megatron_scalerl.inference.fleet import Generation, GenerationRequest
-from megatron_scalerl.orchestrator.generation import contains, generate_sample
+from megatron_scalerl.orchestrator.generation import ToolLoop, contains, generate_sample
 from megatron_scalerl.recipe import load_recipe
+from megatron_scalerl.tasks.environments import Episode, Observation
 
 
 def _tokenizer() -> PreTrainedTokenizerFast:
@@ -72,3 +74,63 @@ def test_an_interrupted_sample_joins_its_stages_on_token_ids():
     assert sample.loss_mask == [True] * 6 + [False] * 2 + [True] * 3
     assert sample.logprobs == [-0.5] * 6 + [0.0] * 2 + [-0.5] * 3
     assert sample.interrupted and sample.truncated and sample.finish_reason == "length"
+
+
+class _StoppingFleet:
+    """Answers each request with tokens 1, 2, 3, ... up to `max_tokens`, stopping after a token among the request's
+    stop_token_ids (version 4, log-prob -0.5 each)."""
+
+    def __init__(self):
+        self.requests = []
+
+    async def generate(self, request, *, server=None):
+        self.requests.append(request)
+        tokens = []
+        for token in range(1, request.max_tokens + 1):
+            tokens.append(token)
+            if token in request.stop_token_ids:
+                break
+        reason = "stop" if tokens[-1] in request.stop_token_ids else "length"
+        return Generation(request.key, request.prompt_ids, tokens, [-0.5] * len(tokens), [4] * len(tokens), reason,
+                          "http://gen0")
+
+
+class _Answering(Episode):
+    def __init__(self):
+        self.seen = []
+
+    def step(self, completion_ids):
+        self.seen.append(list(completion_ids))
+        return Observation((90, 91, 92))
+
+
+def test_budgets_count_the_models_tokens_and_the_cap_counts_observations_too():
+    policy = InterruptionPolicy(think_budget_min=12, think_budget_max=12, phrase_ids=[80, 81], phrase_token_reserve=2,
+                                answer_budget=4, max_new_tokens=40, seed=0)
+    fleet, episode = _StoppingFleet(), _Answering()
+    tools = ToolLoop(episode, ((5,),), max_calls=2, where="test")
+    sample = asyncio.run(generate_sample(fleet, GenerationRequest("p/0", [7], max_tokens=40), policy,
+                                         think_close_ids=[99], tools=tools))
+    assert [r.key for r in fleet.requests] == ["p/0", "p/0#t1", "p/0#t2", "p/0#answer"]
+    assert [r.max_tokens for r in fleet.requests] == [12, 7, 2, 4]  # 12 model tokens thinking, then the answer's 4
+    assert [bool(r.stop_token_ids) for r in fleet.requests] == [True, True, False, False]  # deaf after 2 calls
+    obs, phrase = [90, 91, 92], [80, 81]
+    assert sample.completion_ids == [1, 2, 3, 4, 5, *obs, 1, 2, 3, 4, 5, *obs, 1, 2, *phrase, 1, 2, 3, 4]
+    assert fleet.requests[-1].prompt_ids == [7, *sample.completion_ids[:-4]]
+    assert sample.loss_mask == [True] * 5 + [False] * 3 + [True] * 5 + [False] * 3 + [True] * 2 + [False] * 2 + [
+        True] * 4
+    assert episode.seen == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5, *obs, 1, 2, 3, 4, 5]]
+    assert (sample.tool_calls, sample.observation_tokens, sample.interrupted, sample.truncated) == (2, 6, True, True)
+
+    # the hard cap counts observations: one that would leave the model no room ends the sample, cut, without it
+    capped = asyncio.run(generate_sample(_StoppingFleet(), GenerationRequest("p/1", [7], max_tokens=8),
+                                         tools=ToolLoop(_Answering(), ((5,),), max_calls=2, where="test")))
+    assert capped.completion_ids == [1, 2, 3, 4, 5] and capped.truncated and capped.tool_calls == 0
+
+
+def test_a_stop_token_without_its_whole_sequence_lets_the_model_write_on():
+    fleet, episode = _StoppingFleet(), _Answering()
+    sample = asyncio.run(generate_sample(fleet, GenerationRequest("p/0", [7], max_tokens=9),
+                                         tools=ToolLoop(episode, ((4, 3),), max_calls=2, where="test")))
+    assert episode.seen == [] and sample.completion_ids == [1, 2, 3, 1, 2, 3, 1, 2, 3]  # ends "3", never "4, 3"
+    assert [r.prompt_ids for r in fleet.requests] == [[7], [7, 1, 2, 3], [7, 1, 2, 3, 1, 2, 3]]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from safetensors import safe_open
+from transformers import AutoTokenizer
 
 from megatron_scalerl.batches.stream import RolloutStream
 from megatron_scalerl.fileio import atomic_write_text, dump_yaml, load_yaml
@@ -41,7 +42,10 @@ OVERRIDES = [f"trainer.max_steps={STEPS}", "launch.max_restarts=1", "launch.rest
              "logging.wandb_mode=disabled", "algorithm.length_control.think_budget_min=24",
              "algorithm.length_control.think_budget_max=32", "algorithm.length_control.answer_budget=16",
              "rollout.max_new_tokens=96", "rollout.k=2", "data.validation_holdout=8", "data.validation_interval=1",
-             "data.validation_generations=2", "forecast.min_compute=0", "forecast.resamples=20"]
+             "data.validation_generations=2", "forecast.min_compute=0", "forecast.resamples=20",
+             # multi-turn samples: an environment (by path) answers a stop every few tokens, twice per sample
+             "data.train=[{kind: reasoning_gym, task: basic_arithmetic, size: 2000, max_tool_calls: 2, "
+             "environment: 'tests.tool_environments:EveryFewTokens'}]"]
 
 
 def _nice(pid: int) -> int:
@@ -243,6 +247,32 @@ def test_every_step_of_the_stopped_and_resumed_run_replays_its_generators_routes
         with safe_open(str(path), "pt") as handle:
             routes = handle.get_tensor("routes")
             assert routes.shape[1:] == (4, 1) and routes.shape[0] == handle.get_tensor("input_ids").numel(), path
+
+
+def test_multi_turn_samples_train_on_the_generators_tokens_with_observations_out_of_the_loss(run):
+    """Every sample of the run had an environment (tests.tool_environments:EveryFewTokens, two observations at
+    most): the batches hold observations inside completions (out of the loss, no log-prob, routes replayed over them
+    like any position), the trainer's log-probs agree with the generator's (a context off by one token would not),
+    and the tool figures are logged for training and validation alike."""
+    run_dir = run["dir"]
+    rows = read_metrics(run_dir, role="orchestrator")
+    batches = [r for r in rows if "rollout/tool/calls_mean" in r]
+    assert len(batches) == len([r for r in rows if "rollout/reward_mean" in r])
+    assert all(0 < r["rollout/tool/calls_mean"] <= 2 and r["rollout/tool/observation_tokens_mean"] > 0 for r in batches)
+    assert any("val/tool/calls_mean" in r and "val/tool/pass_rate_calls_2" in r for r in rows)
+    stream, tokenizer = RolloutStream(run_dir), AutoTokenizer.from_pretrained(run_dir / "model")
+    for index in [i for i in range(STEPS) if stream.path(i).exists()]:
+        batch, _ = stream.read(index)
+        starts = batch.lengths.cumsum(0) - batch.lengths
+        observed = 0
+        for start, length, prompt in zip(starts.tolist(), batch.lengths.tolist(), batch.prompt_lengths.tolist(),
+                                         strict=True):
+            completion = slice(start + prompt, start + length)
+            inserted = batch.input_ids[completion][~batch.loss_mask[completion]]  # observations (and a phrase)
+            observed += tokenizer.decode(inserted).count("[obs ")
+        assert observed > 0 and (batch.gen_logprobs[~batch.loss_mask] == 0).all(), index
+    steps = [r for r in read_metrics(run_dir, role="trainer") if "train/mismatch_k3" in r]
+    assert steps and all(r["train/mismatch_k3"] < 1e-3 for r in steps), [r["train/mismatch_k3"] for r in steps]
 
 
 def test_a_run_records_its_end_and_ends_itself_at_its_compute_budget(run):

@@ -89,7 +89,7 @@ def test_explain_default_comes_from_scalerl_yaml_with_its_comment(presets):
     e = rc.explain_key("trainer.lr", presets)
     assert e.default == 5e-7 and e.origin.startswith("recipes/scalerl.yaml: paper: constant 5e-7")
     assert e.key.type_text == "float > 0" and dict(e.presets) == {"demo": 1e-4, "demo_length_cap": 1e-4, "demo_mix": 1e-4,
-                                                                "demo_short_thinking": 1e-4, "demo_smollm2": 2e-5,
+                                                                "demo_short_thinking": 1e-4, "demo_smollm2": 2e-5, "demo_tools": 1e-4,
                                                                 "demo_synchronous": 1e-4}
     assert [r.function for r in e.rules] == ["_lr_range"]  # the schema's own validator reads trainer.lr
     assert rc.explain_key("trainer.keep_every", presets).origin.startswith("recipes/scalerl.yaml: e.g. 500")

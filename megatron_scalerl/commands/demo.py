@@ -3,6 +3,7 @@
     scalerl demo [--run-dir runs/demo] [--steps N] [--mix] [--routing measure|replay] [--model PRESET] [--set K=V]
     scalerl demo --init-only DIR [--model tiny_moe|...] [--seed S]
     scalerl demo --model smollm2_135m [--steps N] [--set K=V]     # a real pretrained model (demo/real_model.py)
+    scalerl demo --tools [--steps N] [--set K=V]                  # RL with the Python tool and without (demo/tools.py)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from megatron_scalerl.demo.run import (
     print_forecast,
     warm_started_model,
 )
+from megatron_scalerl.demo.tools import run_tools_demo
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.launch.local import start_run
 from megatron_scalerl.models.gguf import gguf_to_hf
@@ -39,6 +41,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path, help="the run directory (default: runs/demo, with --mix runs/demo_mix)")
     parser.add_argument("--mix", action="store_true",
                         help="math and code in one run (the demo_mix recipe): one validation curve per domain")
+    parser.add_argument("--tools", action="store_true",
+                        help="multi-turn RL with the Python tool (the demo_tools recipe) and the same run with it "
+                             "off, compared: RUN/tools_comparison.json and .png")
     parser.add_argument("--steps", type=int, help="RL steps (default: the demo recipe's trainer.max_steps)")
     parser.add_argument("--routing", choices=list(ROUTING), default="off",
                         help="MoE routing: measure = the generator returns its routes and the trainer logs "
@@ -55,6 +60,14 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.tools:
+        if args.mix or args.routing != "off" or args.init_only is not None or args.seed is not None:
+            raise UserError("--tools is its own demo: without --mix, --routing, --init-only and --seed")
+        if args.model in REAL_MODELS:
+            raise UserError("--tools trains the tiny model (its warm start writes the tool traces); for "
+                            f"{args.model} with the tool use --model {args.model} --set "
+                            "'data.train=[{..., environment: python_tool}]'")
+        return run_tools_demo(args.run_dir or Path("runs") / "demo_tools", args.model, args.steps, args.overrides)
     if args.model in REAL_MODELS:
         return _real_demo(args)
     if args.init_only is not None:

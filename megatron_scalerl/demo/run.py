@@ -113,12 +113,16 @@ def cached_model_verdict(model_root: Path, settings: dict) -> tuple[bool, str | 
     return True, f"reusing the warm-started model in {warm} (built from the same settings)"
 
 
-def warm_started_model(recipe, model_root: Path) -> Path:
-    """The warm-started checkpoint, built (random model, then the supervised stage) unless already there from the
-    same settings (`build_settings`)."""
+def warm_started_model(recipe, model_root: Path, *, target: float | None = WARM_START_TARGET, max_steps: int = 600,
+                       unclosed_fraction: float = UNCLOSED_FRACTION, tool_fraction: float = 0.0) -> Path:
+    """The warm-started checkpoint, built (random model, then the supervised stage: `demo.sft.warm_start` with these
+    settings) unless already there from the same settings (`build_settings`)."""
 
     warm = model_root / "warm_start"
-    settings = build_settings(recipe, warm_start_target=WARM_START_TARGET, unclosed_fraction=UNCLOSED_FRACTION)
+    stage = {"warm_start_target": target, "unclosed_fraction": unclosed_fraction}
+    if tool_fraction:  # (the demo's own builds have none: their records stay valid)
+        stage.update(tool_fraction=tool_fraction, warm_start_steps=max_steps)
+    settings = build_settings(recipe, **stage)
     reuse, why = cached_model_verdict(model_root, settings)
     if why:
         print(f"demo: {why}", flush=True)
@@ -129,10 +133,12 @@ def warm_started_model(recipe, model_root: Path) -> Path:
     print(f"demo: building the tiny model ({recipe.model.arch}) and its tokenizer in {random_dir}", flush=True)
     build_model(recipe, random_dir, seed=recipe.trainer.seed)
     domains = recipe.data.domains()
-    print("demo: supervised warm start (stops once the held-out pass rate reaches "
-          f"{WARM_START_TARGET}{' in every domain: ' + ', '.join(domains) if len(domains) > 1 else ''})", flush=True)
+    print(f"demo: supervised warm start ({max_steps} steps)" if target is None else
+          "demo: supervised warm start (stops once the held-out pass rate reaches "
+          f"{target}{' in every domain: ' + ', '.join(domains) if len(domains) > 1 else ''})", flush=True)
     tmp = model_root / "warm_start.tmp"
-    result = warm_start(recipe, random_dir, tmp, target=WARM_START_TARGET, unclosed_fraction=UNCLOSED_FRACTION)
+    result = warm_start(recipe, random_dir, tmp, target=target, max_steps=max_steps,
+                        unclosed_fraction=unclosed_fraction, tool_fraction=tool_fraction)
     fsync_tree(tmp)
     replace_durably(tmp, warm)
     (model_root / "warm_start.json").write_text(json.dumps(result.__dict__, indent=1) + "\n")

@@ -18,6 +18,7 @@ transformers' model (CPU, fp32).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import time
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_scalerl.demo.model import interruption_of, solution_text
+from megatron_scalerl.demo.model import interruption_of, prompt_messages, solution_text, tool_trace
 from megatron_scalerl.models.hf_io import load_hf_causal_lm
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.tasks.problems import Problem, load_sources
@@ -43,30 +44,40 @@ class WarmStart:
     seconds: float
 
 
-def _examples(tokenizer, problems: list[Problem], *, unclosed_fraction: float, seed: int
-              ) -> list[tuple[list[int], int]]:
-    """(token ids of prompt + completion + EOS, number of prompt tokens) per problem; a seeded `unclosed_fraction`
-    of the completions stop after their thinking (no answer)."""
+def _examples(tokenizer, problems: list[Problem], *, unclosed_fraction: float, tool_fraction: float, seed: int
+              ) -> list[tuple[list[int], list[bool]]]:
+    """(token ids of prompt + completion + EOS, which of them the loss covers) per problem; a seeded
+    `unclosed_fraction` of the completions stop after their thinking (no answer); of a python_tool problem's, a
+    seeded `tool_fraction` call the tool (`model.tool_trace`: the observation's tokens appended as the tool's are,
+    out of the loss)."""
     coin = random.Random(seed)
     out = []
     for problem in problems:
-        prompt = tokenizer(render_prompt(problem, tokenizer)).input_ids
-        closed = coin.random() >= unclosed_fraction
-        completion = tokenizer(solution_text(problem, close_thinking=closed), add_special_tokens=False).input_ids
-        out.append(([*prompt, *completion, tokenizer.eos_token_id], len(prompt)))
+        prompt = tokenizer(render_prompt(problem, tokenizer, prompt_messages(problem))).input_ids
+        if problem.environment == "python_tool" and coin.random() < tool_fraction:
+            reply, observation, rest = (tokenizer.encode(part, add_special_tokens=False) for part in tool_trace(problem))
+            completion = [*reply, *observation, *rest, tokenizer.eos_token_id]
+            learned = [True] * len(reply) + [False] * len(observation) + [True] * (len(rest) + 1)
+        else:
+            closed = coin.random() >= unclosed_fraction
+            completion = [*tokenizer.encode(solution_text(problem, close_thinking=closed), add_special_tokens=False),
+                          tokenizer.eos_token_id]
+            learned = [True] * len(completion)
+        out.append(([*prompt, *completion], [False] * len(prompt) + learned))
     return out
 
 
-def _batch(examples: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded input ids [B, T], attention mask [B, T] and labels [B, T] (-100 outside the completion)."""
+def _batch(examples: list[tuple[list[int], list[bool]]], pad_id: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids [B, T], attention mask [B, T] and labels [B, T] (-100 where the loss does not reach)."""
     width = max(len(ids) for ids, _ in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), -100, dtype=torch.long)
     mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for row, (tokens, prompt) in enumerate(examples):
+    for row, (tokens, learned) in enumerate(examples):
         ids[row, :len(tokens)] = torch.tensor(tokens)
         mask[row, :len(tokens)] = 1
-        labels[row, prompt:len(tokens)] = torch.tensor(tokens[prompt:])
+        labels[row, :len(tokens)] = torch.where(torch.tensor(learned), torch.tensor(tokens), -100)
     return ids, mask, labels
 
 
@@ -115,13 +126,16 @@ def _every_core():
         torch.set_num_threads(threads)
 
 
-def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, target: float = 0.15, max_steps: int = 600,
-               batch_size: int = 32, lr: float = 2e-3, eval_every: int = 25, eval_prompts: int = 32,
-               eval_samples: int = 2, unclosed_fraction: float = 0.0) -> WarmStart:
+def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, target: float | None = 0.15,
+               max_steps: int = 600, batch_size: int = 32, lr: float = 2e-3, eval_every: int = 25,
+               eval_prompts: int = 32, eval_samples: int = 2, unclosed_fraction: float = 0.0,
+               tool_fraction: float = 0.0) -> WarmStart:
     """Supervised steps on `hf_dir`'s model until the sampled held-out pass rate of every domain reaches `target`
-    (or `max_steps`); writes the model and tokenizer to `out_dir`. `eval_prompts`: held-out prompts per domain.
-    `unclosed_fraction`: share of the supervised completions that never close their thinking (so have no answer),
-    like a base model that follows the answer format only some of the time."""
+    (or `max_steps`; `target` None: `max_steps` steps, no evaluation, as for a model that needs its tool to be
+    right, which this evaluation does not run); writes the model and tokenizer to `out_dir`. `eval_prompts`:
+    held-out prompts per domain. `unclosed_fraction`: share of the supervised completions that never close their
+    thinking (so have no answer), like a base model that follows the answer format only some of the time;
+    `tool_fraction`: share of a python_tool source's completions that call the tool."""
     from transformers import AutoTokenizer  # deferred: transformers loads in seconds
 
     start = time.monotonic()
@@ -132,12 +146,12 @@ def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, targe
     train, validation = split_validation(load_sources(recipe.data.train, seed=recipe.data_seed),
                                          recipe.data.validation_holdout, seed=recipe.data_seed)
     examples = _examples(tokenizer, [p for source in train for p in source.problems],
-                         unclosed_fraction=unclosed_fraction, seed=seed)
+                         unclosed_fraction=unclosed_fraction, tool_fraction=tool_fraction, seed=seed)
     held_out = held_out_by_domain(validation, eval_prompts)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     order = random.Random(seed)
     history: list[tuple[int, float]] = []
-    step, rate, rates = 0, 0.0, dict.fromkeys(held_out, 0.0)
+    step, rate, rates = 0, math.nan, dict.fromkeys(held_out, math.nan)
     with _every_core():
         while step < max_steps:
             model.train()
@@ -148,20 +162,24 @@ def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, targe
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             step += 1
-            if step % eval_every == 0 or step == max_steps:
-                model.eval()
-                rates = {domain: sampled_pass_rate(
-                    model, tokenizer, problems, samples=eval_samples, temperature=recipe.rollout.temperature,
-                    max_new_tokens=max(new_tokens_cap(recipe, p.template) for p in problems), seed=step + index)
-                    for index, (domain, problems) in enumerate(held_out.items())}
-                counts = {domain: len(problems) for domain, problems in held_out.items()}
-                rate = sum(rates[d] * counts[d] for d in rates) / sum(counts.values())
-                history.append((step, rate))
-                per_domain = "".join(f", {d} {r:.3f}" for d, r in rates.items()) if len(rates) > 1 else ""
-                print(f"warm start step {step}: loss {loss.item():.3f}, held-out pass rate {rate:.3f}{per_domain}",
-                      flush=True)
-                if min(rates.values()) >= target:
-                    break
+            if step % eval_every and step != max_steps:
+                continue
+            if target is None:
+                print(f"warm start step {step}: loss {loss.item():.3f}", flush=True)
+                continue
+            model.eval()
+            rates = {domain: sampled_pass_rate(
+                model, tokenizer, problems, samples=eval_samples, temperature=recipe.rollout.temperature,
+                max_new_tokens=max(new_tokens_cap(recipe, p.template) for p in problems), seed=step + index)
+                for index, (domain, problems) in enumerate(held_out.items())}
+            counts = {domain: len(problems) for domain, problems in held_out.items()}
+            rate = sum(rates[d] * counts[d] for d in rates) / sum(counts.values())
+            history.append((step, rate))
+            per_domain = "".join(f", {d} {r:.3f}" for d, r in rates.items()) if len(rates) > 1 else ""
+            print(f"warm start step {step}: loss {loss.item():.3f}, held-out pass rate {rate:.3f}{per_domain}",
+                  flush=True)
+            if min(rates.values()) >= target:
+                break
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     return WarmStart(steps=step, pass_rate=rate, domain_pass_rates=rates, history=history,

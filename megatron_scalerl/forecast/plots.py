@@ -76,6 +76,21 @@ def curve_png(curve: Curve, *others: Curve) -> bytes:
     return _png(fig)
 
 
+def steps_png(series: dict[str, tuple[list[int], list[float]]], ylabel: str, title: str) -> bytes:
+    """Runs side by side on their steps: each label's (steps, values) as a line, with a legend (e.g. the tools
+    demo's two runs)."""
+    fig = Figure(figsize=(6.5, 3.8))
+    ax = fig.add_subplot()
+    for index, (label, (steps, values)) in enumerate(series.items()):
+        ax.plot(steps, values, marker="o", color=COLOURS[index % len(COLOURS)], label=label)
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    return _png(fig)
+
+
 def forecast_png(forecast: Forecast, show_budgets: bool = True) -> bytes:
     """Data, fit, interval band, extrapolation to the largest budget (to the last evaluation when `show_budgets` is
     off, as in a backtest), cutoff marked, power law dashed."""

@@ -114,7 +114,7 @@ class DataSource(RowFormat):
         None, description="multi-turn: python_tool (runs the model's ```python blocks) or package.module:Class "
         "(tasks/environments.py); null: one reply per sample")
     max_tool_calls: NonNeg = Field(
-        4, description="environment: observations inserted per sample at most (calls); the model then writes on")
+        4, description="environment: observations inserted per sample at most (count); the model then writes on")
 
     @model_validator(mode="after")
     def _needs(self) -> DataSource:

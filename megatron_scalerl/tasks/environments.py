@@ -172,12 +172,17 @@ class PythonTool(Environment):
         self.stop_sequences = tuple((i,) for i, text in enumerate(texts) if text.rstrip().endswith("`"))
 
     def prompt(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
-        messages = [dict(m) for m in messages]
-        messages[-1]["content"] = f"{messages[-1]['content'].rstrip()}\n\n{TOOL_NOTE}"
-        return messages
+        return with_tool_note(messages)
 
     def start(self, problem: Problem) -> Episode:
         return PythonEpisode(self.context, thinking=problem.thinking)
+
+
+def with_tool_note(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """`messages` with TOOL_NOTE after the last one's text (python_tool's prompt)."""
+    messages = [dict(m) for m in messages]
+    messages[-1]["content"] = f"{messages[-1]['content'].rstrip()}\n\n{TOOL_NOTE}"
+    return messages
 
 
 def closed_block(text: str) -> str | None:
@@ -211,6 +216,13 @@ def tool_output(result: RunResult, limits: Limits = TOOL_LIMITS) -> str:
     return text
 
 
+def observation_text(reply: str, output: str) -> str:
+    """The observation after `reply` (which ends by closing a block): `output` in an ```output block, on a line of
+    its own."""
+    opening = "```output\n" if reply.endswith("\n") else "\n```output\n"
+    return f"{opening}{output}\n```\n"
+
+
 class PythonEpisode(Episode):
     """One sample's calls of the Python tool: each closed block run in a fresh sandbox."""
 
@@ -227,8 +239,7 @@ class PythonEpisode(Episode):
         if program is None:
             return None
         result = await self.context.run_python(program, TOOL_LIMITS)
-        opening = "```output\n" if text.endswith("\n") else "\n```output\n"
-        shown = f"{opening}{tool_output(result)}\n```\n"
-        ids = tuple(self.context.tokenizer.encode(shown, add_special_tokens=False))
+        ids = tuple(self.context.tokenizer.encode(observation_text(text, tool_output(result)),
+                                                  add_special_tokens=False))
         self.seen = len(completion_ids) + len(ids)
         return Observation(ids, failure=result.failure)

@@ -164,7 +164,7 @@ class RowReader:
                           data_source=str(record.get("data_source") or source.domain_name),
                           extra_info=extra if isinstance(extra, dict) else {},
                           environment=source.environment,
-                          max_tool_calls=source.max_tool_calls)
+                          max_tool_calls=source.max_tool_calls if source.environment else 0)
         if self.check is not None:
             try:
                 self.check(problem.row())
