@@ -56,6 +56,32 @@ def test_our_model_at_tp3_gives_transformers_logits(smollm2):
     assert report["max_abs_diff"] <= 1e-3, report  # 6e-5 with AVX512, 1.4e-4 on AVX2: 30 fp32 layers, other sums
 
 
+def test_the_python_tool_answers_in_the_models_own_chat_format(smollm2):
+    """python_tool with the real tokenizer (49,152 ids, ChatML, no thinking block): the prompt through its chat
+    template with the tool's note, a block closed anywhere in a reply without thinking stops the generator (its
+    closing fence's token is a stop) and is run in the sandbox, and the observation is the tool's output as the
+    model's own tokens."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from megatron_scalerl.tasks.environments import TOOL_NOTE, EnvironmentContext, ends_with_stop, load_environment
+    from megatron_scalerl.tasks.problems import Problem
+    from megatron_scalerl.tasks.prompts import conversation, render_prompt
+    from megatron_scalerl.tasks.rewards import RewardGrader
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    problem = Problem("p", "What is 123 * 456?", "56088", thinking=False, environment="python_tool")
+    with RewardGrader(num_workers=1, code_sandbox="bwrap") as grader:
+        tool = load_environment("python_tool", EnvironmentContext(tokenizer, grader.run_python), "data.train[0]")
+        prompt = render_prompt(problem, tokenizer, tool.prompt(conversation(problem)))
+        assert TOOL_NOTE in prompt and prompt.endswith("<|im_start|>assistant\n") and "<think>" not in prompt
+        reply = tokenizer.encode("Let me compute it.\n```python\nprint(123 * 456)\n```", add_special_tokens=False)
+        assert ends_with_stop(reply, tool.stop_sequences) and not ends_with_stop(reply[:-1], tool.stop_sequences)
+        answered = asyncio.run(tool.start(problem).step(reply))
+    assert answered.failure is None and tokenizer.decode(answered.token_ids) == "\n```output\n56088\n```\n"
+
+
 def test_serve_takes_the_trainers_weights_and_chats_in_the_models_template(smollm2, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

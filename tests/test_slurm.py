@@ -9,6 +9,7 @@ nodes; preflight alone passes; bad settings fail at the job's start with one cle
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import stat
@@ -155,9 +156,11 @@ def _trainer_steps(run_dir: Path) -> list[int]:
 def _run_settings(run_dir: Path, model: Path, steps: int, *extra: str) -> dict[str, str]:
     overrides = [o.format(steps=steps) for o in SMALL] + [f"trainer.init_from={model}", *extra]
     return {"SCALERL_RUN_DIR": str(run_dir), "SCALERL_RECIPE": "demo", "SCALERL_MODEL": "",
-            "SCALERL_SET": " ".join(overrides)}
+            "SCALERL_SET": " ".join(shlex.quote(o) for o in overrides)}
 
 
+MULTI_TURN = ("data.train=[{kind: reasoning_gym, task: basic_arithmetic, size: 2000, max_tool_calls: 2, "
+              "environment: 'tests.tool_environments:EveryFewTokens'}]")  # tests/tool_environments.py
 MOE_SIZES = ["--nodes=2", "--gpus-per-node=1", ":", "--nodes=1", "--gpus-per-node=1"]
 
 
@@ -171,12 +174,13 @@ def test_moe_job_requeues_on_time_limit_then_loses_a_node_and_finishes_the_run_o
     everything started there SIGKILLed. The launcher starts the generator again, srun cannot reach the node, and the
     job, finding the node NOT_RESPONDING in its allocation, ends its roles and waits for SLURM to declare it DOWN
     (SlurmdTimeout, 30 s here); SLURM then requeues the whole job, which starts again on the spare node and finishes
-    the run, each step once in its history. The node is brought back at the end."""
+    the run, each step once in its history. The node is brought back at the end. Its samples are multi-turn (an
+    environment by path answers every few tokens), so both ends land with episodes in flight."""
     run_dir, out, steps = tmp_path / "run", tmp_path / "job.out", 12
     # PipelineRL-2 and a quick poll: the orchestrator only 2 batches ahead, so the trainer (0.5 s a step) cannot
     # finish the run before the time-limit stop lands, and it has its next batches then: the stop lands mid-step
     job = _sbatch(cluster, jobs, "slurm/scalerl_moe.sbatch", out, MOE_SIZES,
-                  _run_settings(run_dir, models["tiny_moe"], steps, "rollout.k=2"))
+                  _run_settings(run_dir, models["tiny_moe"], steps, "rollout.k=2", MULTI_TURN))
     _wait("two trainer steps", lambda: len(_trainer_steps(run_dir)) >= 2, 600, out, cluster,
           job_alive=lambda: bool(_squeue(cluster, job)), poll_s=0.5)
     # the generator drives only for the run's own key (RUN/api_key, private): its worker-RPC route and its weight
@@ -243,6 +247,7 @@ def test_moe_job_requeues_on_time_limit_then_loses_a_node_and_finishes_the_run_o
         rows = [r for r in read_metrics(run_dir, role="orchestrator") if "gpu_hours" in r]
         assert rows and all(r["gpu_hours_source"] == "wall" for r in rows)  # no accounting on this cluster
         assert rows[-1]["gpu_hours"] > rows[0]["gpu_hours"] and rows[-1]["gpus"] == 3
+        assert all(r["rollout/tool/calls_mean"] > 0 for r in rows if "rollout/reward_mean" in r)
         assert "bus bandwidth" in text and text.count("preflight ok on node") == 9  # 3 nodes x 3 starts
     finally:  # the node down if it is not yet (the job's part there completes), the job cancelled, then the node
         # back for the tests after this one

@@ -84,12 +84,12 @@ def prompt_messages(problem: Problem) -> list[dict[str, str]]:
     return with_tool_note(messages) if problem.environment == "python_tool" else messages
 
 
-def build_model(recipe: Recipe, out_dir: str | Path, *, seed: int = 0) -> Path:
+def build_model(recipe: Recipe, out_dir: str | Path, *, seed: int = 0, digit_groups: bool = False) -> Path:
     """Write an HF checkpoint of `recipe.model` with random weights and the trained tokenizer (with the plain
-    format's chat template); returns `out_dir`."""
+    format's chat template; `digit_groups`: numbers tokenized alike wherever written, `train_tokenizer`); returns `out_dir`."""
     out = Path(out_dir)
     tokenizer = train_tokenizer(tokenizer_corpus(recipe), vocab_size=recipe.model.vocab_size,
-                                markers=(THINK_OPEN, THINK_CLOSE))
+                                markers=(THINK_OPEN, THINK_CLOSE), digit_groups=digit_groups)
     tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
     save_random_hf_model(recipe.model, out, seed=seed)
     tokenizer.save_pretrained(out)

@@ -113,15 +113,17 @@ def cached_model_verdict(model_root: Path, settings: dict) -> tuple[bool, str | 
     return True, f"reusing the warm-started model in {warm} (built from the same settings)"
 
 
-def warm_started_model(recipe, model_root: Path, *, target: float | None = WARM_START_TARGET, max_steps: int = 600,
-                       unclosed_fraction: float = UNCLOSED_FRACTION, tool_fraction: float = 0.0) -> Path:
-    """The warm-started checkpoint, built (random model, then the supervised stage: `demo.sft.warm_start` with these
-    settings) unless already there from the same settings (`build_settings`)."""
+def warm_started_model(recipe, model_root: Path, *, target: float = WARM_START_TARGET, max_steps: int = 600,
+                       unclosed_fraction: float = UNCLOSED_FRACTION, tool_fraction: float = 0.0,
+                       digit_groups: bool = False) -> Path:
+    """The warm-started checkpoint, built (random model, its tokenizer with `digit_groups` (`demo.model.build_model`),
+    then the supervised stage: `demo.sft.warm_start` with these settings) unless already there from the same
+    settings (`build_settings`)."""
 
     warm = model_root / "warm_start"
     stage = {"warm_start_target": target, "unclosed_fraction": unclosed_fraction}
-    if tool_fraction:  # (the demo's own builds have none: their records stay valid)
-        stage.update(tool_fraction=tool_fraction, warm_start_steps=max_steps)
+    if tool_fraction or digit_groups:  # (the demo's own builds have neither: their records stay valid)
+        stage.update(tool_fraction=tool_fraction, warm_start_steps=max_steps, digit_groups=digit_groups)
     settings = build_settings(recipe, **stage)
     reuse, why = cached_model_verdict(model_root, settings)
     if why:
@@ -131,11 +133,12 @@ def warm_started_model(recipe, model_root: Path, *, target: float | None = WARM_
     random_dir = model_root / "random"
     shutil.rmtree(model_root, ignore_errors=True)
     print(f"demo: building the tiny model ({recipe.model.arch}) and its tokenizer in {random_dir}", flush=True)
-    build_model(recipe, random_dir, seed=recipe.trainer.seed)
+    build_model(recipe, random_dir, seed=recipe.trainer.seed, digit_groups=digit_groups)
     domains = recipe.data.domains()
-    print(f"demo: supervised warm start ({max_steps} steps)" if target is None else
-          "demo: supervised warm start (stops once the held-out pass rate reaches "
-          f"{target}{' in every domain: ' + ', '.join(domains) if len(domains) > 1 else ''})", flush=True)
+    figure = "share of held-out tool traces it reproduces" if tool_fraction else "held-out pass rate"
+    print(f"demo: supervised warm start (stops once the {figure} reaches {target}"
+          f"{' in every domain: ' + ', '.join(domains) if len(domains) > 1 else ''}, or at {max_steps} steps)",
+          flush=True)
     tmp = model_root / "warm_start.tmp"
     result = warm_start(recipe, random_dir, tmp, target=target, max_steps=max_steps,
                         unclosed_fraction=unclosed_fraction, tool_fraction=tool_fraction)

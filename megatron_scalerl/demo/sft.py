@@ -11,14 +11,15 @@ answer: what RL then learns away first); the loss covers the completion only. Ev
 samples `eval_samples` completions for each of the first `eval_prompts` held-out prompts of every domain at the
 recipe's temperature, graded like the run (thinking stripped, then the problem's own verifier: math-verify, or the
 code verifier running the problem's tests); training stops at the first evaluation where every domain is at or
-above `target`, so the run starts between the target and what RL can still improve in each. Plain PyTorch on
-transformers' model (CPU, fp32).
+above `target`, so the run starts between the target and what RL can still improve in each. With tool traces
+(`tool_fraction` of a python_tool source's completions call the tool, the observation out of the loss) the figure
+is instead the share of held-out traces the model writes itself, greedily, around the tool's output: this
+evaluation runs no tool. Plain PyTorch on transformers' model (CPU, fp32).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import random
 import time
@@ -105,6 +106,20 @@ def sampled_pass_rate(model, tokenizer, problems: list[Problem], *, samples: int
     return sum(grade_here(t, p).correct for t, p in zip(texts, asked, strict=True)) / len(texts)
 
 
+def reproduced_traces(model, tokenizer, problems: list[Problem]) -> float:
+    """Share of `problems`' tool traces (`model.tool_trace`, every one calling the tool) whose every trained token
+    but the first the model predicts greedily from the trace before it, the observation given as the tool writes it
+    (the first, the choice to call the tool at all, is the warm start's `tool_fraction`, not a skill)."""
+    examples = _examples(tokenizer, problems, unclosed_fraction=0.0, tool_fraction=1.0, seed=0)
+    ids, mask, labels = _batch(examples, tokenizer.pad_token_id)
+    with torch.no_grad():
+        predicted = model(input_ids=ids, attention_mask=mask).logits[:, :-1].argmax(-1)
+    wanted = labels[:, 1:]
+    scored = wanted != -100
+    scored[torch.arange(len(scored)), scored.int().argmax(dim=1)] = False  # each trace's first trained token
+    return ((predicted == wanted) | ~scored).all(dim=1).float().mean().item()
+
+
 def held_out_by_domain(validation: list[Problem], count: int) -> dict[str, list[Problem]]:
     """The first `count` held-out problems of each domain, domains in order of first appearance."""
     domains: dict[str, list[Problem]] = {}
@@ -126,16 +141,17 @@ def _every_core():
         torch.set_num_threads(threads)
 
 
-def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, target: float | None = 0.15,
+def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, target: float = 0.15,
                max_steps: int = 600, batch_size: int = 32, lr: float = 2e-3, eval_every: int = 25,
                eval_prompts: int = 32, eval_samples: int = 2, unclosed_fraction: float = 0.0,
                tool_fraction: float = 0.0) -> WarmStart:
-    """Supervised steps on `hf_dir`'s model until the sampled held-out pass rate of every domain reaches `target`
-    (or `max_steps`; `target` None: `max_steps` steps, no evaluation, as for a model that needs its tool to be
-    right, which this evaluation does not run); writes the model and tokenizer to `out_dir`. `eval_prompts`:
-    held-out prompts per domain. `unclosed_fraction`: share of the supervised completions that never close their
-    thinking (so have no answer), like a base model that follows the answer format only some of the time;
-    `tool_fraction`: share of a python_tool source's completions that call the tool."""
+    """Supervised steps on `hf_dir`'s model until the held-out figure of every domain reaches `target` (or
+    `max_steps`); writes the model and tokenizer to `out_dir`. The figure: the sampled pass rate, or with
+    `tool_fraction` (the share of a python_tool source's completions that call the tool) the share of held-out tool
+    traces the model reproduces (`reproduced_traces`: this evaluation runs no tool, and a model that needs its tool
+    is never right without it). `eval_prompts`: held-out prompts per domain. `unclosed_fraction`: share of the
+    supervised completions that never close their thinking (so have no answer), like a base model that follows the
+    answer format only some of the time."""
     from transformers import AutoTokenizer  # deferred: transformers loads in seconds
 
     start = time.monotonic()
@@ -151,7 +167,7 @@ def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, targe
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     order = random.Random(seed)
     history: list[tuple[int, float]] = []
-    step, rate, rates = 0, math.nan, dict.fromkeys(held_out, math.nan)
+    step, rate, rates = 0, 0.0, dict.fromkeys(held_out, 0.0)
     with _every_core():
         while step < max_steps:
             model.train()
@@ -164,11 +180,8 @@ def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, targe
             step += 1
             if step % eval_every and step != max_steps:
                 continue
-            if target is None:
-                print(f"warm start step {step}: loss {loss.item():.3f}", flush=True)
-                continue
             model.eval()
-            rates = {domain: sampled_pass_rate(
+            rates = {domain: reproduced_traces(model, tokenizer, problems) if tool_fraction else sampled_pass_rate(
                 model, tokenizer, problems, samples=eval_samples, temperature=recipe.rollout.temperature,
                 max_new_tokens=max(new_tokens_cap(recipe, p.template) for p in problems), seed=step + index)
                 for index, (domain, problems) in enumerate(held_out.items())}
@@ -176,8 +189,8 @@ def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, targe
             rate = sum(rates[d] * counts[d] for d in rates) / sum(counts.values())
             history.append((step, rate))
             per_domain = "".join(f", {d} {r:.3f}" for d, r in rates.items()) if len(rates) > 1 else ""
-            print(f"warm start step {step}: loss {loss.item():.3f}, held-out pass rate {rate:.3f}{per_domain}",
-                  flush=True)
+            figure = "held-out tool traces reproduced" if tool_fraction else "held-out pass rate"
+            print(f"warm start step {step}: loss {loss.item():.3f}, {figure} {rate:.3f}{per_domain}", flush=True)
             if min(rates.values()) >= target:
                 break
     model.save_pretrained(str(out_dir))

@@ -5,10 +5,12 @@
 The `demo_tools` recipe asks for products of two numbers of up to three digits, which the tiny model cannot work out
 in its head, with the built-in Python tool (`environment: python_tool`, tasks/environments.py).
 
-1. The tiny model, its tokenizer trained on the prompts, worked answers and tool traces (`demo.model.tool_trace`),
-   warm-started on the training prompts with `TOOL_FRACTION` of its completions calling the tool (its output out of
-   the loss) and the rest answering at once; `WARM_START_STEPS` steps, since the warm start's own evaluation runs no
-   tool (`RUN_model/`, reused while built from the same settings, as the demo's).
+1. The tiny model, its tokenizer trained on the prompts, worked answers and tool traces (`demo.model.tool_trace`)
+   with numbers in digit groups (the same tokens in the prompt, the program, the output and the answer: copying
+   them is what the model learns), warm-started on the training prompts with `TOOL_FRACTION` of its completions
+   calling the tool (its output out of the loss) and the rest answering at once, until it writes `TRACE_TARGET` of
+   the held-out tool traces itself (`demo.sft.reproduced_traces`), at most `WARM_START_STEPS` steps (`RUN_model/`,
+   reused while built from the same settings, as the demo's).
 2. Two RL runs of that model with the same recipe and steps: `RUN/with_tool`, and `RUN/without_tool` with the
    environment off (`environment: null`: the model may still write a block, nothing answers it).
 3. `RUN/tools_comparison.json`: `with_tool` and `without_tool`, each the mean of the last `LAST_VALIDATIONS`
@@ -31,8 +33,10 @@ from megatron_scalerl.recipe import Recipe, validate
 from megatron_scalerl.run.metrics_log import read_metrics
 
 PRESET = "demo_tools"
-TOOL_FRACTION = 0.3  # share of the warm start's completions that call the tool: "a few tool-use traces"
-WARM_START_STEPS = 300
+TOOL_FRACTION = 0.5  # share of the warm start's completions that call the tool (at 0.3 it samples a call in ~1 of 6)
+TRACE_TARGET = 0.8  # held-out tool traces the warm-started model writes: its copying (the expression into the program,
+# the output into the answer) emerges after ~500-1000 steps, by seed; from ~0.1 RL has too little to build on
+WARM_START_STEPS = 2000
 LAST_VALIDATIONS = 3  # each run's figure: the mean of its last validations (one alone is noisy)
 RUNS = ("with_tool", "without_tool")
 
@@ -82,8 +86,9 @@ def run_tools_demo(run_dir: Path, model: str, steps: int | None, overrides: Sequ
     if run_dir.exists() and any(run_dir.iterdir()):
         raise UserError(f"{run_dir} exists: remove it for a new demo")
     base = demo_recipe(PRESET, model)
-    warm = warm_started_model(base, run_dir.with_name(run_dir.name + "_model"), target=None,
-                              max_steps=WARM_START_STEPS, unclosed_fraction=0.0, tool_fraction=TOOL_FRACTION)
+    warm = warm_started_model(base, run_dir.with_name(run_dir.name + "_model"), target=TRACE_TARGET,
+                              max_steps=WARM_START_STEPS, unclosed_fraction=0.0, tool_fraction=TOOL_FRACTION,
+                              digit_groups=True)
     extra = [f"trainer.init_from={warm.resolve()}", *overrides, *([f"trainer.max_steps={steps}"] if steps else [])]
     with_tool = demo_recipe(PRESET, model, extra)
     for name, recipe in zip(RUNS, (with_tool, tool_off(with_tool)), strict=True):

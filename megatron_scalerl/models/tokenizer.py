@@ -82,10 +82,13 @@ def end_token_ids(tokenizer, directory: str | Path | None = None) -> frozenset[i
     return frozenset(ids)
 
 
-def train_tokenizer(texts: Iterable[str], *, vocab_size: int, markers: Sequence[str] = ()):
+def train_tokenizer(texts: Iterable[str], *, vocab_size: int, markers: Sequence[str] = (),
+                    digit_groups: bool = False):
     """A tokenizer of at most `vocab_size` ids (the model's embedding rows), trained on `texts`; each of `markers`
-    is one special token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    is one special token. `digit_groups`: numbers split from what is around them into groups of up to three digits
+    (as Llama 3's tokenizer does), so a number is the same tokens wherever it is written (a byte-level BPE alone
+    merges " 9" in one place and "952" in another)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     special = [BOS, EOS, *markers]
@@ -94,6 +97,9 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int, markers: Sequence[
                         f"{BYTE_ALPHABET + len(special)} ids")
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if digit_groups:
+        core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\d{1,3}"), "isolated"),
+                                                      core.pre_tokenizer])
     core.decoder = decoders.ByteLevel()
     core.train_from_iterator(texts, trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
