@@ -76,12 +76,12 @@ def test_the_warm_start_is_measured_on_the_tool_traces_it_reproduces(tokenizer, 
     (the observation given, never trained on: the same model is not asked to predict it)."""
     import torch
 
-    from megatron_scalerl.demo.sft import _batch, _examples, reproduced_traces
+    from megatron_scalerl.demo.sft import _batch, _examples, reproduced_traces, trace_batch
     from megatron_scalerl.models.hf_io import load_hf_causal_lm
 
     torch.manual_seed(0)
     model = load_hf_causal_lm(tokenizer.name_or_path, dtype=torch.float32)
-    assert reproduced_traces(model, tokenizer, problems[:4]) == 0.0
+    assert reproduced_traces(model, trace_batch(tokenizer, problems[:4])) == 0.0
     ids, mask, labels = _batch(_examples(tokenizer, problems[:1], unclosed_fraction=0.0, tool_fraction=1.0, seed=0),
                                tokenizer.pad_token_id)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -90,7 +90,7 @@ def test_the_warm_start_is_measured_on_the_tool_traces_it_reproduces(tokenizer, 
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
         optimizer.step()
     model.eval()
-    assert reproduced_traces(model, tokenizer, problems[:1]) == 1.0
+    assert reproduced_traces(model, trace_batch(tokenizer, problems[:1])) == 1.0
 
 
 def test_the_run_without_the_tool_differs_by_the_environment_alone():

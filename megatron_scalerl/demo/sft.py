@@ -106,18 +106,25 @@ def sampled_pass_rate(model, tokenizer, problems: list[Problem], *, samples: int
     return sum(grade_here(t, p).correct for t, p in zip(texts, asked, strict=True)) / len(texts)
 
 
-def reproduced_traces(model, tokenizer, problems: list[Problem]) -> float:
-    """Share of `problems`' tool traces (`model.tool_trace`, every one calling the tool) whose every trained token
-    but the first the model predicts greedily from the trace before it, the observation given as the tool writes it
-    (the first, the choice to call the tool at all, is the warm start's `tool_fraction`, not a skill)."""
+def trace_batch(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`problems`' tool traces (`model.tool_trace`, every one calling the tool) as `reproduced_traces` scores them:
+    input ids, attention mask, and the token wanted after each position (-100 where none is scored: the prompt, the
+    observation as the tool writes it, padding, and each trace's first trained token, the choice to call the tool at
+    all, which is the warm start's `tool_fraction`, not a skill)."""
     examples = _examples(tokenizer, problems, unclosed_fraction=0.0, tool_fraction=1.0, seed=0)
     ids, mask, labels = _batch(examples, tokenizer.pad_token_id)
+    wanted = labels[:, 1:].clone()
+    wanted[torch.arange(len(wanted)), (wanted != -100).int().argmax(dim=1)] = -100
+    return ids, mask, wanted
+
+
+def reproduced_traces(model, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> float:
+    """Share of the traces of `batch` (`trace_batch`) whose every scored token the model predicts greedily from the
+    trace before it."""
+    ids, mask, wanted = batch
     with torch.no_grad():
         predicted = model(input_ids=ids, attention_mask=mask).logits[:, :-1].argmax(-1)
-    wanted = labels[:, 1:]
-    scored = wanted != -100
-    scored[torch.arange(len(scored)), scored.int().argmax(dim=1)] = False  # each trace's first trained token
-    return ((predicted == wanted) | ~scored).all(dim=1).float().mean().item()
+    return ((predicted == wanted) | (wanted == -100)).all(dim=1).float().mean().item()
 
 
 def held_out_by_domain(validation: list[Problem], count: int) -> dict[str, list[Problem]]:
@@ -148,7 +155,7 @@ def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, targe
     """Supervised steps on `hf_dir`'s model until the held-out figure of every domain reaches `target` (or
     `max_steps`); writes the model and tokenizer to `out_dir`. The figure: the sampled pass rate, or with
     `tool_fraction` (the share of a python_tool source's completions that call the tool) the share of held-out tool
-    traces the model reproduces (`reproduced_traces`: this evaluation runs no tool, and a model that needs its tool
+    traces the model reproduces (`reproduced_traces`, their batches built once: this evaluation runs no tool, and a model that needs its tool
     is never right without it). `eval_prompts`: held-out prompts per domain. `unclosed_fraction`: share of the
     supervised completions that never close their thinking (so have no answer), like a base model that follows the
     answer format only some of the time."""
@@ -164,6 +171,7 @@ def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, targe
     examples = _examples(tokenizer, [p for source in train for p in source.problems],
                          unclosed_fraction=unclosed_fraction, tool_fraction=tool_fraction, seed=seed)
     held_out = held_out_by_domain(validation, eval_prompts)
+    traces = {domain: trace_batch(tokenizer, problems) for domain, problems in held_out.items()} if tool_fraction else {}
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     order = random.Random(seed)
     history: list[tuple[int, float]] = []
@@ -181,7 +189,7 @@ def warm_start(recipe: Recipe, hf_dir: str | Path, out_dir: str | Path, *, targe
             if step % eval_every and step != max_steps:
                 continue
             model.eval()
-            rates = {domain: reproduced_traces(model, tokenizer, problems) if tool_fraction else sampled_pass_rate(
+            rates = {domain: reproduced_traces(model, traces[domain]) if tool_fraction else sampled_pass_rate(
                 model, tokenizer, problems, samples=eval_samples, temperature=recipe.rollout.temperature,
                 max_new_tokens=max(new_tokens_cap(recipe, p.template) for p in problems), seed=step + index)
                 for index, (domain, problems) in enumerate(held_out.items())}

@@ -50,21 +50,25 @@ def tool_off(recipe: Recipe) -> Recipe:
     return validate(data, source=f"{recipe.name} with the tool off")
 
 
-def validation_curve(run_dir: Path) -> tuple[list[int], list[float]]:
-    """(steps, val/pass_rate) of a run's validations, in step order."""
-    rows = sorted((r for r in read_metrics(run_dir, "orchestrator") if "val/pass_rate" in r), key=lambda r: r["step"])
-    return [r["step"] for r in rows], [r["val/pass_rate"] for r in rows]
+def validation_curve(rows: list[dict]) -> tuple[list[int], list[float]]:
+    """(steps, val/pass_rate) of a run's validations (its orchestrator's metrics rows), in step order."""
+    validations = sorted((r for r in rows if "val/pass_rate" in r), key=lambda r: r["step"])
+    return [r["step"] for r in validations], [r["val/pass_rate"] for r in validations]
 
 
-def tool_figures(run_dir: Path) -> dict[str, float]:
-    """The last validation's tool figures (`val/tool/*`) of a run with the tool."""
-    rows = [r for r in read_metrics(run_dir, "orchestrator") if "val/tool/calls_mean" in r]
-    return {k: v for k, v in max(rows, key=lambda r: r["step"]).items() if k.startswith("val/tool/")} if rows else {}
+def last_tool_figures(rows: list[dict]) -> dict[str, float]:
+    """The last validation's tool figures (`val/tool/*`) among a run's orchestrator's metrics rows."""
+    validations = [r for r in rows if "val/tool/calls_mean" in r]
+    if not validations:
+        return {}
+    return {k: v for k, v in max(validations, key=lambda r: r["step"]).items() if k.startswith("val/tool/")}
 
 
 def compare(run_dir: Path) -> dict:
-    """`RUN/tools_comparison.json` and `.png` from the two finished runs; the comparison."""
-    curves = {name: validation_curve(run_dir / name) for name in RUNS}
+    """`RUN/tools_comparison.json` and `.png` from the two finished runs (each one's metrics read once); the
+    comparison."""
+    rows = {name: read_metrics(run_dir / name, "orchestrator") for name in RUNS}
+    curves = {name: validation_curve(rows[name]) for name in RUNS}
     means = {}
     for name, (_, rates) in curves.items():
         if not rates:
@@ -73,7 +77,7 @@ def compare(run_dir: Path) -> dict:
         means[name] = sum(tail) / len(tail)
     comparison = {**means, "gain": means["with_tool"] - means["without_tool"], "last_validations": LAST_VALIDATIONS,
                   "curves": {name: {"steps": s, "pass_rate": r} for name, (s, r) in curves.items()},
-                  "with_tool_figures": tool_figures(run_dir / "with_tool")}
+                  "with_tool_figures": last_tool_figures(rows["with_tool"])}
     atomic_write_json(run_dir / "tools_comparison.json", comparison)
     (run_dir / "tools_comparison.png").write_bytes(plots.steps_png(
         {"with the Python tool": curves["with_tool"], "without it": curves["without_tool"]}, "val/pass_rate",
