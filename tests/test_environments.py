@@ -200,6 +200,11 @@ def test_a_bad_step_answer_and_a_bad_name_are_errors(tokenizer):
     with pytest.raises(RecipeError, match="data.train\\[0\\]: Value error, environment .pythontool.: python_tool, or a class"):
         load_recipe("demo", ["data.train=[{kind: reasoning_gym, task: basic_arithmetic, size: 4, "
                              "environment: pythontool}]"])
+    code_without_thinking = ("data.train=[{kind: synthetic, task: code_functions, size: 4, verifier: code, "
+                             "thinking: false, environment: python_tool}]")
+    with pytest.raises(RecipeError, match="data.train\\[0\\]: .*would run the answer's ```python block as a tool call"):
+        load_recipe("demo_smollm2", [code_without_thinking])
+    assert load_recipe("demo_mix", [code_without_thinking.replace("false", "true")]).data.train[0].thinking
 
 
 def test_tool_figures_count_calls_failures_and_pass_rate_by_calls():

@@ -64,9 +64,9 @@ def _demo(args: argparse.Namespace) -> int:
         if args.mix or args.routing != "off" or args.init_only is not None or args.seed is not None:
             raise UserError("--tools is its own demo: without --mix, --routing, --init-only and --seed")
         if args.model in REAL_MODELS:
-            raise UserError("--tools trains the tiny model (its warm start writes the tool traces); for "
-                            f"{args.model} with the tool use --model {args.model} --set "
-                            "'data.train=[{..., environment: python_tool}]'")
+            raise UserError(f"--tools trains the tiny model (its warm start writes the tool traces); {args.model} "
+                            "with the tool is a `scalerl train` of its recipe with `environment: python_tool` on "
+                            "its source (docs/tasks.md, \"Tools and environments\")")
         return run_tools_demo(args.run_dir or Path("runs") / "demo_tools", args.model, args.steps, args.overrides)
     if args.model in REAL_MODELS:
         return _real_demo(args)

@@ -133,6 +133,10 @@ class DataSource(RowFormat):
                 self.environment):
             raise ValueError(f"environment {self.environment!r}: {' or '.join(BUILTIN_ENVIRONMENTS)}, or a class "
                              "as package.module:Class")
+        if self.environment == "python_tool" and self.verifier == "code" and not self.thinking:
+            raise ValueError("environment python_tool with verifier code and thinking: false would run the answer's "
+                             "```python block as a tool call (a reply without thinking has its calls anywhere): "
+                             "set thinking: true, so that the calls are the thinking's and the answer follows it")
         return self
 
     @property
