@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -91,8 +92,10 @@ class _StoppingFleet:
             if token in request.stop_token_ids:
                 break
         reason = "stop" if tokens[-1] in request.stop_token_ids else "length"
+        ran = range(request.routes_from, len(request.prompt_ids) + len(tokens) - 1)  # the positions it ran first
+        routes = torch.tensor(list(ran), dtype=torch.uint8).view(-1, 1, 1) if request.route_layers else None
         return Generation(request.key, request.prompt_ids, tokens, [-0.5] * len(tokens), [4] * len(tokens), reason,
-                          "http://gen0")
+                          "http://gen0", routes=routes)
 
 
 class _Answering(Episode):
@@ -126,6 +129,25 @@ def test_budgets_count_the_models_tokens_and_the_cap_counts_observations_too():
     capped = asyncio.run(generate_sample(_StoppingFleet(), GenerationRequest("p/1", [7], max_tokens=8),
                                          tools=ToolLoop(_Answering(), ((5,),), max_calls=2, where="test")))
     assert capped.completion_ids == [1, 2, 3, 4, 5] and capped.truncated and capped.tool_calls == 0
+
+
+def test_a_sample_that_ends_with_an_observation_has_routes_for_every_position():
+    """Each stage's budget spent at a call: the observation is appended and no request runs it (the answer stage's,
+    at the end of the sample). Every position has routes all the same: the ones requests ran, in order, and those
+    no request ran (the final token, the closing observation) repeating the last."""
+    policy = InterruptionPolicy(think_budget_min=12, think_budget_max=12, phrase_ids=[80, 81], phrase_token_reserve=2,
+                                answer_budget=4, max_new_tokens=40, seed=0)
+    fleet = _StoppingFleet()
+    sample = asyncio.run(generate_sample(fleet, GenerationRequest("p/0", [7], max_tokens=40, route_layers=(0,)),
+                                         policy, think_close_ids=[99],
+                                         tools=ToolLoop(_Answering(), ((4,),), max_calls=5, where="test")))
+    obs, phrase = [90, 91, 92], [80, 81]
+    assert sample.completion_ids == [*([1, 2, 3, 4, *obs] * 3), *phrase, 1, 2, 3, 4, *obs]
+    assert sample.tool_calls == 4 and sample.truncated
+    length = 1 + len(sample.completion_ids)
+    ran = length - 1 - len(obs)  # every position but the final observation and the final token
+    assert sample.routes.shape == (length, 1, 1)
+    assert sample.routes.flatten().tolist() == [*range(ran), *[ran - 1] * (length - ran)]
 
 
 def test_a_stop_token_without_its_whole_sequence_lets_the_model_write_on():

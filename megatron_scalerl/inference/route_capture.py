@@ -7,7 +7,8 @@ same routes in the worker (`inference.worker_routes.RouteCapture`) and this midd
 `vllm_server.VLLMServerConfig.capture_routes`) puts them where vLLM would: before the first generation it starts
 the workers' capture (`scalerl_capture_routes`, once per API server process); after each JSON answer of one choice
 it takes the request's routes from the workers (`scalerl_take_routes`, through the engine's collective RPC; the
-first worker's: tensor-parallel workers route alike) into `routed_experts`. The fleet reads the field the same way
+first worker's: tensor-parallel workers route alike) into `routed_experts`; vLLM's `null` for a request whose
+client went away passes through (its routes are dropped with the other untaken ones). The fleet reads the field the same way
 from both kinds of server. Other routes, streamed answers and errors pass through untouched.
 """
 
@@ -43,10 +44,13 @@ async def attach_routes(request, call_next):
     response = await call_next(request)
     if response.status_code != 200 or not response.headers.get("content-type", "").startswith("application/json"):
         return response
-    answer = json.loads(b"".join([chunk async for chunk in response.body_iterator]))
+    body = b"".join([chunk async for chunk in response.body_iterator])
+    headers = {name: value for name, value in response.headers.items() if name.lower() != "content-length"}
+    answer = json.loads(body)
+    if not isinstance(answer, dict):  # `null`: the client went away and vLLM cancelled the request
+        return Response(body, status_code=200, headers=headers, media_type="application/json")
     routes = await engine.collective_rpc("scalerl_take_routes", kwargs={"request_id": answer["request_id"]})
     choices = answer.get("choices") or []
     if len(choices) == 1:
         choices[0]["routed_experts"] = routes[0]
-    headers = {name: value for name, value in response.headers.items() if name.lower() != "content-length"}
     return Response(json.dumps(answer), status_code=200, headers=headers, media_type="application/json")

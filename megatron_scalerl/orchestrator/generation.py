@@ -28,7 +28,8 @@ write on; EndEpisode ends the sample. The thinking budget and the answer budget 
 `request.max_tokens` (rollout.max_new_tokens) caps the whole completion, observations included: an observation that
 would leave no room for the model to answer ends the sample truncated instead. After `max_tool_calls` observations
 the requests stop only at EOS. Routes: each request returns those of the positions it ran first (`routes_from`: the
-ones before it ran in earlier requests), observations included.
+ones before it ran in earlier requests), observations included; an observation the sample ends with (its stage's
+budget spent at the call) no request ran, and repeats the routes before it, as the final token does.
 """
 
 from __future__ import annotations
@@ -87,12 +88,13 @@ class ToolLoop:
         return tuple(dict.fromkeys(s[-1] for s in self.stop_sequences))
 
 
-def _with_last(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """Routes of consecutive positions joined, the last row repeated for the final token (None: not requested)."""
+def _with_last(parts: list[torch.Tensor], length: int) -> torch.Tensor | None:
+    """Routes of consecutive positions joined, for `length` positions: those no request ran (the final token, and an
+    observation a sample ends with, its stage's budget spent) repeat the last row (None: not requested)."""
     if not parts:
         return None
     routes = torch.cat(parts)
-    return torch.cat([routes, routes[-1:]])
+    return torch.cat([routes, routes[-1:].expand(length - len(routes), *routes.shape[1:])])
 
 
 def route_layers(recipe: Recipe) -> tuple[int, ...]:
@@ -197,7 +199,8 @@ class _SampleBuilder:
         return Sample(self.request.key, list(self.request.prompt_ids), self.ids, self.logprobs, self.versions,
                       self.mask, self.finish_reason, interrupted=self.interrupted,
                       truncated=self.finish_reason == "length", server=self.server or "",
-                      routes=_with_last(self.routes), tool_calls=self.calls, tool_failures=self.failures,
+                      routes=_with_last(self.routes, len(self.request.prompt_ids) + len(self.ids)),
+                      tool_calls=self.calls, tool_failures=self.failures,
                       observation_tokens=self.observed, score=self.score)
 
 
