@@ -12,7 +12,7 @@ export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE = 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup system-packages bytecode test test-unit test-fast test-durations demo ablation lint clean gpu-check
+.PHONY: setup system-packages bytecode test test-unit test-fast test-durations demo ablation lint clean gpu-setup gpu-check
 
 setup: system-packages $(STAMP)
 
@@ -71,15 +71,19 @@ ablation: bytecode
 # A GPU node's first hour: our GPU paths (NCCL, Transformer Engine layers, CUDA vLLM), written and tested on CPU
 # only, checked on one node of 2-8 GPUs, small and real (tests/gpu: HF parity at TP2/EP2, bf16 steps + exact resume,
 # a weight push into a CUDA vLLM server, the memory plan against a measured peak, a short PipelineRL-k run).
-# On a GPU node, first put the GPU stack into the venv (`make setup` installs the CPU one):
-#   python3.11 -m venv .venv && .venv/bin/pip install -e '.[gpu,dev]'
-# This target installs nothing and uses whatever $(VENV) holds. One line per check with its figures, and the JSON
-# summary in $(GPU_CHECK_JSON); a check this node cannot run (no CUDA, too few GPUs, no Transformer Engine, no
-# CUDA vLLM) is skipped with the reason.
+# On a GPU node, first `make gpu-setup`: the GPU stack in a venv of its own, $(GPU_VENV), cleared (a driver check, then
+# CUDA torch, CUDA vLLM and Transformer Engine at the versions megatron-core 0.16.1 accepts: scripts/setup_gpu_venv.sh;
+# the CPU venv is left alone). `make gpu-check` installs nothing: one line per check with its figures, and the JSON
+# summary in $(GPU_CHECK_JSON); a check this node cannot run (no CUDA, too few GPUs, no Transformer Engine, no CUDA
+# vLLM) is skipped with the reason (GPU_VENV=.venv on a CPU machine: every check collected, every one skipped).
+GPU_VENV ?= .venv-gpu
 GPU_CHECK_JSON ?= gpu-check.json
+gpu-setup:
+	PYTHON=$(PYTHON) GPU_VENV=$(GPU_VENV) bash scripts/setup_gpu_venv.sh
+
 gpu-check:
-	@test -x $(PY) || { echo "no $(PY): create the venv first (on a GPU node: pip install -e '.[gpu,dev]')"; exit 2; }
-	SCALERL_GPU_CHECK_JSON=$(GPU_CHECK_JSON) $(PY) -m pytest -q -m gpu tests/gpu --timeout=1800 $(PYTEST_ARGS)
+	@test -x $(GPU_VENV)/bin/python || { echo "no $(GPU_VENV)/bin/python: on a GPU node run make gpu-setup first"; exit 2; }
+	SCALERL_GPU_CHECK_JSON=$(GPU_CHECK_JSON) $(GPU_VENV)/bin/python -m pytest -q -m gpu tests/gpu --timeout=1800 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check megatron_scalerl tests bench

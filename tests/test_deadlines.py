@@ -47,8 +47,8 @@ from megatron_scalerl.trainer.step import StepState
 from megatron_scalerl.trainer.trainer import Trainer
 from megatron_scalerl.weight_sync import generator_link
 from megatron_scalerl.weight_sync.generator_link import GeneratorLink
-from megatron_scalerl.weight_sync.protocol import WeightSyncError
-from megatron_scalerl.weight_sync.sender import SenderConfig
+from megatron_scalerl.weight_sync.protocol import WeightSyncError, call_within
+from megatron_scalerl.weight_sync.sender import SenderConfig, WeightSender
 from tests.test_orchestrator_validation import Generator, _recipe, _tokenizer
 from tests.test_orchestrator_validation import Trainer as StandInTrainer
 from tests.trainer_utils import rl_batch
@@ -157,6 +157,8 @@ class Peer(http.server.BaseHTTPRequestHandler):
             return self.answer(200, {"results": [RPC.get(body["method"])]})
         if path == "/update_weights" and refuses:
             return self.answer(500, {"error": CAUSE})
+        if path == "/init_weight_transfer_engine" and mode == "joins_nothing":
+            return self.answer(500, {"error": "weight transfer rank 1: could not join trainer sender 0's group"})
         if path == "/finish_weight_update" and "weight_version" in body:
             state["version"] = body["weight_version"]
         self.answer(200, {"success": True})
@@ -287,6 +289,38 @@ def test_with_no_launcher_to_restart_it_the_sync_fails_within_the_deadline_namin
             unlaunched.close()
     finally:
         generator.stop(timeout_s=5)
+
+
+def test_a_generator_that_fails_to_join_ends_the_connect_at_once_naming_it(tmp_path):
+    """The real sender (gloo, its group of 2 formed in the background) and fleet control against a generator whose
+    worker fails to join (HTTP 500 from /init_weight_transfer_engine, as a vLLM server answers when its receiver
+    raises): the connect fails within seconds, not after the group's 60 s timeout, naming the generator and its
+    error, and leaves nothing open."""
+    generator, url = _peer(tmp_path, "joins_nothing")
+    config = SenderConfig(bucket_mib=1, serving_dtype=torch.float32, timeout_s=60.0, transport="gloo",
+                          staging="off")
+    try:
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match=rf"weight sync connect: weight sync \(connect\) failed: "
+                                                  rf"{re.escape(url)}: .*could not join trainer sender 0's group"):
+            WeightSender([url], config).connect()
+        assert time.monotonic() - start < 15
+    finally:
+        generator.stop(timeout_s=5)
+
+
+def test_a_wait_that_cannot_be_bounded_from_inside_is_bounded_from_outside():
+    """`protocol.call_within`, which bounds NCCL's blocking communicator init: a wait past the deadline is a
+    TimeoutError naming it; the call's own result and errors come through."""
+    block = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"^NCCL weight group: rank 3 waiting: not done within 0.5 s$"):
+        call_within(block.wait, 0.5, "NCCL weight group: rank 3 waiting")
+    assert time.monotonic() - start < 2
+    block.set()
+    assert call_within(lambda: 7, 5, "a call") == 7
+    with pytest.raises(ValueError, match="its own"):
+        call_within(lambda: (_ for _ in ()).throw(ValueError("its own")), 5, "a call")
 
 
 # ---- the orchestrator's waits ---------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ key: nccl without CUDA, staging that does not fit."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,19 @@ from megatron_scalerl.errors import RecipeError, UserError
 from megatron_scalerl.fileio import dump_yaml
 from megatron_scalerl.launch.local import start_run
 from megatron_scalerl.launch.preflight import node_problems
-from megatron_scalerl.models.memory_plan import param_counts
+from megatron_scalerl.launch.roles import generator_command
+from megatron_scalerl.models.memory_plan import (
+    NCCL_COMMUNICATOR_GIB,
+    NCCL_PART,
+    STAGING_PART,
+    WEIGHT_SYNC_QUEUED_BUCKETS,
+    generator_plan,
+    param_counts,
+    reserve_gib,
+    vllm_share,
+    weight_sync_extras,
+    weight_sync_senders,
+)
 from megatron_scalerl.recipe import load_recipe, load_run_recipe
 from megatron_scalerl.recipe.schema import WeightSyncConfig
 from megatron_scalerl.recipe.variants import union_variants
@@ -23,8 +36,9 @@ from megatron_scalerl.weight_sync.launch_checks import (
     generator_free_bytes,
     host_available_bytes,
     staging_bytes,
+    staging_setting,
 )
-from megatron_scalerl.weight_sync.transport import TRANSPORTS, make_transport
+from megatron_scalerl.weight_sync.transport import QUEUED_BUCKETS, TRANSPORTS, make_transport
 
 GIB = 2**30
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a node without CUDA")
@@ -94,6 +108,20 @@ def test_staging_that_does_not_fit_is_refused_naming_the_sizes():
     check_weight_sync(recipe, cuda=False, free_bytes_per_worker=None)  # unknown: no refusal
 
 
+def test_staging_on_gpu_generators_with_tensor_parallelism_is_off_until_measured():
+    """`auto` runs off there, `on` is refused naming the key; on CPUs, and at generator TP 1, both stay as set."""
+    for staging in ("auto", "on", "off"):
+        tp1 = load_recipe("scalerl", [f"weight_sync.staging={staging}"])
+        tp2 = load_recipe("scalerl", [f"weight_sync.staging={staging}", "parallelism.generator_tp=2"])
+        assert staging_setting(tp1, cuda=True) == staging_setting(tp2, cuda=False) == staging
+        assert staging_setting(tp2, cuda=True) == ("on" if staging == "on" else "off")
+    tp2 = load_recipe("scalerl", ["weight_sync.staging=on", "parallelism.generator_tp=2"])
+    with pytest.raises(UserError, match=r"^weight_sync\.staging: on has not been measured on GPU generators with "
+                                        r"tensor parallelism \(parallelism\.generator_tp is 2\): use auto"):
+        check_weight_sync(tp2, cuda=True, free_bytes_per_worker=None)
+    check_weight_sync(tp2, cuda=False, free_bytes_per_worker=None)
+
+
 @pytest.mark.parametrize("transport", ["auto", "gloo", "disk"])
 @pytest.mark.parametrize("staging", ["auto", "off"])
 def test_auto_gloo_and_disk_run_anywhere_on_cpu(transport, staging):
@@ -117,7 +145,9 @@ def test_free_memory_on_cpu_is_memavailable_shared_by_the_generators(tmp_path, m
     assert host_available_bytes(meminfo) == 8_000_000 * 1024
     assert host_available_bytes(tmp_path / "absent") is None
     monkeypatch.setattr("megatron_scalerl.weight_sync.launch_checks.MEMINFO", meminfo)
-    assert generator_free_bytes(cuda=False, generators_here=4, generator_tp=1) == 2_000_000 * 1024
+    assert generator_free_bytes(load_recipe("demo"), cuda=False, generators_here=4) == 2_000_000 * 1024
+    assert generator_free_bytes(load_recipe("scalerl", ["parallelism.generator_tp=2"]), cuda=False,
+                                generators_here=2) == 2_000_000 * 1024  # 2 generators of 2 workers
 
 
 @no_cuda
@@ -152,6 +182,8 @@ def test_every_transport_a_recipe_names_is_one_the_transports_module_builds():
     assert named - {"auto"} == set(TRANSPORTS)
     with pytest.raises(ValueError, match="one of gloo, nccl, disk"):
         make_transport("tcp")
+    # likewise the receivers' bound on queued buckets, which the memory plan counts (models/ may not import it)
+    assert WEIGHT_SYNC_QUEUED_BUCKETS == QUEUED_BUCKETS
 
 
 def test_the_disk_transport_writes_where_its_section_says(tmp_path):
@@ -165,3 +197,31 @@ def test_the_disk_transport_writes_where_its_section_says(tmp_path):
     assert scratch.to_dict()["weight_sync"]["transport"] == {"type": "disk", "dir": str(tmp_path / "s")}
     assert weight_sync_config(load_recipe("demo", ["weight_sync.transport=gloo"]), run_dir, "float32").transport == \
         "gloo"
+
+
+def test_what_weight_sync_makes_on_a_generator_gpu_is_kept_out_of_vllms_share():
+    """The generator plan's parts beside vLLM's own (`memory_plan.weight_sync_extras`), on the shipped 8B recipe
+    (bf16, FP32 head, NCCL on GPUs): the FP32 head's copy less the bf16 weight it replaces, one communicator per
+    sending trainer rank, the queued buckets and the arriving one (weight_sync.transport's own bound); none on
+    CPUs but the host-memory parts' absence; the launch gives their sum to `scalerl serve --reserve-gib`, which
+    lowers vLLM's share by it."""
+    recipe = load_recipe("scalerl", model_preset="llama3_8b")
+    counts, tp = param_counts(recipe), recipe.parallelism.generator_tp
+    extras = weight_sync_extras(recipe, cuda=True)
+    assert extras == {"fp32 lm head (weight sync)": counts.output * (4 - 2) / tp,
+                      NCCL_PART: weight_sync_senders(recipe) * NCCL_COMMUNICATOR_GIB * GIB,
+                      "buckets in flight (weight sync)": (QUEUED_BUCKETS + 1) * recipe.weight_sync.bucket_mib * 2**20}
+    assert weight_sync_senders(recipe) == recipe.parallelism.tp  # dense: data-parallel rank 0's TP ranks
+    assert weight_sync_extras(recipe, cuda=False) == {}  # fp32 served, gloo into host memory
+    staged = load_recipe("scalerl", ["weight_sync.staging=on"], model_preset="llama3_8b")
+    assert weight_sync_extras(staged, cuda=True)[STAGING_PART] == staging_bytes(staged, cuda=True)
+    assert generator_plan(recipe).total_gib == pytest.approx(
+        (sum(generator_plan(recipe).parts.values()) + sum(extras.values())) / GIB)
+    reserve = reserve_gib(recipe)
+    assert reserve == pytest.approx(sum(extras.values()) / GIB)
+    command = generator_command(Path("run"), recipe, port=8000, host="127.0.0.1", dtype="bfloat16", log=Path("g.log"))
+    assert command[command.index("--reserve-gib") + 1] == f"{reserve:.3f}"
+    assert command.index("--reserve-gib") < command.index("--")  # scalerl serve's flag, not vLLM's
+    assert vllm_share(reserve, 80) == pytest.approx(0.9 - reserve / 80)
+    with pytest.raises(ValueError, match=r"weight sync needs 40\.00 GiB of each 80\.0 GiB GPU beside vLLM"):
+        vllm_share(40, 80)

@@ -104,6 +104,10 @@ def _plan(recipe: rc.Recipe, gpu_gib: float, as_json: bool) -> int:
         print(f"  {plan.what}")
         for part, size in plan.parts.items():
             print(f"    {part:<38} {size / 2**30:8.2f}")
+        if plan.beside:
+            print("    kept out of vLLM's share (made by weight sync after it starts):")
+        for part, size in plan.beside.items():
+            print(f"      {part:<36} {size / 2**30:8.2f}")
         verdict = "fits" if plan.fits(gpu_gib, usable) else "DOES NOT FIT"
         print(f"    {'total':<38} {plan.total_gib:8.2f}  {verdict} ({usable:.0%} of {gpu_gib:g} GiB)")
         for note in plan.notes:

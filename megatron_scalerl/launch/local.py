@@ -66,8 +66,7 @@ def start_run(run_dir: Path, recipe: Recipe, tokenizer_dir: Path) -> int:
 def check_weight_sync_here(recipe: Recipe, *, cuda: bool) -> None:
     """The `weight_sync` section's refusals (`check_weight_sync`) for a run whose generators all run on this
     machine (`cuda`: on its GPUs), their free memory measured here (`generator_free_bytes`)."""
-    free = generator_free_bytes(cuda=cuda, generators_here=recipe.generator_servers,
-                                generator_tp=recipe.parallelism.generator_tp)
+    free = generator_free_bytes(recipe, cuda=cuda, generators_here=recipe.generator_servers)
     check_weight_sync(recipe, cuda=cuda, free_bytes_per_worker=free)
 
 

@@ -59,7 +59,8 @@ def parse_nccl_tests(text: str) -> float:
 def node_problems(run_dir: Path, model: Path, ports: list[int], gpus: int | None, need_gib: float | None,
                   staging_bytes: int | None = None, generators: int = 1) -> list[str]:
     """What is wrong on this node for the run (empty: ready). `staging_bytes`: one copy of the weights (bytes) that
-    each of this node's `generators` needs free beside it (`weight_sync.staging: on`); None: not asked."""
+    each of this node's `generators` CPU workers needs in host memory beside it (`weight_sync.staging: on`; on GPUs
+    the staging copy is in the generator's plan, which `need_gib` checks); None: not asked."""
     problems = []
     where = run_dir if run_dir.exists() else run_dir.parent
     probe = where / f".preflight-{socket.gethostname()}-{os.getpid()}"
@@ -91,10 +92,12 @@ def node_problems(run_dir: Path, model: Path, ports: list[int], gpus: int | None
                 problems.append(f"GPUs hold {have:.1f} GiB, the layout needs {need_gib:.1f} GiB per GPU "
                                 "(scalerl recipe show RECIPE --plan)")
     if staging_bytes is not None:
-        from megatron_scalerl.weight_sync.launch_checks import generator_free_bytes, staging_refusal  # deferred: torch
+        from megatron_scalerl.weight_sync.launch_checks import (  # deferred: torch
+            host_free_bytes_per_worker,
+            staging_refusal,
+        )
 
-        free = generator_free_bytes(cuda=bool(gpus), generators_here=generators,
-                                    generator_tp=max(1, (gpus or 1) // generators))
+        free = host_free_bytes_per_worker(generators)
         if free is not None and staging_bytes > free:
             problems.append(staging_refusal(staging_bytes, free))
     return problems
@@ -148,21 +151,26 @@ def run_preflight(run_dir: Path, recipe: Recipe, alloc: Allocation, env: dict[st
     """Both checks over the allocation (`cuda`: the nodes run on GPUs), after the `weight_sync` section's refusals
     (`check_weight_sync`; staging's memory is measured on the generator nodes by their node check); raises UserError
     naming the node and the problem. Returns the measured bus bandwidth (GB/s; None with a single trainer process)."""
-    from megatron_scalerl.models.memory_plan import generator_plan, trainer_plan  # deferred (both): torch, which
+    from megatron_scalerl.models.memory_plan import (  # deferred (both): torch, which
+        VLLM_GPU_MEMORY_UTILIZATION,
+        generator_plan,
+        trainer_plan,
+    )
     from megatron_scalerl.weight_sync.launch_checks import check_weight_sync, staging_bytes  # the node check
     # (`preflight node`, started on every node) needs only on GPUs or to check staging
 
     check_weight_sync(recipe, cuda=cuda, free_bytes_per_worker=None)
     staging = ["--staging-bytes", str(staging_bytes(recipe, cuda=cuda)), "--generators",
                str(max(1, recipe.cluster.gpus_per_node // recipe.parallelism.generator_tp))
-               ] if recipe.weight_sync.staging == "on" else []
+               ] if recipe.weight_sync.staging == "on" and not cuda else []
     model = run_dir / "model" if (run_dir / "model").is_dir() else Path(recipe.trainer.init_from or run_dir / "model")
     servers = recipe.generator_servers
     ports = ",".join(map(str, [alloc.base_port, alloc.base_port + 1, *alloc.generator_ports(servers)]))
     python = [sys.executable, "-m", "megatron_scalerl.launch.preflight"]
     for group, nodes, plan, checks in ((TRAINER_GROUP, alloc.trainer, trainer_plan(recipe), []),
                                        (GENERATOR_GROUP, alloc.generator, generator_plan(recipe), staging)):
-        gpus = ["--gpus", str(recipe.cluster.gpus_per_node), "--need-gib", f"{plan.total_gib:.2f}"] if cuda else []
+        share = VLLM_GPU_MEMORY_UTILIZATION if group == GENERATOR_GROUP else 1.0  # the GPU vLLM takes a share of
+        gpus = ["--gpus", str(recipe.cluster.gpus_per_node), "--need-gib", f"{plan.total_gib / share:.2f}"] if cuda else []
         out = _step(srun(group, nodes=len(nodes.nodes), name="preflight") + ["--label"] + python + [
             "node", "--run-dir", str(run_dir), "--model", str(model), "--ports", ports, *gpus, *checks],
             f"node check of het group {group} ({', '.join(n.name for n in nodes.nodes)})")

@@ -30,6 +30,7 @@ from megatron_scalerl.families import hf_config_dict
 from megatron_scalerl.families.llama4.rope_note import note_once
 from megatron_scalerl.fileio import atomic_write_text
 from megatron_scalerl.launch.supervise import Restarts, RunWatch
+from megatron_scalerl.models.memory_plan import reserve_gib
 from megatron_scalerl.models.tokenizer import (
     GENERATION_CONFIG,
     TOKENIZER_FILES,
@@ -155,7 +156,8 @@ def generator_command(run_dir: Path, recipe: Recipe, *, port: int, host: str, dt
     routes when the recipe asks for the MoE model's routing (`Recipe.captures_routes`), serving HTTPS with the run's
     certificate given `tls` (`run.tls.run_tls`). Given `master_port`, a server spanning
     `Recipe.generator_server_nodes` nodes (the SLURM launcher's), run on each of them and meeting at
-    `host:master_port` (its first node), each node's rank in $SCALERL_NODE_RANK; without, all of its workers here."""
+    `host:master_port` (its first node), each node's rank in $SCALERL_NODE_RANK; without, all of its workers here.
+    On GPUs, what weight sync adds after vLLM starts is kept out of vLLM's share (`--reserve-gib`)."""
     max_len = recipe.rollout.max_prompt_tokens + recipe.rollout.max_new_tokens
     span = ["--nnodes", str(recipe.generator_server_nodes), "--master-addr", host, "--master-port",
             str(master_port)] if master_port is not None else []
@@ -166,6 +168,7 @@ def generator_command(run_dir: Path, recipe: Recipe, *, port: int, host: str, dt
         *(["--ssl-keyfile", str(tls.key), "--ssl-certfile", str(tls.cert)] if tls else []),
         *([] if recipe.trainer.fp32_lm_head else ["--no-fp32-lm-head"]),
         *(["--capture-routes"] if recipe.captures_routes else []),
+        "--reserve-gib", f"{reserve_gib(recipe):.3f}",
         "--", "--load-format", "dummy")
 
 

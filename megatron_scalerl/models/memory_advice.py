@@ -5,8 +5,9 @@ arithmetic, like the plan itself.
 Trainer knobs, each one step from the recipe's value: full recomputation (activations: only each layer's input is
 kept), tp x 2 with sequence parallelism (dense weights and activations split further), pp x 2 (layers split),
 ep x 2 (routed experts split), half the micro-batch, twice the trainer nodes (the distributed optimizer shards
-over twice the data-parallel ranks); tensor parallelism within a node. Generator: the least generator_tp (x 2,
-x 4, ..., within a node first, then whole nodes: a server spanning nodes) that fits. A change names what `--set` takes, e.g. `parallelism.recompute=full`.
+over twice the data-parallel ranks); tensor parallelism within a node. Generator: weight sync through the hosts
+(`weight_sync.transport=gloo`) where the NCCL communicators of the sending trainer ranks are what does not fit, else
+the least generator_tp (x 2, x 4, ..., within a node first, then whole nodes: a server spanning nodes) that fits. A change names what `--set` takes, e.g. `parallelism.recompute=full`.
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ from dataclasses import dataclass
 from itertools import combinations
 
 from megatron_scalerl.models.memory_plan import (
+    NCCL_PART,
     VLLM_GPU_MEMORY_UTILIZATION,
     MemoryPlan,
     generator_plan,
     kv_sequences,
     trainer_plan,
+    weight_sync_senders,
 )
 from megatron_scalerl.recipe import Recipe
 from megatron_scalerl.recipe.rules import cross_field_problems
+from megatron_scalerl.recipe.variants import BroadcastTransportConfig
 
 MAX_CHANGES = 4  # at most this many changes that fit are reported
 
@@ -150,8 +154,16 @@ def generator_changes(recipe: Recipe, gpu_gib: float) -> list[Change]:
     them), or the largest when none fits; none when it fits already or generator_tp takes every generator GPU. Past
     `cluster.gpus_per_node` a server spans nodes (tensor parallelism over the network: slower per token)."""
     usable = gpu_gib * VLLM_GPU_MEMORY_UTILIZATION
-    if generator_plan(recipe).fits(usable):
+    plan = generator_plan(recipe)
+    if plan.fits(usable):
         return []
+    if NCCL_PART in plan.beside:  # every generator GPU joins each sender's group: the communicators may be the cause
+        hosts = _changed(recipe, {"weight_sync.transport": BroadcastTransportConfig(type="gloo")})
+        total = generator_plan(hosts).total_gib if hosts is not None else None
+        if total is not None and total <= usable:
+            return [Change(("weight_sync.transport=gloo",), f"weight sync through the hosts: no NCCL communicator of "
+                           f"each of the {weight_sync_senders(recipe)} sending trainer ranks on every generator GPU "
+                           "(slower syncs)", total, True)]
     tp, change = recipe.parallelism.generator_tp, None
     while tp * 2 <= recipe.cluster.generator_gpus and not (change and change.fits):
         tp *= 2

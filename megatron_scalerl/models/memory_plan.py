@@ -19,7 +19,9 @@ Trainer, per GPU of the most loaded pipeline stage (bytes):
   tp (sequence parallelism splits the rest), or with full recomputation the layer inputs only plus one layer's
   working set; Transformer Engine kernels (GPU: flash attention, no scores kept) or torch
   ones (CPU: unfused attention keeps rows x heads x seq x window scores; tests/test_memory_plan.py measures these);
-- the FP32 head's chunked log-probs: 1024-token chunks of FP32 logits (forward, softmax, gradient);
+- the FP32 head's chunked log-probs: 1024-token chunks of FP32 logits (forward, softmax, gradient), and its
+  backward's FP32 gradients of the head weight and of the micro-batch's hidden states (each cast to its tensor's
+  dtype where that is not FP32);
 - a fixed runtime reserve (CUDA context, NCCL buffers, allocator slack).
 
 Generator (one vLLM server of generator_tp GPUs), per GPU: all weights / generator_tp but the norms, routers and
@@ -27,7 +29,8 @@ MLA's down-projections, whole on every GPU (the head FP32 with `fp32_lm_head`; a
 embedding; MLA's kv_b_proj twice: vLLM's absorbed copies beside it), the KV cache (GQA: k and v of the KV heads;
 MLA: the kv_lora_rank + qk_rope_head_dim latent, on every GPU) of at least one sequence at full length
 (max_prompt_tokens + max_new_tokens; the rest of the GPU up to vLLM's gpu_memory_utilization, 0.9, holds more:
-`kv_sequences`), and the runtime reserve.
+`kv_sequences`), and the runtime reserve; and what weight sync makes after vLLM started: the FP32 head's copy, NCCL communicators, buckets in flight, a staging copy (`weight_sync_extras`),
+which the launch keeps out of vLLM's share (`scalerl serve --reserve-gib`: gpu_memory_utilization lowered by them).
 """
 
 from __future__ import annotations
@@ -38,33 +41,45 @@ from typing import Literal
 from megatron_scalerl.families import layer_plan
 from megatron_scalerl.families.spec import LayerPlan
 from megatron_scalerl.models.mapping import padded_vocab_size
-from megatron_scalerl.platform.precision import resolve_precision
+from megatron_scalerl.platform.precision import resolve_precision, serving_dtype
 from megatron_scalerl.recipe import ModelConfig, Recipe
 
 GIB = 2**30
 RUNTIME_RESERVE_GIB = 3.0  # CUDA context, NCCL communicators and buffers, allocator fragmentation
+# A weight-sync NCCL communicator's buffers on one generator GPU: a broadcast ring between nodes, up to 16 channels x
+# 2 ring neighbours x ~8 MiB (NCCL_BUFFSIZE's 4 MiB and LL128's) = ~0.25 GiB. An estimate until `make gpu-check`
+# measures one.
+NCCL_COMMUNICATOR_GIB = 0.25
+STAGING_PART = "staging copy (weight sync)"
+NCCL_PART = "nccl communicators (weight sync)"
+WEIGHT_SYNC_QUEUED_BUCKETS = 2  # weight_sync/transport.py's QUEUED_BUCKETS (models/ may not import it)
 LOGPROB_CHUNK_TOKENS = 1024  # trainer/logprobs.py's DEFAULT_CHUNK_TOKENS
 VLLM_MAX_NUM_SEQS = 256
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass
 class MemoryPlan:
-    """Per-GPU bytes by part (insertion order is print order)."""
+    """Per-GPU bytes by part (insertion order is print order). A generator's `beside` parts are what weight sync
+    makes after vLLM started (`weight_sync_extras`): the launch lowers vLLM's gpu_memory_utilization by them
+    (`scalerl serve --reserve-gib`), so they count in the total as the `parts` do."""
 
     what: str
     parts: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    beside: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_gib(self) -> float:
-        return sum(self.parts.values()) / GIB
+        return (sum(self.parts.values()) + sum(self.beside.values())) / GIB
 
     def fits(self, gpu_gib: float, usable_fraction: float = 1.0) -> bool:
         return self.total_gib <= gpu_gib * usable_fraction
 
     def as_dict(self) -> dict:
-        return {"what": self.what, "gib": {k: v / GIB for k, v in self.parts.items()}, "total_gib": self.total_gib,
+        return {"what": self.what, "gib": {k: v / GIB for k, v in {**self.parts, **self.beside}.items()},
+                "beside_vllm_gib": {k: v / GIB for k, v in self.beside.items()}, "total_gib": self.total_gib,
                 "notes": self.notes}
 
 
@@ -272,33 +287,115 @@ def _stage_plan(recipe: Recipe, first: bool, last: bool, recompute: bool | None,
     if last:
         vocab_per_rank = padded_vocab_size(m.vocab_size, par.tp) / par.tp
         plan.parts["fp32 log-prob chunks"] = 3 * min(LOGPROB_CHUNK_TOKENS, tokens) * vocab_per_rank * 4
+        plan.parts["head backward (fp32 gradients)"] = head_backward_bytes(recipe, tokens, weight_bytes, head_bytes)
     plan.parts["runtime reserve"] = RUNTIME_RESERVE_GIB * GIB
     plan.notes.append(f"{counts.total / 1e9:.2f}B parameters, {len(layers)} layers on this stage; micro-batch of "
                       f"{tokens} tokens, {in_flight} in flight; dp {dp}, expert dp {expert_dp}; {kernels} kernels")
     return plan
 
 
-def generator_plan(recipe: Recipe) -> MemoryPlan:
-    """One vLLM server's per-GPU memory: weights, the KV cache of one sequence at full length (vLLM refuses to start
-    without it; `kv_sequences` says how many fit on a given GPU), and the runtime reserve."""
+def head_backward_bytes(recipe: Recipe, tokens: int, body_bytes: int, head_bytes: int) -> float:
+    """What the LM head's backward (trainer/logprobs.py) allocates beside the chunks, for a micro-batch of `tokens`
+    tokens on one TP rank: the weight's gradient [padded vocab / tp, hidden] and the hidden states' [tokens, hidden],
+    both in FP32, each cast to its tensor's dtype on return where that is not FP32 (`body_bytes`, `head_bytes`: bytes
+    per value of the body's and the head's weights)."""
+    par, m = recipe.parallelism, recipe.model
+    vocab_per_rank = padded_vocab_size(m.vocab_size, par.tp) / par.tp
+    weight_grad = vocab_per_rank * m.hidden_size * (4 + (head_bytes if head_bytes != 4 else 0))
+    hidden_grad = tokens * m.hidden_size * (4 + (body_bytes if body_bytes != 4 else 0))
+    return weight_grad + hidden_grad
+
+
+def generator_plan(recipe: Recipe, *, cuda: bool = True) -> MemoryPlan:
+    """One vLLM server's per-GPU memory: the weights as vLLM loads them (the serving dtype), the
+    KV cache of one sequence at full length (vLLM refuses to start without it; `kv_sequences` says how many fit on a
+    given GPU) and the runtime reserve. Beside it (`beside`, made after vLLM sized its cache): the FP32 LM head that
+    weight sync makes (`weight_sync/fp32_head.py`), the NCCL communicators of the senders' groups, the buckets in
+    flight, and with `weight_sync.staging: on` one whole copy of the weights (`weight_sync_extras`). The launch
+    lowers vLLM's share by these (`reserve_gib`), so the whole must fit vLLM's gpu_memory_utilization of the GPU."""
     tp = recipe.parallelism.generator_tp
     counts = param_counts(recipe, 1)
     serve_bytes = _body_bytes(recipe)
-    head_bytes = 4 if recipe.trainer.fp32_lm_head else serve_bytes
     plan = MemoryPlan("generator")
-    head = counts.output
-    if recipe.model.tie_word_embeddings and head_bytes != serve_bytes:  # an FP32 copy beside the embedding
-        head = counts.embedding
     replicated, router_bias = sum(counts.replicated_per_layer), sum(counts.router_bias_per_layer)
-    split = counts.total - counts.output - replicated - router_bias + _absorbed_kv_up(recipe)
-    plan.parts["weights"] = ((split * serve_bytes + head * head_bytes) / tp + replicated * serve_bytes
-                             + router_bias * 4)
+    split = counts.total - replicated - router_bias + _absorbed_kv_up(recipe)
+    plan.parts["weights"] = split * serve_bytes / tp + replicated * serve_bytes + router_bias * 4
     plan.parts["kv cache, one full-length sequence"] = kv_bytes_per_sequence(recipe)
     plan.parts["runtime reserve"] = RUNTIME_RESERVE_GIB * GIB
+    plan.beside.update(weight_sync_extras(recipe, cuda=cuda))
     nodes = recipe.generator_server_nodes
-    plan.notes.append(f"tp {tp}{f' (a server spanning {nodes} nodes)' if nodes > 1 else ''}; a sequence is up to {_sequence_tokens(recipe)} tokens; vLLM may use "
-                      f"{VLLM_GPU_MEMORY_UTILIZATION:.0%} of a GPU (gpu_memory_utilization)")
+    plan.notes.append(f"tp {tp}{f' (a server spanning {nodes} nodes)' if nodes > 1 else ''}; a sequence is up to "
+                      f"{_sequence_tokens(recipe)} tokens; vLLM may use {VLLM_GPU_MEMORY_UTILIZATION:.0%} of a GPU "
+                      "(gpu_memory_utilization), weight sync's parts kept out of vLLM's own")
     return plan
+
+
+def weight_sync_senders(recipe: Recipe) -> int:
+    """Trainer ranks that send weights (`models.weights.sends_weights`: data-parallel rank 0 for the dense weights,
+    expert-data-parallel rank 0 for the experts), per pipeline stage the larger of the two sets: tp ranks,
+    ep x expert_tp ranks on a MoE, never more than the stage's ranks."""
+    par = recipe.parallelism
+    per_stage = recipe.cluster.trainer_gpus // par.pp
+    experts = par.ep * par.expert_tp_size if recipe.model.is_moe else 0
+    return par.pp * min(per_stage, max(par.tp, experts))
+
+
+def weight_sync_extras(recipe: Recipe, *, cuda: bool = True) -> dict[str, float]:
+    """Per generator GPU, what weight sync adds after vLLM started (bytes, by part; what `scalerl serve
+    --reserve-gib` keeps out of vLLM's share):
+    - the FP32 LM head (`trainer.fp32_lm_head` under a 16-bit body): its FP32 copy of the head's slice, less the
+      16-bit weight it replaces (a head tied to the embedding keeps the embedding: its copy is all extra);
+    - on GPUs with NCCL, each sender's communicator (`NCCL_COMMUNICATOR_GIB`);
+    - with NCCL, the buckets in flight on the GPU: two waiting to be loaded (`weight_sync.transport.QUEUED_BUCKETS`)
+      and one arriving (gloo and disk receive into host memory);
+    - `weight_sync.staging: on`: one whole copy of the weights, every worker receiving all of them
+      (`launch_checks.staging_bytes`). `auto` stages only when the worker's free memory holds it, measured then."""
+    m, tp = recipe.model, recipe.parallelism.generator_tp
+    counts = param_counts(recipe, 1)
+    serve = DTYPE_BYTES[serving_dtype(recipe, cuda)]
+    extras: dict[str, float] = {}
+    if recipe.trainer.fp32_lm_head and serve != 4:
+        head = counts.embedding if m.tie_word_embeddings else counts.output
+        extras["fp32 lm head (weight sync)"] = head * (4 if m.tie_word_embeddings else 4 - serve) / tp
+    senders = weight_sync_senders(recipe)
+    nccl = cuda and recipe.weight_sync.transport.type in ("auto", "nccl")
+    if nccl:
+        extras[NCCL_PART] = senders * NCCL_COMMUNICATOR_GIB * GIB
+        # NCCL receives on the GPU, one thread: the queued buckets and the one arriving (gloo and disk receive
+        # into host memory)
+        extras["buckets in flight (weight sync)"] = ((WEIGHT_SYNC_QUEUED_BUCKETS + 1)
+                                                     * recipe.weight_sync.bucket_mib * 2**20)
+    if recipe.weight_sync.staging == "on":
+        extras[STAGING_PART] = staging_bytes(recipe, cuda=cuda)
+    return extras
+
+
+def reserve_gib(recipe: Recipe) -> float:
+    """GiB of each generator GPU kept out of vLLM's own share for weight sync (`weight_sync_extras` on GPUs):
+    `scalerl serve --reserve-gib`."""
+    return sum(weight_sync_extras(recipe, cuda=True).values()) / GIB
+
+
+def vllm_share(reserve: float, gpu_gib: float) -> float:
+    """vLLM's gpu_memory_utilization on GPUs of `gpu_gib` GiB with `reserve` GiB of each kept out of it for weight
+    sync (`reserve_gib`): VLLM_GPU_MEMORY_UTILIZATION less the reserve's share. ValueError when that leaves vLLM
+    less than half the GPU (the plan does not fit: `scalerl recipe show --plan`)."""
+    share = VLLM_GPU_MEMORY_UTILIZATION - reserve / gpu_gib
+    if share < 0.5:
+        raise ValueError(f"weight sync needs {reserve:.2f} GiB of each {gpu_gib:.1f} GiB GPU beside vLLM, which would "
+                         f"leave vLLM {share:.0%} of it (see scalerl recipe show --plan)")
+    return share
+
+
+def staging_bytes(recipe: Recipe, *, cuda: bool) -> int:
+    """Bytes of one copy of the model's weights as a generator holds them: every parameter (`param_counts`, the
+    vocabulary padded to 128) in the serving dtype (`platform.precision.serving_dtype`: the trainer's precision on
+    GPUs, float32 on CPUs), an untied LM head in FP32 with `trainer.fp32_lm_head`. What staging receives into while
+    the generator goes on serving the weights it has."""
+    counts = param_counts(recipe)
+    serve = DTYPE_BYTES[serving_dtype(recipe, cuda)]
+    head = 4 if recipe.trainer.fp32_lm_head else serve
+    return (counts.total - counts.output) * serve + counts.output * head
 
 
 def _absorbed_kv_up(recipe: Recipe) -> int:
@@ -328,5 +425,6 @@ def kv_sequences(recipe: Recipe, gpu_gib: float) -> int:
     """Full-length sequences a generator can hold at once on GPUs of `gpu_gib` GiB (vLLM decodes at most
     max_num_seqs, 256, and preempts when the cache is full)."""
     plan = generator_plan(recipe)
-    free = gpu_gib * GIB * VLLM_GPU_MEMORY_UTILIZATION - (plan.parts["weights"] + plan.parts["runtime reserve"])
+    free = gpu_gib * GIB * VLLM_GPU_MEMORY_UTILIZATION - (plan.parts["weights"] + plan.parts["runtime reserve"]
+                                                          + sum(plan.beside.values()))
     return max(0, min(VLLM_MAX_NUM_SEQS, int(free // kv_bytes_per_sequence(recipe))))

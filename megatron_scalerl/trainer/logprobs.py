@@ -100,7 +100,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
             hit = in_slice[start:end]
             grad_logits[rows[: end - start][hit], local_targets[start:end][hit]] += g[hit]
             grad_hidden[start:end] = grad_logits @ w32  # partial over the vocab slice: reduced by the caller's mapping
-            grad_weight[: ctx.v_real] += grad_logits.t() @ h.float()
+            grad_weight[: ctx.v_real].addmm_(grad_logits.t(), h.float())  # in place: no [vocab, h] temporary
         return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None
 
 

@@ -10,7 +10,7 @@
          API-key-guarded route; gloo's own connections listen on that same interface.
   nccl   `NcclTransport`, an NCCL communicator (GPUs), vLLM's `PyNcclCommunicator` from a unique id minted per
          connection by NCCL and handed over the same route: no store, nothing unpickled from the network. NCCL has no
-         timeout of its own: each end bounds its wait for it.
+         timeout of its own: each end bounds its connect and every broadcast by the sync's timeout.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_scalerl.weight_sync.protocol import SYNC_TIMEOUT_S, Bucket, local_address_towards
+from megatron_scalerl.weight_sync.protocol import SYNC_TIMEOUT_S, Bucket, call_within, local_address_towards
 
 
 def gloo_group(store: dist.Store, secret: str, rank: int, world_size: int, timeout: timedelta,
@@ -136,14 +136,22 @@ class NcclTransport:
         return {"transport": "nccl", "unique_id": base64.b64encode(self.unique_id).decode()}
 
     def _connect(self, rank: int, world_size: int, timeout_s: float) -> None:
-        """Join the communicator (NCCL's init waits for every rank; it cannot be bounded from here)."""
+        """Join the communicator as `rank` of `world_size`, within `timeout_s` s: NCCL's init waits for every rank
+        and has no timeout of its own, so it runs in a thread of its own (`protocol.call_within`); past the
+        deadline a TimeoutError says which rank waited for how many, and the peers' own errors say why one never
+        came (the sender's `connect` reports every server's answer)."""
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator  # deferred: CUDA only
 
         self.timeout_s = timeout_s
-        torch.cuda.set_device(self.device)
-        with torch.cuda.stream(self.stream):
-            self.comm = PyNcclCommunicator.from_unique_id_bytes(self.unique_id, rank=rank, world_size=world_size,
-                                                                device=self.device)
+
+        def init() -> PyNcclCommunicator:
+            torch.cuda.set_device(self.device)
+            with torch.cuda.stream(self.stream):
+                return PyNcclCommunicator.from_unique_id_bytes(self.unique_id, rank=rank, world_size=world_size,
+                                                               device=self.device)
+
+        self.comm = call_within(init, timeout_s, f"NCCL weight group: rank {rank} waiting for all {world_size} ranks "
+                                                 "to join (a generator worker or the trainer sender did not)")
         if self.comm.disabled:  # e.g. VLLM_DISABLE_PYNCCL=1: its broadcasts would do nothing
             raise RuntimeError("vLLM's NCCL communicator is disabled here (VLLM_DISABLE_PYNCCL?): "
                                "weight_sync.transport nccl cannot run")

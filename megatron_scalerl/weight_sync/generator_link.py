@@ -67,6 +67,7 @@ from megatron_scalerl.run.directory import (
     read_generators,
     request_generator_restart,
 )
+from megatron_scalerl.weight_sync.launch_checks import staging_setting
 from megatron_scalerl.weight_sync.protocol import WeightSyncError
 from megatron_scalerl.weight_sync.sender import SenderConfig, SyncStats, WeightSender, push_weights
 
@@ -87,7 +88,8 @@ def weight_sync_config(recipe: Recipe, run_dir: str | Path, dtype: str) -> Sende
                         timeout_s=float(recipe.cluster.collective_timeout_s),
                         transport=section.transport.type,
                         disk_dir=(disk and disk.dir) or str(Path(run_dir) / WEIGHT_SYNC_DIR),
-                        staging=section.staging, checksum_every=section.checksum_every,
+                        staging=staging_setting(recipe, cuda=torch.cuda.is_available()),
+                        checksum_every=section.checksum_every,
                         api_key=os.environ.get(API_KEY_ENV))
 
 

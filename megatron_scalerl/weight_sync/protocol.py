@@ -13,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import math
 import socket
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -254,3 +256,30 @@ def local_address_towards(host: str) -> str:
         probe.connect((socket.gethostbyname(host), 9))  # UDP: no packet is sent
         return probe.getsockname()[0]
 
+
+
+def in_background(fn: Callable[[], Any], name: str) -> Future:
+    """`fn()` started in a daemon thread of its own: a future of its result or its exception."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # handed to whoever waits on the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name=name).start()
+    return future
+
+
+def call_within(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """`fn()`'s result (or its exception) for a wait that cannot be bounded from inside, such as NCCL's blocking
+    communicator init: run in a thread of its own, TimeoutError naming `what` once `timeout_s` seconds pass. The
+    thread is then left behind, blocked, until the process ends (NCCL's init cannot be aborted)."""
+    future = in_background(fn, "scalerl-bounded-wait")
+    try:
+        return future.result(timeout=timeout_s)
+    except TimeoutError:
+        if not future.done():
+            raise TimeoutError(f"{what}: not done within {timeout_s:g} s") from None
+        raise

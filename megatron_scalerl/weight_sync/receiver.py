@@ -197,9 +197,12 @@ class ScaleRLWeightTransferEngine(NCCLWeightTransferEngine):
     def stage(self, plan: dict) -> None:
         """Receive `plan` in the background (the server goes on generating); a previous staging is dropped."""
         staging = Staging(plan)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None  # this worker's GPU
 
         def run() -> None:
             try:
+                if device is not None:  # a new thread starts on cuda:0, whatever its worker's device
+                    torch.cuda.set_device(device)
                 staging.tensors = list(self._receive(plan, staging.checksums))  # views into the received buckets
                 if torch.cuda.is_available():  # the assembling copies, queued on this thread's stream, are done
                     torch.cuda.current_stream().synchronize()

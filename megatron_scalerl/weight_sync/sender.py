@@ -62,6 +62,7 @@ from megatron_scalerl.weight_sync.protocol import (
     WeightSyncError,
     bucket_header,
     group_buckets,
+    in_background,
     local_address_towards,
 )
 from megatron_scalerl.weight_sync.transport import WeightTransport, make_transport
@@ -208,20 +209,26 @@ class WeightSender:
                 error = error_message(exc)
         error, world = from_rank0((error, world))
         self.agree(error if self.rank == 0 else None, "weight sync connect")
-        if self.sends:
+        # Each sender forms its group in the background while rank 0 watches the servers join: a server that fails
+        # to join (its answer names it and why) ends the wait at once, not the group's timeout later.
+        opening = (in_background(lambda: self.transport.open(world, self.config.timeout_s), "scalerl-weights-open")
+                   if self.sends else None)
+        if self.control is not None:
             try:
-                self.transport.open(world, self.config.timeout_s)
-            except (OSError, RuntimeError) as exc:
-                error = f"trainer rank {self.rank}: forming its group of {world} ranks: {exc}"
-        if self.control is not None and error is None:
-            try:
-                self.control.wait(joins, "connect")
+                waited = {**joins, **({opening: f"trainer rank 0's group of {world} ranks"} if opening else {})}
+                self.control.wait(waited, "connect")
                 self.control.close_open_updates()
                 if self.config.staging != "off":
                     self.room = self.control.staging_room()
             except Exception as exc:
                 error = error_message(exc)
-        self.agree(error, "weight sync connect")
+        verdict, mine = from_rank0(error), None  # rank 0's, before the other senders wait on their own groups
+        if opening is not None and verdict is None:
+            try:  # every server joined every group: each has formed, or fails now
+                opening.result(timeout=self.config.timeout_s)
+            except (OSError, RuntimeError, TimeoutError) as exc:
+                mine = f"trainer rank {self.rank}: forming its group of {world} ranks: {exc}"
+        self.agree((verdict or mine) if self.rank == 0 else mine, "weight sync connect")
 
     # ---- one sync -----------------------------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from megatron_scalerl.weight_sync.disk import DiskTransport
 from megatron_scalerl.weight_sync.protocol import Bucket, describe_header
 
 TRANSPORTS = ("gloo", "nccl", "disk")
+QUEUED_BUCKETS = 2  # received buckets a worker keeps waiting for its load, at most
 
 
 class WeightTransport(Protocol):
@@ -65,11 +66,12 @@ def receive_plan(transports: list[WeightTransport], plan: dict, *, rank: int, ti
     one thread, bucket i of every sender in sender order, then bucket i + 1 (concurrent NCCL calls on several
     communicators may deadlock unless every rank issues them in the same order). A failed receive raises
     RuntimeError naming this receiver's `rank`, the sender and the bucket (`timeout_s`: the transports' timeout,
-    for the message)."""
+    for the message). At most `QUEUED_BUCKETS` received buckets wait to be consumed, besides one arriving per
+    thread: what a worker holds in flight does not grow with the senders (`memory_plan.weight_sync_extras`)."""
     if len(plan["senders"]) != len(transports):
         raise RuntimeError(f"weight sync {plan['sync']}: the plan has {len(plan['senders'])} senders, receiver rank "
                            f"{rank} joined {len(transports)} groups (call /init_weight_transfer_engine)")
-    arrived: queue.Queue = queue.Queue(maxsize=2 * max(1, len(transports)))
+    arrived: queue.Queue = queue.Queue(maxsize=QUEUED_BUCKETS)
 
     def receive(work: list[tuple[int, dict]]) -> None:
         sender, header = -1, None

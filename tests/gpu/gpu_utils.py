@@ -51,6 +51,23 @@ def on_cpu(rank: int, fn: Any, *args: Any) -> Any:
     return to_cpu(fn(rank, *args))
 
 
+def deterministic_on_cpu(rank: int, fn: Any, *args: Any) -> dict:
+    """`on_cpu`, with torch's deterministic algorithms on (`torch.use_deterministic_algorithms`, `warn_only`: an op
+    that has no deterministic kernel warns and runs anyway); the result dict gains "nondeterministic": the ops that
+    warned (empty: every kernel of the run was deterministic)."""
+    import warnings
+
+    import torch
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = on_cpu(rank, fn, *args)
+    marker = " does not have a deterministic implementation"
+    result["nondeterministic"] = sorted({str(w.message).split(marker)[0] for w in caught if marker in str(w.message)})
+    return result
+
+
 def layer_backend() -> dict:
     """Inside a worker: which layers the model code builds here (`platform.layer_backend`), and the device."""
     from megatron_scalerl.platform.distributed import current_device

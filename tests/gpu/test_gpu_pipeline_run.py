@@ -35,13 +35,14 @@ def test_pipeline_rl_k_run(tmp_path, gpu_figures):
     from megatron_scalerl.recipe import load_recipe
     from megatron_scalerl.run.metrics_log import read_metrics
     from tests.gpu.summary import node_facts
-    from tests.test_pipeline_run import STEPS, _launch
+    from tests.launch_utils import launch
+    from tests.test_pipeline_run import STEPS
 
     per_side = 2 if node_facts()["gpu_count"] >= 4 else 1
     model = build_model(load_recipe("scalerl", model_preset="tiny_moe"), tmp_path / "hf", seed=3)
     run_dir = tmp_path / "run"
     start = time.monotonic()
-    code, out = _launch(run_args(run_dir, model, per_side), [])
+    code, out = launch(run_args(run_dir, model, per_side), [])
     wall = time.monotonic() - start
     recipe = load_recipe(run_dir / "recipe.yaml")
     bound = staleness_bound(recipe.rollout.off_policy, recipe.rollout.k)

@@ -3,9 +3,10 @@ and an exact resume; dense Llama-3 and Llama-4 MoE.
 
 The CPU resume tests' scenarios (tests/test_trainer_resume.py: `_train_and_save`, `_resume`) in one spawned GPU
 worker: train 4 steps checkpointing after 0, 1 and 2, then resume from step 2 in a fresh trainer; the resumed run
-must load exactly the saved weights and give bit for bit the uninterrupted run's losses. Kernels are asked to be
-deterministic (`gpu_utils.DETERMINISTIC_ENV`); the uninterrupted run is repeated as a control, so a failure says
-whether the GPU run is not even reproducible by itself.
+must load exactly the saved weights and give the uninterrupted run's losses: bit for bit when every kernel was
+deterministic (`torch.use_deterministic_algorithms` on, `gpu_utils.DETERMINISTIC_ENV`: Transformer Engine's and
+cuBLAS's settings), else within `RESUME_TOLERANCE` of them, a tolerance set by the uninterrupted run's own repeat
+(the control) and naming the ops that had no deterministic kernel (megatron's MoE unpermute scatter-adds).
 
 Also: a freshly built optimizer has taken no Adam step (`platform.megatron_optimizer.materialise_optimizer_state`
 runs one at learning rate 0 to create the state, then resets the step count; with Transformer Engine, megatron-core
@@ -18,11 +19,20 @@ import math
 
 import pytest
 
-from tests.gpu.gpu_utils import DETERMINISTIC_ENV, WORKER_TIMEOUT_S, environment, layer_backend, on_cpu
+from tests.gpu.gpu_utils import (
+    DETERMINISTIC_ENV,
+    WORKER_TIMEOUT_S,
+    deterministic_on_cpu,
+    environment,
+    layer_backend,
+)
 
 pytestmark = pytest.mark.gpu(gpus=1)
 
 MODELS = {"dense": "tiny_dense", "moe": "tiny_moe"}
+# Where some kernel is not deterministic: the resumed losses within 4x the control's own spread (the uninterrupted
+# run against its repeat), and never tighter than 1e-3 of the loss's size.
+RESUME_TOLERANCE = {"control_factor": 4.0, "relative_floor": 1e-3}
 
 
 def fresh_optimizer(rank: int, hf: str) -> dict:
@@ -53,9 +63,9 @@ def runs(tmp_path_factory) -> dict:
     scenarios = {}
     for name, model in MODELS.items():
         layout = {} if model == "tiny_dense" else {"model": model}
-        scenarios[f"{name}/run"] = (on_cpu, _train_and_save, root / name, hf[name], layout)
-        scenarios[f"{name}/rerun"] = (on_cpu, _train_and_save, root / f"{name}_rerun", hf[name], layout)
-        scenarios[f"{name}/resumed"] = (on_cpu, _resume, root / name, hf[name], layout)
+        scenarios[f"{name}/run"] = (deterministic_on_cpu, _train_and_save, root / name, hf[name], layout)
+        scenarios[f"{name}/rerun"] = (deterministic_on_cpu, _train_and_save, root / f"{name}_rerun", hf[name], layout)
+        scenarios[f"{name}/resumed"] = (deterministic_on_cpu, _resume, root / name, hf[name], layout)
     scenarios["fresh_optimizer"] = (fresh_optimizer, hf["dense"])
     with environment(DETERMINISTIC_ENV):
         [results] = run_local_workers(run_scenarios, 1, scenarios, backend="auto", timeout_s=WORKER_TIMEOUT_S)
@@ -72,20 +82,29 @@ def test_bf16_steps_checkpoint_and_exact_resume(runs, name, gpu_figures):
     weights_equal = set(resumed["weights"]) == set(run["weights"]) and all(
         t.dtype == resumed["weights"][n].dtype and bool((t == resumed["weights"][n]).all())
         for n, t in run["weights"].items())
+    nondeterministic = sorted(set(run["nondeterministic"]) | set(resumed["nondeterministic"]))
+    resumed_diff, control_diff = _max_diff(resumed["losses"], run["losses"][2:]), _max_diff(rerun["losses"], run["losses"])
+    tolerance = max(RESUME_TOLERANCE["control_factor"] * control_diff,
+                    RESUME_TOLERANCE["relative_floor"] * max(abs(loss) for loss in run["losses"]))
     gpu_figures.update({
-        "losses": run["losses"], "resumed from": resumed["iteration"],
-        "max|dloss| resumed": _max_diff(resumed["losses"], run["losses"][2:]),
-        "max|dloss| rerun": _max_diff(rerun["losses"], run["losses"]),
-        "weights equal after load": weights_equal, "precision": run["precision"],
+        "losses": run["losses"], "resumed from": resumed["iteration"], "max|dloss| resumed": resumed_diff,
+        "max|dloss| rerun": control_diff, "weights equal after load": weights_equal, "precision": run["precision"],
+        "deterministic": not nondeterministic, "nondeterministic ops": nondeterministic,
     })
     assert run["precision"] == "bf16"
     assert all(math.isfinite(loss) for loss in run["losses"]), run["losses"]
     assert (resumed["iteration"], resumed["hours"], resumed["version"]) == (2, run["hours"], 4)
     assert weights_equal, "the resumed trainer did not load exactly the weights saved at step 2"
-    control = ("" if rerun["losses"] == run["losses"] else
-               f" (and the GPU run is not reproducible by itself: a rerun gave {rerun['losses']})")
-    assert resumed["losses"] == run["losses"][2:], \
-        f"resumed losses {resumed['losses']} != uninterrupted {run['losses'][2:]}{control}"
+    if not nondeterministic:
+        control = ("" if rerun["losses"] == run["losses"] else
+                   f" (and the deterministic GPU run is not reproducible by itself: a rerun gave {rerun['losses']})")
+        assert resumed["losses"] == run["losses"][2:], \
+            f"resumed losses {resumed['losses']} != uninterrupted {run['losses'][2:]}{control}"
+    else:
+        assert resumed_diff <= tolerance, (
+            f"resumed losses {resumed['losses']} differ from the uninterrupted {run['losses'][2:]} by {resumed_diff:.3g}, "
+            f"past {tolerance:.3g} (4x the rerun's {control_diff:.3g}); kernels without a deterministic "
+            f"implementation: {nondeterministic}")
 
 
 def test_fresh_optimizer_has_taken_no_step(runs, gpu_figures):
