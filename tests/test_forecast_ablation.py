@@ -144,6 +144,29 @@ def test_a_too_early_verdict_names_a_design_that_calls_it_and_that_design_does()
     assert called["too-early"] <= 1 and called["ceiling"] >= 2, (contrast.needs, called)  # called, mostly right
 
 
+def test_the_power_of_a_design_is_how_often_its_simulated_studies_reach_each_verdict(tmp_path):
+    """`make ablation`'s design (3 seeds, 16 validations of 64 prompts x 16 samples) on synthetic runs: a ceiling down
+    0.15 is called a ceiling by most studies simulated from the fits, a C_mid x3 at equal A an efficiency change;
+    shares over the verdicts sum to 1, and the report states the power with its number of studies."""
+    options = ForecastOptions(resamples=40, budgets=(0.5,), min_compute=0, eval_draws=64 * 16)
+    lower = replace(DEMO_LIKE, name="lower", A=DEMO_LIKE.A - 0.15)
+    slower = replace(DEMO_LIKE, name="slower", C_mid=3 * DEMO_LIKE.C_mid, budget=0.9)
+    study = make_ablation([demo_like(DEMO_LIKE, 40 + s, 16) for s in range(3)],
+                          [("lower", [demo_like(lower, 50 + s, 16) for s in range(3)]),
+                           ("slower", [demo_like(slower, 60 + s, 16) for s in range(3)])], options, power_trials=6)
+    low, slow = (c.power for c in study.contrasts)
+    assert sum(low.values()) == pytest.approx(1) and sum(slow.values()) == pytest.approx(1)
+    assert low.get("ceiling", 0) >= 4 / 6, low
+    assert slow.get("efficiency", 0) >= 4 / 6 and slow.get("ceiling", 0) <= 1 / 6, slow
+    data = study.to_dict()
+    assert data["options"]["power_trials"] == 6 and data["variants"][0]["power"] == low
+    text = ablation_document(study, b"", data).to_markdown(images=False)
+    assert "Power of this design: the verdicts of 6 studies of its size" in text
+    assert "lower: ceiling " in text, text
+    assert make_ablation([demo_like(DEMO_LIKE, 40, 16)], [("lower", [demo_like(lower, 50, 16)])],
+                         options).contrasts[0].power is None  # not asked for
+
+
 def test_one_seed_is_its_own_fit_and_seeds_pool():
     options = replace(OPTIONS, resamples=40)
     single = make_ablation([curve(BASE, 1)], [("same", [curve(BASE, 2)])], options)
@@ -178,7 +201,7 @@ def test_ablation_json_and_report(tmp_path, capsys):
     fields |= {f"compute_to_{pct}pct_base_gain{end}" for pct in (50, 90) for end in ("", "_lo", "_hi")}
     ratios = [f"compute_ratio_{pct}pct_{gain}_gain" for pct in (50, 90) for gain in ("base", "own")]
     comparison = {f"{key}{end}" for key in ("dA", *ratios)
-                  for end in ("", "_lo", "_hi")} | {"crossovers", "verdict", "verdict_reason", "needs"}
+                  for end in ("", "_lo", "_hi")} | {"crossovers", "verdict", "verdict_reason", "needs", "power"}
     assert set(data["base"]) == fields
     assert [set(v) for v in data["variants"]] == [fields | comparison] * 2
     higher, slow = data["variants"]

@@ -13,7 +13,9 @@ pass rates in [0, 1], intervals `[X_lo, X_hi]` at `options.level`; inf (never re
                    with _lo and _hi, the same for 90pct, "compute_ratio_50pct_own_gain" (the compute each
                    needs to 50% of its own gain, variant / base: the ratio of their C_mid) with _lo and _hi, the
                    same for 90pct, "crossovers": [GPU-h where it crosses the base],
-                   "verdict", "verdict_reason", "needs" (too-early: what would call it, as numbers; else null)},
+                   "verdict", "verdict_reason", "needs" (too-early: what would call it, as numbers; else null),
+                   "power" ({verdict: share of studies of this design simulated from the fits reaching it}, or
+                   null where not simulated)},
                   ...]}
 
 Seeds. The noise model (`uncertainty`) is per run: each seed drifts on its own. So each seed is fitted and
@@ -80,7 +82,7 @@ import numpy as np
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.forecast.compare import crossovers
 from megatron_scalerl.forecast.data import Curve
-from megatron_scalerl.forecast.design import designs_to_call, longer_runs
+from megatron_scalerl.forecast.design import designs_to_call, longer_runs, power
 from megatron_scalerl.forecast.predict import (
     A_MARGIN,
     NO_GAIN,
@@ -267,6 +269,7 @@ class Contrast:
     verdict: str
     reason: str
     needs: str | None  # too-early: what would let the rule call it, as numbers; else None
+    power: dict[str, float] | None = None  # verdict -> share of simulated studies of this design (`design.power`)
 
 
 def _needs(base: ArmForecasts, variant: ArmForecasts, options: ForecastOptions) -> str:
@@ -286,7 +289,7 @@ def _judge(base: list[Curve], variant: tuple[str, list[Curve]], options: Forecas
 
 
 def _contrast(base: ArmForecasts, base_compute: dict, gain_levels: dict, variant: ArmForecasts,
-              options: ForecastOptions | None) -> Contrast:
+              options: ForecastOptions | None, power_trials: int = 0) -> Contrast:
     """Differences of `variant` to `base` replicate by replicate; `gain_levels[q]` is the reward at q of the base's
     gain (value, draws), `base_compute[q]` the base's GPU-hours to it (value, draws). With `options`, a too-early
     verdict says what would call it (`_needs`)."""
@@ -304,7 +307,11 @@ def _contrast(base: ArmForecasts, base_compute: dict, gain_levels: dict, variant
         own_ratio[q] = over_base(q, variant.compute_to_reach(*_gain_level(variant, q)))
     verdict, reason = _verdict(base, variant, dA, own_ratio)
     needs = _needs(base, variant, options) if verdict == "too-early" and options is not None else None
-    return Contrast(dA, compute, ratio, own_ratio, verdict, reason, needs)
+    simulable = all(r.fitted["A"] - r.fitted["R0"] > NO_GAIN and r.fitted_until >= r.fitted["C_mid"]
+                    for r in (base, variant))
+    chances = (power(base, variant, options, _judge, power_trials)
+               if options is not None and power_trials and simulable else None)
+    return Contrast(dA, compute, ratio, own_ratio, verdict, reason, needs, chances)
 
 
 def _gain_level(recipe: ArmForecasts, q: float) -> tuple[float, np.ndarray]:
@@ -345,6 +352,7 @@ class Ablation:
     base_compute: dict[float, tuple[float, np.ndarray]]  # q -> the base's GPU-h to q of its gain: value, draws (k,)
     contrasts: tuple[Contrast, ...]  # one per variant
     options: ForecastOptions  # the targets include make_ablation's `target`
+    power_trials: int = 0  # simulated studies behind each contrast's `power`
 
     @property
     def metric(self) -> str:
@@ -391,22 +399,25 @@ class Ablation:
             row["crossovers"] = crossovers(recipe, self.base, low, high)
             row["verdict"], row["verdict_reason"] = contrast.verdict, contrast.reason
             row["needs"] = contrast.needs
+            row["power"] = contrast.power
             variants.append(row)
         options = self.options
         return {"schema": SCHEMA, "curve": self.metric, "compute_unit": "GPU-hours", "level": options.level,
                 "rule": RULE, "options": {"min_compute": options.min_compute, "fit_until": options.fit_until,
                                           "method": options.method, "budgets": sorted(options.budgets),
                                           "targets": list(options.targets), "resamples": options.resamples,
-                                          "seed": options.seed, "eval_draws": options.eval_draws},
+                                          "seed": options.seed, "eval_draws": options.eval_draws,
+                                          "power_trials": self.power_trials},
                 "base": self._recipe_dict(self.base, self.base_compute), "variants": variants}
 
 
 def make_ablation(base: list[Curve], variants: list[tuple[str, list[Curve]]], options: ForecastOptions,
-                  target: float | None = None, judge_only: bool = False) -> Ablation:
+                  target: float | None = None, judge_only: bool = False, power_trials: int = 0) -> Ablation:
     """Fit the base's seeds and each variant's (`variants`: (name, seeds) pairs; a curve's `source` is its run) with
     `options`, and judge each variant against the base (module docstring). The base is named after its first run.
     `target`, a reward in [0, 1], joins `options.targets`: the GPU-hours each recipe needs to reach it.
-    `judge_only`: verdicts without saying what a too-early one would take (the simulated studies that say it)."""
+    `judge_only`: verdicts without saying what a too-early one would take (the simulated studies that say it).
+    `power_trials`: each variant's power from that many simulated studies of this design (`design.power`; 0: none)."""
     if options.resamples < 2:
         raise UserError("ablation: the verdicts need bootstrap intervals; resamples must be at least 2")
     if not base or not variants or not all(curves for _, curves in variants):
@@ -435,6 +446,6 @@ def make_ablation(base: list[Curve], variants: list[tuple[str, list[Curve]]], op
     recipes = tuple(recipe(name, curves) for name, curves in variants)
     gain_levels = {q: _gain_level(base_recipe, q) for q in GAIN_FRACTIONS}
     base_compute = {q: base_recipe.compute_to_reach(*gain_levels[q]) for q in GAIN_FRACTIONS}
-    contrasts = tuple(_contrast(base_recipe, base_compute, gain_levels, r, None if judge_only else options)
-                      for r in recipes)
-    return Ablation(base_recipe, recipes, base_compute, contrasts, options)
+    contrasts = tuple(_contrast(base_recipe, base_compute, gain_levels, r, None if judge_only else options,
+                                power_trials) for r in recipes)
+    return Ablation(base_recipe, recipes, base_compute, contrasts, options, power_trials)

@@ -12,6 +12,9 @@ tried with how many of its studies reached a verdict, and stops at the first tha
 every part but slowly: the A draws of a demo-sized run are heavy-tailed upwards, so their mean over seeds narrows
 far less than 1 / sqrt(seeds) (on demo-like synthetic runs, 64 prompts x 4 samples at 16 validations, the median A
 interval was 0.14 wide for 1 seed, 0.16 for 2 and 0.12 for 4; with 16 samples per prompt 0.08, 0.06, 0.06).
+
+`power` is the same simulation at the study's own design, for every variant, called or not: how often a study of
+this size reaches each verdict if the fitted difference is the real one.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ TRIALS = 4  # simulated studies per design
 CALLED = 3  # ... of which this many must reach a verdict other than too-early
 SIMULATION_RESAMPLES = 40  # bootstrap refits per simulated run (the verdicts' intervals)
 DEFAULT_DRAWS = 256  # completions per validation assumed when the options do not say (64 prompts x 4 samples)
+POWER_TRIALS = 12  # simulated studies of a sweep report's own design behind each variant's power
 
 
 def longer_runs(recipe: ArmForecasts) -> str:
@@ -64,6 +68,21 @@ def _simulated_recipe(recipe: ArmForecasts, seeds: int, draws: int, rng: np.rand
 Judge = Callable[[list["Curve"], tuple[str, list["Curve"]], "ForecastOptions"], str]  # (base, variant, options) -> verdict
 
 
+def _simulated_verdicts(base: ArmForecasts, variant: ArmForecasts, options: ForecastOptions, judge: Judge,
+                        seeds: int, draws: int, trials: int, rng: np.random.Generator) -> Counter:
+    """The verdicts of `trials` studies of `seeds` runs per recipe and `draws` completions per validation, simulated
+    from the two recipes' fits ("unfitted": a simulated run the fit could not take, so no verdict)."""
+    design = replace(options, eval_draws=draws, resamples=SIMULATION_RESAMPLES)
+    found = Counter()
+    for _ in range(trials):
+        try:
+            found[judge(_simulated_recipe(base, seeds, draws, rng),
+                        (variant.name, _simulated_recipe(variant, seeds, draws, rng)), design)] += 1
+        except FIT_ERRORS:
+            found["unfitted"] += 1
+    return found
+
+
 def designs_to_call(base: ArmForecasts, variant: ArmForecasts, options: ForecastOptions, judge: Judge) -> str:
     """The designs tried for a too-early `variant` against `base` and what their simulated studies concluded;
     `judge` gives the ablation's verdict on simulated runs (the ablation's own rule, passed in by it)."""
@@ -72,15 +91,8 @@ def designs_to_call(base: ArmForecasts, variant: ArmForecasts, options: Forecast
     rng = np.random.default_rng(options.seed)
     tried = []
     for seed_factor, draw_factor in DESIGNS:
-        design = replace(options, eval_draws=draws * draw_factor, resamples=SIMULATION_RESAMPLES)
-        found = Counter()
-        for _ in range(TRIALS):
-            try:
-                found[judge(_simulated_recipe(base, seeds * seed_factor, draws * draw_factor, rng),
-                            (variant.name, _simulated_recipe(variant, seeds * seed_factor, draws * draw_factor, rng)),
-                            design)] += 1
-            except FIT_ERRORS:  # a simulated run the fit cannot take: no verdict from that study
-                found["unfitted"] += 1
+        found = _simulated_verdicts(base, variant, options, judge, seeds * seed_factor, draws * draw_factor, TRIALS,
+                                    rng)
         called = TRIALS - found["too-early"] - found["unfitted"]
         verdicts = ", ".join(f"{v} {n}" for v, n in sorted(found.items()))
         tried.append(f"{seeds * seed_factor} seeds per recipe and {draws * draw_factor} completions per validation: "
@@ -89,3 +101,15 @@ def designs_to_call(base: ArmForecasts, variant: ArmForecasts, options: Forecast
             return "in studies simulated from these fits (their difference taken as real), " + "; ".join(tried)
     return ("no design tried calls it in studies simulated from these fits (their difference taken as real: "
             + "; ".join(tried) + "): the difference may be smaller than these runs can resolve")
+
+
+def power(base: ArmForecasts, variant: ArmForecasts, options: ForecastOptions, judge: Judge, trials: int
+          ) -> dict[str, float]:
+    """The study's power: the share of `trials` studies of its own design (its seeds per recipe, its completions
+    per validation) simulated from these fits (their difference taken as real) that reach each verdict, in the
+    verdicts' order ("unfitted" last: no verdict)."""
+    seeds = max(len(base.forecasts), len(variant.forecasts))
+    found = _simulated_verdicts(base, variant, options, judge, seeds, options.eval_draws or DEFAULT_DRAWS, trials,
+                                np.random.default_rng(options.seed + 1))
+    order = ("ceiling", "efficiency", "indistinguishable", "too-early", "unfitted")
+    return {verdict: found[verdict] / trials for verdict in order if found[verdict]}

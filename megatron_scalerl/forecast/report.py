@@ -277,6 +277,13 @@ def ablation_document(ablation: Ablation, png: bytes, data: dict | None = None,
                   + "; ".join(f"{v['name']}: {v['verdict']}" for v in variants) + ".")
     doc.items([f"{v['name']}: {v['verdict']}: {v['verdict_reason']}"
                + (f". To call it: {v['needs']}" if v.get("needs") else "") for v in variants])
+    powered = [v for v in variants if v.get("power")]
+    if powered:
+        doc.paragraph(f"Power of this design: the verdicts of {data['options']['power_trials']} studies of its size "
+                      "(its seeds, its completions per validation) simulated from these fits, their difference taken "
+                      "as real: " + "; ".join(f"{v['name']}: " + ", ".join(f"{verdict} {share:.0%}" for verdict, share
+                                                                            in v["power"].items()) for v in powered)
+                      + ".")
     if data.get("backtests"):
         _backtests_section(doc, data["backtests"])
     doc.image("ablation.png", png)

@@ -36,6 +36,7 @@ from megatron_scalerl.forecast import report as documents
 from megatron_scalerl.forecast.ablation import make_ablation
 from megatron_scalerl.forecast.backtest import run_backtest
 from megatron_scalerl.forecast.data import MetricsTable
+from megatron_scalerl.forecast.design import POWER_TRIALS
 from megatron_scalerl.forecast.live import recipe_options
 from megatron_scalerl.forecast.predict import FIT_ERRORS, ForecastOptions, make_forecast
 from megatron_scalerl.recipe import Recipe, load_run_recipe
@@ -199,7 +200,7 @@ def report(base: str, runs: list[ReportRun], left_out: list[dict], out: Path | N
         raise UserError(f"no ablation report: no run of {'the base' if not base_curves else 'any variant'} can be "
                         "fitted" + (f" ({whose[0]['run']}: {whose[0]['reason']})" if whose else ""))
     try:
-        ablation = make_ablation(base_curves, list(groups.items()), options)
+        ablation = make_ablation(base_curves, list(groups.items()), options, power_trials=POWER_TRIALS)
     except (ValueError, RuntimeError, FloatingPointError) as exc:  # a bootstrap refit, past each run's point fit
         raise UserError(f"no ablation report: a bootstrap refit failed ({type(exc).__name__}: {exc})") from None
     domains = domain_ablations(base, runs, options, warnings)
