@@ -71,8 +71,12 @@ def _worker_main(
         silence_cpu_import_warnings()
     torch.set_num_threads(threads)
     try:
-        init_distributed(backend, timeout_s, rank=rank, world_size=world_size, local_rank=rank, master_port=port,
-                         store_hosted=True)
+        init_distributed(backend, timeout_s, rank=rank, world_size=world_size, local_rank=rank,
+                         master_addr="127.0.0.1", master_port=port, store_hosted=True)  # not the caller's MASTER_ADDR
+        # Every rank's connections made before any runs `fn`: a rank whose `fn` needs no collective would otherwise
+        # finish and close its end while a slower one is still connecting to it ("Gloo connectFullMesh failed ...
+        # Connection closed by peer" there).
+        torch.distributed.barrier()
         value = fn(rank, *args)
         # Pickled here, by value: torch's queue would share tensor storage through file descriptors that die with
         # this process, which may exit before the parent reads the result.
