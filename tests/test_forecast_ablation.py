@@ -153,16 +153,25 @@ def test_the_power_of_a_design_is_how_often_its_simulated_studies_reach_each_ver
     slower = replace(DEMO_LIKE, name="slower", C_mid=3 * DEMO_LIKE.C_mid, budget=0.9)
     study = make_ablation([demo_like(DEMO_LIKE, 40 + s, 16) for s in range(3)],
                           [("lower", [demo_like(lower, 50 + s, 16) for s in range(3)]),
-                           ("slower", [demo_like(slower, 60 + s, 16) for s in range(3)])], options, power_trials=6)
+                           ("slower", [demo_like(slower, 60 + s, 16) for s in range(3)])], options, power_trials=6,
+                          power_designs=((1, 64),))
     low, slow = (c.power for c in study.contrasts)
     assert sum(low.values()) == pytest.approx(1) and sum(slow.values()) == pytest.approx(1)
     assert low.get("ceiling", 0) >= 4 / 6, low
     assert slow.get("efficiency", 0) >= 4 / 6 and slow.get("ceiling", 0) <= 1 / 6, slow
     data = study.to_dict()
     assert data["options"]["power_trials"] == 6 and data["variants"][0]["power"] == low
+    # a study to come of 1 seed and 64 completions per validation: its evaluations' noise hides the ceiling more often
+    small = data["variants"][0]["power_designs"]["1x64"]
+    assert data["options"]["power_designs"] == ["1x64"] and sum(small.values()) == pytest.approx(1)
+    assert small.get("ceiling", 0) < low["ceiling"], (small, low)
     text = ablation_document(study, b"", data).to_markdown(images=False)
     assert "Power of this design: the verdicts of 6 studies of its size" in text
     assert "lower: ceiling " in text, text
+    assert "The same at other designs (seeds per recipe x completions per validation): lower at 1x64: " in text
+    with pytest.raises(UserError, match="must be >= 1, got 0x64"):
+        make_ablation([demo_like(DEMO_LIKE, 40, 16)], [("lower", [demo_like(lower, 50, 16)])], options,
+                      power_trials=2, power_designs=((0, 64),))
     assert make_ablation([demo_like(DEMO_LIKE, 40, 16)], [("lower", [demo_like(lower, 50, 16)])],
                          options).contrasts[0].power is None  # not asked for
 

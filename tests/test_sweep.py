@@ -303,6 +303,7 @@ def test_parallel_runs_must_fit_the_cores_or_the_gpus(monkeypatch):
     (["sweep", "--sweep-dir", "{tmp}/old", "--base", "scalerl"], "field 'base' is \"demo\", and --base \"scalerl\""),
     (["sweep", "report"], "give a sweep directory, or --runs"),
     (["sweep", "report", "{tmp}"], "no sweep.json (not a sweep directory)"),
+    (["sweep", "report", "{tmp}", "--power-trials", "0"], "--power-trials must be >= 1, got 0"),
 ])
 def test_bad_input_is_refused_in_one_line(tmp_path, capsys, argv, message):
     save_manifest(tmp_path / "old", merge(tmp_path / "old", None, base="demo", model=None, sets=[], tokenizer=None,
@@ -322,10 +323,15 @@ def test_report_of_runs_made_any_other_way_is_one_json_object(tmp_path, capsys):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text(simulate_run(run, seed, num_evals=evaluations).curve.to_jsonl())
     runs = [str(tmp_path / n) for n in "abc"]
-    assert main(["sweep", "report", "--runs", *runs, "--json", "--out", str(tmp_path / "out")]) == 0
+    assert main(["sweep", "report", "--runs", *runs, "--json", "--out", str(tmp_path / "out"),
+                 "--power-design", "2x512"]) == 0
     out, err = capsys.readouterr()
     data = json.loads(out)  # exactly one object: anything else on stdout would break this
     assert [(v["name"], v["verdict"]) for v in data["variants"]] == [("b", "ceiling")]
+    # the power of this study and of one of 2 seeds per recipe: shares of simulated studies, over every verdict
+    [variant] = data["variants"]
+    assert data["options"]["power_designs"] == ["2x512"] and set(variant["power_designs"]) == {"2x512"}
+    assert all(sum(p.values()) == pytest.approx(1) for p in (variant["power"], variant["power_designs"]["2x512"]))
     assert data["base"]["name"] == "a" and [e["variant"] for e in data["left_out"]] == ["c"]
     assert "c: left out" in err and "the fit needs at least 5" in err
     # beside the verdicts, each run's backtest: what `scalerl forecast backtest RUN --fit-until HALF` says of it

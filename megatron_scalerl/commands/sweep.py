@@ -22,6 +22,7 @@ import torch
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.forecast.data import parse_gpu_hours
+from megatron_scalerl.forecast.design import POWER_TRIALS
 from megatron_scalerl.recipe import resolve_dict, validate
 from megatron_scalerl.sweep.local import run_local
 from megatron_scalerl.sweep.manifest import (
@@ -76,6 +77,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     report.add_argument("--runs", nargs="+", type=Path, metavar="RUN", help="run directories; the first is the base")
     report.add_argument("--json", action="store_true", help="print exactly one JSON object")
     report.add_argument("--out", type=Path, help="write the report's files here (a sweep's default: DIR/report)")
+    report.add_argument("--power-design", dest="power_designs", action="append", default=[], type=_design,
+                        metavar="SEEDSxCOMPLETIONS", help="also simulate the power of a study of SEEDS runs per "
+                        "recipe and COMPLETIONS scored per validation, e.g. 3x2048 (repeatable)")
+    report.add_argument("--power-trials", type=int, default=POWER_TRIALS, metavar="N",
+                        help=f"simulated studies behind each power figure (default {POWER_TRIALS}; >= 1)")
     report.set_defaults(func=_report)
 
 
@@ -190,10 +196,7 @@ def _plan(sweep_dir: Path, manifest: dict, spec: BaseSpec) -> Sweep:
 
 def _launch(sweep: Sweep, keys: list[str], poll_s: float) -> int:
     if sweep.manifest["slurm"]:
-
         return run_slurm(sweep, keys, sweep.manifest["max_concurrent"], poll_s)
-
-
     return run_local(sweep, keys, sweep.manifest["parallel"], cuda=torch.cuda.is_available())
 
 
@@ -209,14 +212,24 @@ def _final_report(sweep: Sweep) -> int:
     return 0
 
 
+def _design(text: str) -> tuple[int, int]:
+    """`--power-design`'s SEEDSxCOMPLETIONS, e.g. "3x2048"."""
+    seeds, _, draws = text.lower().partition("x")
+    if not (seeds.isdigit() and draws.isdigit() and int(seeds) >= 1 and int(draws) >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected SEEDSxCOMPLETIONS, two positive integers, e.g. 3x2048")
+    return int(seeds), int(draws)
+
+
 def _report(args: argparse.Namespace) -> int:
+    if args.power_trials < 1:
+        raise UserError(f"scalerl sweep report: --power-trials must be >= 1, got {args.power_trials}")
     if (args.report_dir is None) == (args.runs is None):
         raise UserError("scalerl sweep report: give a sweep directory, or --runs BASE_RUN RUN ... (not both)")
     if args.runs is not None:
-        report(*given_runs(args.runs), args.out, args.json)
+        report(*given_runs(args.runs), args.out, args.json, tuple(args.power_designs), args.power_trials)
         return 0
     manifest = load_manifest(args.report_dir)
     if manifest is None:
         raise UserError(f"{args.report_dir}: no {MANIFEST} (not a sweep directory); for other runs use --runs")
-    report_sweep(args.report_dir, manifest, args.out, args.json)
+    report_sweep(args.report_dir, manifest, args.out, args.json, tuple(args.power_designs), args.power_trials)
     return 0

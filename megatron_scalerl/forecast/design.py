@@ -13,8 +13,8 @@ every part but slowly: the A draws of a demo-sized run are heavy-tailed upwards,
 far less than 1 / sqrt(seeds) (on demo-like synthetic runs, 64 prompts x 4 samples at 16 validations, the median A
 interval was 0.14 wide for 1 seed, 0.16 for 2 and 0.12 for 4; with 16 samples per prompt 0.08, 0.06, 0.06).
 
-`power` is the same simulation at the study's own design, for every variant, called or not: how often a study of
-this size reaches each verdict if the fitted difference is the real one.
+`power` is the same simulation at the study's own design (or at another one asked for), for every variant, called
+or not: how often a study of that size reaches each verdict if the fitted difference is the real one.
 """
 
 from __future__ import annotations
@@ -103,13 +103,13 @@ def designs_to_call(base: ArmForecasts, variant: ArmForecasts, options: Forecast
             + "; ".join(tried) + "): the difference may be smaller than these runs can resolve")
 
 
-def power(base: ArmForecasts, variant: ArmForecasts, options: ForecastOptions, judge: Judge, trials: int
-          ) -> dict[str, float]:
+def power(base: ArmForecasts, variant: ArmForecasts, options: ForecastOptions, judge: Judge, trials: int,
+          design: tuple[int, int] | None = None) -> dict[str, float]:
     """The study's power: the share of `trials` studies of its own design (its seeds per recipe, its completions
-    per validation) simulated from these fits (their difference taken as real) that reach each verdict, in the
-    verdicts' order ("unfitted" last: no verdict)."""
-    seeds = max(len(base.forecasts), len(variant.forecasts))
-    found = _simulated_verdicts(base, variant, options, judge, seeds, options.eval_draws or DEFAULT_DRAWS, trials,
+    per validation), or of `design` (seeds per recipe, completions per validation), simulated from these fits (their
+    difference taken as real) that reach each verdict, in the verdicts' order ("unfitted" last: no verdict)."""
+    seeds, draws = design or (max(len(base.forecasts), len(variant.forecasts)), options.eval_draws or DEFAULT_DRAWS)
+    found = _simulated_verdicts(base, variant, options, judge, seeds, draws, trials,
                                 np.random.default_rng(options.seed + 1))
     order = ("ceiling", "efficiency", "indistinguishable", "too-early", "unfitted")
     return {verdict: found[verdict] / trials for verdict in order if found[verdict]}

@@ -284,6 +284,12 @@ def ablation_document(ablation: Ablation, png: bytes, data: dict | None = None,
                       "as real: " + "; ".join(f"{v['name']}: " + ", ".join(f"{verdict} {share:.0%}" for verdict, share
                                                                             in v["power"].items()) for v in powered)
                       + ".")
+        designs = data["options"].get("power_designs") or []
+        if designs:
+            doc.paragraph("The same at other designs (seeds per recipe x completions per validation): " + "; ".join(
+                f"{v['name']} at {d}: " + ", ".join(f"{verdict} {share:.0%}" for verdict, share
+                                                    in v["power_designs"][d].items())
+                for v in powered for d in designs) + ".")
     if data.get("backtests"):
         _backtests_section(doc, data["backtests"])
     doc.image("ablation.png", png)

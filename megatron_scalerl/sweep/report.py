@@ -182,10 +182,12 @@ def backtests(runs: list[ReportRun], options: ForecastOptions) -> list[dict]:
     return out
 
 
-def report(base: str, runs: list[ReportRun], left_out: list[dict], out: Path | None, as_json: bool) -> list[Path]:
+def report(base: str, runs: list[ReportRun], left_out: list[dict], out: Path | None, as_json: bool,
+           power_designs: tuple[tuple[int, int], ...] = (), power_trials: int = POWER_TRIALS) -> list[Path]:
     """Fit, judge, print (markdown, or one JSON object with `as_json`) and, with `out`, write the report of `runs`
-    (those of variant `base` are the base's) with `left_out`; the files written. UserError when the base or every
-    variant has no run left to fit."""
+    (those of variant `base` are the base's) with `left_out`; the files written. The power is simulated from
+    `power_trials` studies of this design and of each of `power_designs` ((seeds per recipe, completions per
+    validation) of studies to come). UserError when the base or every variant has no run left to fit."""
 
     options = _options(runs, base)
     runs = _fittable(runs, options, left_out)
@@ -200,7 +202,8 @@ def report(base: str, runs: list[ReportRun], left_out: list[dict], out: Path | N
         raise UserError(f"no ablation report: no run of {'the base' if not base_curves else 'any variant'} can be "
                         "fitted" + (f" ({whose[0]['run']}: {whose[0]['reason']})" if whose else ""))
     try:
-        ablation = make_ablation(base_curves, list(groups.items()), options, power_trials=POWER_TRIALS)
+        ablation = make_ablation(base_curves, list(groups.items()), options, power_trials=power_trials,
+                                 power_designs=power_designs)
     except (ValueError, RuntimeError, FloatingPointError) as exc:  # a bootstrap refit, past each run's point fit
         raise UserError(f"no ablation report: a bootstrap refit failed ({type(exc).__name__}: {exc})") from None
     domains = domain_ablations(base, runs, options, warnings)
@@ -236,6 +239,8 @@ def domain_ablations(base: str, runs: list[ReportRun], options: ForecastOptions,
     return ablations
 
 
-def report_sweep(sweep_dir: Path, manifest: dict, out: Path | None = None, as_json: bool = False) -> list[Path]:
+def report_sweep(sweep_dir: Path, manifest: dict, out: Path | None = None, as_json: bool = False,
+                 power_designs: tuple[tuple[int, int], ...] = (), power_trials: int = POWER_TRIALS) -> list[Path]:
     """The report of a sweep's done runs, written to `out` (default SWEEP/report/)."""
-    return report(*sweep_runs(sweep_dir, manifest), out or sweep_dir / REPORT_DIR, as_json)
+    return report(*sweep_runs(sweep_dir, manifest), out or sweep_dir / REPORT_DIR, as_json, power_designs,
+                  power_trials)
