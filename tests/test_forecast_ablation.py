@@ -210,7 +210,8 @@ def test_ablation_json_and_report(tmp_path, capsys):
     fields |= {f"compute_to_{pct}pct_base_gain{end}" for pct in (50, 90) for end in ("", "_lo", "_hi")}
     ratios = [f"compute_ratio_{pct}pct_{gain}_gain" for pct in (50, 90) for gain in ("base", "own")]
     comparison = {f"{key}{end}" for key in ("dA", *ratios)
-                  for end in ("", "_lo", "_hi")} | {"crossovers", "verdict", "verdict_reason", "needs", "power"}
+                  for end in ("", "_lo", "_hi")} | {"crossovers", "verdict", "verdict_reason", "needs", "power",
+                                                  "power_designs"}
     assert set(data["base"]) == fields
     assert [set(v) for v in data["variants"]] == [fields | comparison] * 2
     higher, slow = data["variants"]
