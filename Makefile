@@ -32,8 +32,8 @@ bytecode: setup
 # vLLM server, a trainer, a SLURM cluster) are built once; the files longest first by tests/durations.json
 # (tests/conftest.py). Three workers on 2 cores (SUITE_WORKERS): the end-to-end tests wait on servers, SLURM and
 # deadlines, so two workers left the cores idle a third of the time; three keep them 96% busy. The whole suite on 2
-# cores, 2026-12-04 (docs/benchmarks.md, "Test suite"): 22.0 min on an AMD EPYC with native bf16 (AVX512,
-# avx512_bf16, no AMX), 48.2 min on an AMD EPYC with AVX2 only (60-70 with two workers). Each tier's time below: 2
+# cores (docs/benchmarks.md, "Test suite"): 23.7 min on an AMD EPYC with native bf16 (AVX512, avx512_bf16, no AMX;
+# 2026-12-07), 48.2 min on an AMD EPYC with AVX2 only (2026-12-04; 60-70 with two workers). Each tier's time below: 2
 # cores, Intel Xeon, AVX512 with native bf16 (amx_bf16), 2026-12-02, with two workers.
 SUITE_WORKERS ?= 3
 PYTEST := $(PY) -m pytest -q --dist loadfile --no-loadscope-reorder
