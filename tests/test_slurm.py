@@ -294,7 +294,8 @@ def test_a_two_variant_sweep_runs_as_slurm_jobs_finds_them_again_and_each_genera
         first.process.send_signal(signal.SIGINT)
         assert first.end() == 130 and "1 job(s) go on" in first.text(), first.text()[-3000:]
         job = load_manifest(sweep_dir)["runs"]["base/seed0"]["slurm_job"]
-        second = SweepProcess(["--sweep-dir", str(sweep_dir)], tmp_path / "second.log", env)
+        # --poll belongs to the watching process, not to the sweep: given again (30 s by default)
+        second = SweepProcess(["--sweep-dir", str(sweep_dir), "--poll", "2"], tmp_path / "second.log", env)
         assert second.end(900) == 0, second.text()[-3000:]
         text = second.text()
         assert f"base/seed0: following job {job}" in text and text.count("submitted as job") == 1
