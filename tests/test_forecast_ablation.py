@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from megatron_scalerl.errors import UserError
-from megatron_scalerl.forecast import plots
+from megatron_scalerl.forecast import design, plots
 from megatron_scalerl.forecast.ablation import RULE, SCHEMA, make_ablation
 from megatron_scalerl.forecast.data import Curve
 from megatron_scalerl.forecast.predict import ForecastOptions
@@ -174,6 +174,23 @@ def test_the_power_of_a_design_is_how_often_its_simulated_studies_reach_each_ver
                       power_trials=2, power_designs=((0, 64),))
     assert make_ablation([demo_like(DEMO_LIKE, 40, 16)], [("lower", [demo_like(lower, 50, 16)])],
                          options).contrasts[0].power is None  # not asked for
+
+
+def test_each_simulated_seed_drifts_as_its_own_run():
+    """The power's simulated seed i drifts as the recipe's run i mod (its runs) did, not as its first run: a recipe
+    of a calm run (drift sd 0.002) and a wandering one (0.03) gives simulated seeds that alternate between the two
+    (their distance to the mean curve, with evaluation noise made negligible)."""
+    options = ForecastOptions(resamples=20, budgets=(0.5,), min_compute=0, eval_draws=64 * 16)
+    calm, wandering = (simulate_run(DEMO_LIKE, seed, r0=0.2, num_evals=16, prompts=64, samples_per_prompt=16,
+                                    drift_sd=sd).curve for seed, sd in ((10, 0.002), (11, 0.03)))
+    recipe = make_ablation([calm, wandering], [("same", [demo_like(DEMO_LIKE, 12, 16)])], options,
+                           judge_only=True).base
+    rng = np.random.default_rng(0)
+    spread = np.zeros(4)
+    for _ in range(10):
+        for i, sim in enumerate(design._simulated_recipe(recipe, 4, 10**7, rng)):
+            spread[i] += np.sqrt(np.mean((sim.reward - recipe.predict(sim.compute))[1:] ** 2)) / 10
+    assert max(spread[0], spread[2]) < 0.5 * min(spread[1], spread[3]), spread
 
 
 def test_one_seed_is_its_own_fit_and_seeds_pool():

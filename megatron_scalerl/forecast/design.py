@@ -4,9 +4,13 @@ A curve that has not bent yet needs longer runs: `longer_runs` says how much lon
 without simulation. Otherwise `designs_to_call` tries study designs, cheapest first (`DESIGNS`: seeds per recipe and
 scored completions per validation, each a multiple of the study's own), on `TRIALS` simulated studies each: every
 seed of the base and of the variant becomes a synthetic run (`synthetic.simulate_run`) of its recipe's fitted mean
-curve (A, B, C_mid, R0), with the evaluations of the recipe's first run (their count and span in GPU-hours), its
-drift (the median drift sd and neighbour correlation of that run's noise model) and binomial evaluation noise of the
-design's completions; each simulated study is judged by the ablation's own rule. The answer lists every design
+curve (A, B, C_mid, R0), simulated seed i with the evaluations of the recipe's run i mod (its runs) (their count and
+span in GPU-hours), that run's drift (the median drift sd and neighbour correlation of its noise model) and binomial
+evaluation noise of the design's completions; each simulated study is judged by the ablation's own rule. The drift
+is each run's own because the runs of one recipe differ in it (on the demo's studies, a recipe's three seeds' drift
+sd spread up to 3-5x, from 0.005 to 0.026), and the study's intervals are as wide as its noisiest runs make them;
+their fitted parameters, by contrast, differ less than each run's bootstrap says (a between-seed variance of 0 for A
+in every recipe of three studies, method of moments), so all seeds share the mean curve. The answer lists every design
 tried with how many of its studies reached a verdict, and stops at the first that does in at least `CALLED` of
 `TRIALS`. More completions per validation narrow only the evaluation-noise part of an interval, more seeds narrow
 every part but slowly: the A draws of a demo-sized run are heavy-tailed upwards, so their mean over seeds narrows
@@ -50,14 +54,14 @@ def longer_runs(recipe: ArmForecasts) -> str:
 
 
 def _simulated_recipe(recipe: ArmForecasts, seeds: int, draws: int, rng: np.random.Generator) -> list[Curve]:
-    """`seeds` synthetic runs of `recipe`'s fitted mean curve with its first run's evaluations and drift (one more
-    evaluation, at 0 GPU-h, outside every fit window: the fitted ones keep their count)."""
-    first = recipe.forecasts[0]
-    fitted, noise = recipe.fitted, first.boot.noise.summary()
-    compute = first.curve.compute[first.in_fit]
-    run = PaperRun(recipe.name, C_mid=fitted["C_mid"], B=fitted["B"], A=fitted["A"], budget=float(compute[-1]))
-    curves = []
+    """`seeds` synthetic runs of `recipe`'s fitted mean curve, simulated seed i with the evaluations and drift of the
+    recipe's run i mod (its runs) (one more evaluation, at 0 GPU-h, outside every fit window: the fitted ones keep
+    their count)."""
+    fitted, curves = recipe.fitted, []
     for s in range(seeds):
+        like = recipe.forecasts[s % len(recipe.forecasts)]
+        noise, compute = like.boot.noise.summary(), like.curve.compute[like.in_fit]
+        run = PaperRun(recipe.name, C_mid=fitted["C_mid"], B=fitted["B"], A=fitted["A"], budget=float(compute[-1]))
         simulated = simulate_run(run, int(rng.integers(2**31)), r0=fitted["R0"], num_evals=int(compute.size) + 1,
                                  prompts=draws, samples_per_prompt=1, drift_sd=noise["drift_sd"],
                                  drift_corr=noise["drift_corr"]).curve
