@@ -32,20 +32,20 @@ bytecode: setup
 # vLLM server, a trainer, a SLURM cluster) are built once; the files longest first by tests/durations.json
 # (tests/conftest.py). Three workers on 2 cores (SUITE_WORKERS): the end-to-end tests wait on servers, SLURM and
 # deadlines, so two workers left the cores idle a third of the time; three keep them 96% busy. The whole suite on 2
-# cores (docs/benchmarks.md, "Test suite"): 23.7 min on an AMD EPYC with native bf16 (AVX512, avx512_bf16, no AMX;
-# 2026-12-07), 48.2 min on an AMD EPYC with AVX2 only (2026-12-04; 60-70 with two workers). Each tier's time below: 2
-# cores, Intel Xeon, AVX512 with native bf16 (amx_bf16), 2026-12-02, with two workers.
+# cores (docs/benchmarks.md, "Test suite"): 23.1-23.9 min on an AMD EPYC with native bf16 (AVX512, avx512_bf16, no
+# AMX; 2026-12-07), 48.2 min on an AMD EPYC with AVX2 only (2026-12-04; 60-70 with two workers). Each tier's time
+# below: 2 cores, the same EPYC with native bf16, 2026-12-07, with two workers.
 SUITE_WORKERS ?= 3
 PYTEST := $(PY) -m pytest -q --dist loadfile --no-loadscope-reorder
 test: bytecode
 	$(PYTEST) -n $(SUITE_WORKERS) --durations=25 $(PYTEST_ARGS)
 
 # No vLLM server, SLURM cluster, multi-rank trainer or launch: the library's logic, graders and sandboxes
-# (3:26 there, 1116 tests).
+# (3:31 there, 1202 tests).
 test-unit: bytecode
 	$(PYTEST) -n 2 -m "not vllm and not slurm and not multiprocess and not gpu" $(PYTEST_ARGS)
 
-# Everything but the end-to-end tests (`slow`): the unit tier plus single servers and trainers (4:46 there).
+# Everything but the end-to-end tests (`slow`): the unit tier plus single servers and trainers (5:09 there).
 test-fast: bytecode
 	$(PYTEST) -n 2 -m "not slow" $(PYTEST_ARGS)
 

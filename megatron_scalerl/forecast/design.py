@@ -7,10 +7,10 @@ seed of the base and of the variant becomes a synthetic run (`synthetic.simulate
 curve (A, B, C_mid, R0), simulated seed i with the evaluations of the recipe's run i mod (its runs) (their count and
 span in GPU-hours), that run's drift (the median drift sd and neighbour correlation of its noise model) and binomial
 evaluation noise of the design's completions; each simulated study is judged by the ablation's own rule. The drift
-is each run's own because the runs of one recipe differ in it (on the demo's studies, a recipe's three seeds' drift
-sd spread up to 3-5x, from 0.005 to 0.026), and the study's intervals are as wide as its noisiest runs make them;
-their fitted parameters, by contrast, differ less than each run's bootstrap says (a between-seed variance of 0 for A
-in every recipe of three studies, method of moments), so all seeds share the mean curve. The answer lists every design
+is each run's own because the runs of one recipe differ in it (on the demo's studies a recipe's three seeds' drift
+sd differ up to 5x, 0.005-0.026), and a study's intervals are as wide as its noisiest runs make them; their fitted
+parameters, by contrast, differ no more than each run's bootstrap says (method of moments: a between-seed variance
+of 0 for A in every recipe of three studies), so all seeds share the mean curve. The answer lists every design
 tried with how many of its studies reached a verdict, and stops at the first that does in at least `CALLED` of
 `TRIALS`. More completions per validation narrow only the evaluation-noise part of an interval, more seeds narrow
 every part but slowly: the A draws of a demo-sized run are heavy-tailed upwards, so their mean over seeds narrows
