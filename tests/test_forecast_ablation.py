@@ -186,10 +186,8 @@ def test_each_simulated_seed_drifts_as_its_own_run():
     recipe = make_ablation([calm, wandering], [("same", [demo_like(DEMO_LIKE, 12, 16)])], options,
                            judge_only=True).base
     rng = np.random.default_rng(0)
-    spread = np.zeros(4)
-    for _ in range(10):
-        for i, sim in enumerate(design._simulated_recipe(recipe, 4, 10**7, rng)):
-            spread[i] += np.sqrt(np.mean((sim.reward - recipe.predict(sim.compute))[1:] ** 2)) / 10
+    spread = np.mean([[np.sqrt(np.mean((sim.reward - recipe.predict(sim.compute))[1:] ** 2))
+                       for sim in design._simulated_recipe(recipe, 4, 10**7, rng)] for _ in range(10)], axis=0)
     assert max(spread[0], spread[2]) < 0.5 * min(spread[1], spread[3]), spread
 
 

@@ -57,14 +57,17 @@ def _simulated_recipe(recipe: ArmForecasts, seeds: int, draws: int, rng: np.rand
     """`seeds` synthetic runs of `recipe`'s fitted mean curve, simulated seed i with the evaluations and drift of the
     recipe's run i mod (its runs) (one more evaluation, at 0 GPU-h, outside every fit window: the fitted ones keep
     their count)."""
-    fitted, curves = recipe.fitted, []
+    fitted = recipe.fitted
+    like_runs = []  # per run of the recipe: (the mean curve over its fitted GPU-hours, its evaluations, its noise)
+    for forecast in recipe.forecasts:
+        compute = forecast.curve.compute[forecast.in_fit]
+        like_runs.append((PaperRun(recipe.name, C_mid=fitted["C_mid"], B=fitted["B"], A=fitted["A"],
+                                   budget=float(compute[-1])), int(compute.size) + 1, forecast.boot.noise.summary()))
+    curves = []
     for s in range(seeds):
-        like = recipe.forecasts[s % len(recipe.forecasts)]
-        noise, compute = like.boot.noise.summary(), like.curve.compute[like.in_fit]
-        run = PaperRun(recipe.name, C_mid=fitted["C_mid"], B=fitted["B"], A=fitted["A"], budget=float(compute[-1]))
-        simulated = simulate_run(run, int(rng.integers(2**31)), r0=fitted["R0"], num_evals=int(compute.size) + 1,
-                                 prompts=draws, samples_per_prompt=1, drift_sd=noise["drift_sd"],
-                                 drift_corr=noise["drift_corr"]).curve
+        run, evals, noise = like_runs[s % len(like_runs)]
+        simulated = simulate_run(run, int(rng.integers(2**31)), r0=fitted["R0"], num_evals=evals, prompts=draws,
+                                 samples_per_prompt=1, drift_sd=noise["drift_sd"], drift_corr=noise["drift_corr"]).curve
         curves.append(replace(simulated, name=f"{recipe.name}-sim{s}", source=f"{recipe.name}/sim{s}"))
     return curves
 
