@@ -1,8 +1,6 @@
 """`python -m megatron_scalerl ...`: the `scalerl` command (`megatron_scalerl.commands`)."""
 
-import sys
-
-from megatron_scalerl.commands import main
+from megatron_scalerl.commands import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

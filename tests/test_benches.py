@@ -68,3 +68,11 @@ def test_code_verifier_bench():
     figures = run_bench("code_verifier.py", "--cases", "2", "--repeats", "1")
     assert figures["sandbox"] == "bwrap" and figures["cases"] == 2
     assert all(figures[key] > 0 for key in ("bare_ms_per_case", "cases_ms_per_case", "asserts_ms_per_case"))
+
+
+def test_process_exit_bench():
+    figures = run_bench("process_exit.py", "--imports", "torch", "--repeats", "1")
+    torch_figures = figures["imports"]["torch"]
+    assert all(positive(torch_figures[key]) for key in ("floor_cpu_s", "usual_cpu_s", "exit_with_cpu_s"))
+    assert torch_figures["exit_with_vs_usual"] == pytest.approx(
+        torch_figures["exit_with_cpu_s"] / torch_figures["usual_cpu_s"], abs=0.002)

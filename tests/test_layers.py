@@ -30,7 +30,7 @@ LAYERS = [
     {"errors", "section"},
     # __init__: the package's; families: the model families' pure side (HF config.json
     # translation, layer plans, serving specifics)
-    {"__init__", "fileio", "http_json", "ports", "families"},
+    {"__init__", "fileio", "http_json", "ports", "process_exit", "families"},
     {"recipe", "run"},
     {"algo", "forecast", "batches"},
     {"platform", "tasks"},

@@ -1,6 +1,6 @@
 """The `scalerl` command: one module per subcommand in this package, imported only when that subcommand is chosen.
 
-    scalerl COMMAND ...                      # console script; also `python -m megatron_scalerl.commands`
+    scalerl COMMAND ...                      # console script (`entry`); also `python -m megatron_scalerl.commands`
     main(["recipe", "show", "scalerl"])      # the same from Python; returns the exit code
 
 `COMMANDS` is the static table of every subcommand: its name, the module holding its command line and its one-line
@@ -16,10 +16,12 @@ import importlib
 import signal
 import sys
 from collections.abc import Iterable
+from typing import NoReturn
 
 from megatron_scalerl.commands.parsing import Parser
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.families.llama4.rope_note import quiet_if_said
+from megatron_scalerl.process_exit import exit_with
 
 # name: (module, one-line help), in the order `scalerl --help` lists them
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -76,3 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGPIPE, previous)
+
+
+def entry() -> NoReturn:
+    """The `scalerl` console script and `python -m megatron_scalerl[.commands]`: `main` on the command line, the
+    process ended by `process_exit.exit_with` (no interpreter teardown)."""
+    exit_with(main)

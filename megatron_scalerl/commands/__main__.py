@@ -1,8 +1,6 @@
 """`python -m megatron_scalerl.commands ...`: the `scalerl` command."""
 
-import sys
-
-from megatron_scalerl.commands import main
+from megatron_scalerl.commands import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

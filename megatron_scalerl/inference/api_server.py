@@ -25,6 +25,8 @@ import signal
 import socket
 import threading
 
+from megatron_scalerl.process_exit import exit_with
+
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
@@ -70,4 +72,4 @@ if __name__ == "__main__":
     fork_engine_core_on_cpu()
     from vllm.entrypoints.launchers.api_server.entry import main
 
-    main()
+    exit_with(main)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.launch.allocation import GENERATOR_GROUP, TRAINER_GROUP, srun
+from megatron_scalerl.process_exit import exit_with
 
 if TYPE_CHECKING:
     from megatron_scalerl.launch.allocation import Allocation
@@ -238,4 +239,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -85,6 +85,7 @@ from megatron_scalerl.launch.roles import (
 from megatron_scalerl.launch.supervise import ALLOCATION_LOST, Role, run_roles
 from megatron_scalerl.orchestrator.state import rewind_to_checkpoint
 from megatron_scalerl.platform.precision import serving_dtype
+from megatron_scalerl.process_exit import exit_with
 from megatron_scalerl.recipe import ClusterConfig, Recipe, load_recipe, load_run_recipe, slurm_minutes
 from megatron_scalerl.run.directory import (
     FINISHED_FILE,
@@ -403,4 +404,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

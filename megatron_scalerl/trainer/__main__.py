@@ -1,8 +1,7 @@
-import sys
-
 from megatron_scalerl.families.llama4.rope_note import quiet_if_said
+from megatron_scalerl.process_exit import exit_with
 from megatron_scalerl.trainer.trainer import main
 
 if __name__ == "__main__":
     quiet_if_said()  # a run's processes: transformers' note on Scout's RoPE scaling was said once by the launcher
-    sys.exit(main())
+    exit_with(main)
