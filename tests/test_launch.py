@@ -2,12 +2,13 @@
 
 import json
 import os
+import sys
 
 import pytest
 
 from megatron_scalerl.commands import main
 from megatron_scalerl.launch.roles import generator_command, prepare_run_dir, trainer_command
-from megatron_scalerl.launch.supervise import STOP_TIMEOUT_S
+from megatron_scalerl.launch.supervise import STOP_TIMEOUT_S, Role
 from megatron_scalerl.platform.precision import serving_dtype, with_resolved_precision
 from megatron_scalerl.recipe import load_recipe
 from megatron_scalerl.run.directory import read_generators, write_generators
@@ -84,6 +85,18 @@ def test_roles_commands(tmp_path):
     assert serving_dtype(RECIPE, cuda=False) == "float32" and serving_dtype(RECIPE, cuda=True) == "bfloat16"
     write_generators(tmp_path, ["http://a:1/"], "float32")
     assert read_generators(tmp_path) == (["http://a:1"], "float32")
+
+
+def test_an_echoed_roles_every_line_is_in_its_log_and_on_our_stdout_once_it_is_stopped(tmp_path, capsys):
+    """The orchestrator's role is echoed (its progress and the run's summary): a launcher that exits right after
+    `stop()` (no interpreter teardown: `process_exit`) must not lose the lines its copying thread had not reached."""
+    lines = 6000  # ~53 KB: all in the pipe's buffer at once, so the process is gone before its lines are copied
+    write = f"import sys; sys.stdout.write(''.join(f'line {{i}}\\n' for i in range({lines})))"
+    role = Role("orchestrator", [sys.executable, "-c", write], tmp_path / "orchestrator.log", echo=True).start()
+    role.process.wait(timeout=60)
+    role.stop()
+    assert role.log.read_text().splitlines()[-1] == f"line {lines - 1}"
+    assert capsys.readouterr().out.splitlines()[-1] == f"line {lines - 1}"
 
 
 def test_local_roles_share_the_cores_unless_the_user_set_a_thread_count(tmp_path, monkeypatch):

@@ -81,6 +81,7 @@ QUICK_EXIT_S = 60.0  # a generator that exits this soon after its start counts a
 QUICK_EXITS = 3  # quick exits in a row after which a generator is given up
 LAUNCH_ENV = "SCALERL_LAUNCH_ID"  # in every role's environment: what a launch started, its children included
 KILL_WAIT_S = 10.0  # how long kill_carrying waits for what it killed to be gone
+TEE_DRAIN_S = 10.0  # how long a stopped role's echo may take to copy what its process wrote before it ended
 MAX_BACKOFF_S = 300.0  # the longest wait before a restart of the trainer and the orchestrator
 ALLOCATION_LOST = 75  # run_roles' exit code when a role failed and its allocation cannot run it again (EX_TEMPFAIL)
 STUCK_GENERATOR_S = 300.0  # a live generator without the restarted trainer's weights after this long is restarted
@@ -143,6 +144,7 @@ class Role:
     terminate: Callable[[], bool] | None = None  # asks the role to stop; False: do it with SIGTERM (srun's tasks
     # must get the signal from SLURM: a SIGTERM to srun itself kills them at once)
     process: subprocess.Popen | None = None
+    tee: threading.Thread | None = None  # with `echo`: copies the process's stdout to its log and ours until EOF
     started: float = 0.0  # time.monotonic() of the last start
     log_start: int = 0  # the log's size (bytes) at the last start: what this run of the role wrote follows it
     restarts: int = 0
@@ -157,7 +159,8 @@ class Role:
                                             env={**os.environ, **self.env})
         self.started = time.monotonic()
         if self.echo:
-            threading.Thread(target=self._tee, args=(self.process, self.log), daemon=True).start()
+            self.tee = threading.Thread(target=self._tee, args=(self.process, self.log), daemon=True)
+            self.tee.start()
         return self
 
     @staticmethod
@@ -203,6 +206,8 @@ class Role:
         except ProcessLookupError:
             pass
         self.process.wait()
+        if self.tee is not None:  # its last lines (a run's summary) reach the log and our stdout before we exit
+            self.tee.join(timeout=TEE_DRAIN_S)
 
 
 class RunWatch:
