@@ -1,8 +1,8 @@
 """How our processes end: `exit_with(main)` runs an entry point and ends the process without the interpreter's teardown.
 
 After a normal exit CPython tears down every module the process imported, which costs CPU and nothing else: 0.4 s
-for `import torch`, 0.9 s with transformers and dynamo, 2.3 s for vLLM (2 cores, docs/benchmarks.md, "Process
-exit"). Every trainer rank, orchestrator, API server and `scalerl` call pays it. `exit_with` first does what a
+for `import torch`, 0.55 s with transformers and dynamo, 1.65 s for vLLM (2 cores; bench/process_exit.py,
+docs/benchmarks.md). Every trainer rank, orchestrator, API server and `scalerl` call pays it. `exit_with` first does what a
 normal exit does before the teardown, in the same order:
 
 1. `threading`'s own exit callbacks (`concurrent.futures` tells its pools' workers to finish there), then every
