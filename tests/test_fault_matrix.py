@@ -71,6 +71,12 @@ def _restarts(run_dir: Path) -> int:
     return len([r for r in read_metrics(run_dir) if "launch/restarts" in r])
 
 
+def _orchestrators(run_dir: Path) -> list[int]:
+    """The run's orchestrator processes. After a restart the trainer may step on the batches the rewind kept before
+    the launcher starts the orchestrator (once every generator serves the restarted trainer's weights)."""
+    return pids(f"megatron_scalerl.orchestrator --run-dir {run_dir}")
+
+
 def _kill_mid_push(run_dir: Path, rng: random.Random, found: dict) -> None:
     """Freeze trainer rank 0 at random moments until its generator is paused (inside a weight push: only a push
     pauses it), then SIGKILL it there."""
@@ -130,8 +136,9 @@ def healed(model, tmp_path_factory):
     code, out = launch(_fresh(run_dir, model, "launch.max_restarts=4"), [
         (f"batch {first_batch}", lambda: RolloutStream(run_dir).next_index() > first_batch,
          lambda: os.kill(trainer_worker(run_dir, 1), signal.SIGKILL)),
-        ("a trainer step after restart 1", stepped_after_restarts(run_dir, 1),
-         lambda: os.kill(*pids(f"megatron_scalerl.orchestrator --run-dir {run_dir}"), signal.SIGKILL)),
+        ("a trainer step after restart 1, its orchestrator started",
+         lambda: stepped_after_restarts(run_dir, 1)() and len(_orchestrators(run_dir)) == 1,
+         lambda: os.kill(_orchestrators(run_dir)[0], signal.SIGKILL)),
         ("a trainer step after restart 2", stepped_after_restarts(run_dir, 2),
          lambda: _kill_mid_push(run_dir, rng, found)),
         ("an unread batch after restart 3, corrupted",
