@@ -20,8 +20,8 @@ DURATIONS = Path(__file__).with_name("durations.json")
 
 def pytest_addoption(parser):
     parser.addoption("--record-durations", action="store_true",
-                     help=f"write each file's test seconds of this run into {DURATIONS.name} (make test-durations); "
-                          "files that did not run keep theirs")
+                     help=f"write each file's test seconds and CPU seconds of this run into {DURATIONS.name} (make "
+                          "test-durations); files that did not run keep theirs")
 
 
 def _file_of(nodeid: str) -> str:
@@ -42,19 +42,64 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -seconds.get(_file_of(item.nodeid), 0.0))
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds of this test process so far: its own, its children's that were waited for (with theirs: servers,
+    launches and every process below them), and the forkserver's with its reaped children (the trainer's local gloo
+    workers and the graders fork from it, and it lives to the end of the session)."""
+    import resource
+
+    spent = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                for f in ("ru_utime", "ru_stime"))
+    server = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    try:  # utime stime cutime cstime: fields 14-17 of /proc/PID/stat, after the parenthesised name
+        ticks = Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[11:15] if server else []
+    except OSError:
+        ticks = []
+    return spent + sum(int(t) for t in ticks) / os.sysconf("SC_CLK_TCK")
+
+
+class _CpuMeter:
+    """In each test process: the CPU seconds of every setup, call and teardown (`_cpu_seconds` across it), carried
+    to the controller in the phase's report (`user_properties`)."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_setup(self, item):
+        yield from self._measure(item)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item):
+        yield from self._measure(item)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(self, item):
+        yield from self._measure(item)
+
+    @staticmethod
+    def _measure(item):
+        before = _cpu_seconds()
+        yield
+        item.user_properties = [p for p in item.user_properties if p[0] != "cpu_s"]
+        item.user_properties.append(("cpu_s", _cpu_seconds() - before))
+
+
 class _DurationRecorder:
-    """Sums each file's setup + call + teardown seconds as the reports arrive (in the controller under xdist)."""
+    """Sums each file's setup + call + teardown seconds, wall and CPU (`_CpuMeter`), as the reports arrive (in the
+    controller under xdist)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu_seconds: dict[str, float] = defaultdict(float)
 
     def pytest_runtest_logreport(self, report):
         self.seconds[_file_of(report.nodeid)] += report.duration
+        self.cpu_seconds[_file_of(report.nodeid)] += dict(report.user_properties).get("cpu_s", 0.0)
 
 
 def pytest_configure(config):
-    if config.getoption("--record-durations") and not hasattr(config, "workerinput"):
-        config.pluginmanager.register(_DurationRecorder(), "scalerl-durations")
+    if config.getoption("--record-durations"):
+        config.pluginmanager.register(_CpuMeter(), "scalerl-cpu-meter")
+        if not hasattr(config, "workerinput"):
+            config.pluginmanager.register(_DurationRecorder(), "scalerl-durations")
 
 
 def _machine(config) -> dict:
@@ -78,8 +123,11 @@ def pytest_terminal_summary(terminalreporter, config):
     recorder = config.pluginmanager.get_plugin("scalerl-durations")
     if recorder is not None:
         files = {**_known_seconds(), **{f: round(s, 1) for f, s in recorder.seconds.items()}}
+        known_cpu = json.loads(DURATIONS.read_text()).get("cpu_seconds", {}) if DURATIONS.exists() else {}
+        cpu = {**known_cpu, **{f: round(s, 1) for f, s in recorder.cpu_seconds.items()}}
         DURATIONS.write_text(json.dumps({"measured_on": measured, "files": dict(sorted(
-            files.items(), key=lambda kv: -kv[1]))}, indent=1) + "\n")
+            files.items(), key=lambda kv: -kv[1])), "cpu_seconds": dict(sorted(
+                cpu.items(), key=lambda kv: -kv[1]))}, indent=1) + "\n")
         terminalreporter.write_line(f"{DURATIONS}: {len(recorder.seconds)} files' seconds recorded")
     unknown = getattr(config, "_unknown_files", [])
     if unknown:
