@@ -60,13 +60,13 @@ demo: bytecode
 
 # A small ablation study on the demo task (docs/sweeps.md): the demo recipe against a hard length cap too short for
 # its negative answers (demo_length_cap: 16 tokens) and half its learning rate (lr-5e-5), three seeds each, every
-# validation 64 held-out prompts x 16 samples (the same prompts in every run: data.seed), all from the demo's
+# validation 64 held-out prompts x 32 samples (the same prompts in every run: data.seed), all from the demo's
 # warm-started model (runs/demo_model/, built first unless `make demo` built it), one run after another; ends with the
-# ablation report in runs/ablation/report/. 26-40 minutes on 2 cores. Interrupted (Ctrl-C: each run checkpoints),
+# ablation report in runs/ablation/report/. 31-36 minutes on 2 cores with native bf16. Interrupted (Ctrl-C: each run checkpoints),
 # `make ablation` again continues it; ABLATION_ARGS= extends it (e.g. "--seeds 4").
 ablation: bytecode
 	$(VENV)/bin/scalerl sweep --sweep-dir runs/ablation --base demo --variants demo_length_cap \
-	  --grid trainer.lr=5e-5 --set data.validation_generations=16 --seeds 3 $(ABLATION_ARGS)
+	  --grid trainer.lr=5e-5 --set data.validation_generations=32 --seeds 3 $(ABLATION_ARGS)
 
 # A GPU node's first hour: our GPU paths (NCCL, Transformer Engine layers, CUDA vLLM), written and tested on CPU
 # only, checked on one node of 2-8 GPUs, small and real (tests/gpu: HF parity at TP2/EP2, bf16 steps + exact resume,

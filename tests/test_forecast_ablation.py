@@ -93,22 +93,24 @@ def demo_like(run: PaperRun, seed: int, samples: int = 4) -> Curve:
 
 
 @pytest.mark.parametrize("change, verdict, at_least", [
-    ({}, None, 0), ({"A": DEMO_LIKE.A + 0.08}, "ceiling", 8), ({"A": DEMO_LIKE.A - 0.08}, "ceiling", 7),
-    ({"C_mid": 2 * DEMO_LIKE.C_mid}, "efficiency", 8)],
+    ({}, None, 0), ({"A": DEMO_LIKE.A + 0.08}, "ceiling", 9), ({"A": DEMO_LIKE.A - 0.08}, "ceiling", 8),
+    ({"C_mid": 2 * DEMO_LIKE.C_mid}, "efficiency", 7)],
     ids=["identical", "higher-ceiling", "lower-ceiling", "efficiency"])
 def test_demo_sized_studies_call_real_shifts_and_rarely_invent_one(change, verdict, at_least):
-    """`make ablation`'s design at 2 seeds (16 validations of 64 prompts x 16 samples; it runs 3) on synthetic runs of
-    known parameters: a ceiling up 0.08 and a C_mid x2 are called in >= 8 of 10 noise seeds, a ceiling down 0.08
-    (a smaller gain) in >= 7, identical runs called different in at most 1, a ceiling shift called `efficiency` in
+    """`make ablation`'s design at 2 seeds (16 validations of 64 prompts x 32 samples; it runs 3) on synthetic runs of
+    known parameters: a ceiling up 0.08 is called in >= 9 of 10 noise seeds, a ceiling down 0.08 (a smaller gain) in
+    >= 8, a C_mid x2 in >= 7, identical runs called different in at most 1, a ceiling shift called `efficiency` in
     at most 1: the verdict reads the compute to each one's own gain; the rule before 2026-11-28 read the compute to
     the base's levels, which a lower ceiling reaches later, and called the ceiling down 0.08 `efficiency` in 3 of 10
-    (7 `ceiling`; now 7 `ceiling`, 1 `efficiency`, 2 `too-early`)."""
-    options = ForecastOptions(resamples=40, budgets=(0.5,), min_compute=0, eval_draws=64 * 16)
+    (at 16 samples). Over 30 noise seeds (2026-12-07): at 16 samples the ceiling down 21 `ceiling`, 2 `efficiency`,
+    and the C_mid x2 25 `efficiency`; at 32 the ceiling down 27 `ceiling`, none `efficiency`, and the C_mid x2 26
+    `efficiency`, 3 `ceiling` (an A known more narrowly shows the fits' A-C_mid trade-off as a ceiling more often)."""
+    options = ForecastOptions(resamples=40, budgets=(0.5,), min_compute=0, eval_draws=64 * 32)
     variant = replace(DEMO_LIKE, name="variant", **change)
     found = Counter()
     for trial in range(10):
-        study = make_ablation([demo_like(DEMO_LIKE, 1000 + trial, 16), demo_like(DEMO_LIKE, 3000 + trial, 16)],
-                              [("variant", [demo_like(variant, 5000 + trial, 16), demo_like(variant, 7000 + trial, 16)])],
+        study = make_ablation([demo_like(DEMO_LIKE, 1000 + trial, 32), demo_like(DEMO_LIKE, 3000 + trial, 32)],
+                              [("variant", [demo_like(variant, 5000 + trial, 32), demo_like(variant, 7000 + trial, 32)])],
                               options, judge_only=True)
         found[study.contrasts[0].verdict] += 1
     if verdict is None:
@@ -145,15 +147,15 @@ def test_a_too_early_verdict_names_a_design_that_calls_it_and_that_design_does()
 
 
 def test_the_power_of_a_design_is_how_often_its_simulated_studies_reach_each_verdict(tmp_path):
-    """`make ablation`'s design (3 seeds, 16 validations of 64 prompts x 16 samples) on synthetic runs: a ceiling down
+    """`make ablation`'s design (3 seeds, 16 validations of 64 prompts x 32 samples) on synthetic runs: a ceiling down
     0.15 is called a ceiling by most studies simulated from the fits, a C_mid x3 at equal A an efficiency change;
     shares over the verdicts sum to 1, and the report states the power with its number of studies."""
-    options = ForecastOptions(resamples=40, budgets=(0.5,), min_compute=0, eval_draws=64 * 16)
+    options = ForecastOptions(resamples=40, budgets=(0.5,), min_compute=0, eval_draws=64 * 32)
     lower = replace(DEMO_LIKE, name="lower", A=DEMO_LIKE.A - 0.15)
     slower = replace(DEMO_LIKE, name="slower", C_mid=3 * DEMO_LIKE.C_mid, budget=0.9)
-    study = make_ablation([demo_like(DEMO_LIKE, 40 + s, 16) for s in range(3)],
-                          [("lower", [demo_like(lower, 50 + s, 16) for s in range(3)]),
-                           ("slower", [demo_like(slower, 60 + s, 16) for s in range(3)])], options, power_trials=6,
+    study = make_ablation([demo_like(DEMO_LIKE, 40 + s, 32) for s in range(3)],
+                          [("lower", [demo_like(lower, 50 + s, 32) for s in range(3)]),
+                           ("slower", [demo_like(slower, 60 + s, 32) for s in range(3)])], options, power_trials=6,
                           power_designs=((1, 64),))
     low, slow = (c.power for c in study.contrasts)
     assert sum(low.values()) == pytest.approx(1) and sum(slow.values()) == pytest.approx(1)
@@ -168,12 +170,35 @@ def test_the_power_of_a_design_is_how_often_its_simulated_studies_reach_each_ver
     text = ablation_document(study, b"", data).to_markdown(images=False)
     assert "Power of this design: the verdicts of 6 studies of its size" in text
     assert "lower: ceiling " in text, text
-    assert "The same at other designs (seeds per recipe x completions per validation): lower at 1x64: " in text
-    with pytest.raises(UserError, match="must be >= 1, got 0x64"):
+    assert ("The same at other designs (seeds per recipe x completions per validation, x the runs' length where it "
+            "is not this study's): lower at 1x64: ") in text
+    with pytest.raises(UserError, match="must be >= 1 and its length > 0, got 0x64"):
         make_ablation([demo_like(DEMO_LIKE, 40, 16)], [("lower", [demo_like(lower, 50, 16)])], options,
                       power_trials=2, power_designs=((0, 64),))
     assert make_ablation([demo_like(DEMO_LIKE, 40, 16)], [("lower", [demo_like(lower, 50, 16)])],
                          options).contrasts[0].power is None  # not asked for
+
+
+def test_longer_runs_raise_the_power_to_call_a_barely_bent_efficiency_change(capsys):
+    """A C_mid x2.5 at equal A on `make ablation`'s design, its curve barely bent by the runs' end: the study's own
+    design calls the efficiency change in few simulated studies, runs twice as long (the fitted curves extrapolated,
+    validations at the same spacing: design "3x2048x2") in most, runs 0.6x as long in none; `--power-design` takes
+    the length as a third part and refuses a length that is not a positive number."""
+    from megatron_scalerl.commands import main
+
+    options = ForecastOptions(resamples=40, budgets=(0.5,), min_compute=0, eval_draws=64 * 32)
+    slower = replace(DEMO_LIKE, name="slower", C_mid=2.5 * DEMO_LIKE.C_mid)
+    study = make_ablation([demo_like(DEMO_LIKE, 40 + s, 32) for s in range(3)],
+                          [("slower", [demo_like(slower, 60 + s, 32) for s in range(3)])], options, power_trials=8,
+                          power_designs=((3, 2048, 2.0), (3, 2048, 0.6)))
+    own, longer, shorter = (p.get("efficiency", 0) for p in (study.contrasts[0].power,
+                                                           *study.contrasts[0].power_designs.values()))
+    assert list(study.contrasts[0].power_designs) == ["3x2048x2", "3x2048x0.6"]
+    assert shorter < own <= 0.5 < longer, (shorter, own, longer)
+    assert study.to_dict()["options"]["power_designs"] == ["3x2048x2", "3x2048x0.6"]
+    for bad in ("3x2048x0", "3x2048xlong", "3x2048x1x2"):
+        assert main(["sweep", "report", "runs/none", "--power-design", bad]) == 2
+        assert f"{bad!r}: expected SEEDSxCOMPLETIONS" in capsys.readouterr().err
 
 
 def test_each_simulated_seed_drifts_as_its_own_run():

@@ -22,7 +22,7 @@ import torch
 
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.forecast.data import parse_gpu_hours
-from megatron_scalerl.forecast.design import POWER_TRIALS
+from megatron_scalerl.forecast.design import POWER_TRIALS, Design
 from megatron_scalerl.recipe import resolve_dict, validate
 from megatron_scalerl.sweep.local import run_local
 from megatron_scalerl.sweep.manifest import (
@@ -78,8 +78,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     report.add_argument("--json", action="store_true", help="print exactly one JSON object")
     report.add_argument("--out", type=Path, help="write the report's files here (a sweep's default: DIR/report)")
     report.add_argument("--power-design", dest="power_designs", action="append", default=[], type=_design,
-                        metavar="SEEDSxCOMPLETIONS", help="also simulate the power of a study of SEEDS runs per "
-                        "recipe and COMPLETIONS scored per validation, e.g. 3x2048 (repeatable)")
+                        metavar="SEEDSxCOMPLETIONS[xLENGTH]", help="also simulate the power of a study of SEEDS "
+                        "runs per recipe and COMPLETIONS scored per validation, e.g. 3x2048, and with xLENGTH runs "
+                        "that many times as long as this study's (its fitted curves extrapolated), e.g. 3x2048x1.5 "
+                        "(repeatable)")
     report.add_argument("--power-trials", type=int, default=POWER_TRIALS, metavar="N",
                         help=f"simulated studies behind each power figure (default {POWER_TRIALS}; >= 1)")
     report.set_defaults(func=_report)
@@ -212,12 +214,18 @@ def _final_report(sweep: Sweep) -> int:
     return 0
 
 
-def _design(text: str) -> tuple[int, int]:
-    """`--power-design`'s SEEDSxCOMPLETIONS, e.g. "3x2048"."""
-    seeds, _, draws = text.lower().partition("x")
-    if not (seeds.isdigit() and draws.isdigit() and int(seeds) >= 1 and int(draws) >= 1):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected SEEDSxCOMPLETIONS, two positive integers, e.g. 3x2048")
-    return int(seeds), int(draws)
+def _design(text: str) -> Design:
+    """`--power-design`'s SEEDSxCOMPLETIONS[xLENGTH], e.g. "3x2048" or "3x2048x1.5"."""
+    seeds, draws, *length = text.lower().split("x")
+    try:
+        design = Design(int(seeds), int(draws), *(float(part) for part in length))
+    except (ValueError, TypeError):  # not numbers, or more than three parts
+        design = None
+    if design is None or design.seeds < 1 or design.draws < 1 or not 0 < design.length < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected SEEDSxCOMPLETIONS, two positive integers, e.g. 3x2048, "
+                                         "optionally xLENGTH, the runs' length as a multiple of the study's, e.g. "
+                                         "3x2048x1.5")
+    return design
 
 
 def _report(args: argparse.Namespace) -> int:

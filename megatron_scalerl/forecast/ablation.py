@@ -15,8 +15,8 @@ pass rates in [0, 1], intervals `[X_lo, X_hi]` at `options.level`; inf (never re
                    same for 90pct, "crossovers": [GPU-h where it crosses the base],
                    "verdict", "verdict_reason", "needs" (too-early: what would call it, as numbers; else null),
                    "power" ({verdict: share of studies of this design simulated from the fits reaching it}, or
-                   null where not simulated), "power_designs" ({"SEEDSxCOMPLETIONS": the same at that design} for
-                   the designs asked for, or null)},
+                   null where not simulated), "power_designs" ({"SEEDSxCOMPLETIONS[xLENGTH]": the same at that
+                   design} for the designs asked for, or null)},
                   ...]}
 
 Seeds. The noise model (`uncertainty`) is per run: each seed drifts on its own. So each seed is fitted and
@@ -83,7 +83,7 @@ import numpy as np
 from megatron_scalerl.errors import UserError
 from megatron_scalerl.forecast.compare import crossovers
 from megatron_scalerl.forecast.data import Curve
-from megatron_scalerl.forecast.design import designs_to_call, longer_runs, power
+from megatron_scalerl.forecast.design import Design, designs_to_call, longer_runs, power
 from megatron_scalerl.forecast.predict import (
     A_MARGIN,
     NO_GAIN,
@@ -292,7 +292,7 @@ def _judge(base: list[Curve], variant: tuple[str, list[Curve]], options: Forecas
 
 def _contrast(base: ArmForecasts, base_compute: dict, gain_levels: dict, variant: ArmForecasts,
               options: ForecastOptions | None, power_trials: int = 0,
-              power_designs: tuple[tuple[int, int], ...] = ()) -> Contrast:
+              power_designs: tuple[Design, ...] = ()) -> Contrast:
     """Differences of `variant` to `base` replicate by replicate; `gain_levels[q]` is the reward at q of the base's
     gain (value, draws), `base_compute[q]` the base's GPU-hours to it (value, draws). With `options`, a too-early
     verdict says what would call it (`_needs`)."""
@@ -314,14 +314,9 @@ def _contrast(base: ArmForecasts, base_compute: dict, gain_levels: dict, variant
                     for r in (base, variant))
     simulated = options is not None and power_trials and simulable
     chances = power(base, variant, options, _judge, power_trials) if simulated else None
-    at_designs = ({design_name(d): power(base, variant, options, _judge, power_trials, d) for d in power_designs}
+    at_designs = ({d.name: power(base, variant, options, _judge, power_trials, d) for d in power_designs}
                   if simulated and power_designs else None)
     return Contrast(dA, compute, ratio, own_ratio, verdict, reason, needs, chances, at_designs)
-
-
-def design_name(design: tuple[int, int]) -> str:
-    """(seeds per recipe, completions per validation) as ablation.json's `power_designs` keys it: "3x2048"."""
-    return f"{design[0]}x{design[1]}"
 
 
 def _gain_level(recipe: ArmForecasts, q: float) -> tuple[float, np.ndarray]:
@@ -363,7 +358,7 @@ class Ablation:
     contrasts: tuple[Contrast, ...]  # one per variant
     options: ForecastOptions  # the targets include make_ablation's `target`
     power_trials: int = 0  # simulated studies behind each contrast's `power`
-    power_designs: tuple[tuple[int, int], ...] = ()  # other (seeds, completions per validation) simulated
+    power_designs: tuple[Design, ...] = ()  # other designs simulated (seeds, completions per validation, length)
 
     @property
     def metric(self) -> str:
@@ -420,22 +415,24 @@ class Ablation:
                                           "targets": list(options.targets), "resamples": options.resamples,
                                           "seed": options.seed, "eval_draws": options.eval_draws,
                                           "power_trials": self.power_trials,
-                                          "power_designs": [design_name(d) for d in self.power_designs]},
+                                          "power_designs": [d.name for d in self.power_designs]},
                 "base": self._recipe_dict(self.base, self.base_compute), "variants": variants}
 
 
 def make_ablation(base: list[Curve], variants: list[tuple[str, list[Curve]]], options: ForecastOptions,
                   target: float | None = None, judge_only: bool = False, power_trials: int = 0,
-                  power_designs: tuple[tuple[int, int], ...] = ()) -> Ablation:
+                  power_designs: tuple[tuple[int, int] | tuple[int, int, float], ...] = ()) -> Ablation:
     """Fit the base's seeds and each variant's (`variants`: (name, seeds) pairs; a curve's `source` is its run) with
     `options`, and judge each variant against the base (module docstring). The base is named after its first run.
     `target`, a reward in [0, 1], joins `options.targets`: the GPU-hours each recipe needs to reach it.
     `judge_only`: verdicts without saying what a too-early one would take (the simulated studies that say it).
     `power_trials`: each variant's power from that many simulated studies of this design (`design.power`; 0: none),
-    and at each of `power_designs` ((seeds per recipe, completions per validation), for a study to come)."""
-    if any(seeds < 1 or draws < 1 for seeds, draws in power_designs):
-        raise UserError(f"ablation: a design's seeds and completions per validation must be >= 1, got "
-                        f"{', '.join(design_name(d) for d in power_designs)}")
+    and at each of `power_designs` ((seeds per recipe, completions per validation[, runs' length as a multiple of
+    these]), for a study to come)."""
+    power_designs = tuple(Design(*d) for d in power_designs)
+    if any(d.seeds < 1 or d.draws < 1 or not d.length > 0 for d in power_designs):
+        raise UserError(f"ablation: a design's seeds and completions per validation must be >= 1 and its length > 0, "
+                        f"got {', '.join(d.name for d in power_designs)}")
     if options.resamples < 2:
         raise UserError("ablation: the verdicts need bootstrap intervals; resamples must be at least 2")
     if not base or not variants or not all(curves for _, curves in variants):
@@ -466,4 +463,4 @@ def make_ablation(base: list[Curve], variants: list[tuple[str, list[Curve]]], op
     base_compute = {q: base_recipe.compute_to_reach(*gain_levels[q]) for q in GAIN_FRACTIONS}
     contrasts = tuple(_contrast(base_recipe, base_compute, gain_levels, r, None if judge_only else options,
                                 power_trials, power_designs) for r in recipes)
-    return Ablation(base_recipe, recipes, base_compute, contrasts, options, power_trials, tuple(power_designs))
+    return Ablation(base_recipe, recipes, base_compute, contrasts, options, power_trials, power_designs)

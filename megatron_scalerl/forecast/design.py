@@ -17,8 +17,9 @@ every part but slowly: the A draws of a demo-sized run are heavy-tailed upwards,
 far less than 1 / sqrt(seeds) (on demo-like synthetic runs, 64 prompts x 4 samples at 16 validations, the median A
 interval was 0.14 wide for 1 seed, 0.16 for 2 and 0.12 for 4; with 16 samples per prompt 0.08, 0.06, 0.06).
 
-`power` is the same simulation at the study's own design (or at another one asked for), for every variant, called
-or not: how often a study of that size reaches each verdict if the fitted difference is the real one.
+`power` is the same simulation at the study's own design (or at another one asked for: a `Design`, whose runs may
+also be longer than the study's, extrapolating the fitted curves), for every variant, called or not: how often a
+study of that size reaches each verdict if the fitted difference is the real one.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -46,6 +47,20 @@ DEFAULT_DRAWS = 256  # completions per validation assumed when the options do no
 POWER_TRIALS = 12  # simulated studies of a sweep report's own design behind each variant's power
 
 
+class Design(NamedTuple):
+    """A study's size: runs per recipe, scored completions per validation, and each run's length as a multiple of the
+    study's own (its GPU-hours and its validations, at the same spacing)."""
+
+    seeds: int
+    draws: int
+    length: float = 1.0
+
+    @property
+    def name(self) -> str:
+        """As ablation.json's `power_designs` keys it: "3x2048", "3x2048x1.5" for runs 1.5x as long."""
+        return f"{self.seeds}x{self.draws}" + (f"x{self.length:g}" if self.length != 1.0 else "")
+
+
 def longer_runs(recipe: ArmForecasts) -> str:
     """For a recipe whose curve has not bent: how much longer its runs would need to be (to ~2x its C_mid)."""
     c_mid = recipe.fitted["C_mid"]
@@ -53,16 +68,18 @@ def longer_runs(recipe: ArmForecasts) -> str:
             f"{format_gpu_hours(2 * c_mid)} GPU-h), so that its curve bends inside them")
 
 
-def _simulated_recipe(recipe: ArmForecasts, seeds: int, draws: int, rng: np.random.Generator) -> list[Curve]:
+def _simulated_recipe(recipe: ArmForecasts, seeds: int, draws: int, rng: np.random.Generator,
+                      length: float = 1.0) -> list[Curve]:
     """`seeds` synthetic runs of `recipe`'s fitted mean curve, simulated seed i with the evaluations and drift of the
     recipe's run i mod (its runs) (one more evaluation, at 0 GPU-h, outside every fit window: the fitted ones keep
-    their count)."""
+    their count); `length` times as long, with as many more evaluations at the same spacing."""
     fitted = recipe.fitted
     like_runs = []  # per run of the recipe: (the mean curve over its fitted GPU-hours, its evaluations, its noise)
     for forecast in recipe.forecasts:
         compute = forecast.curve.compute[forecast.in_fit]
         like_runs.append((PaperRun(recipe.name, C_mid=fitted["C_mid"], B=fitted["B"], A=fitted["A"],
-                                   budget=float(compute[-1])), int(compute.size) + 1, forecast.boot.noise.summary()))
+                                   budget=float(compute[-1]) * length), round(compute.size * length) + 1,
+                          forecast.boot.noise.summary()))
     curves = []
     for s in range(seeds):
         run, evals, noise = like_runs[s % len(like_runs)]
@@ -76,15 +93,16 @@ Judge = Callable[[list["Curve"], tuple[str, list["Curve"]], "ForecastOptions"], 
 
 
 def _simulated_verdicts(base: ArmForecasts, variant: ArmForecasts, options: ForecastOptions, judge: Judge,
-                        seeds: int, draws: int, trials: int, rng: np.random.Generator) -> Counter:
-    """The verdicts of `trials` studies of `seeds` runs per recipe and `draws` completions per validation, simulated
-    from the two recipes' fits ("unfitted": a simulated run the fit could not take, so no verdict)."""
-    design = replace(options, eval_draws=draws, resamples=SIMULATION_RESAMPLES)
+                        design: Design, trials: int, rng: np.random.Generator) -> Counter:
+    """The verdicts of `trials` studies of `design`, simulated from the two recipes' fits ("unfitted": a simulated
+    run the fit could not take, so no verdict)."""
+    seeds, draws, length = design
+    judged = replace(options, eval_draws=draws, resamples=SIMULATION_RESAMPLES)
     found = Counter()
     for _ in range(trials):
         try:
-            found[judge(_simulated_recipe(base, seeds, draws, rng),
-                        (variant.name, _simulated_recipe(variant, seeds, draws, rng)), design)] += 1
+            found[judge(_simulated_recipe(base, seeds, draws, rng, length),
+                        (variant.name, _simulated_recipe(variant, seeds, draws, rng, length)), judged)] += 1
         except FIT_ERRORS:
             found["unfitted"] += 1
     return found
@@ -98,8 +116,8 @@ def designs_to_call(base: ArmForecasts, variant: ArmForecasts, options: Forecast
     rng = np.random.default_rng(options.seed)
     tried = []
     for seed_factor, draw_factor in DESIGNS:
-        found = _simulated_verdicts(base, variant, options, judge, seeds * seed_factor, draws * draw_factor, TRIALS,
-                                    rng)
+        found = _simulated_verdicts(base, variant, options, judge, Design(seeds * seed_factor, draws * draw_factor),
+                                    TRIALS, rng)
         called = TRIALS - found["too-early"] - found["unfitted"]
         verdicts = ", ".join(f"{v} {n}" for v, n in sorted(found.items()))
         tried.append(f"{seeds * seed_factor} seeds per recipe and {draws * draw_factor} completions per validation: "
@@ -111,12 +129,11 @@ def designs_to_call(base: ArmForecasts, variant: ArmForecasts, options: Forecast
 
 
 def power(base: ArmForecasts, variant: ArmForecasts, options: ForecastOptions, judge: Judge, trials: int,
-          design: tuple[int, int] | None = None) -> dict[str, float]:
+          design: Design | None = None) -> dict[str, float]:
     """The study's power: the share of `trials` studies of its own design (its seeds per recipe, its completions
-    per validation), or of `design` (seeds per recipe, completions per validation), simulated from these fits (their
-    difference taken as real) that reach each verdict, in the verdicts' order ("unfitted" last: no verdict)."""
-    seeds, draws = design or (max(len(base.forecasts), len(variant.forecasts)), options.eval_draws or DEFAULT_DRAWS)
-    found = _simulated_verdicts(base, variant, options, judge, seeds, draws, trials,
-                                np.random.default_rng(options.seed + 1))
+    per validation, its runs' length), or of `design`, simulated from these fits (their difference taken as real)
+    that reach each verdict, in the verdicts' order ("unfitted" last: no verdict)."""
+    design = design or Design(max(len(base.forecasts), len(variant.forecasts)), options.eval_draws or DEFAULT_DRAWS)
+    found = _simulated_verdicts(base, variant, options, judge, design, trials, np.random.default_rng(options.seed + 1))
     order = ("ceiling", "efficiency", "indistinguishable", "too-early", "unfitted")
     return {verdict: found[verdict] / trials for verdict in order if found[verdict]}

@@ -286,7 +286,8 @@ def ablation_document(ablation: Ablation, png: bytes, data: dict | None = None,
                       + ".")
         designs = data["options"].get("power_designs") or []
         if designs:
-            doc.paragraph("The same at other designs (seeds per recipe x completions per validation): " + "; ".join(
+            doc.paragraph("The same at other designs (seeds per recipe x completions per validation, x the runs' length "
+                          "where it is not this study's): " + "; ".join(
                 f"{v['name']} at {d}: " + ", ".join(f"{verdict} {share:.0%}" for verdict, share
                                                     in v["power_designs"][d].items())
                 for v in powered for d in designs) + ".")

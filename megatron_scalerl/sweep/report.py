@@ -36,7 +36,7 @@ from megatron_scalerl.forecast import report as documents
 from megatron_scalerl.forecast.ablation import make_ablation
 from megatron_scalerl.forecast.backtest import run_backtest
 from megatron_scalerl.forecast.data import MetricsTable
-from megatron_scalerl.forecast.design import POWER_TRIALS
+from megatron_scalerl.forecast.design import POWER_TRIALS, Design
 from megatron_scalerl.forecast.live import recipe_options
 from megatron_scalerl.forecast.predict import FIT_ERRORS, ForecastOptions, make_forecast
 from megatron_scalerl.recipe import Recipe, load_run_recipe
@@ -183,11 +183,11 @@ def backtests(runs: list[ReportRun], options: ForecastOptions) -> list[dict]:
 
 
 def report(base: str, runs: list[ReportRun], left_out: list[dict], out: Path | None, as_json: bool,
-           power_designs: tuple[tuple[int, int], ...] = (), power_trials: int = POWER_TRIALS) -> list[Path]:
+           power_designs: tuple[Design, ...] = (), power_trials: int = POWER_TRIALS) -> list[Path]:
     """Fit, judge, print (markdown, or one JSON object with `as_json`) and, with `out`, write the report of `runs`
     (those of variant `base` are the base's) with `left_out`; the files written. The power is simulated from
-    `power_trials` studies of this design and of each of `power_designs` ((seeds per recipe, completions per
-    validation) of studies to come). UserError when the base or every variant has no run left to fit."""
+    `power_trials` studies of this design and of each of `power_designs` (`design.Design`: seeds per recipe,
+    completions per validation, runs' length) of studies to come. UserError when the base or every variant has no run left to fit."""
 
     options = _options(runs, base)
     runs = _fittable(runs, options, left_out)
@@ -240,7 +240,7 @@ def domain_ablations(base: str, runs: list[ReportRun], options: ForecastOptions,
 
 
 def report_sweep(sweep_dir: Path, manifest: dict, out: Path | None = None, as_json: bool = False,
-                 power_designs: tuple[tuple[int, int], ...] = (), power_trials: int = POWER_TRIALS) -> list[Path]:
+                 power_designs: tuple[Design, ...] = (), power_trials: int = POWER_TRIALS) -> list[Path]:
     """The report of a sweep's done runs, written to `out` (default SWEEP/report/)."""
     return report(*sweep_runs(sweep_dir, manifest), out or sweep_dir / REPORT_DIR, as_json, power_designs,
                   power_trials)
