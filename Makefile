@@ -62,7 +62,7 @@ demo: bytecode
 # its negative answers (demo_length_cap: 16 tokens) and half its learning rate (lr-5e-5), three seeds each, every
 # validation 64 held-out prompts x 32 samples (the same prompts in every run: data.seed), all from the demo's
 # warm-started model (runs/demo_model/, built first unless `make demo` built it), one run after another; ends with the
-# ablation report in runs/ablation/report/. 31-36 minutes on 2 cores with native bf16. Interrupted (Ctrl-C: each run checkpoints),
+# ablation report in runs/ablation/report/. 31-50 minutes on 2 cores with native bf16. Interrupted (Ctrl-C: each run checkpoints),
 # `make ablation` again continues it; ABLATION_ARGS= extends it (e.g. "--seeds 4").
 ablation: bytecode
 	$(VENV)/bin/scalerl sweep --sweep-dir runs/ablation --base demo --variants demo_length_cap \
