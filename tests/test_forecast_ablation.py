@@ -196,7 +196,7 @@ def test_longer_runs_raise_the_power_to_call_a_barely_bent_efficiency_change(cap
     assert list(study.contrasts[0].power_designs) == ["3x2048x2", "3x2048x0.6"]
     assert shorter < own <= 0.5 < longer, (shorter, own, longer)
     assert study.to_dict()["options"]["power_designs"] == ["3x2048x2", "3x2048x0.6"]
-    for bad in ("3x2048x0", "3x2048xlong", "3x2048x1x2"):
+    for bad in ("3x2048x0", "3x2048xlong", "3x2048x1x2", "3", "3x2048xnan"):
         assert main(["sweep", "report", "runs/none", "--power-design", bad]) == 2
         assert f"{bad!r}: expected SEEDSxCOMPLETIONS" in capsys.readouterr().err
 

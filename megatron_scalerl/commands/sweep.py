@@ -216,10 +216,10 @@ def _final_report(sweep: Sweep) -> int:
 
 def _design(text: str) -> Design:
     """`--power-design`'s SEEDSxCOMPLETIONS[xLENGTH], e.g. "3x2048" or "3x2048x1.5"."""
-    seeds, draws, *length = text.lower().split("x")
     try:
+        seeds, draws, *length = text.lower().split("x")
         design = Design(int(seeds), int(draws), *(float(part) for part in length))
-    except (ValueError, TypeError):  # not numbers, or more than three parts
+    except (ValueError, TypeError):  # fewer than two parts or more than three, or not numbers
         design = None
     if design is None or design.seeds < 1 or design.draws < 1 or not 0 < design.length < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r}: expected SEEDSxCOMPLETIONS, two positive integers, e.g. 3x2048, "
