@@ -28,8 +28,13 @@ def _file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def _recorded() -> dict:
+    """tests/durations.json as the last `make test-durations` wrote it ({} before the first)."""
+    return json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+
+
 def _known_seconds() -> dict[str, float]:
-    return json.loads(DURATIONS.read_text())["files"] if DURATIONS.exists() else {}
+    return _recorded().get("files", {})
 
 
 def pytest_collection_modifyitems(config, items):
@@ -122,12 +127,14 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_line(f"measured on: {measured}")  # every timing says where (CI keeps a log's tail)
     recorder = config.pluginmanager.get_plugin("scalerl-durations")
     if recorder is not None:
-        files = {**_known_seconds(), **{f: round(s, 1) for f, s in recorder.seconds.items()}}
-        known_cpu = json.loads(DURATIONS.read_text()).get("cpu_seconds", {}) if DURATIONS.exists() else {}
-        cpu = {**known_cpu, **{f: round(s, 1) for f, s in recorder.cpu_seconds.items()}}
-        DURATIONS.write_text(json.dumps({"measured_on": measured, "files": dict(sorted(
-            files.items(), key=lambda kv: -kv[1])), "cpu_seconds": dict(sorted(
-                cpu.items(), key=lambda kv: -kv[1]))}, indent=1) + "\n")
+        known = _recorded()
+
+        def merged(field: str, seconds: dict[str, float]) -> dict[str, float]:  # files that did not run keep theirs
+            both = {**known.get(field, {}), **{f: round(s, 1) for f, s in seconds.items()}}
+            return dict(sorted(both.items(), key=lambda kv: -kv[1]))
+
+        DURATIONS.write_text(json.dumps({"measured_on": measured, "files": merged("files", recorder.seconds),
+                                         "cpu_seconds": merged("cpu_seconds", recorder.cpu_seconds)}, indent=1) + "\n")
         terminalreporter.write_line(f"{DURATIONS}: {len(recorder.seconds)} files' seconds recorded")
     unknown = getattr(config, "_unknown_files", [])
     if unknown:

@@ -212,7 +212,7 @@ def test_each_simulated_seed_drifts_as_its_own_run():
                            judge_only=True).base
     rng = np.random.default_rng(0)
     spread = np.mean([[np.sqrt(np.mean((sim.reward - recipe.predict(sim.compute))[1:] ** 2))
-                       for sim in design._simulated_recipe(recipe, 4, 10**7, rng)] for _ in range(10)], axis=0)
+                       for sim in design._simulated_recipe(recipe, design.Design(4, 10**7), rng)] for _ in range(10)], axis=0)
     assert max(spread[0], spread[2]) < 0.5 * min(spread[1], spread[3]), spread
 
 

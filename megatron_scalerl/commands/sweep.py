@@ -221,7 +221,7 @@ def _design(text: str) -> Design:
         design = Design(int(seeds), int(draws), *(float(part) for part in length))
     except (ValueError, TypeError):  # fewer than two parts or more than three, or not numbers
         design = None
-    if design is None or design.seeds < 1 or design.draws < 1 or not 0 < design.length < float("inf"):
+    if design is None or not design.valid:
         raise argparse.ArgumentTypeError(f"{text!r}: expected SEEDSxCOMPLETIONS, two positive integers, e.g. 3x2048, "
                                          "optionally xLENGTH, the runs' length as a multiple of the study's, e.g. "
                                          "3x2048x1.5")

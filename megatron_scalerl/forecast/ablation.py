@@ -430,7 +430,7 @@ def make_ablation(base: list[Curve], variants: list[tuple[str, list[Curve]]], op
     and at each of `power_designs` ((seeds per recipe, completions per validation[, runs' length as a multiple of
     these]), for a study to come)."""
     power_designs = tuple(Design(*d) for d in power_designs)
-    if any(d.seeds < 1 or d.draws < 1 or not d.length > 0 for d in power_designs):
+    if not all(d.valid for d in power_designs):
         raise UserError(f"ablation: a design's seeds and completions per validation must be >= 1 and its length > 0, "
                         f"got {', '.join(d.name for d in power_designs)}")
     if options.resamples < 2:

@@ -56,6 +56,11 @@ class Design(NamedTuple):
     length: float = 1.0
 
     @property
+    def valid(self) -> bool:
+        """At least one seed and one completion, and a finite positive length."""
+        return self.seeds >= 1 and self.draws >= 1 and 0 < self.length < float("inf")
+
+    @property
     def name(self) -> str:
         """As ablation.json's `power_designs` keys it: "3x2048", "3x2048x1.5" for runs 1.5x as long."""
         return f"{self.seeds}x{self.draws}" + (f"x{self.length:g}" if self.length != 1.0 else "")
@@ -68,11 +73,12 @@ def longer_runs(recipe: ArmForecasts) -> str:
             f"{format_gpu_hours(2 * c_mid)} GPU-h), so that its curve bends inside them")
 
 
-def _simulated_recipe(recipe: ArmForecasts, seeds: int, draws: int, rng: np.random.Generator,
-                      length: float = 1.0) -> list[Curve]:
-    """`seeds` synthetic runs of `recipe`'s fitted mean curve, simulated seed i with the evaluations and drift of the
-    recipe's run i mod (its runs) (one more evaluation, at 0 GPU-h, outside every fit window: the fitted ones keep
-    their count); `length` times as long, with as many more evaluations at the same spacing."""
+def _simulated_recipe(recipe: ArmForecasts, design: Design, rng: np.random.Generator) -> list[Curve]:
+    """`design.seeds` synthetic runs of `recipe`'s fitted mean curve, simulated seed i with the evaluations and drift
+    of the recipe's run i mod (its runs) (one more evaluation, at 0 GPU-h, outside every fit window: the fitted ones
+    keep their count), `design.length` times as long with as many more evaluations at the same spacing, each of
+    `design.draws` completions."""
+    seeds, draws, length = design
     fitted = recipe.fitted
     like_runs = []  # per run of the recipe: (the mean curve over its fitted GPU-hours, its evaluations, its noise)
     for forecast in recipe.forecasts:
@@ -96,13 +102,12 @@ def _simulated_verdicts(base: ArmForecasts, variant: ArmForecasts, options: Fore
                         design: Design, trials: int, rng: np.random.Generator) -> Counter:
     """The verdicts of `trials` studies of `design`, simulated from the two recipes' fits ("unfitted": a simulated
     run the fit could not take, so no verdict)."""
-    seeds, draws, length = design
-    judged = replace(options, eval_draws=draws, resamples=SIMULATION_RESAMPLES)
+    judged = replace(options, eval_draws=design.draws, resamples=SIMULATION_RESAMPLES)
     found = Counter()
     for _ in range(trials):
         try:
-            found[judge(_simulated_recipe(base, seeds, draws, rng, length),
-                        (variant.name, _simulated_recipe(variant, seeds, draws, rng, length)), judged)] += 1
+            found[judge(_simulated_recipe(base, design, rng),
+                        (variant.name, _simulated_recipe(variant, design, rng)), judged)] += 1
         except FIT_ERRORS:
             found["unfitted"] += 1
     return found

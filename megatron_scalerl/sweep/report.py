@@ -187,7 +187,8 @@ def report(base: str, runs: list[ReportRun], left_out: list[dict], out: Path | N
     """Fit, judge, print (markdown, or one JSON object with `as_json`) and, with `out`, write the report of `runs`
     (those of variant `base` are the base's) with `left_out`; the files written. The power is simulated from
     `power_trials` studies of this design and of each of `power_designs` (`design.Design`: seeds per recipe,
-    completions per validation, runs' length) of studies to come. UserError when the base or every variant has no run left to fit."""
+    completions per validation, runs' length) of studies to come. UserError when the base or every variant has no
+    run left to fit."""
 
     options = _options(runs, base)
     runs = _fittable(runs, options, left_out)
